@@ -1,0 +1,116 @@
+"""Reduction operators and the conversion of user buffers to flat numpy views.
+
+A *flat view* is a 1-D contiguous numpy array that shares memory with the user's buffer
+(numpy array or CPU torch tensor); collectives work on flat views only. bfloat16 has no numpy
+dtype, so its flat view is uint16 and its reducer goes through torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..transport.base import Reducer
+
+OPS = ("sum", "mean", "min", "max", "prod")
+_UFUNC = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
+_NUMPY_DTYPES = {
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.uint8): "uint8",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FlatView:
+    array: np.ndarray  # 1-D, contiguous, shares memory with the user's buffer
+    dtype: str  # logical dtype name (see transport.base.DTYPES)
+    shape: tuple[int, ...]
+
+
+def flat_view(buf: Any) -> FlatView:
+    """A flat view of ``buf`` or a ValueError that says what is wrong with it."""
+    if isinstance(buf, np.ndarray):
+        name = _NUMPY_DTYPES.get(buf.dtype)
+        if name is None:
+            raise ValueError(
+                f"unsupported numpy dtype {buf.dtype}; use one of "
+                f"{sorted(set(_NUMPY_DTYPES.values()))}"
+            )
+        if not buf.flags.c_contiguous:
+            raise ValueError("buffer must be C-contiguous (use np.ascontiguousarray and copy back)")
+        if not buf.flags.writeable:
+            raise ValueError("buffer is read-only; collectives work in place")
+        return FlatView(buf.reshape(-1), name, tuple(buf.shape))
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise ValueError(
+                f"tensor is on {buf.device}; ringtrain's own transports move CPU tensors "
+                "(use transport='torch' or algorithm='native' for GPU tensors)"
+            )
+        if not buf.is_contiguous():
+            raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
+        if buf.requires_grad and buf.is_leaf:
+            buf = buf.detach()
+        if buf.dtype == torch.bfloat16:
+            return FlatView(buf.view(torch.int16).numpy().reshape(-1).view(np.uint16), "bfloat16", tuple(buf.shape))
+        try:
+            arr = buf.numpy()
+        except TypeError as exc:
+            raise ValueError(f"unsupported tensor dtype {buf.dtype}: {exc}") from None
+        return flat_view(arr)
+    raise ValueError(f"expected a numpy array or a CPU torch tensor, got {type(buf).__name__}")
+
+
+def reducer(op: str, dtype: str) -> Reducer:
+    """out[:] = op(out, incoming) for the logical dtype. 'mean' reduces as 'sum'."""
+    if op not in _UFUNC:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if dtype == "bfloat16":
+        return _torch_reducer(op)
+    ufunc = _UFUNC[op]
+
+    def reduce(out: np.ndarray, incoming: np.ndarray) -> None:
+        ufunc(out, incoming, out=out)
+
+    return reduce
+
+
+def _torch_reducer(op: str) -> Reducer:
+    import torch
+
+    fn = {"sum": torch.add, "mean": torch.add, "min": torch.minimum, "max": torch.maximum, "prod": torch.mul}[op]
+
+    def reduce(out: np.ndarray, incoming: np.ndarray) -> None:
+        o = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+        i = torch.from_numpy(np.ascontiguousarray(incoming).view(np.int16)).view(torch.bfloat16)
+        fn(o, i, out=o)
+
+    return reduce
+
+
+def finish_mean(view: FlatView, world_size: int) -> None:
+    """Divide a summed buffer by the world size, in place (floating dtypes only)."""
+    if view.dtype == "bfloat16":
+        import torch
+
+        t = torch.from_numpy(view.array.view(np.int16)).view(torch.bfloat16)
+        t.div_(world_size)
+    else:
+        np.divide(view.array, world_size, out=view.array)
+
+
+def check_op_dtype(op: str, dtype: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if op == "mean" and dtype in ("int32", "int64", "uint8"):
+        raise ValueError(f"op='mean' needs a floating dtype, got {dtype} (use op='sum' and divide)")
