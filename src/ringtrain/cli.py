@@ -1,7 +1,58 @@
-"""The `ringtrain` command."""
+"""The ``ringtrain`` command: train, bench, simulate, plan, launch.
+
+Each subcommand lives in the module that owns the work; that module provides
+``configure(parser)`` (adds its options) and ``run(args) -> int``. This file only wires
+them up, importing a module when its subcommand is chosen so that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
 import sys
 
+#: (words, module, one-line help)
+COMMANDS = [
+    (("train",), "ringtrain.train", "train the reference language model on N local workers"),
+    (("launch",), "ringtrain.launch", "start a script on N processes / nodes via torch.distributed.run"),
+    (("bench", "allreduce"), "ringtrain.bench.allreduce", "allreduce speed of every algorithm x transport, with gloo and MPI anchors"),
+    (("bench", "train"), "ringtrain.bench.train", "training step time of every schedule against torch DDP"),
+    (("simulate",), "ringtrain.sim.cli", "predict iteration time and scaling from 4 to 2048 GPUs"),
+    (("plan",), "ringtrain.sim.plan_cli", "show how a model's gradients would be merged"),
+]
 
-def main(argv=None) -> int:
-    print("ringtrain: not yet", file=sys.stderr)
-    return 2
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringtrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for words, module, help_ in COMMANDS:
+        if len(words) == 1:
+            p = sub.add_parser(words[0], help=help_, description=help_)
+        else:
+            if words[0] not in groups:
+                g = sub.add_parser(words[0], help=f"{words[0]} subcommands")
+                groups[words[0]] = g.add_subparsers(dest="subcommand", required=True)
+            p = groups[words[0]].add_parser(words[1], help=help_, description=help_)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Find the chosen subcommand first, then let its module add its own options.
+    known, _ = parser.parse_known_args(argv) if argv and argv[0] not in ("-h", "--help") else (None, None)
+    if known is None:
+        parser.parse_args(argv)
+        return 0
+    module = importlib.import_module(known._module)
+    words = [w for w in (known.command, getattr(known, "subcommand", None)) if w]
+    full = argparse.ArgumentParser(prog="ringtrain " + " ".join(words), description=module.__doc__)
+    module.configure(full)
+    args = full.parse_args(argv[len(words):])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
