@@ -28,12 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     groups: dict[str, argparse._SubParsersAction] = {}
     for words, module, help_ in COMMANDS:
         if len(words) == 1:
-            p = sub.add_parser(words[0], help=help_, description=help_)
+            p = sub.add_parser(words[0], help=help_, add_help=False)
         else:
             if words[0] not in groups:
                 g = sub.add_parser(words[0], help=f"{words[0]} subcommands")
                 groups[words[0]] = g.add_subparsers(dest="subcommand", required=True)
-            p = groups[words[0]].add_parser(words[1], help=help_, description=help_)
+            p = groups[words[0]].add_parser(words[1], help=help_, add_help=False)
         p.set_defaults(_module=module)
     return parser
 
@@ -42,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     # Find the chosen subcommand first, then let its module add its own options.
-    known, _ = parser.parse_known_args(argv) if argv and argv[0] not in ("-h", "--help") else (None, None)
-    if known is None:
-        parser.parse_args(argv)
-        return 0
+    # Leaf parsers have add_help=False so that "--help" reaches the module's own parser.
+    known, _ = parser.parse_known_args(argv)
     module = importlib.import_module(known._module)
     words = [w for w in (known.command, getattr(known, "subcommand", None)) if w]
     full = argparse.ArgumentParser(prog="ringtrain " + " ".join(words), description=module.__doc__)
