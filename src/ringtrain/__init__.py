@@ -1,14 +1,95 @@
-"""ringtrain: data-parallel training whose gradient exchange is fast on slow networks."""
+"""ringtrain: data-parallel training whose gradient exchange is fast on slow networks.
 
+    import ringtrain
+    comm = ringtrain.init()            # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT as torchrun sets them
+    ringtrain.allreduce(grad, op="mean")
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .comm import ALGORITHMS, Communicator
 from .errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from .transport import TRANSPORTS
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALGORITHMS",
     "AuthError",
     "CommError",
     "CommTimeout",
+    "Communicator",
+    "DistributedDataParallel",
     "MismatchError",
     "PeerLost",
     "ProtocolError",
+    "TRANSPORTS",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "get_communicator",
+    "init",
+    "reduce_scatter",
 ]
+
+_default: Optional[Communicator] = None
+
+
+def init(
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    master_addr: Optional[str] = None,
+    master_port: Optional[int] = None,
+    transport: str = "auto",
+    timeout: float = 60.0,
+) -> Communicator:
+    """Join the job and return its communicator (also kept as the default for module-level calls).
+
+    Arguments left as None are read from torchrun's environment variables. Works whether or
+    not the script has called torch.distributed.init_process_group; ringtrain never replaces
+    or destroys the user's default process group.
+    """
+    global _default
+    from .session import create_communicator
+
+    comm = create_communicator(rank, world_size, master_addr, master_port, transport, timeout)
+    _default = comm
+    return comm
+
+
+def get_communicator() -> Communicator:
+    if _default is None:
+        raise RuntimeError("ringtrain.init() has not been called in this process")
+    return _default
+
+
+def allreduce(buf, op: str = "sum", algorithm: str = "auto"):
+    return get_communicator().allreduce(buf, op=op, algorithm=algorithm)
+
+
+def broadcast(buf, root: int = 0):
+    return get_communicator().broadcast(buf, root=root)
+
+
+def allgather(buf):
+    return get_communicator().allgather(buf)
+
+
+def reduce_scatter(buf, op: str = "sum"):
+    return get_communicator().reduce_scatter(buf, op=op)
+
+
+def barrier() -> None:
+    get_communicator().barrier()
+
+
+def __getattr__(name: str):
+    # The training wrapper pulls in torch.nn; import it only when asked for.
+    if name == "DistributedDataParallel":
+        from .ddp import DistributedDataParallel
+
+        return DistributedDataParallel
+    raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")

@@ -1,0 +1,228 @@
+"""The Communicator: one job's ranks, one transport, and the collectives on top of them.
+
+A communicator owns a transport (how bytes move) and dispatches each collective to an
+algorithm module in ``ringtrain.collectives`` (how the steps are arranged). It turns user
+buffers into flat views, checks arguments, stamps each call with a CallHeader (so ranks that
+disagree raise MismatchError), gives each call a deadline, and after any CommError marks
+itself broken and tells the peers, so that no rank is left waiting.
+
+Algorithm ``auto`` picks, identically on every rank (it depends only on arguments that the
+call header makes equal everywhere):
+- one rank: nothing to do;
+- ranks on more than one host, with several ranks on some host: ``hierarchical`` for
+  messages of at least 1 MiB;
+- messages under 64 KiB: ``halving_doubling`` (2·log2 p start-ups instead of 2(p−1));
+- otherwise ``ring`` (bandwidth-optimal).
+The thresholds come from ``ringtrain bench allreduce`` on the development machine
+(benchmarks/README.md); ``AUTO_SMALL_BYTES`` and ``AUTO_HIER_BYTES`` hold them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from .collectives.ops import FlatView, check_op_dtype, finish_mean, flat_view, reducer
+from .errors import CommError
+from .transport.base import CallHeader, Transport, shape_digest
+
+ALGORITHMS = ("ring", "naive", "central", "halving_doubling", "hierarchical", "native", "auto")
+AUTO_SMALL_BYTES = 64 * 1024
+AUTO_HIER_BYTES = 1 << 20
+
+
+class Communicator:
+    """Collectives among ``world_size`` ranks. Not thread-safe: one call at a time."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        timeout: float = 60.0,
+        host_ids: Optional[Sequence[str]] = None,
+        store: Any = None,
+        native_group_factory: Optional[Callable[[], Any]] = None,
+    ):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.timeout = float(timeout)
+        self.host_ids = list(host_ids) if host_ids is not None else ["local"] * self.world_size
+        self.store = store
+        self._native_factory = native_group_factory
+        self._native_group = None
+        self._seq = 0
+        self._broken: Optional[BaseException] = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # --- public collectives ---------------------------------------------------------------
+
+    def allreduce(self, buf, op: str = "sum", algorithm: str = "auto"):
+        """Reduce ``buf`` over all ranks, in place; every rank ends with the same result."""
+        view = flat_view(buf)
+        check_op_dtype(op, view.dtype)
+        alg = self._resolve(algorithm, view)
+        if alg == "native":
+            self._call(lambda d: self._native_allreduce(buf, op), self._header("allreduce", view, op, alg))
+            return buf
+        header = self._header("allreduce", view, op, alg)
+        if self.world_size > 1 and view.array.size:
+            module = importlib.import_module(f"ringtrain.collectives.{alg}")
+            kwargs = {"hosts": self.host_ids} if alg == "hierarchical" else {}
+            red = reducer(op, view.dtype)
+            self._call(lambda d: module.allreduce(self.transport, view.array, red, header, d, **kwargs), header)
+        else:
+            self._call(None, header)
+        if op == "mean":
+            finish_mean(view, self.world_size)
+        return buf
+
+    def reduce_scatter(self, buf, op: str = "sum"):
+        """In place: afterwards chunk ``rank`` of ``buf`` (see collectives.schedule.chunk_bounds)
+        holds the reduction of that chunk over all ranks; the other chunks are scratch."""
+        from .collectives import ring, schedule
+
+        view = flat_view(buf)
+        check_op_dtype(op, view.dtype)
+        header = self._header("reduce_scatter", view, op, "ring")
+        red = reducer(op, view.dtype)
+        if self.world_size > 1 and view.array.size:
+            self._call(lambda d: ring.reduce_scatter(self.transport, view.array, red, header, d), header)
+        else:
+            self._call(None, header)
+        if op == "mean":
+            lo, hi = schedule.chunk_bounds(view.array.size, self.world_size)[self.rank]
+            finish_mean(FlatView(view.array[lo:hi], view.dtype, (hi - lo,)), self.world_size)
+        return buf
+
+    def allgather(self, buf):
+        """In place: rank r's input is chunk r of ``buf``; afterwards every chunk is filled."""
+        from .collectives import ring
+
+        view = flat_view(buf)
+        header = self._header("allgather", view, "none", "ring")
+        if self.world_size > 1 and view.array.size:
+            self._call(lambda d: ring.allgather(self.transport, view.array, header, d), header)
+        else:
+            self._call(None, header)
+        return buf
+
+    def broadcast(self, buf, root: int = 0):
+        """Copy root's ``buf`` into every rank's ``buf``, in place."""
+        from .collectives import ring
+
+        if not isinstance(root, int) or not 0 <= root < self.world_size:
+            raise ValueError(f"root must be a rank in [0, {self.world_size}), got {root!r}")
+        view = flat_view(buf)
+        header = self._header("broadcast", view, "none", "ring", root=root)
+        if self.world_size > 1 and view.array.size:
+            self._call(lambda d: ring.broadcast(self.transport, view.array, root, header, d), header)
+        else:
+            self._call(None, header)
+        return buf
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        from .collectives import ring
+
+        header = CallHeader(self._next_seq(), "barrier")
+        if self.world_size > 1:
+            self._call(lambda d: ring.barrier(self.transport, header, d), header)
+        else:
+            self._call(None, header)
+
+    def close(self) -> None:
+        """Release every socket, segment and thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.transport.close()
+        finally:
+            if self._native_group is not None:
+                self._native_group = None
+            self.store = None
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(rank={self.rank}, world_size={self.world_size}, "
+            f"transport={self.transport.name!r}, timeout={self.timeout})"
+        )
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _resolve(self, algorithm: str, view: FlatView) -> str:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if algorithm == "native" and self._native_factory is None:
+            raise ValueError("algorithm='native' needs torch.distributed (create the communicator with ringtrain.init)")
+        if algorithm != "auto":
+            return algorithm
+        nbytes = view.array.nbytes
+        hosts = set(self.host_ids)
+        if 1 < len(hosts) < self.world_size and nbytes >= AUTO_HIER_BYTES:
+            return "hierarchical"
+        if nbytes < AUTO_SMALL_BYTES and self.world_size > 2:
+            return "halving_doubling"
+        return "ring"
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _header(self, kind: str, view: FlatView, op: str, alg: str, root: int = -1) -> CallHeader:
+        return CallHeader(
+            self._next_seq(), kind, op, alg, view.dtype, int(view.array.size), shape_digest(view.shape), root
+        )
+
+    def _call(self, fn, header: CallHeader) -> None:
+        if self._closed:
+            raise CommError(f"rank {self.rank}: communicator is closed")
+        if self._broken is not None:
+            raise CommError(
+                f"rank {self.rank}: communicator is broken by an earlier error ({self._broken}); "
+                "create a new one"
+            )
+        if fn is None:
+            return
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("Communicator is not thread-safe: another collective is in progress")
+        try:
+            fn(time.monotonic() + self.timeout)
+        except BaseException as exc:
+            self._broken = exc
+            try:
+                self.transport.abort(exc)
+            except Exception:  # noqa: BLE001 - best effort; the original error matters
+                pass
+            raise
+        finally:
+            self._lock.release()
+
+    def _native_allreduce(self, buf, op: str) -> None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        if self._native_group is None:
+            self._native_group = self._native_factory()
+        tensor = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+        red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+               "max": dist.ReduceOp.MAX, "prod": dist.ReduceOp.PRODUCT}[op]
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = red
+        work = self._native_group.allreduce([tensor], opts)
+        work.wait()
+        if op == "mean":
+            tensor.div_(self.world_size)

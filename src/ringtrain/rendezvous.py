@@ -1,0 +1,123 @@
+"""Finding the other ranks: where the job's environment is read, and the c10d TCPStore.
+
+This is the one module that reads the environment (STYLE.md: no variable sprawl):
+
+- RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: as torchrun (torch.distributed.run) sets them;
+- TORCHELASTIC_USE_AGENT_STORE: set by torchrun when its agent already serves the TCPStore;
+- RINGTRAIN_HOST_ID: this rank's host identity (default: the hostname). The network-emulation
+  harness gives every rank its own, because namespaces share the hostname and /dev/shm;
+- RINGTRAIN_SECRET: the job's shared secret for peer authentication (hex or text).
+
+Endpoint exchange goes through torch's own TCPStore, under a key prefix unique to each
+communicator, so that it never collides with the user's own use of the store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from .errors import CommTimeout
+
+_generation = 0  # how many communicators this process has created (equal on every rank)
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    host_id: str
+    secret: Optional[bytes]
+
+
+def job_info(rank=None, world_size=None, master_addr=None, master_port=None) -> JobInfo:
+    """Fill what the caller left out from torchrun's environment variables; validate all."""
+    env = os.environ
+    rank = _int_arg("rank", rank, env.get("RANK"))
+    world_size = _int_arg("world_size", world_size, env.get("WORLD_SIZE"))
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    master_addr = master_addr or env.get("MASTER_ADDR") or "127.0.0.1"
+    port = _int_arg("master_port", master_port, env.get("MASTER_PORT"), default=29500 if world_size == 1 else None)
+    if not 0 < port < 65536:
+        raise ValueError(f"master_port must be in 1..65535, got {port}")
+    host_id = env.get("RINGTRAIN_HOST_ID") or socket.gethostname()
+    secret = env.get("RINGTRAIN_SECRET")
+    return JobInfo(rank, world_size, master_addr, port, host_id, secret.encode() if secret else None)
+
+
+def _int_arg(name: str, value, env_value, default=None) -> int:
+    if value is None:
+        value = env_value if env_value is not None else default
+    if value is None:
+        raise ValueError(
+            f"{name} was not given and its environment variable ({name.upper()}) is not set; "
+            "pass it to ringtrain.init() or start the job with torchrun / ringtrain launch"
+        )
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def connect_store(info: JobInfo, timeout: float) -> dist.Store:
+    """A store shared by all ranks of the job, prefixed for one communicator.
+
+    Rank 0 serves a TCPStore at MASTER_ADDR:MASTER_PORT unless someone already does: torchrun's
+    agent (TORCHELASTIC_USE_AGENT_STORE) or the user's own init_process_group. Everyone else
+    connects as a client.
+    """
+    global _generation
+    _generation += 1
+    serve = (
+        info.rank == 0
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+        and not (dist.is_available() and dist.is_initialized())
+    )
+    if info.world_size == 1:
+        store: dist.Store = dist.HashStore()
+    else:
+        try:
+            store = dist.TCPStore(
+                info.master_addr,
+                info.master_port,
+                info.world_size if serve else None,
+                serve,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
+        except Exception as exc:  # torch raises DistNetworkError/RuntimeError with its own text
+            what = "serve" if serve else "reach"
+            raise CommTimeout(
+                f"rank {info.rank}: could not {what} the rendezvous store at "
+                f"{info.master_addr}:{info.master_port}: {exc}"
+            ) from exc
+    store.set_timeout(timedelta(seconds=timeout))
+    return dist.PrefixStore(f"ringtrain/{_generation}/", store)
+
+
+def exchange_host_ids(store: dist.Store, info: JobInfo) -> list[str]:
+    store.set(f"host/{info.rank}", info.host_id)
+    return [store.get(f"host/{r}").decode() for r in range(info.world_size)]
+
+
+def local_address_towards(master_addr: str) -> str:
+    """The address of the interface this host would use to reach ``master_addr``.
+
+    Listeners bind to it rather than to every interface. A UDP connect sends nothing.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master_addr), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"

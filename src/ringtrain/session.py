@@ -1,0 +1,70 @@
+"""Putting a communicator together: rendezvous, transport, native process group.
+
+Kept apart from ``comm`` so that the Communicator itself knows nothing of environments or
+stores and can be built over any transport (tests build it over threads).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from . import rendezvous
+from .comm import Communicator
+from .errors import CommError
+from .transport import TRANSPORTS, make_transport
+
+
+def create_communicator(
+    rank: Optional[int],
+    world_size: Optional[int],
+    master_addr: Optional[str],
+    master_port: Optional[int],
+    transport: str,
+    timeout: float,
+) -> Communicator:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    info = rendezvous.job_info(rank, world_size, master_addr, master_port)
+    store = rendezvous.connect_store(info, timeout)
+    host_ids = rendezvous.exchange_host_ids(store, info)
+
+    groups: list = []
+
+    def native_group():
+        """A gloo group of our own, made once: the user's default group is neither used nor replaced."""
+        if not groups:
+            if dist.is_initialized():
+                groups.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)))
+            else:
+                groups.append(dist.ProcessGroupGloo(
+                    dist.PrefixStore("gloo/", store), info.rank, info.world_size, timedelta(seconds=timeout)
+                ))
+        return groups[0]
+
+    if info.world_size == 1:
+        from .transport.local import LocalHub
+
+        t = LocalHub(1).transport(0)
+    else:
+        try:
+            t = make_transport(
+                transport,
+                rank=info.rank,
+                world_size=info.world_size,
+                store=store,
+                host_ids=host_ids,
+                timeout=timeout,
+                secret=info.secret,
+                bind_host=rendezvous.local_address_towards(info.master_addr),
+                process_group_factory=native_group,
+            )
+        except CommError:
+            raise
+        except RuntimeError as exc:  # a store wait that ran out: torch's own error type
+            raise CommError(f"rank {info.rank}: could not set up transport {transport!r}: {exc}") from exc
+    return Communicator(t, timeout=timeout, host_ids=host_ids, store=store, native_group_factory=native_group)
