@@ -1,0 +1,431 @@
+"""Gradient-merge planners: which consecutive layers share one allreduce.
+
+Words used here:
+
+- *layer*: one unit whose gradient becomes ready at once (a parameter, or a module's
+  parameters). Layers are numbered in **backward order**: layer 0 is the one whose gradient is
+  ready first (the output layer), layer n-1 the one ready last.
+- *backward time* ``backward_times[i]``: the compute time of layer i's backward pass. Its
+  *ready time* is ``ready[i] = backward_times[0] + ... + backward_times[i]``, counted from the
+  start of backward.
+- *group*: a contiguous run of layers ``(first, last)`` whose gradients travel in one
+  allreduce. A *plan* is a list of groups in backward order that covers every layer once.
+- *cost*: the time of one allreduce of b bytes, ``alpha + (beta + gamma) * b`` by default
+  (start-up alpha seconds, beta seconds per byte moved, gamma seconds per byte reduced; a beta
+  fitted from measurements already includes the reduction, so gamma is then 0), or any
+  ``cost(nbytes) -> seconds`` given by the caller, e.g. a ring cost for a world size taken
+  from :mod:`ringtrain.sim.costs`.
+- *timing model*: communication is one stream. Group g starts at
+  ``max(ready[last of g], end of group g-1)`` and ends ``cost(bytes of g)`` later. The
+  plan's ``end_time`` is the end of its last allreduce. :func:`evaluate` is the only place
+  this model is written down; every method builds a grouping and asks evaluate for its timing.
+
+Methods (``METHODS``):
+
+- ``optimal``: the exact optimum over all contiguous groupings, by the prefix dynamic program
+  F[0] = 0, F[j] = min over i < j of max(ready[j-1], F[i]) + cost(bytes of layers i..j-1).
+  It is exact because a group's end is non-decreasing in the previous group's end, so the best
+  plan of a prefix extends to the best plan of the whole (DESIGN.md). Floating-point rounding
+  is monotone too, so the optimum is exact in floats as well, not only in real numbers.
+  O(n^2) arithmetic, vectorized over i with numpy: about 10 ms for 1,000 layers.
+- ``mgwfbp``: the greedy rule of Shi, Chu and Li (MG-WFBP, IEEE TPDS 32(8), 2021), as in the
+  authors' published code (HKBU-HPML/MG-WFBP, ``_generate_groups_mgwfbp``): walking layers in
+  backward order, the open group (ending at layer k) is merged with layer k+1 when layer k+1
+  is ready before the open group's allreduce would end, and either the allreduce could not
+  have started before layer k+1 is ready anyway, or it would have started less than one
+  start-up time (alpha) earlier. For a custom cost the start-up saving is
+  cost(a) + cost(b) - cost(a + b), which is alpha for the linear cost.
+- ``wfbp``: every layer alone (wait-free backpropagation).
+- ``fixed``: a size threshold as torch DDP and Horovod use: layers are added to a bucket in
+  backward order and the bucket closes once it holds at least ``bucket_cap_mb`` MiB.
+  ``first_bucket_mb`` gives the first bucket its own cap (DDP's default is 1 MiB).
+- ``single``: one allreduce of everything after the whole backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+METHODS = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
+MIB = 1024 * 1024
+
+#: ``cost(nbytes) -> seconds``. Called with a float64 numpy array where it can take one
+#: (the element-wise result is used), else once per element with a Python float.
+CostFn = Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """The α–β(–γ) cost of one allreduce: ``alpha + (beta + gamma) * nbytes`` seconds."""
+
+    alpha: float
+    """Start-up time of one allreduce, seconds."""
+    beta: float
+    """Transfer time, seconds per byte."""
+    gamma: float = 0.0
+    """Reduction time, seconds per byte reduced."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            _check_scalar(name, getattr(self, name))
+
+    def __call__(self, nbytes: Any) -> Any:
+        return self.alpha + (self.beta + self.gamma) * nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A grouping of layers and its predicted timing (all times from the start of backward)."""
+
+    method: str
+    """The method that made the grouping ("custom" for a grouping given to evaluate)."""
+    groups: list[tuple[int, int]]
+    """(first, last) layer indices of each group, contiguous, in backward order."""
+    starts: list[float]
+    """Start time of each group's allreduce, seconds."""
+    ends: list[float]
+    """End time of each group's allreduce, seconds."""
+    group_bytes: list[float]
+    """Bytes of each group's allreduce."""
+    ready: list[float]
+    """Ready time of each layer's gradient, seconds."""
+    end_time: float
+    """End of the last allreduce (0 for a model without layers), seconds."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS + ("custom",):
+            raise ValueError(f"method={self.method!r}: accepted values are {METHODS + ('custom',)}")
+        count = len(self.groups)
+        for name in ("starts", "ends", "group_bytes"):
+            if len(getattr(self, name)) != count:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {count} groups")
+        _check_groups(self.groups, len(self.ready))
+        expected = self.ends[-1] if self.ends else 0.0
+        if self.end_time != expected:
+            raise ValueError(f"end_time={self.end_time} is not the last group's end {expected}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.ready)
+
+    @property
+    def backward_time(self) -> float:
+        """When backward ends: the ready time of the last layer (0 without layers)."""
+        return self.ready[-1] if self.ready else 0.0
+
+    @property
+    def comm_time(self) -> float:
+        """Sum of the groups' allreduce times."""
+        return float(sum(e - s for s, e in zip(self.starts, self.ends)))
+
+    @property
+    def exposed_time(self) -> float:
+        """Communication time left after backward ends (end_time - backward_time)."""
+        return self.end_time - self.backward_time
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of communication time that overlaps backward (1.0 when there is none)."""
+        total = self.comm_time
+        return 1.0 if total <= 0.0 else max(0.0, 1.0 - self.exposed_time / total)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (for ``--json`` output and logs)."""
+        return {
+            "method": self.method,
+            "groups": [list(g) for g in self.groups],
+            "starts": list(self.starts),
+            "ends": list(self.ends),
+            "group_bytes": list(self.group_bytes),
+            "end_time": self.end_time,
+            "backward_time": self.backward_time,
+            "comm_time": self.comm_time,
+            "exposed_time": self.exposed_time,
+            "hidden_fraction": self.hidden_fraction,
+        }
+
+    def describe(self, max_rows: int = 20) -> str:
+        """A human-readable summary: totals, then one row per group (at most ``max_rows``)."""
+        head = (
+            f"{self.method} plan: {self.num_layers} layers in {len(self.groups)} groups; "
+            f"backward ends {_ms(self.backward_time)}, last allreduce ends {_ms(self.end_time)} "
+            f"(communication {_ms(self.comm_time)}, exposed {_ms(self.exposed_time)}, "
+            f"{100.0 * self.hidden_fraction:.0f}% hidden)"
+        )
+        lines = [head]
+        if self.groups:
+            lines.append(f"  {'group':>5}  {'layers':>11}  {'MB':>10}  {'start ms':>10}  {'end ms':>10}")
+        for g, ((first, last), nbytes, start, end) in enumerate(
+            zip(self.groups, self.group_bytes, self.starts, self.ends)
+        ):
+            if g == max_rows:
+                lines.append(f"  ... {len(self.groups) - max_rows} more groups")
+                break
+            lines.append(
+                f"  {g:>5}  {f'{first}-{last}':>11}  {nbytes / 1e6:>10.3f}  "
+                f"{start * 1e3:>10.3f}  {end * 1e3:>10.3f}"
+            )
+        return "\n".join(lines)
+
+
+def evaluate(
+    backward_times: Sequence[float],
+    sizes_bytes: Sequence[float],
+    groups: Sequence[tuple[int, int]],
+    alpha: float | None = None,
+    beta: float | None = None,
+    gamma: float = 0.0,
+    *,
+    cost: CostFn | None = None,
+    method: str = "custom",
+) -> Plan:
+    """The timing of any grouping under the one-stream model (see the module docstring).
+
+    Give either ``alpha`` and ``beta`` (and optionally ``gamma``) or ``cost``.
+    """
+    times, sizes = _check_layers(backward_times, sizes_bytes)
+    cost_fn = _resolve_cost(alpha, beta, gamma, cost)
+    pairs = [tuple(g) for g in groups]
+    _check_groups(pairs, len(times))
+    return _evaluate(times, sizes, pairs, cost_fn, method)
+
+
+def merge(
+    backward_times: Sequence[float],
+    sizes_bytes: Sequence[float],
+    alpha: float | None = None,
+    beta: float | None = None,
+    method: str = "optimal",
+    bucket_cap_mb: float = 25.0,
+    gamma: float = 0.0,
+    *,
+    cost: CostFn | None = None,
+    first_bucket_mb: float | None = None,
+) -> Plan:
+    """Group the layers' gradients into allreduces with ``method`` (one of ``METHODS``).
+
+    ``bucket_cap_mb`` and ``first_bucket_mb`` (MiB) are used by ``fixed`` only.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: accepted values are {', '.join(METHODS)}")
+    times, sizes = _check_layers(backward_times, sizes_bytes)
+    cost_fn = _resolve_cost(alpha, beta, gamma, cost)
+    n = len(times)
+    ready = np.cumsum(times)
+    if method == "optimal":
+        groups = _optimal_groups(ready, sizes, cost_fn)
+    elif method == "mgwfbp":
+        groups = _mgwfbp_groups(ready, sizes, cost_fn)
+    elif method == "wfbp":
+        groups = [(k, k) for k in range(n)]
+    elif method == "fixed":
+        groups = _fixed_groups(sizes, bucket_cap_mb, first_bucket_mb)
+    else:  # single
+        groups = [(0, n - 1)] if n else []
+    return _evaluate(times, sizes, groups, cost_fn, method)
+
+
+# --- the methods -------------------------------------------------------------------------
+
+
+def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[tuple[int, int]]:
+    """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1."""
+    n = len(sizes)
+    prefix = _prefix(sizes)
+    best = np.zeros(n + 1)
+    split = np.zeros(n + 1, dtype=np.int64)  # the last group of best[j] is split[j]..j-1
+    for j in range(1, n + 1):
+        # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
+        ends = np.maximum(ready[j - 1], best[:j]) + _cost_array(cost, prefix[j] - prefix[:j])
+        i = int(np.argmin(ends))
+        best[j] = ends[i]
+        split[j] = i
+    groups = []
+    j = n
+    while j > 0:
+        groups.append((int(split[j]), j - 1))
+        j = int(split[j])
+    return groups[::-1]
+
+
+def _mgwfbp_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[tuple[int, int]]:
+    """MG-WFBP's greedy pass (see the module docstring for the rule and its source)."""
+    n = len(sizes)
+    groups: list[tuple[int, int]] = []
+    first = 0
+    open_bytes = float(sizes[0]) if n else 0.0
+    prev_end = 0.0  # end of the last closed group's allreduce
+    for k in range(n - 1):
+        start = max(float(ready[k]), prev_end)
+        end = start + _cost_scalar(cost, open_bytes)
+        next_ready = float(ready[k + 1])
+        merged = next_ready < end and (
+            start > next_ready or next_ready - start < _startup_saving(cost, open_bytes, float(sizes[k + 1]))
+        )
+        if merged:
+            open_bytes += float(sizes[k + 1])
+        else:
+            groups.append((first, k))
+            prev_end = end
+            first = k + 1
+            open_bytes = float(sizes[k + 1])
+    if n:
+        groups.append((first, n - 1))
+    return groups
+
+
+def _fixed_groups(
+    sizes: np.ndarray, bucket_cap_mb: float, first_bucket_mb: float | None
+) -> list[tuple[int, int]]:
+    """Close a bucket once it holds at least the cap (torch DDP's and Horovod's rule)."""
+    _check_positive("bucket_cap_mb", bucket_cap_mb)
+    if first_bucket_mb is not None:
+        _check_positive("first_bucket_mb", first_bucket_mb)
+    cap = bucket_cap_mb * MIB
+    limit = cap if first_bucket_mb is None else first_bucket_mb * MIB
+    groups: list[tuple[int, int]] = []
+    first, held = 0, 0.0
+    for k, size in enumerate(sizes):
+        held += float(size)
+        if held >= limit:
+            groups.append((first, k))
+            first, held, limit = k + 1, 0.0, cap
+    if first < len(sizes):
+        groups.append((first, len(sizes) - 1))
+    return groups
+
+
+# --- the timing model --------------------------------------------------------------------
+
+
+def _evaluate(
+    times: np.ndarray, sizes: np.ndarray, groups: list[tuple[int, int]], cost: CostFn, method: str
+) -> Plan:
+    ready = np.cumsum(times)
+    prefix = _prefix(sizes)
+    firsts = np.array([g[0] for g in groups], dtype=np.int64)
+    lasts = np.array([g[1] for g in groups], dtype=np.int64)
+    nbytes = prefix[lasts + 1] - prefix[firsts]
+    costs = _cost_array(cost, nbytes)
+    starts, ends = [], []
+    prev_end = 0.0
+    for g, last in enumerate(lasts):
+        start = max(ready[last], prev_end)
+        prev_end = start + costs[g]
+        starts.append(float(start))
+        ends.append(float(prev_end))
+    return Plan(
+        method=method,
+        groups=[(int(a), int(b)) for a, b in groups],
+        starts=starts,
+        ends=ends,
+        group_bytes=[float(b) for b in nbytes],
+        ready=[float(r) for r in ready],
+        end_time=ends[-1] if ends else 0.0,
+    )
+
+
+def _prefix(sizes: np.ndarray) -> np.ndarray:
+    """prefix[j] = bytes of layers 0..j-1 (one definition, shared by every method)."""
+    return np.concatenate(([0.0], np.cumsum(sizes)))
+
+
+def _cost_array(cost: CostFn, nbytes: np.ndarray) -> np.ndarray:
+    """cost applied element-wise to a float64 array; checked to be finite and non-negative."""
+    try:
+        out = np.asarray(cost(nbytes), dtype=np.float64)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or out.shape != nbytes.shape:
+        out = np.array([float(cost(float(b))) for b in nbytes], dtype=np.float64)
+    if out.size and not (np.all(np.isfinite(out)) and np.all(out >= 0.0)):
+        bad = int(np.flatnonzero(~(np.isfinite(out) & (out >= 0.0)))[0])
+        raise ValueError(f"cost({nbytes[bad]!r}) returned {out[bad]!r}; it must be finite and >= 0")
+    return out
+
+
+def _cost_scalar(cost: CostFn, nbytes: float) -> float:
+    return float(_cost_array(cost, np.array([nbytes]))[0])
+
+
+def _startup_saving(cost: CostFn, a: float, b: float) -> float:
+    """Time saved by sending a and b bytes in one allreduce instead of two (alpha if linear)."""
+    if isinstance(cost, LinearCost):
+        return cost.alpha
+    both = _cost_array(cost, np.array([a, b, a + b]))
+    return float(both[0] + both[1] - both[2])
+
+
+# --- validation --------------------------------------------------------------------------
+
+
+def _resolve_cost(alpha: float | None, beta: float | None, gamma: float, cost: CostFn | None) -> CostFn:
+    if cost is not None:
+        if alpha is not None or beta is not None:
+            raise ValueError("give either alpha and beta or cost=, not both")
+        if not callable(cost):
+            raise ValueError(f"cost must be a callable nbytes -> seconds, got {cost!r}")
+        return cost
+    if alpha is None or beta is None:
+        raise ValueError("alpha and beta are required (or give cost=)")
+    return LinearCost(alpha, beta, gamma)
+
+
+def _check_layers(backward_times: Sequence[float], sizes_bytes: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    times = _check_vector("backward_times", backward_times)
+    sizes = _check_vector("sizes_bytes", sizes_bytes)
+    if len(times) != len(sizes):
+        raise ValueError(
+            f"backward_times has {len(times)} entries and sizes_bytes {len(sizes)}; they must be equal"
+        )
+    return times, sizes
+
+
+def _check_vector(name: str, values: Sequence[float]) -> np.ndarray:
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a sequence of numbers: {exc}") from None
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    bad = np.flatnonzero(~(np.isfinite(array) & (array >= 0.0)))
+    if bad.size:
+        raise ValueError(f"{name}[{bad[0]}] = {array[bad[0]]!r}; every entry must be finite and >= 0")
+    return array
+
+
+def _check_scalar(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r}; it must be finite and >= 0")
+
+
+def _check_positive(name: str, value: float) -> None:
+    _check_scalar(name, value)
+    if value == 0:
+        raise ValueError(f"{name}={value!r}; it must be > 0")
+
+
+def _check_groups(groups: Sequence[tuple[int, int]], n: int) -> None:
+    expected_first = 0
+    for g, pair in enumerate(groups):
+        if len(pair) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in pair):
+            raise ValueError(f"groups[{g}] = {pair!r}; each group must be a (first, last) pair of ints")
+        first, last = pair
+        if first != expected_first or last < first or last >= n:
+            raise ValueError(
+                f"groups[{g}] = {pair!r}; groups must be contiguous, in backward order and cover "
+                f"layers 0..{n - 1} (expected first = {expected_first})"
+            )
+        expected_first = last + 1
+    if expected_first != n:
+        raise ValueError(f"groups cover layers 0..{expected_first - 1} of 0..{n - 1}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
