@@ -1,0 +1,351 @@
+"""Layer traces: what one training iteration of a model costs on one GPU, layer by layer.
+
+Words used here:
+
+* **layer** — one unit of the model as the simulator sees it: a name, its forward and
+  backward compute time in seconds, the bytes of gradient it produces and its parameter
+  count. A layer may have no parameters (pooling, activation): it then costs time but
+  produces no gradient.
+* **trace** — the layers of one model in *forward* order, plus the per-GPU batch size, the
+  unit a sample is counted in, the optimizer step's time and where the numbers came from.
+  Backward runs the layers in reverse, so ``reversed(trace.layers)`` is backward order.
+* **gradient layers** — the view the planner needs (``Trace.gradient_layers``): only the
+  layers that produce a gradient, in backward order, each carrying the backward time of
+  the parameter-free layers that run just before it, so that the running sum of times is
+  exactly the moment its gradient is ready.
+
+Traces come from three places: profiling a real ``torch.nn.Module`` on this machine
+(``profile_module``), the reference models described by layer shapes (``models_zoo``), and
+files written by ``save``/``load`` (JSON, or CSV whose ``# key: value`` comment lines hold
+the model-level fields).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+LAYER_FIELDS = ("name", "forward_s", "backward_s", "grad_bytes", "params")
+TRACE_FIELDS = ("model", "batch_size", "sample_unit", "optimizer_s", "source")
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    name: str
+    """The layer's name (module path for profiled models)."""
+    forward_s: float
+    """Forward compute time in seconds, one GPU, the trace's batch size."""
+    backward_s: float
+    """Backward compute time in seconds (gradients of inputs and weights)."""
+    grad_bytes: int
+    """Bytes of gradient this layer produces (0 for a parameter-free layer)."""
+    params: int
+    """Number of trainable parameters."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("layer name must not be empty")
+        if not (self.forward_s >= 0 and self.backward_s >= 0):
+            raise ValueError(f"layer {self.name}: forward_s and backward_s must be >= 0")
+        if self.grad_bytes < 0 or self.params < 0:
+            raise ValueError(f"layer {self.name}: grad_bytes and params must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    model: str
+    """The model's name."""
+    layers: tuple[Layer, ...]
+    """Layers in forward order."""
+    batch_size: int
+    """Samples per GPU per iteration."""
+    sample_unit: str = "samples"
+    """What a sample is (images, sequences) — for display only."""
+    optimizer_s: float = 0.0
+    """Seconds of the optimizer step after gradients are reduced (0 if not measured)."""
+    source: str = ""
+    """Where the times come from (device profile, or the machine that was profiled)."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("trace model name must not be empty")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise ValueError(f"trace {self.model}: needs at least one layer")
+        if self.batch_size < 1:
+            raise ValueError(f"trace {self.model}: batch_size must be >= 1, got {self.batch_size}")
+        if self.optimizer_s < 0:
+            raise ValueError(f"trace {self.model}: optimizer_s must be >= 0")
+        if not any(layer.grad_bytes for layer in self.layers):
+            raise ValueError(f"trace {self.model}: no layer produces a gradient")
+
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(layer.grad_bytes for layer in self.layers)
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def gradient_layers(self) -> tuple[list[str], list[float], list[int]]:
+        """(names, backward times, gradient bytes) of gradient-producing layers, backward order.
+
+        Parameter-free layers lend their backward time to the next gradient layer in backward
+        order; any left after the last one (layers nearest the input) is not in these lists —
+        it is ``backward_s - sum(times)``, compute after the last gradient is ready.
+        """
+        names: list[str] = []
+        times: list[float] = []
+        sizes: list[int] = []
+        pending = 0.0
+        for layer in reversed(self.layers):
+            pending += layer.backward_s
+            if layer.grad_bytes:
+                names.append(layer.name)
+                times.append(pending)
+                sizes.append(layer.grad_bytes)
+                pending = 0.0
+        return names, times, sizes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in TRACE_FIELDS}
+        d["layers"] = [asdict(layer) for layer in self.layers]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trace":
+        try:
+            layers = [Layer(**{k: _typed(k, row[k]) for k in LAYER_FIELDS}) for row in d["layers"]]
+            meta = {k: _typed(k, d[k]) for k in TRACE_FIELDS if k in d}
+            return cls(layers=tuple(layers), **meta)
+        except KeyError as e:
+            raise ValueError(f"trace is missing the field {e.args[0]!r}") from None
+
+
+def _typed(key: str, value: Any) -> Any:
+    if key in ("forward_s", "backward_s", "optimizer_s"):
+        return float(value)
+    if key in ("grad_bytes", "params", "batch_size"):
+        return int(value)
+    return str(value)
+
+
+# ---------------------------------------------------------------- files
+
+def dumps_json(trace: Trace) -> str:
+    return json.dumps(trace.to_dict(), indent=1)
+
+
+def dumps_csv(trace: Trace) -> str:
+    out = io.StringIO()
+    for k in TRACE_FIELDS:
+        out.write(f"# {k}: {getattr(trace, k)}\n")
+    writer = csv.DictWriter(out, fieldnames=LAYER_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for layer in trace.layers:
+        writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in asdict(layer).items()})
+    return out.getvalue()
+
+
+def loads_csv(text: str) -> Trace:
+    meta: dict[str, Any] = {}
+    body = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            key, _, value = line[1:].partition(":")
+            if key.strip() in TRACE_FIELDS:
+                meta[key.strip()] = value.strip()
+        elif line.strip():
+            body.append(line)
+    meta["layers"] = list(csv.DictReader(body))
+    return Trace.from_dict(meta)
+
+
+def save(trace: Trace, path: str | Path) -> None:
+    """Write ``trace`` as JSON or CSV, chosen by the file's suffix."""
+    path = Path(path)
+    fmt = _format(path)
+    path.write_text(dumps_json(trace) if fmt == "json" else dumps_csv(trace))
+
+
+def load(path: str | Path) -> Trace:
+    """Read a trace written by ``save`` (JSON or CSV, chosen by the suffix)."""
+    path = Path(path)
+    fmt = _format(path)
+    text = path.read_text()
+    try:
+        return Trace.from_dict(json.loads(text)) if fmt == "json" else loads_csv(text)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not a valid trace: {e}") from None
+
+
+def _format(path: Path) -> str:
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in ("json", "csv"):
+        raise ValueError(f"trace file {path}: suffix must be .json or .csv")
+    return suffix
+
+
+# ---------------------------------------------------------------- profiling a real module
+
+@dataclass(slots=True)
+class _Timings:
+    forward: dict[str, float] = field(default_factory=dict)
+    ready: dict[str, float] = field(default_factory=dict)
+
+
+def profile_module(
+    module: "Any",
+    make_batch: Callable[[], tuple[Any, ...]],
+    loss_fn: Callable[..., Any],
+    *,
+    name: str | None = None,
+    optimizer: Any = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    sample_unit: str = "samples",
+    batch_size: int | None = None,
+) -> Trace:
+    """Measure a torch ``nn.Module`` on this machine's CPU, layer by layer.
+
+    ``make_batch()`` returns the model's inputs followed by the target; ``loss_fn(output,
+    target)`` gives a scalar. A layer is each leaf module (and each module that holds
+    parameters directly), in order of its first forward call.
+
+    * forward: the time between a leaf's forward pre-hook and forward hook, summed over
+      calls; forward time spent outside every leaf (functional ops) becomes a last layer
+      named ``(other)``.
+    * backward: each layer's gradient is *ready* when the last of its parameters has
+      been accumulated (``register_post_accumulate_grad_hook``); a gradient layer's backward
+      time is its ready time minus the previous ready time, so the running sum matches what
+      a bucketed allreduce would see. Backward after the last ready gradient is given to
+      the first layer.
+    * gradient bytes: numel x element size of each trainable parameter, counted once for
+      shared parameters (at the first module that holds them).
+
+    Each time is the median over ``repeats`` iterations after ``warmup`` unmeasured ones.
+    ``batch_size`` defaults to the first input's leading dimension.
+    """
+    import torch
+
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    owners: dict[str, Any] = {}
+    for mod_name, mod in module.named_modules():
+        has_own = any(p.requires_grad for p in mod.parameters(recurse=False))
+        if has_own or not any(True for _ in mod.children()):
+            owners[mod_name or "(root)"] = mod
+    param_owner: dict[int, str] = {}
+    for mod_name, mod in owners.items():
+        for p in mod.parameters(recurse=False):
+            if p.requires_grad:
+                param_owner.setdefault(id(p), mod_name)
+    grad_bytes = {n: 0 for n in owners}
+    params = {n: 0 for n in owners}
+    seen: set[int] = set()
+    for mod_name, mod in owners.items():
+        for p in mod.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                grad_bytes[mod_name] += p.numel() * p.element_size()
+                params[mod_name] += p.numel()
+
+    timings = _Timings()
+    order: list[str] = []
+    handles = []
+    starts: dict[str, float] = {}
+
+    def pre(mod_name: str) -> Callable[..., None]:
+        def hook(_mod: Any, _inp: Any) -> None:
+            starts[mod_name] = time.perf_counter()
+        return hook
+
+    def post(mod_name: str) -> Callable[..., None]:
+        def hook(_mod: Any, _inp: Any, _out: Any) -> None:
+            if mod_name not in order:
+                order.append(mod_name)
+            timings.forward[mod_name] = timings.forward.get(mod_name, 0.0) + time.perf_counter() - starts[mod_name]
+        return hook
+
+    def ready(mod_name: str) -> Callable[..., None]:
+        def hook(_p: Any) -> None:
+            timings.ready[mod_name] = time.perf_counter()
+        return hook
+
+    for mod_name, mod in owners.items():
+        if not any(True for _ in mod.children()):  # forward is timed on leaves only
+            handles.append(mod.register_forward_pre_hook(pre(mod_name)))
+            handles.append(mod.register_forward_hook(post(mod_name)))
+        for p in mod.parameters(recurse=False):
+            if p.requires_grad and param_owner[id(p)] == mod_name:
+                handles.append(p.register_post_accumulate_grad_hook(ready(mod_name)))
+
+    samples: list[dict[str, float]] = []
+    try:
+        for i in range(warmup + repeats):
+            timings.forward.clear()
+            timings.ready.clear()
+            *inputs, target = make_batch()
+            if batch_size is None:
+                batch_size = int(inputs[0].shape[0]) if getattr(inputs[0], "ndim", 0) else 1
+            module.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = loss_fn(module(*inputs), target)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt_s = 0.0
+            if optimizer is not None:
+                optimizer.step()
+                opt_s = time.perf_counter() - t2
+            if i >= warmup:
+                samples.append(_one_iteration(timings, owners, order, t0, t1, t2, opt_s))
+    finally:
+        for h in handles:
+            h.remove()
+
+    med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    names = order + [n for n in owners if n not in order and grad_bytes[n]]
+    layers = [
+        Layer(n, med.get(f"f:{n}", 0.0), med.get(f"b:{n}", 0.0), grad_bytes[n], params[n]) for n in names
+    ]
+    if med["f:(other)"] > 0:
+        layers.append(Layer("(other)", med["f:(other)"], 0.0, 0, 0))
+    return Trace(
+        model=name or type(module).__name__,
+        layers=tuple(layers),
+        batch_size=batch_size,
+        sample_unit=sample_unit,
+        optimizer_s=med["optimizer"],
+        source=f"profiled on this machine's CPU (torch {torch.__version__}), median of {repeats}",
+    )
+
+
+def _one_iteration(
+    timings: _Timings, owners: dict[str, Any], order: list[str], t0: float, t1: float, t2: float, opt_s: float
+) -> dict[str, float]:
+    out: dict[str, float] = {f"f:{n}": timings.forward.get(n, 0.0) for n in owners}
+    out.update({f"b:{n}": 0.0 for n in owners})
+    out["f:(other)"] = max(0.0, (t1 - t0) - sum(timings.forward.values()))
+    prev = t1
+    for n, t in sorted(timings.ready.items(), key=lambda kv: kv[1]):
+        out[f"b:{n}"] = t - prev
+        prev = t
+    first = order[0] if order else next(iter(owners))
+    out[f"b:{first}"] = out.get(f"b:{first}", 0.0) + max(0.0, t2 - prev)
+    out["optimizer"] = opt_s
+    return out
