@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .errors import CommTimeout
 
 _generation = 0  # how many communicators this process has created (equal on every rank)
+_stores: dict[tuple[str, int], dist.Store] = {}  # one TCPStore per master endpoint, reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +84,14 @@ def connect_store(info: JobInfo, timeout: float) -> dist.Store:
         and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
         and not (dist.is_available() and dist.is_initialized())
     )
+    key = (info.master_addr, info.master_port)
     if info.world_size == 1:
         store: dist.Store = dist.HashStore()
+    elif key in _stores:
+        store = _stores[key]
     else:
         try:
-            store = dist.TCPStore(
+            store = _stores[key] = dist.TCPStore(
                 info.master_addr,
                 info.master_port,
                 info.world_size if serve else None,

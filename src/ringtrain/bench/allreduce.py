@@ -1,0 +1,289 @@
+"""`ringtrain bench allreduce`: every algorithm x transport against gloo and Open MPI.
+
+For each world size the ranks run as separate processes (``bench.procs``). In one run and
+interleaved repeat by repeat, they time: torch.distributed's gloo ``all_reduce`` (the anchor),
+ringtrain's algorithms on each transport, and — in a second launch through ``mpirun`` when
+mpi4py and Open MPI are installed — MPI_Allreduce. Per size: median time over repeats (each
+repeat's time is the slowest rank's), algbw = bytes / time and busbw = algbw · 2(p−1)/p
+(the nccl-tests convention). Every configuration's result is checked exactly once before it
+is timed: a wrong answer aborts the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .procs import RESULT_PREFIX, RankFailed, emit, run_ranks
+
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
+QUICK_SIZES = "4K,64K,1M,16M,64M"
+DEFAULT_ALGORITHMS = "ring,naive,central,halving_doubling,auto"
+NETS = ("none", "1gbit", "10gbit")
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        value = int(float(number) * mult)
+    except ValueError:
+        raise ValueError(f"--sizes: cannot read {text!r} (examples: 4K, 64M, 1G)") from None
+    if value < 4 or value % 4:
+        raise ValueError(f"--sizes: {text!r} must be a positive multiple of 4 bytes (float32)")
+    return value
+
+
+def _csv(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        raise ValueError(f"{option}: {bad or text!r} not in {allowed}")
+    return items
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated numbers of ranks (default 2,4)")
+    p.add_argument("--sizes", default=None, help=f"message sizes in bytes (default {DEFAULT_SIZES})")
+    p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="ringtrain algorithms to time")
+    p.add_argument("--transports", default="shm,tcp", help="ringtrain transports to time (shm, tcp, torch)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per configuration (median reported)")
+    p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, algorithms ring and auto, 5 repeats")
+    p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf")
+    p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI anchor")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--out", default="benchmarks", help="directory for the result file ('' to skip saving)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mpi-worker", default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return _worker(json.loads(args.worker))
+    if args.mpi_worker:
+        return _mpi_worker(json.loads(args.mpi_worker))
+    from ..comm import ALGORITHMS
+    from ..transport import TRANSPORTS
+
+    try:
+        world_sizes = [int(w) for w in args.world_sizes.split(",")]
+        if any(w < 2 for w in world_sizes):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--world-sizes: expected integers >= 2, got {args.world_sizes!r}")
+    try:
+        sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")]
+        algorithms = _csv("ring,auto" if args.quick and args.algorithms == DEFAULT_ALGORITHMS else args.algorithms,
+                          ALGORITHMS, "--algorithms")
+        transports = _csv(args.transports, TRANSPORTS, "--transports")
+    except ValueError as exc:
+        raise SystemExit(str(exc))
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    repeats = 5 if args.quick and args.repeats == 7 else args.repeats
+    if args.net != "none" and "shm" in transports:
+        transports = [t for t in transports if t != "shm"]  # ranks are separate hosts: no shared memory
+        transports = transports or ["tcp"]
+
+    rows: list[dict] = []
+    notes: list[str] = []
+    for p in world_sizes:
+        cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
+        print(f"# world size {p}: {len(sizes)} sizes x {len(transports) * len(algorithms) + 1} configurations", file=sys.stderr)
+        rows += _launch(p, cfg, args)
+        if not args.no_mpi and args.net == "none":
+            mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
+            rows += mpi_rows
+            if note:
+                notes.append(note)
+    doc = {"world_sizes": world_sizes, "net": args.net, "rows": rows, "notes": notes}
+    if args.out:
+        from .machine import save_result
+
+        path = save_result(f"allreduce-{args.net}", doc, args.out)
+        doc["saved_to"] = str(path)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(format_table(rows))
+        for n in notes:
+            print(f"note: {n}")
+        if args.out:
+            print(f"saved {doc['saved_to']}")
+    return 0
+
+
+def _launch(p: int, cfg: dict, args) -> list[dict]:
+    worker_args = ["ringtrain.cli", "bench", "allreduce", "--worker", json.dumps(cfg)]
+    if args.net == "none":
+        docs = run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout)
+    else:
+        from .netem import EmulatedNetwork
+
+        with EmulatedNetwork(p, rate=args.net) as net:
+            docs = run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout, net=net)
+    return [dict(r, net=args.net) for d in docs for r in d["rows"]]
+
+
+def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | None]:
+    mpirun = shutil.which("mpirun")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return [], "Open MPI anchor skipped: mpi4py is not installed (pip install mpi4py; apt-get install openmpi-bin libopenmpi-dev)"
+    if not mpirun:
+        return [], "Open MPI anchor skipped: mpirun not found (apt-get install openmpi-bin)"
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(p), "--bind-to", "none",
+           sys.executable, "-m", "ringtrain.cli", "bench", "allreduce", "--mpi-worker", json.dumps(cfg)]
+    env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none", OMP_NUM_THREADS="1")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return [], f"Open MPI anchor timed out after {timeout:.0f}s"
+    docs = [json.loads(l[len(RESULT_PREFIX):]) for l in out.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    if out.returncode or not docs:
+        return [], f"Open MPI anchor failed (status {out.returncode}): {out.stderr.strip()[-300:]}"
+    return [r for d in docs for r in d["rows"]], None
+
+
+# --- the timed loop, shared by the ringtrain/gloo worker and the MPI worker ------------------
+
+
+def _iters_for(nbytes: int) -> int:
+    """Back-to-back calls per timed repeat: enough that a repeat of small messages lasts ~10 ms."""
+    return int(min(200, max(1, (4 << 20) // nbytes)))
+
+
+def _time_configs(configs, sizes, repeats, rank, p, sync, slowest) -> list[dict]:
+    """configs: list of (label dict, fn(buf)). sync(): a barrier; slowest(x): max over ranks."""
+    rows = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        buf = np.empty(n, dtype=np.float32)
+        times = {i: [] for i in range(len(configs))}
+        for i, (label, fn) in enumerate(configs):  # check once, exactly, then warm up
+            buf[:] = np.arange(n, dtype=np.float32) % 1024 + rank
+            fn(buf)
+            expect = p * (np.arange(n, dtype=np.float32) % 1024) + p * (p - 1) / 2
+            if not np.array_equal(buf, expect):
+                bad = int(np.flatnonzero(buf != expect)[0])
+                raise RuntimeError(f"{label} gave a wrong sum at index {bad}: {buf[bad]} != {expect[bad]}")
+        iters = _iters_for(nbytes)
+        buf[:] = 0
+        for _ in range(repeats):
+            for i, (label, fn) in enumerate(configs):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn(buf)
+                times[i].append(slowest((time.perf_counter() - t0) / iters))
+        for i, (label, _) in enumerate(configs):
+            med = float(np.median(times[i]))
+            algbw = nbytes / med / 1e9 if med > 0 else 0.0
+            rows.append(dict(label, world_size=p, nbytes=nbytes, iters=iters, median_s=med,
+                             times_s=times[i], algbw_GBps=algbw, busbw_GBps=algbw * 2 * (p - 1) / p))
+    return rows
+
+
+def _worker(cfg: dict) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import ringtrain
+
+    torch.set_num_threads(1)
+    # The user's own process group first: ringtrain must work beside it and leave it alone.
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    comms = {t: ringtrain.init(transport=t, timeout=300) for t in cfg["transports"]}
+
+    def gloo(buf):
+        dist.all_reduce(torch.from_numpy(buf))
+
+    configs = [({"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed"}, gloo)]
+    for t, comm in comms.items():
+        for alg in cfg["algorithms"]:
+            configs.append(({"impl": "ringtrain", "transport": comm.transport.name if t != "auto" else "auto",
+                             "algorithm": alg}, lambda b, c=comm, a=alg: c.allreduce(b, algorithm=a)))
+
+    def slowest(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0])
+
+    rows = _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, dist.barrier, slowest)
+    for comm in comms.values():
+        comm.close()
+    if rank == 0:
+        emit({"rows": rows})
+    dist.destroy_process_group()
+    return 0
+
+
+def _mpi_worker(cfg: dict) -> int:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, p = world.Get_rank(), world.Get_size()
+
+    def allreduce(buf):
+        world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    configs = [({"impl": "mpi", "transport": "openmpi", "algorithm": "MPI_Allreduce"}, allreduce)]
+    rows = _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, world.Barrier,
+                         lambda x: world.allreduce(x, op=MPI.MAX))
+    if rank == 0:
+        emit({"rows": rows})
+    return 0
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+def _fmt_size(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e6:.0f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Per world size and size: each configuration's median time and busbw; best ringtrain vs gloo."""
+    out = []
+    for p in sorted({r["world_size"] for r in rows}):
+        prow = [r for r in rows if r["world_size"] == p]
+        labels = []
+        for r in prow:
+            lab = r["impl"] if r["impl"] != "ringtrain" else f"{r['transport']}/{r['algorithm']}"
+            if lab not in labels:
+                labels.append(lab)
+        out.append(f"\nworld size {p}: median time (busbw GB/s); speedup = best ringtrain / gloo")
+        out.append("size    " + "".join(f"{l:>24}" for l in labels) + f"{'speedup':>10}")
+        for nbytes in sorted({r["nbytes"] for r in prow}):
+            cells = {}
+            for r in prow:
+                if r["nbytes"] == nbytes:
+                    lab = r["impl"] if r["impl"] != "ringtrain" else f"{r['transport']}/{r['algorithm']}"
+                    cells[lab] = r
+            line = f"{_fmt_size(nbytes):<8}" + "".join(
+                f"{(_fmt_time(cells[l]['median_s']) + ' (' + format(cells[l]['busbw_GBps'], '.2f') + ')') if l in cells else '-':>24}"
+                for l in labels
+            )
+            ours = [r["median_s"] for r in cells.values() if r["impl"] == "ringtrain"]
+            if ours and "gloo" in cells:
+                line += f"{cells['gloo']['median_s'] / min(ours):>9.2f}x"
+            out.append(line)
+    return "\n".join(out)

@@ -1,0 +1,71 @@
+"""What a benchmark result file records about where and how it was measured."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+
+def describe_machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    import numpy
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "hostname": platform.node(),
+    }
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks") -> Path:
+    """Write ``doc`` (plus machine, command, commit, time) to out_dir/<kind>-<UTC time>.json."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    full = {
+        "benchmark": kind,
+        "when": now.isoformat(timespec="seconds"),
+        "command": "ringtrain " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "commit": git_commit(),
+        "machine": describe_machine(),
+        **doc,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(full, indent=1) + "\n")
+    return path

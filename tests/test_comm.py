@@ -1,0 +1,174 @@
+"""The Communicator over threads: arguments, in-place semantics, mismatches, timeouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ringtrain import CommError, CommTimeout, MismatchError
+from ringtrain.collectives import schedule
+from ringtrain.comm import ALGORITHMS, Communicator
+from ringtrain.transport.local import LocalHub
+
+from conftest import raise_first, run_comms
+
+pytestmark = pytest.mark.timeout(60)
+REAL_ALGORITHMS = [a for a in ALGORITHMS if a not in ("native", "auto")]
+
+
+def data(rank: int, n: int, dtype=np.float32) -> np.ndarray:
+    """Distinct per (rank, element), integer valued so every sum is exact."""
+    return (np.arange(n) + rank * n).astype(dtype)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("algorithm", REAL_ALGORITHMS + ["auto"])
+def test_allreduce_numpy_in_place(p, algorithm):
+    n = 37
+
+    def fn(comm):
+        buf = data(comm.rank, n)
+        out = comm.allreduce(buf, algorithm=algorithm)
+        assert out is buf
+        return buf
+
+    expect = sum(data(r, n) for r in range(p))
+    for got in raise_first(run_comms(p, fn)):
+        np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64])
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod", "mean"])
+def test_allreduce_torch_tensor_ops(dtype, op):
+    p, n = 3, 11
+    if op == "mean" and not dtype.is_floating_point:
+        pytest.skip("mean of integers is rejected (tested below)")
+
+    def make(rank):
+        base = torch.arange(n, dtype=torch.int64) % 3 + 1 + rank if op != "prod" else (torch.arange(n) + rank) % 2 + 1
+        return base.to(dtype).reshape(1, n)
+
+    def fn(comm):
+        t = make(comm.rank)
+        assert comm.allreduce(t, op=op) is t
+        return t
+
+    stack = torch.stack([make(r) for r in range(p)]).to(torch.float64)
+    expect = {"sum": stack.sum(0), "max": stack.max(0).values, "min": stack.min(0).values,
+              "prod": stack.prod(0), "mean": stack.sum(0) / p}[op].to(dtype)
+    for got in raise_first(run_comms(p, fn)):
+        assert got.dtype == dtype and got.shape == (1, n)
+        assert torch.equal(got, expect), (op, dtype, got, expect)
+
+
+def test_collectives_in_place():
+    p, n = 4, 10  # 10 elements in 4 chunks: 3, 3, 2, 2
+    bounds = schedule.chunk_bounds(n, p)
+
+    def fn(comm):
+        r = comm.rank
+        rs = data(r, n)
+        comm.reduce_scatter(rs)
+        ag = np.zeros(n, dtype=np.float32)
+        lo, hi = bounds[r]
+        ag[lo:hi] = r + 1
+        comm.allgather(ag)
+        bc = data(r, n)
+        comm.broadcast(bc, root=2)
+        comm.barrier()
+        return rs[lo:hi], ag, bc
+
+    total = sum(data(r, n) for r in range(p))
+    for r, (rs, ag, bc) in enumerate(raise_first(run_comms(p, fn))):
+        lo, hi = bounds[r]
+        np.testing.assert_array_equal(rs, total[lo:hi])
+        np.testing.assert_array_equal(ag, np.concatenate([np.full(h - l, q + 1) for q, (l, h) in enumerate(bounds)]))
+        np.testing.assert_array_equal(bc, data(2, n))
+
+
+def test_mismatched_op_raises_on_every_rank():
+    def fn(comm):
+        comm.allreduce(np.ones(100, dtype=np.float32), op="max" if comm.rank == 1 else "sum", algorithm="ring")
+
+    results = run_comms(3, fn)
+    assert all(isinstance(r, MismatchError) for r in results), results
+    text = " ".join(str(r) for r in results)
+    assert "op=max" in text and "op=sum" in text
+
+
+@pytest.mark.parametrize("which", ["dtype", "shape", "numel", "algorithm"])
+def test_mismatched_call_raises_on_every_rank(which):
+    def fn(comm):
+        odd = comm.rank == 2
+        dtype = np.float64 if (which == "dtype" and odd) else np.float32
+        shape = (10, 2) if (which == "shape" and odd) else (2, 10)
+        if which == "numel" and odd:
+            shape = (21,)
+        alg = "naive" if (which == "algorithm" and odd) else "ring"
+        comm.allreduce(np.ones(shape, dtype=dtype), algorithm=alg)
+
+    results = run_comms(4, fn)
+    assert all(isinstance(r, MismatchError) for r in results), results
+
+
+def test_silent_peer_times_out_and_communicator_stays_broken():
+    def fn(comm):
+        if comm.rank == 1:
+            return "absent"
+        try:
+            comm.allreduce(np.ones(8, dtype=np.float32), algorithm="ring")
+        except CommTimeout as exc:
+            with pytest.raises(CommError, match="broken"):
+                comm.allreduce(np.ones(8, dtype=np.float32))
+            return exc
+        return "returned"
+
+    results = run_comms(3, fn, timeout=0.5)
+    assert results[1] == "absent"
+    assert all(isinstance(r, CommError) for i, r in enumerate(results) if i != 1), results
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda c: c.allreduce(np.ones(3, np.float32), op="avg"), "op must be one of"),
+        (lambda c: c.allreduce(np.ones(3, np.float32), algorithm="tree"), "algorithm must be one of"),
+        (lambda c: c.allreduce(np.ones(3, np.int32), op="mean"), "floating dtype"),
+        (lambda c: c.allreduce(np.ones(3, np.complex64)), "unsupported numpy dtype"),
+        (lambda c: c.allreduce(np.ones((4, 4), np.float32)[:, 1]), "contiguous"),
+        (lambda c: c.allreduce(torch.ones(4, 4)[:, 1]), "contiguous"),
+        (lambda c: c.allreduce([1.0, 2.0]), "numpy array or a CPU torch tensor"),
+        (lambda c: c.broadcast(np.ones(3, np.float32), root=5), "root must be a rank"),
+        (lambda c: c.allreduce(np.ones(3, np.float32), algorithm="native"), "native"),
+    ],
+)
+def test_bad_arguments_raise_value_error(call, match):
+    comm = Communicator(LocalHub(2).transport(0), timeout=1.0)
+    with pytest.raises(ValueError, match=match):
+        call(comm)
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout"):
+        Communicator(LocalHub(1).transport(0), timeout=0)
+
+
+def test_world_size_one_and_empty_buffers_are_noops():
+    comm = Communicator(LocalHub(1).transport(0), timeout=1.0)
+    buf = np.arange(5, dtype=np.float32)
+    comm.allreduce(buf, op="mean")
+    np.testing.assert_array_equal(buf, np.arange(5, dtype=np.float32))
+
+    def fn(c):
+        return c.allreduce(np.empty(0, dtype=np.float32)).size
+
+    assert raise_first(run_comms(3, fn)) == [0, 0, 0]
+
+
+def test_closed_communicator_refuses_calls():
+    comm = Communicator(LocalHub(1).transport(0), timeout=1.0)
+    comm.close()
+    comm.close()
+    with pytest.raises(CommError, match="closed"):
+        comm.barrier()

@@ -1,0 +1,72 @@
+"""ringtrain.init in real processes: every transport, torchrun's variables, beside the user's own group."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from mp_harness import RankError, run_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
+
+
+def _allreduce_job(rank, world_size, port, transport, via_env, user_group):
+    import torch
+    import torch.distributed as dist
+
+    import ringtrain
+
+    if via_env:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if user_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if via_env:
+        comm = ringtrain.init(transport=transport, timeout=20)
+    else:
+        comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport=transport, timeout=20)
+    n = 1001
+    out = {}
+    for alg in ("ring", "naive", "central", "halving_doubling", "auto", "native"):
+        buf = (np.arange(n) + rank * n).astype(np.float32)
+        comm.allreduce(buf, algorithm=alg)
+        out[alg] = buf
+    t = torch.full((7,), float(rank))
+    ringtrain.broadcast(t, root=world_size - 1)
+    out["broadcast"] = t.numpy()
+    comm.barrier()
+    comm.close()
+    if user_group:  # the user's group is untouched and still works
+        x = torch.ones(3)
+        dist.all_reduce(x)
+        out["user_group"] = x.numpy()
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "torch", "auto"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_init_every_transport(transport, world_size):
+    results = run_ranks(_allreduce_job, world_size, transport, False, False)
+    _check(results, world_size)
+
+
+@pytest.mark.parametrize("user_group", [False, True])
+def test_init_from_torchrun_environment(user_group):
+    results = run_ranks(_allreduce_job, 2, "auto", True, user_group)
+    _check(results, 2, user_group)
+
+
+def _check(results, p, user_group=False):
+    for r in results:
+        if isinstance(r, RankError):
+            pytest.fail(f"{r}\n{r.tb}")
+    n = 1001
+    expect = sum((np.arange(n) + r * n).astype(np.float32) for r in range(p))
+    for out in results:
+        for alg in ("ring", "naive", "central", "halving_doubling", "auto", "native"):
+            np.testing.assert_array_equal(out[alg], expect, err_msg=alg)
+        np.testing.assert_array_equal(out["broadcast"], np.full(7, p - 1, dtype=np.float32))
+        if user_group:
+            np.testing.assert_array_equal(out["user_group"], np.full(3, p, dtype=np.float32))
