@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup mpi demo test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+# Open MPI + mpi4py: the benchmarks' MPI anchor. Best effort (needs root and Debian's apt).
+mpi: $(STAMP)
+	-@command -v mpirun >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
+	-@$(BIN)/python -c 'import mpi4py' 2>/dev/null || $(BIN)/pip install --quiet mpi4py
+
+demo: $(STAMP) mpi
 	$(BIN)/ringtrain bench allreduce --world-sizes 2 --quick
 
 test: $(STAMP)
