@@ -1,0 +1,373 @@
+"""Analytic time of one collective: n bytes reduced over p ranks.
+
+Words used here (the notation of Thakur, Rabenseifner & Gropp 2005, "Optimization of
+collective communication operations in MPICH", IJHPCA 19(1)):
+
+- ``n`` (``nbytes``): the size of the vector every rank contributes, bytes.
+- ``p`` (``world_size``): the number of ranks (workers, GPUs) taking part.
+- ``alpha``: start-up time of one message, seconds (latency and software overhead).
+- ``beta``: time per byte on one link, seconds per byte (1 / bandwidth).
+- ``gamma``: time per byte of the reduction arithmetic, seconds per byte reduced.
+- a *link* is full duplex: a rank may send and receive one message at the same time, and
+  sending two messages from one rank takes twice as long (one port).
+
+Every model gives 0 for p = 1 (there is nothing to exchange; a one-worker job runs no
+parameter server either). Each function takes ``nbytes`` as a number (returns a float) or a
+numpy array (returns an array, element-wise), so the planner and the simulator can evaluate
+many message sizes in one call. Formulas, with their sources:
+
+- ring (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
+  workstations", JPDC 69(2); DESIGN.md): reduce-scatter in p-1 steps of n/p bytes, then
+  allgather in p-1 steps:  2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ.
+- naive (seed 001; DESIGN.md): every rank sends its whole vector to every other rank and
+  reduces what it receives:  (p-1)(α + nβ + nγ).
+- central (seed 001; DESIGN.md): one master receives p-1 vectors, reduces them and sends the
+  result to p-1 ranks; its link is the bottleneck:  2(p-1)(α + nβ) + (p-1)nγ.
+- halving_doubling (Rabenseifner's algorithm; Thakur et al. 2005 §4.4, MPICH's
+  ``MPIR_Allreduce_intra_reduce_scatter_allgather``): reduce-scatter by recursive halving,
+  allgather by recursive doubling. For p a power of two:
+  2·log2(p)·α + 2(p-1)/p·nβ + (p-1)/p·nγ.
+  Otherwise, with p' = 2^floor(log2 p) and r = p - p', MPICH first folds r ranks into
+  partners (each sends its whole vector, the partner reduces: α + nβ + nγ), runs the
+  algorithm over p' ranks, and sends the result back to the r ranks (α + nβ):
+  (2·log2(p') + 2)α + (2(p'-1)/p' + 2)·nβ + ((p'-1)/p' + 1)·nγ.
+  (MPICH's comment writes (p-1)/p for (p'-1)/p'; the halving runs over p' ranks.)
+- recursive_doubling (Thakur et al. 2005 §4.4, MPICH's short-message allreduce): log2(p)
+  steps exchanging the whole vector: log2(p)(α + nβ + nγ) for p a power of two; otherwise the
+  same fold and return as above: (log2(p') + 2)α + (log2(p') + 2)nβ + (log2(p') + 1)nγ.
+- binomial_tree (Thakur et al. 2005 §4.2 and §4.1): binomial-tree reduce to a root, then
+  binomial-tree broadcast, ⌈log2 p⌉ rounds each: ⌈log2 p⌉(2α + 2nβ + nγ).
+- hierarchical (DESIGN.md; each phase costed as in Patarasuk & Yuan 2009): g GPUs per node on
+  a fast link (intra_alpha, intra_beta), p/g nodes on the slower one (alpha, beta). Ring
+  reduce-scatter inside each node, ring allreduce of the n/g shard between nodes (one GPU per
+  node per shard, all shards at once), ring allgather inside the node:
+  2(g-1)α_i + 2(g-1)/g·nβ_i + (g-1)/g·nγ + ring(n/g over p/g nodes).
+  p must be a multiple of g, or at most g (one node: a ring on the fast link).
+- ps, parameter servers (seed 002; DESIGN.md), synchronous push then pull, K servers each
+  holding 1/K of the vector, servers on their own machines. In each direction the busiest link
+  is a server's (p messages of n/K) or a worker's (K messages of n/K):
+  2·max(p(α + nβ/K), Kα + nβ) + (p-1)·nγ/K.   One server (K = 1): 2p(α + nβ) + (p-1)nγ.
+
+``NETWORKS`` holds the constants, with units, in one table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ALGORITHMS = (
+    "ring",
+    "naive",
+    "central",
+    "halving_doubling",
+    "recursive_doubling",
+    "binomial_tree",
+    "hierarchical",
+    "ps",
+)
+
+# Options each algorithm takes beyond alpha, beta and gamma.
+_OPTIONS: dict[str, tuple[str, ...]] = {
+    "hierarchical": ("gpus_per_node", "intra_alpha", "intra_beta"),
+    "ps": ("servers",),
+}
+
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+GBYTE = 1e9  # bytes per second in one GB/s
+
+
+# --- validation and helpers ----------------------------------------------------------------
+
+
+def _floor_pow2(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def _check_sizes(nbytes: Any) -> np.ndarray:
+    try:
+        n = np.asarray(nbytes, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"nbytes must be a number or an array of numbers, got {nbytes!r}") from None
+    if not np.all(np.isfinite(n) & (n >= 0)):
+        raise ValueError(f"nbytes={nbytes!r}; every size must be finite and >= 0")
+    return n
+
+
+def _result(n: np.ndarray, t: Any) -> Any:
+    t = np.broadcast_to(np.asarray(t, dtype=np.float64), n.shape)
+    return float(t) if n.ndim == 0 else np.array(t)
+
+
+def _prepare(nbytes: Any, p: Any, alpha: float, beta: float, gamma: float) -> tuple[np.ndarray, int]:
+    for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+        _check_number(name, value)
+    return _check_sizes(nbytes), _check_world(p)
+
+
+def _check_world(p: Any) -> int:
+    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
+        raise ValueError(f"world_size={p!r}; it must be an integer >= 1")
+    return int(p)
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
+    return int(value)
+
+
+def _check_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r}; it must be finite and >= 0")
+
+
+# --- the constants ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkProfile:
+    """α–β constants of one kind of link (or of one fitted allreduce, see fitted_world_size)."""
+
+    name: str
+    alpha: float
+    """Start-up time of one message, seconds."""
+    beta: float
+    """Seconds per byte (1 / bandwidth in bytes per second)."""
+    source: str
+    """Where the numbers come from."""
+    gamma: float = 0.0
+    """Seconds per byte reduced."""
+    fitted_world_size: int | None = None
+    """Set when alpha and beta were fitted to whole allreduces on that many workers: then
+    ``alpha + beta * n`` is the time of one allreduce (the planner's linear cost), not a link."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            _check_number(name, getattr(self, name))
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second (inf for beta = 0)."""
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+
+_LINE_RATE = "nominal line rate; alpha an assumed typical per-message latency"
+_MGWFBP = "Shi, Chu & Li, MG-WFBP (TPDS 2021), fitted allreduce time a + b*n (DESIGN.md)"
+
+#: The constants, with units: alpha in seconds, beta in seconds per byte.
+NETWORKS: dict[str, NetworkProfile] = {
+    p.name: p
+    for p in (
+        NetworkProfile("1GbE", alpha=50e-6, beta=1 / (1 * GBIT), source=f"1 Gbit/s Ethernet, TCP; {_LINE_RATE}"),
+        NetworkProfile("10GbE", alpha=25e-6, beta=1 / (10 * GBIT), source=f"10 Gbit/s Ethernet, TCP; {_LINE_RATE}"),
+        NetworkProfile("25GbE", alpha=15e-6, beta=1 / (25 * GBIT), source=f"25 Gbit/s Ethernet, TCP; {_LINE_RATE}"),
+        NetworkProfile(
+            "56Gb-IB", alpha=2e-6, beta=1 / (54.54 * GBIT), source=f"FDR InfiniBand 4x, 54.54 Gbit/s data rate; {_LINE_RATE}"
+        ),
+        NetworkProfile(
+            "100Gb-IB", alpha=1.5e-6, beta=1 / (100 * GBIT), source=f"EDR InfiniBand 4x, 100 Gbit/s data rate; {_LINE_RATE}"
+        ),
+        NetworkProfile(
+            "NVLink", alpha=5e-6, beta=1 / (150 * GBYTE), source=f"NVLink 2 (V100), 6 links x 25 GB/s per direction; {_LINE_RATE}"
+        ),
+        NetworkProfile("seed000-IB", alpha=0.0, beta=1 / (6 * GBYTE), source="seed 000: InfiniBand at about 6 GB/s, no latency"),
+        NetworkProfile("mgwfbp-10GbE-16", alpha=9.08e-4, beta=7.40e-10, source=_MGWFBP, fitted_world_size=16),
+        NetworkProfile("mgwfbp-10GbE-8", alpha=5.23e-4, beta=8.57e-10, source=_MGWFBP, fitted_world_size=8),
+        NetworkProfile("mgwfbp-56IB-16", alpha=2.36e-4, beta=4.06e-10, source=_MGWFBP, fitted_world_size=16),
+        NetworkProfile("mgwfbp-56IB-8", alpha=9.75e-5, beta=3.06e-10, source=_MGWFBP, fitted_world_size=8),
+    )
+}
+
+
+def network(name: str) -> NetworkProfile:
+    """The profile called ``name`` from NETWORKS, or a ValueError listing the names."""
+    try:
+        return NETWORKS[name]
+    except KeyError:
+        raise ValueError(f"network={name!r}: accepted values are {', '.join(NETWORKS)}") from None
+
+
+# --- one function per algorithm ------------------------------------------------------------
+
+
+def ring_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
+    """Ring allreduce (Patarasuk & Yuan 2009): 2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ."""
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    if p == 1:
+        return _result(n, 0.0 * n)
+    return _result(n, 2 * (p - 1) * alpha + (2 * (p - 1) / p) * n * beta + ((p - 1) / p) * n * gamma)
+
+
+def naive_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
+    """All-to-all of whole vectors (seed 001): (p-1)(α + nβ + nγ)."""
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    return _result(n, (p - 1) * (alpha + n * beta + n * gamma))
+
+
+def central_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
+    """Reduce at one master, then send back (seed 001): 2(p-1)(α + nβ) + (p-1)nγ."""
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    return _result(n, 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma)
+
+
+def halving_doubling_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
+    """Rabenseifner (Thakur et al. 2005 §4.4), with MPICH's fold for p not a power of two."""
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    q = _floor_pow2(p)
+    steps = q.bit_length() - 1  # log2(q)
+    t = 2 * steps * alpha + (2 * (q - 1) / q) * n * beta + ((q - 1) / q) * n * gamma
+    if q != p:  # fold the extra ranks in (α + nβ + nγ) and send them the result (α + nβ)
+        t = t + 2 * alpha + 2 * n * beta + n * gamma
+    return _result(n, t)
+
+
+def recursive_doubling_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
+    """Whole-vector exchanges with partners at doubling distance (Thakur et al. 2005 §4.4)."""
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    q = _floor_pow2(p)
+    steps = q.bit_length() - 1
+    t = steps * (alpha + n * beta + n * gamma)
+    if q != p:
+        t = t + 2 * alpha + 2 * n * beta + n * gamma
+    return _result(n, t)
+
+
+def binomial_tree_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
+    """Binomial reduce then binomial broadcast (Thakur et al. 2005): ⌈log2 p⌉(2α + 2nβ + nγ)."""
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    rounds = (p - 1).bit_length()  # ⌈log2 p⌉
+    return _result(n, rounds * (2 * alpha + 2 * n * beta + n * gamma))
+
+
+def hierarchical_time(
+    nbytes: Any,
+    p: int,
+    alpha: float,
+    beta: float,
+    gamma: float = 0.0,
+    *,
+    gpus_per_node: int | None = None,
+    intra_beta: float | None = None,
+    intra_alpha: float = 0.0,
+) -> Any:
+    """Ring reduce-scatter in the node, ring allreduce of n/g between nodes, allgather in the node.
+
+    ``alpha``, ``beta`` are the link between nodes; ``intra_alpha``, ``intra_beta`` the link
+    inside a node.
+    """
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    if gpus_per_node is None or intra_beta is None:
+        raise ValueError("algorithm='hierarchical' needs gpus_per_node and intra_beta (intra_alpha is optional)")
+    gpus_per_node = _check_count("gpus_per_node", gpus_per_node)
+    _check_number("intra_alpha", intra_alpha)
+    _check_number("intra_beta", intra_beta)
+    if p <= gpus_per_node:
+        return ring_time(nbytes, p, intra_alpha, intra_beta, gamma)
+    if p % gpus_per_node:
+        raise ValueError(f"world_size={p} is not a multiple of gpus_per_node={gpus_per_node}")
+    g, nodes = gpus_per_node, p // gpus_per_node
+    inside = 2 * (g - 1) * intra_alpha + (2 * (g - 1) / g) * n * intra_beta + ((g - 1) / g) * n * gamma
+    between = ring_time(n / g, nodes, alpha, beta, gamma)
+    return _result(n, inside + between)
+
+
+def ps_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0, *, servers: int = 1) -> Any:
+    """Synchronous push then pull over ``servers`` parameter servers, each holding 1/K of n."""
+    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+    k = _check_count("servers", servers)
+    if p == 1:
+        return _result(n, 0.0 * n)
+    per_direction = np.maximum(p * (alpha + n * beta / k), k * alpha + n * beta)
+    return _result(n, 2 * per_direction + (p - 1) * n * gamma / k)
+
+
+_FUNCTIONS = {
+    "ring": ring_time,
+    "naive": naive_time,
+    "central": central_time,
+    "halving_doubling": halving_doubling_time,
+    "recursive_doubling": recursive_doubling_time,
+    "binomial_tree": binomial_tree_time,
+    "hierarchical": hierarchical_time,
+    "ps": ps_time,
+}
+
+
+# --- the public entry points ---------------------------------------------------------------
+
+
+def allreduce_time(
+    nbytes: Any,
+    world_size: int,
+    algorithm: str = "ring",
+    alpha: float = 0.0,
+    beta: float | None = None,
+    gamma: float = 0.0,
+    **options: Any,
+) -> Any:
+    """Seconds for one allreduce of ``nbytes`` over ``world_size`` ranks with ``algorithm``.
+
+    ``beta`` is required. ``options``: hierarchical takes gpus_per_node, intra_beta and
+    intra_alpha; ps takes servers. ``nbytes`` may be a numpy array (the result is then one).
+    """
+    if algorithm not in _FUNCTIONS:
+        raise ValueError(f"algorithm={algorithm!r}: accepted values are {', '.join(ALGORITHMS)}")
+    if beta is None:
+        raise ValueError("beta (seconds per byte) is required; see ringtrain.sim.costs.NETWORKS")
+    allowed = _OPTIONS.get(algorithm, ())
+    for key in options:
+        if key not in allowed:
+            accepted = ", ".join(allowed) if allowed else "none"
+            raise ValueError(f"option {key!r} does not apply to algorithm={algorithm!r} (accepted: {accepted})")
+    return _FUNCTIONS[algorithm](nbytes, world_size, alpha, beta, gamma, **options)
+
+
+@dataclass(frozen=True)
+class AllreduceCost:
+    """``allreduce_time`` with everything but the size fixed: a cost for ``ringtrain.plan.merge``."""
+
+    world_size: int
+    algorithm: str = "ring"
+    alpha: float = 0.0
+    beta: float | None = None
+    gamma: float = 0.0
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        self(0.0)  # validates every argument once, here
+
+    def __call__(self, nbytes: Any) -> Any:
+        return allreduce_time(
+            nbytes, self.world_size, self.algorithm, self.alpha, self.beta, self.gamma, **dict(self.options)
+        )
+
+
+def allreduce_cost(
+    world_size: int,
+    algorithm: str = "ring",
+    alpha: float = 0.0,
+    beta: float | None = None,
+    gamma: float = 0.0,
+    **options: Any,
+) -> AllreduceCost:
+    """A ``cost(nbytes) -> seconds`` callable, e.g. ``merge(t, s, cost=allreduce_cost(64, beta=8e-10))``."""
+    return AllreduceCost(world_size, algorithm, alpha, beta, gamma, tuple(sorted(options.items())))
+
+
+def algbw(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth (nccl-tests): bytes / time, bytes per second."""
+    if seconds <= 0:
+        raise ValueError(f"seconds={seconds!r}; it must be > 0")
+    return nbytes / seconds
+
+
+def busbw(nbytes: float, seconds: float, world_size: int) -> float:
+    """Bus bandwidth of an allreduce (nccl-tests): algbw · 2(p-1)/p, bytes per second."""
+    world_size = _check_world(world_size)
+    return algbw(nbytes, seconds) * 2 * (world_size - 1) / world_size
