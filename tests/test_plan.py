@@ -67,7 +67,7 @@ def random_instance(rng, n):
 def test_optimal_equals_brute_force_linear_cost():
     rng = np.random.default_rng(2021)
     for n in range(1, 13):
-        for _ in range(40 if n <= 9 else 4):
+        for _ in range(40 if n <= 9 else 15):
             times, sizes = random_instance(rng, n)
             alpha = float(rng.choice([0.0, 1e-5, 2.5e-4, 1e-3, 1.0]))
             beta = float(rng.choice([0.0, 1e-10, 8e-10, 8e-9, 0.25]))

@@ -151,6 +151,18 @@ def test_allreduce_cost_plugs_into_the_planner():
         sim.allreduce_cost(0, beta=1e-9)
 
 
+def test_profile_cost():
+    ten = sim.network("10GbE")
+    assert ten.cost(16)(1e6) == sim.allreduce_time(1e6, 16, alpha=ten.alpha, beta=ten.beta)
+    assert ten.cost(16, "ps", servers=2)(1e6) == sim.allreduce_time(
+        1e6, 16, "ps", alpha=ten.alpha, beta=ten.beta, servers=2
+    )
+    fitted = sim.network("mgwfbp-10GbE-16")
+    assert fitted.cost(16)(1e6) == 9.08e-4 + 7.40e-10 * 1e6
+    with pytest.raises(ValueError, match="fitted on 16 workers"):
+        fitted.cost(8)
+
+
 def test_bandwidth_conventions():
     assert sim.algbw(1e9, 0.5) == 2e9
     assert sim.busbw(1e9, 1.0, 4) == 1.5e9

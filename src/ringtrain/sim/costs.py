@@ -55,9 +55,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+
+from ..plan import LinearCost
 
 ALGORITHMS = (
     "ring",
@@ -155,6 +157,21 @@ class NetworkProfile:
     def bandwidth(self) -> float:
         """Bytes per second (inf for beta = 0)."""
         return math.inf if self.beta == 0 else 1.0 / self.beta
+
+    def cost(self, world_size: int, algorithm: str = "ring", **options: Any) -> Callable[[Any], Any]:
+        """``cost(nbytes) -> seconds`` of one allreduce on this network, for ``plan.merge``.
+
+        A link profile goes through the ``algorithm``'s model; a fitted profile is already the
+        time of one allreduce, ``alpha + beta * n``, valid at its own world size only.
+        """
+        if self.fitted_world_size is None:
+            return allreduce_cost(world_size, algorithm, self.alpha, self.beta, self.gamma, **options)
+        if world_size != self.fitted_world_size:
+            raise ValueError(
+                f"network {self.name!r} was fitted on {self.fitted_world_size} workers, not "
+                f"world_size={world_size}; use a link profile for other sizes"
+            )
+        return LinearCost(self.alpha, self.beta, self.gamma)
 
 
 _LINE_RATE = "nominal line rate; alpha an assumed typical per-message latency"
