@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Measure what the emulated network delivers: TCP throughput per rate and burst, and round trips.
+
+Usage (root):  .venv/bin/python scripts/netem_check.py [--mib 128] [--quick] [--json]
+
+For each configuration it builds a fresh two-host EmulatedNetwork, starts a receiver on
+host 1 and a sender on host 0 (plain Python sockets, one TCP stream, 1 MiB writes) and
+reports the goodput. A fully used link carries TCP payload at 1448/1514 = 95.6% of its
+line rate (tbf counts whole Ethernet frames at MTU 1500), so "of line" near 95.6% means the
+link is saturated; "of frames" divides that share out (100% = every bit of line rate used).
+Round trips: 1-byte TCP ping-pong, inside one namespace over loopback and between two hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from ringtrain.bench.netem import EmulatedNetwork, NetemUnavailable  # noqa: E402
+
+PORT = 5201
+PAYLOAD_SHARE = 1448 / 1514  # TCP payload per Ethernet frame: MSS 1448 (timestamps on), frame 1514
+CHUNK = 1 << 20
+
+
+def _connect(host: str, port: int, deadline_s: float = 10.0) -> socket.socket:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=deadline_s)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(1)
+    s.settimeout(30)
+    print("ready", flush=True)
+    return s
+
+
+def serve_bulk(host: str, nbytes: int) -> None:
+    """Receive ``nbytes``; print seconds from the first byte to the last, then acknowledge."""
+    conn, _ = _listen(host, PORT).accept()
+    conn.settimeout(120)
+    buf = memoryview(bytearray(CHUNK))
+    got, start = 0, None
+    while got < nbytes:
+        n = conn.recv_into(buf)
+        if n == 0:
+            raise SystemExit(f"sender closed after {got} of {nbytes} bytes")
+        if start is None:
+            start = time.perf_counter()
+        got += n
+    print(json.dumps({"bytes": got, "seconds": time.perf_counter() - start}), flush=True)
+    conn.sendall(b"k")
+
+
+def send_bulk(host: str, nbytes: int) -> None:
+    conn = _connect(host, PORT)
+    data = bytes(CHUNK)
+    sent = 0
+    while sent < nbytes:
+        n = min(CHUNK, nbytes - sent)
+        conn.sendall(data[:n])
+        sent += n
+    conn.settimeout(120)
+    conn.recv(1)
+
+
+def serve_echo(host: str) -> None:
+    conn, _ = _listen(host, PORT).accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.settimeout(30)
+    while (b := conn.recv(1)):
+        conn.sendall(b)
+
+
+def ping(host: str, count: int) -> None:
+    """Print the median and 10th/90th percentile of ``count`` 1-byte round trips, in microseconds."""
+    conn = _connect(host, PORT)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.settimeout(30)
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        conn.sendall(b"x")
+        if conn.recv(1) != b"x":
+            raise SystemExit("echo lost")
+        times.append((time.perf_counter() - t0) * 1e6)
+    q = statistics.quantiles(times, n=10)
+    print(json.dumps({"median_us": statistics.median(times), "p10_us": q[0], "p90_us": q[-1]}), flush=True)
+
+
+def _worker(net: EmulatedNetwork, i: int, *args: str) -> subprocess.Popen:
+    return net.popen(i, [sys.executable, os.path.abspath(__file__), *args],
+                     stdout=subprocess.PIPE, text=True)
+
+
+def _pair(net: EmulatedNetwork, server_args: list[str], client_host: int, client_args: list[str],
+          server_host: int = 1) -> dict:
+    server = _worker(net, server_host, *server_args)
+    if server.stdout.readline().strip() != "ready":
+        raise RuntimeError("receiver did not start")
+    client = _worker(net, client_host, *client_args)
+    out_server, _ = server.communicate(timeout=300)
+    out_client, _ = client.communicate(timeout=60)
+    if server.returncode or client.returncode:
+        raise RuntimeError(f"worker failed: server {server.returncode}, client {client.returncode}")
+    return json.loads((out_server.strip() or out_client.strip()).splitlines()[-1])
+
+
+def measure_bulk(rate: str | None, burst: int | None, nbytes: int) -> dict:
+    with EmulatedNetwork(2, rate=rate, burst_bytes=burst, prefix="netemcheck") as net:
+        r = _pair(net, ["serve-bulk", net.addr(1), str(nbytes)], 0, ["send-bulk", net.addr(1), str(nbytes)])
+        gbps = r["bytes"] * 8 / r["seconds"] / 1e9
+        row = {"rate": net.rate, "burst_bytes": net.shape.burst_bytes if net.shape else None,
+               "mib": nbytes / 2**20, "seconds": round(r["seconds"], 4), "goodput_gbps": round(gbps, 3)}
+        if net.shape is not None:
+            line = net.shape.rate_bps / 1e9
+            row["of_line"] = round(gbps / line, 4)
+            row["of_frames"] = round(gbps / line / PAYLOAD_SHARE, 4)
+        return row
+
+
+def measure_rtt(rate: str | None, across: bool, count: int) -> dict:
+    with EmulatedNetwork(2, rate=rate, prefix="netemcheck") as net:
+        if across:
+            r = _pair(net, ["serve-echo", net.addr(1)], 0, ["ping", net.addr(1), str(count)])
+        else:
+            r = _pair(net, ["serve-echo", "127.0.0.1"], 1, ["ping", "127.0.0.1", str(count)])
+        return {"rate": net.rate, "path": "host0->host1" if across else "loopback in host1",
+                **{k: round(v, 1) for k, v in r.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve-bulk", "send-bulk", "serve-echo", "ping"):
+        cmd, *rest = argv
+        {"serve-bulk": lambda: serve_bulk(rest[0], int(rest[1])),
+         "send-bulk": lambda: send_bulk(rest[0], int(rest[1])),
+         "serve-echo": lambda: serve_echo(rest[0]),
+         "ping": lambda: ping(rest[0], int(rest[1]))}[cmd]()
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=128, help="MiB per transfer at 1 Gbit/s (x2 at 10 Gbit/s and none)")
+    parser.add_argument("--quick", action="store_true", help="only the default burst per rate")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    n1 = args.mib * 2**20
+    plan: list[tuple[str | None, int | None, int]] = [(None, None, 2 * n1)]
+    bursts_1g = [None] if args.quick else [4096, 32768, None, 524288]
+    bursts_10g = [None] if args.quick else [131072, 524288, None, 4194304]
+    plan += [("1gbit", b, n1) for b in bursts_1g] + [("10gbit", b, 2 * n1) for b in bursts_10g]
+    try:
+        bulk = [measure_bulk(rate, burst, n) for rate, burst, n in plan]
+        rtt = [measure_rtt(rate, across, 2000) for rate, across in
+               ((None, False), (None, True), ("1gbit", True), ("10gbit", True))]
+    except NetemUnavailable as exc:
+        print(f"skipped: {exc}")
+        return 0
+    if args.json:
+        print(json.dumps({"bulk": bulk, "rtt": rtt}, indent=2))
+        return 0
+    print(f"{'rate':>7} {'burst B':>9} {'MiB':>5} {'s':>7} {'Gbit/s':>7} {'of line':>8} {'of frames':>9}")
+    for r in bulk:
+        burst = "-" if r["burst_bytes"] is None else str(r["burst_bytes"])
+        share = (f"{r['of_line']:8.1%} {r['of_frames']:9.1%}" if "of_line" in r else f"{'-':>8} {'-':>9}")
+        print(f"{r['rate']:>7} {burst:>9} {r['mib']:5.0f} {r['seconds']:7.3f} {r['goodput_gbps']:7.3f} {share}")
+    print()
+    for r in rtt:
+        print(f"RTT {r['path']:<20} rate {r['rate']:<6}: median {r['median_us']:7.1f} us "
+              f"(p10 {r['p10_us']:.1f}, p90 {r['p90_us']:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

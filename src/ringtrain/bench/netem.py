@@ -1,0 +1,526 @@
+"""Emulated cluster networks for benchmarks: each rank on a host of its own, behind a shaped link.
+
+Words used below:
+
+- **host**: a Linux network namespace standing in for one machine. Host ``i`` has one
+  interface, ``eth0``, with address ``10.213.0.(i+1)/24``, and its loopback up. The address
+  exists only inside that namespace: traffic goes only between namespaces this harness made.
+- **switch**: one more namespace holding a Linux bridge ``br0``. Port ``p{i}`` is the switch
+  end of host ``i``'s veth pair. The root namespace is never touched: no link, address,
+  route or qdisc of the machine changes.
+- **link**: the veth pair between host ``i`` and the switch. Shaping puts a tc ``tbf``
+  qdisc on the egress of both ends (``eth0`` in the host, ``p{i}`` in the switch), so a host
+  sends at most ``rate`` and receives at most ``rate``, like a switch port. This kernel has
+  no netem: bandwidth can be shaped, delay cannot.
+- **tag**: ``{prefix}-{pid}-{seq}``, the stem of every namespace one network made. The pid is
+  the harness process; while it lives it also holds an flock on ``/run/ringtrain-netem/{tag}.lock``.
+  A tag whose pid is dead and whose lock is free is a leftover of a crashed run, and
+  :func:`cleanup_stale` removes it. Nothing without such a tag is ever touched.
+- **host identity**: ``net.host_id(i)``, set as ``RINGTRAIN_HOST_ID`` in every process
+  started on host ``i``. Namespaces share the hostname and /dev/shm, so anything that
+  decides "same host" from the hostname would silently bypass the shaped link; the
+  rendezvous reads this variable instead.
+
+Shaping (tbf) and what was measured on the development machine (scripts/netem_check.py,
+one TCP stream of 256 MiB from plain Python sockets, MTU 1500): the goodput of a fully used
+link is 1448/1514 = 95.6% of the line rate (TCP payload per Ethernet frame; tbf counts whole
+frames). With a burst of 32 kbit a 1 Gbit/s link gave only 0.59 Gbit/s; from 256 kbit up
+it gives 0.958 Gbit/s, i.e. the line rate. The defaults here are one millisecond of line
+rate, rounded up to 64 KiB (128 KiB = 1 mbit at 1 Gbit/s, 1.25 MiB = 10 mbit at 10 Gbit/s),
+and a queue of 5 ms of line rate (tbf ``latency``); the queue length did not change the
+throughput between 1 and 50 ms. Unshaped ("none") veth carries about 15 Gbit/s there.
+
+Example: two ranks of a torchrun-style job, each on its own host at 1 Gbit/s::
+
+    import os, sys
+    from ringtrain.bench.netem import EmulatedNetwork, NetemUnavailable
+
+    try:
+        with EmulatedNetwork(2, rate="1gbit") as net:
+            procs = []
+            for rank in range(2):
+                env = {**os.environ, "MASTER_ADDR": net.addr(0), "MASTER_PORT": "29500",
+                       "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+                procs.append(net.popen(rank, [sys.executable, "train.py"], env=env))
+            codes = [p.wait(timeout=600) for p in procs]
+    except NetemUnavailable as exc:
+        print(f"skipped: {exc}")
+
+``popen`` adds ``RINGTRAIN_HOST_ID`` to the environment. Leaving the ``with`` block (also
+by an exception, Ctrl-C or SIGTERM) kills the processes started in the namespaces and
+removes every namespace, and with them every link, that the network made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import itertools
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+__all__ = [
+    "EmulatedNetwork",
+    "HOST_ID_ENV",
+    "LinkShape",
+    "NetemUnavailable",
+    "cleanup_stale",
+    "parse_rate",
+    "unavailable_reason",
+]
+
+#: The environment variable that carries a rank's host identity to the rendezvous.
+HOST_ID_ENV = "RINGTRAIN_HOST_ID"
+#: Where the harness keeps its liveness locks (root-only, like /run/netns).
+LOCK_DIR = "/run/ringtrain-netem"
+#: The first three octets of every host address (a /24 that exists only inside the namespaces).
+SUBNET = "10.213.0"
+#: Deadline for one `ip`/`tc` command.
+COMMAND_TIMEOUT_S = 30.0
+#: How long started processes get after SIGTERM before SIGKILL.
+KILL_GRACE_S = 2.0
+
+_RATE_UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_NETWORK_SEQ = itertools.count()
+
+
+class NetemUnavailable(RuntimeError):
+    """Network emulation cannot run here (not root, no `ip`/`tc`, no namespaces); the reason says why."""
+
+
+def parse_rate(rate: str | None) -> int | None:
+    """Bits per second of ``"1gbit"``, ``"10gbit"``, ``"500mbit"``...; ``None`` for no shaping.
+
+    ``None`` and ``"none"`` mean no shaping. Units are decimal (1gbit = 10**9 bit/s).
+    """
+    if rate is None:
+        return None
+    text = str(rate).strip().lower()
+    if text == "none":
+        return None
+    match = _RATE_RE.match(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"rate must be 'none' or a positive number with unit kbit, mbit or gbit "
+            f"(e.g. '1gbit', '10gbit'), got {rate!r}"
+        )
+    return int(float(match.group(1)) * _RATE_UNITS[match.group(2)])
+
+
+def default_burst_bytes(rate_bps: int) -> int:
+    """One millisecond of line rate, rounded up to 64 KiB (128 KiB at 1 Gbit/s, 1.25 MiB at 10 Gbit/s)."""
+    one_ms = rate_bps / 8 / 1000
+    return max(1, math.ceil(one_ms / 65536)) * 65536
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkShape:
+    """How each direction of every host's link is shaped (one tbf qdisc per direction)."""
+
+    rate_bps: int
+    """Line rate in bits per second, counted over whole Ethernet frames."""
+    burst_bytes: int
+    """Token bucket depth: how many bytes may leave back to back at more than the rate."""
+    queue_ms: float = 5.0
+    """How long a frame may wait in the queue (tbf ``latency``); frames beyond it are dropped."""
+
+    def __post_init__(self) -> None:
+        if self.rate_bps <= 0:
+            raise ValueError(f"rate_bps must be positive, got {self.rate_bps}")
+        if self.burst_bytes < 2048:
+            raise ValueError(f"burst_bytes must be at least 2048 (one frame), got {self.burst_bytes}")
+        if not 0 < self.queue_ms <= 1000:
+            raise ValueError(f"queue_ms must be in (0, 1000], got {self.queue_ms}")
+
+    @classmethod
+    def for_rate(cls, rate: str | None, *, burst_bytes: int | None = None,
+                 queue_ms: float = 5.0) -> LinkShape | None:
+        """The shape for ``rate`` (see :func:`parse_rate`) with the measured default burst; None for no shaping."""
+        rate_bps = parse_rate(rate)
+        if rate_bps is None:
+            return None
+        burst = default_burst_bytes(rate_bps) if burst_bytes is None else burst_bytes
+        return cls(rate_bps=rate_bps, burst_bytes=burst, queue_ms=queue_ms)
+
+    def tbf_command(self, dev: str) -> str:
+        """The tc batch line that puts this shape on the egress of ``dev``."""
+        return (f"qdisc replace dev {dev} root tbf rate {self.rate_bps}bit "
+                f"burst {self.burst_bytes}b latency {self.queue_ms:g}ms")
+
+
+def namespace_names(tag: str, n_hosts: int) -> tuple[str, list[str]]:
+    """(switch namespace, [host namespaces]) of the network tagged ``tag``."""
+    return f"{tag}-sw", [f"{tag}-h{i}" for i in range(n_hosts)]
+
+
+def parse_namespace_name(prefix: str, name: str) -> tuple[int, str] | None:
+    """(pid, tag) when ``name`` is a namespace a network with ``prefix`` made, else None."""
+    match = re.match(rf"^({re.escape(prefix)}-(\d+)-\d+)-(?:sw|h\d+)$", name)
+    if match is None:
+        return None
+    return int(match.group(2)), match.group(1)
+
+
+def unavailable_reason(*, shaping: bool = True) -> str | None:
+    """Why emulation cannot run on this machine, or None when it can (as far as cheap checks tell)."""
+    if not sys.platform.startswith("linux"):
+        return f"network emulation needs Linux network namespaces (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return f"network emulation needs root to create network namespaces (running as uid {os.geteuid()})"
+    if shutil.which("ip") is None:
+        return "network emulation needs the `ip` command (iproute2), which is not on PATH"
+    if shaping and shutil.which("tc") is None:
+        return "network emulation needs the `tc` command (iproute2) to shape links, which is not on PATH"
+    return None
+
+
+def _command(argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run an iproute2 command with a deadline; raise NetemUnavailable naming it when it fails."""
+    try:
+        done = subprocess.run(list(argv), input=stdin, capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetemUnavailable(f"`{' '.join(argv)}` failed: {exc}") from exc
+    if check and done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip()
+        raise NetemUnavailable(f"`{' '.join(argv)}` failed (exit {done.returncode}): {detail}")
+    return done
+
+
+def _list_namespaces() -> list[str]:
+    out = _command(["ip", "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_path(tag: str) -> str:
+    return os.path.join(LOCK_DIR, f"{tag}.lock")
+
+
+def _lock_is_free(tag: str) -> bool:
+    """True when no living process holds the tag's lock (or there is no lock file)."""
+    try:
+        fd = os.open(_lock_path(tag), os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    finally:
+        os.close(fd)
+
+
+def _kill_namespace_processes(namespaces: Sequence[str], deadline_s: float = KILL_GRACE_S) -> None:
+    """SIGKILL every process still inside ``namespaces`` and wait (bounded) for them to go."""
+    pids: set[int] = set()
+    for ns in namespaces:
+        done = _command(["ip", "netns", "pids", ns], check=False)
+        pids.update(int(p) for p in done.stdout.split() if p.isdigit())
+    pids.discard(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + deadline_s
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if _pid_alive(p) and not _is_zombie(p)}
+        if pids:
+            time.sleep(0.01)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _delete_namespaces(namespaces: Sequence[str]) -> None:
+    if namespaces:
+        batch = "".join(f"netns delete {ns}\n" for ns in namespaces)
+        _command(["ip", "-force", "-batch", "-"], stdin=batch, check=False)
+
+
+def cleanup_stale(prefix: str = "ringtrain") -> list[str]:
+    """Remove what crashed networks with this ``prefix`` left behind; return the namespaces removed.
+
+    A network is a leftover when its harness pid is dead and its lock is free. Processes still
+    running inside its namespaces are killed, then the namespaces are deleted (which removes
+    their veth pairs and bridge). Namespaces of live harnesses, and namespaces whose names
+    this harness does not make, are left alone.
+    """
+    reason = unavailable_reason(shaping=False)
+    if reason is not None:
+        raise NetemUnavailable(reason)
+    by_tag: dict[str, list[str]] = {}
+    for ns in _list_namespaces():
+        parsed = parse_namespace_name(prefix, ns)
+        if parsed is not None:
+            by_tag.setdefault(parsed[1], []).append(ns)
+    removed: list[str] = []
+    for tag, namespaces in sorted(by_tag.items()):
+        pid = int(tag.rsplit("-", 2)[1])
+        if _pid_alive(pid) or not _lock_is_free(tag):
+            continue
+        _kill_namespace_processes(namespaces)
+        _delete_namespaces(namespaces)
+        try:
+            os.unlink(_lock_path(tag))
+        except FileNotFoundError:
+            pass
+        removed.extend(sorted(namespaces))
+    return removed
+
+
+class EmulatedNetwork:
+    """``n_hosts`` hosts, each in its own network namespace, on one switch; links shaped to ``rate``.
+
+    Use as a context manager (see the module docstring for a full example)::
+
+        with EmulatedNetwork(2, rate="1gbit") as net:
+            net.run(1, ["python3", "-c", "print('hello from host 1')"])
+            server = net.popen(1, ["python3", "server.py", "--bind", net.addr(1)])
+
+    ``rate`` is ``"1gbit"``, ``"10gbit"`` (any ``<number>kbit|mbit|gbit``), or ``None``/``"none"``
+    for namespaces and veth pairs without shaping. ``burst_bytes`` and ``queue_ms`` override
+    the tbf defaults (see :class:`LinkShape`). ``prefix`` names the namespaces
+    (``{prefix}-{pid}-{seq}-h{i}`` and ``-sw``); :func:`cleanup_stale` takes the same prefix.
+    Raises :class:`NetemUnavailable` on entry when the machine cannot do it.
+    """
+
+    def __init__(self, n_hosts: int, rate: str | None = None, *, prefix: str = "ringtrain",
+                 burst_bytes: int | None = None, queue_ms: float = 5.0) -> None:
+        if not isinstance(n_hosts, int) or not 1 <= n_hosts <= 250:
+            raise ValueError(f"n_hosts must be an integer in [1, 250], got {n_hosts!r}")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,31}", prefix):
+            raise ValueError(f"prefix must be a letter then up to 31 letters, digits or '_', got {prefix!r}")
+        self.n_hosts = n_hosts
+        self.prefix = prefix
+        self.shape = LinkShape.for_rate(rate, burst_bytes=burst_bytes, queue_ms=queue_ms)
+        self.tag = f"{prefix}-{os.getpid()}-{next(_NETWORK_SEQ)}"
+        self.switch_namespace, self.host_namespaces = namespace_names(self.tag, n_hosts)
+        self._made: list[str] = []              # namespaces created so far, in order
+        self._processes: list[subprocess.Popen] = []
+        self._lock_fd: int | None = None
+        self._previous_handlers: dict[int, object] = {}
+        self._open = False
+
+    # ---- what callers use -------------------------------------------------------------
+
+    @property
+    def rate(self) -> str:
+        """The line rate as text: ``"1gbit"``, ``"10gbit"``, ... or ``"none"``."""
+        if self.shape is None:
+            return "none"
+        bps = self.shape.rate_bps
+        for unit, scale in (("gbit", 10**9), ("mbit", 10**6)):
+            if bps % scale == 0:
+                return f"{bps // scale}{unit}"
+        return f"{bps}bit"
+
+    def addr(self, i: int) -> str:
+        """Host ``i``'s IPv4 address (reachable from every host of this network, and nowhere else)."""
+        self._check_host(i)
+        return f"{SUBNET}.{i + 1}"
+
+    def namespace(self, i: int) -> str:
+        """The name of host ``i``'s network namespace."""
+        self._check_host(i)
+        return self.host_namespaces[i]
+
+    def host_id(self, i: int) -> str:
+        """Host ``i``'s identity, distinct per host and per network; popen sets it as RINGTRAIN_HOST_ID."""
+        self._check_host(i)
+        return f"{self.tag}-h{i}"
+
+    def popen(self, i: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+              **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside host ``i``; the network kills it (and its process group) on exit.
+
+        ``env`` is the whole environment as for subprocess (None: this process's); RINGTRAIN_HOST_ID
+        is added. Other keyword arguments go to subprocess.Popen (``start_new_session`` is forced on,
+        so the process and its children can be killed as one group).
+        """
+        if not self._open:
+            raise RuntimeError("EmulatedNetwork is not open: use it as `with EmulatedNetwork(...) as net:`")
+        full_env = dict(os.environ if env is None else env)
+        full_env[HOST_ID_ENV] = self.host_id(i)
+        kwargs["start_new_session"] = True
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv], env=full_env, **kwargs)
+        self._processes.append(proc)
+        return proc
+
+    def run(self, i: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+            timeout: float = 60.0, check: bool = True, capture_output: bool = False,
+            input: str | bytes | None = None, **kwargs) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside host ``i`` to completion (deadline ``timeout`` seconds), like subprocess.run."""
+        if capture_output:
+            kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if input is not None:
+            kwargs["stdin"] = subprocess.PIPE
+        proc = self.popen(i, argv, env=env, **kwargs)
+        try:
+            stdout, stderr = proc.communicate(input=input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._stop(proc)
+            raise
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        if check:
+            done.check_returncode()
+        return done
+
+    # ---- life cycle -------------------------------------------------------------------
+
+    def __enter__(self) -> EmulatedNetwork:
+        reason = unavailable_reason(shaping=self.shape is not None)
+        if reason is not None:
+            raise NetemUnavailable(reason)
+        cleanup_stale(self.prefix)
+        self._install_signal_handlers()
+        atexit.register(self.close)
+        self._open = True
+        try:
+            self._take_lock()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill the processes started here and remove every namespace this network made. Idempotent."""
+        if not self._open:
+            return
+        masked = threading.current_thread() is threading.main_thread()
+        if masked:  # a second Ctrl-C must not cut the clean-up short; it is delivered afterwards
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self._open = False
+            for proc in self._processes:
+                self._stop(proc)
+            self._processes.clear()
+            existing = set(_list_namespaces())
+            made = [ns for ns in self._made if ns in existing]
+            _kill_namespace_processes(made)
+            _delete_namespaces(made)
+            self._made.clear()
+            self._release_lock()
+            atexit.unregister(self.close)
+            self._restore_signal_handlers()
+        finally:
+            if masked:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _check_host(self, i: int) -> None:
+        if not isinstance(i, int) or not 0 <= i < self.n_hosts:
+            raise ValueError(f"host index must be in [0, {self.n_hosts}), got {i!r}")
+
+    def _take_lock(self) -> None:
+        os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
+        fd = os.open(_lock_path(self.tag), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._lock_fd = fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is None:
+            return
+        try:
+            os.unlink(_lock_path(self.tag))
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def _build(self) -> None:
+        for ns in (self.switch_namespace, *self.host_namespaces):
+            _command(["ip", "netns", "add", ns])
+            self._made.append(ns)
+        switch = ["link add br0 type bridge stp_state 0", "link set br0 addrgenmode none", "link set br0 up"]
+        for i, host_ns in enumerate(self.host_namespaces):
+            switch += [f"link add p{i} type veth peer name eth0 netns {host_ns}",
+                       f"link set p{i} addrgenmode none", f"link set p{i} master br0", f"link set p{i} up"]
+        _command(["ip", "-n", self.switch_namespace, "-batch", "-"], stdin="\n".join(switch) + "\n")
+        for i, host_ns in enumerate(self.host_namespaces):
+            host = ["link set lo up", "link set eth0 addrgenmode none",
+                    f"addr add {self.addr(i)}/24 dev eth0", "link set eth0 up"]
+            _command(["ip", "-n", host_ns, "-batch", "-"], stdin="\n".join(host) + "\n")
+        if self.shape is not None:
+            switch_tc = [self.shape.tbf_command(f"p{i}") for i in range(self.n_hosts)]
+            _command(["tc", "-n", self.switch_namespace, "-batch", "-"], stdin="\n".join(switch_tc) + "\n")
+            for host_ns in self.host_namespaces:
+                _command(["tc", "-n", host_ns, "-batch", "-"], stdin=self.shape.tbf_command("eth0") + "\n")
+
+    def _stop(self, proc: subprocess.Popen) -> None:
+        """SIGTERM the process group, SIGKILL it after the grace period; reap the process."""
+        if proc.poll() is None:
+            self._signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(proc, signal.SIGKILL)  # also whatever it left in its group
+        try:
+            proc.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the group id is the pid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; atexit and __exit__ remain
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        """Clean up, then do what the signal did before: raise KeyboardInterrupt, die, or chain on."""
+        previous = self._previous_handlers.get(signum, signal.SIG_DFL)
+        if previous == signal.SIG_IGN:
+            return
+        self.close()
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

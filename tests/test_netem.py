@@ -1,0 +1,305 @@
+"""Emulated networks: pure parts everywhere, namespaces and shaping only as root (skipped otherwise)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ringtrain.bench import netem
+from ringtrain.bench.netem import (EmulatedNetwork, LinkShape, NetemUnavailable, cleanup_stale,
+                                   default_burst_bytes, parse_namespace_name, parse_rate)
+
+REASON = netem.unavailable_reason()
+needs_root = pytest.mark.skipif(REASON is not None, reason=f"netem unavailable: {REASON}")
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _prefix() -> str:
+    return "rtest" + secrets.token_hex(3)
+
+
+def _ours(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.startswith(prefix + "-"))
+
+
+def _root_state() -> tuple[str, str, list[str]]:
+    """Namespaces, root links (without counters) and root qdiscs: what a network must leave as it found."""
+    def run(*argv: str) -> str:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
+    netns = sorted(line.split()[0] for line in run("ip", "netns", "list").splitlines() if line.strip())
+    return run("ip", "-o", "link", "show"), run("tc", "qdisc", "show"), netns
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# ---- pure parts ------------------------------------------------------------------------
+
+def test_parse_rate():
+    assert parse_rate(None) is None
+    assert parse_rate("none") is None
+    assert parse_rate("1gbit") == 10**9
+    assert parse_rate("10GBIT") == 10 * 10**9
+    assert parse_rate("500mbit") == 500 * 10**6
+    assert parse_rate("2.5gbit") == 2_500_000_000
+    for bad in ("1g", "fast", "", "0gbit", "-1gbit", "1 gbit/s"):
+        with pytest.raises(ValueError, match="rate"):
+            parse_rate(bad)
+
+
+def test_default_burst_meets_the_measured_minimum():
+    # DESIGN.md: at least 1 mbit at 1 Gbit/s and 8 mbit at 10 Gbit/s, or the link under-delivers.
+    assert default_burst_bytes(10**9) == 131072 and 131072 * 8 >= 10**6
+    assert default_burst_bytes(10 * 10**9) == 1310720 and 1310720 * 8 >= 8 * 10**6
+    assert default_burst_bytes(1000) == 65536  # never below 64 KiB: a TSO frame must fit
+
+
+def test_link_shape_validates_and_writes_tbf():
+    shape = LinkShape.for_rate("1gbit")
+    assert shape.tbf_command("eth0") == "qdisc replace dev eth0 root tbf rate 1000000000bit burst 131072b latency 5ms"
+    assert LinkShape.for_rate("none") is None
+    assert LinkShape.for_rate("10gbit", burst_bytes=8192, queue_ms=2).tbf_command("p1").endswith("burst 8192b latency 2ms")
+    with pytest.raises(ValueError, match="burst_bytes"):
+        LinkShape(rate_bps=10**9, burst_bytes=100)
+    with pytest.raises(ValueError, match="queue_ms"):
+        LinkShape(rate_bps=10**9, burst_bytes=131072, queue_ms=0)
+    with pytest.raises(ValueError, match="rate_bps"):
+        LinkShape(rate_bps=0, burst_bytes=131072)
+
+
+def test_namespace_names_round_trip():
+    sw, hosts = netem.namespace_names("rt-42-3", 3)
+    assert (sw, hosts) == ("rt-42-3-sw", ["rt-42-3-h0", "rt-42-3-h1", "rt-42-3-h2"])
+    for name in (sw, *hosts):
+        assert parse_namespace_name("rt", name) == (42, "rt-42-3")
+    for foreign in ("rt-42-3", "rt-x-3-h0", "rtx-42-3-h0", "other-42-3-sw", "rt-42-3-h0x", "rt-42-sw"):
+        assert parse_namespace_name("rt", foreign) is None
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="n_hosts"):
+        EmulatedNetwork(0)
+    with pytest.raises(ValueError, match="prefix"):
+        EmulatedNetwork(2, prefix="bad-prefix")
+    with pytest.raises(ValueError, match="rate"):
+        EmulatedNetwork(2, rate="1gb")
+    net = EmulatedNetwork(2, rate="10gbit")
+    assert net.rate == "10gbit" and EmulatedNetwork(2).rate == "none"
+    with pytest.raises(ValueError, match="host index"):
+        net.addr(2)
+    with pytest.raises(RuntimeError, match="not open"):
+        net.popen(0, ["true"])
+
+
+def test_unavailable_without_root_or_ip(monkeypatch):
+    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    with pytest.raises(NetemUnavailable, match="needs root"):
+        EmulatedNetwork(2, rate="1gbit").__enter__()
+    monkeypatch.setattr(netem.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netem.shutil, "which", lambda name: None if name == "ip" else "/usr/sbin/" + name)
+    with pytest.raises(NetemUnavailable, match="`ip` command"):
+        EmulatedNetwork(2).__enter__()
+
+
+# ---- real namespaces (root) ------------------------------------------------------------
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_create_and_destroy_leave_nothing_behind():
+    before = _root_state()
+    prefix = _prefix()
+    with EmulatedNetwork(3, rate="1gbit", prefix=prefix) as net:
+        assert _ours(prefix) == sorted([*net.host_namespaces, net.switch_namespace])
+        assert len(net.host_namespaces) == 3
+        assert [net.addr(i) for i in range(3)] == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
+        assert len({net.host_id(i) for i in range(3)}) == 3
+        qdiscs = net.run(1, ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "tbf" in qdiscs and "rate 1Gbit" in qdiscs
+        assert _root_state()[:2] == before[:2]  # the root namespace's links and qdiscs are untouched
+        assert os.path.exists(netem._lock_path(net.tag))
+    assert _root_state() == before
+    assert not os.path.exists(netem._lock_path(net.tag))
+
+
+ECHO = textwrap.dedent("""
+    import os, socket, sys
+    s = socket.create_server((sys.argv[1], 5300)); print("ready", flush=True)
+    c, peer = s.accept()
+    data = b""
+    while len(data) < int(sys.argv[2]):
+        data += c.recv(65536)
+    c.sendall(data[::-1] + os.environ["RINGTRAIN_HOST_ID"].encode())
+""")
+SEND = textwrap.dedent("""
+    import os, socket, sys
+    c = socket.create_connection((sys.argv[1], 5300), timeout=10)
+    payload = bytes(i % 251 for i in range(int(sys.argv[2])))
+    c.sendall(payload); c.shutdown(socket.SHUT_WR)
+    back = b""
+    while (b := c.recv(65536)):
+        back += b
+    sys.stdout.write(back[len(payload):].decode() + " " + os.environ["RINGTRAIN_HOST_ID"])
+    assert back[:len(payload)] == payload[::-1], "payload corrupted"
+""")
+
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_hosts_talk_tcp_across_the_bridge():
+    n = 100_003
+    with EmulatedNetwork(3, rate="10gbit", prefix=_prefix()) as net:
+        server = net.popen(0, [sys.executable, "-c", ECHO, net.addr(0), str(n)],
+                           stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        done = net.run(2, [sys.executable, "-c", SEND, net.addr(0), str(n)],
+                       capture_output=True, text=True, timeout=10)
+        assert done.stdout.split() == [net.host_id(0), net.host_id(2)]
+        assert server.wait(timeout=10) == 0
+        # a host has no route out of the emulated network: traffic stays between its namespaces
+        routes = net.run(1, ["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
+        assert routes.split() [:3] == ["10.213.0.0/24", "dev", "eth0"] and len(routes.splitlines()) == 1
+        out = net.run(1, [sys.executable, "-c", UNREACHABLE], capture_output=True, text=True, timeout=10)
+        assert out.stdout.strip() == str(errno.ENETUNREACH)
+
+
+UNREACHABLE = "import socket\ntry: socket.create_connection(('192.0.2.1', 80), timeout=2)\nexcept OSError as e: print(e.errno)"
+
+
+BULK_RECV = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.create_server((sys.argv[1], 5301)); print("ready", flush=True)
+    c, _ = s.accept(); n = int(sys.argv[2]); buf = memoryview(bytearray(1 << 20)); got = 0; t0 = None
+    while got < n:
+        k = c.recv_into(buf)
+        if k == 0: sys.exit("short")
+        t0 = t0 or time.perf_counter(); got += k
+    print(time.perf_counter() - t0, flush=True)
+""")
+BULK_SEND = textwrap.dedent("""
+    import socket, sys
+    c = socket.create_connection((sys.argv[1], 5301), timeout=10); n = int(sys.argv[2]); chunk = bytes(1 << 20)
+    for i in range(0, n, len(chunk)):
+        c.sendall(chunk[: n - i])
+""")
+
+
+def _transfer_seconds(rate: str | None, nbytes: int) -> float:
+    with EmulatedNetwork(2, rate=rate, prefix=_prefix()) as net:
+        recv = net.popen(1, [sys.executable, "-c", BULK_RECV, net.addr(1), str(nbytes)],
+                         stdout=subprocess.PIPE, text=True)
+        assert recv.stdout.readline().strip() == "ready"
+        net.run(0, [sys.executable, "-c", BULK_SEND, net.addr(1), str(nbytes)], timeout=15)
+        out, _ = recv.communicate(timeout=15)
+        assert recv.returncode == 0
+        return float(out)
+
+
+@needs_root
+@pytest.mark.timeout(30)
+def test_one_gbit_link_takes_about_the_line_time():
+    # A functional check, not a speed test: shaping must make the transfer no faster than
+    # ~line time; the upper bound adds the unshaped time of the same transfer, so a loaded
+    # CPU slows both alike.
+    nbytes = 30 * 2**20
+    line_s = nbytes * 8 / 1e9
+    unshaped = _transfer_seconds(None, nbytes)
+    shaped = _transfer_seconds("1gbit", nbytes)
+    assert 0.6 * line_s <= shaped <= 1.5 * line_s + unshaped, (shaped, line_s, unshaped)
+
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_exception_inside_the_block_cleans_up_and_kills_processes():
+    prefix = _prefix()
+    with pytest.raises(ZeroDivisionError):
+        with EmulatedNetwork(2, rate="1gbit", prefix=prefix) as net:
+            sleeper = net.popen(1, ["sleep", "60"])
+            assert len(_ours(prefix)) == 3
+            1 / 0
+    assert sleeper.returncode is not None
+    assert _ours(prefix) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+HARNESS = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from ringtrain.bench.netem import EmulatedNetwork
+    with EmulatedNetwork(2, rate="1gbit", prefix=sys.argv[1]) as net:
+        sleeper = net.popen(0, ["sleep", "60"])
+        print(sleeper.pid, flush=True)
+        time.sleep(60)
+""")
+
+
+def _start_harness(prefix: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", HARNESS, prefix, SRC], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        proc.kill()
+        pytest.fail(f"harness did not start: {line!r} {proc.communicate(timeout=5)[1]}")
+    return proc, int(line)
+
+
+@needs_root
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, -signal.SIGTERM)])
+def test_ctrl_c_and_sigterm_clean_up_then_end_the_process(sig, code):
+    prefix = _prefix()
+    proc, sleeper = _start_harness(prefix)
+    try:
+        assert len(_ours(prefix)) == 3 and not _gone(sleeper)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == code, err
+        if sig == signal.SIGINT:
+            assert "KeyboardInterrupt" in err
+        assert _ours(prefix) == []
+        assert _gone(sleeper)
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+        cleanup_stale(prefix)
+
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_cleanup_stale_removes_only_dead_harnesses_leftovers():
+    prefix = _prefix()
+    foreign = f"{prefix}-foreign"
+    subprocess.run(["ip", "netns", "add", foreign], check=True, timeout=10)
+    try:
+        proc, sleeper = _start_harness(prefix)
+        proc.kill()  # SIGKILL: no chance to clean up
+        proc.wait(timeout=5)
+        leftovers = _ours(prefix)
+        assert len(leftovers) == 4  # 3 of the dead harness + the foreign one
+        with EmulatedNetwork(1, prefix=prefix) as live:  # entering sweeps the dead one too
+            assert cleanup_stale(prefix) == []
+            assert _ours(prefix) == sorted([foreign, live.switch_namespace, *live.host_namespaces])
+            assert _gone(sleeper)
+        assert _ours(prefix) == [foreign]
+        # and an explicit sweep of a dead harness reports what it removed
+        proc, _ = _start_harness(prefix)
+        proc.kill()
+        proc.wait(timeout=5)
+        dead = [ns for ns in _ours(prefix) if ns != foreign]
+        assert cleanup_stale(prefix) == dead and len(dead) == 3
+        assert _ours(prefix) == [foreign]
+    finally:
+        subprocess.run(["ip", "netns", "delete", foreign], timeout=10)
