@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     known, _ = parser.parse_known_args(argv)
     module = importlib.import_module(known._module)
     words = [w for w in (known.command, getattr(known, "subcommand", None)) if w]
-    full = argparse.ArgumentParser(prog="ringtrain " + " ".join(words), description=module.__doc__)
+    full = argparse.ArgumentParser(
+        prog="ringtrain " + " ".join(words), description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.configure(full)
     args = full.parse_args(argv[len(words):])
     return int(module.run(args) or 0)

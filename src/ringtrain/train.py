@@ -1,0 +1,251 @@
+"""`ringtrain train`: the main job — train a reference model on N local workers.
+
+    ringtrain train                              # 2 workers, the character LM, optimal schedule
+    ringtrain train --workers 4 --steps 200      # run again: resumes from the last checkpoint
+
+The parent starts the workers through torch's own launcher (torch.distributed.run). Each
+worker joins with ``ringtrain.init``, wraps the model in ``ringtrain.DistributedDataParallel``
+and trains on its slice of every global batch. Rank 0 shows a progress bar (loss, samples/s),
+writes a checkpoint every K steps (atomic: write, fsync, rename; model, optimizer, data
+position and RNG state) and ends with a summary: samples/s, scaling against one worker, and
+the share of communication hidden behind backward.
+
+*Scaling against one worker*: before training, every worker times a few steps of the same
+model without communication, all at once, so that the one-worker rate is measured under the
+same load on the CPU; scaling = measured samples/s / (workers x that rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
+STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    model: str = "charlm"
+    """Reference model name (ringtrain.models.names())."""
+    steps: int = 60
+    """Optimizer steps in total (a resumed run continues to this count)."""
+    batch_size: int = 0
+    """Per-worker batch; 0 = the model's default."""
+    lr: float = 0.05
+    """SGD learning rate (momentum 0.9)."""
+    seed: int = 0
+    """Weights, data order and every random draw derive from it."""
+    schedule: str = "optimal"
+    """How gradients are merged into allreduce messages (ringtrain.plan methods)."""
+    algorithm: str = "auto"
+    """Allreduce algorithm (ringtrain.ALGORITHMS)."""
+    transport: str = "auto"
+    """How bytes move (ringtrain.TRANSPORTS)."""
+    bucket_cap_mb: float = 25.0
+    """Bucket size for schedule='fixed'."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go; '' = runs/<model>."""
+    checkpoint_every: int = 20
+    """Steps between checkpoints (0 = never)."""
+    resume: bool = True
+    """Continue from the newest valid checkpoint in checkpoint_dir."""
+    timeline: str = ""
+    """Write a Chrome trace of compute and communication to this path (per rank)."""
+    timeout: float = 120.0
+    """Seconds any communication may wait before it fails."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        from . import models
+        from .comm import ALGORITHMS
+        from .transport import TRANSPORTS
+
+        models.spec(self.model)  # ValueError naming the models
+        for name, value, allowed in (("schedule", self.schedule, SCHEDULES), ("algorithm", self.algorithm, ALGORITHMS),
+                                     ("transport", self.transport, TRANSPORTS)):
+            if value not in allowed:
+                raise ValueError(f"--{name} must be one of {allowed}, got {value!r}")
+        for name in ("steps", "checkpoint_every", "batch_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.steps == 0:
+            raise ValueError("--steps must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
+        if not self.checkpoint_dir:
+            self.checkpoint_dir = str(Path("runs") / self.model)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    defaults = TrainConfig()
+    for name in TrainConfig.__dataclass_fields__:
+        value = getattr(defaults, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            p.add_argument(flag, type=type(value), default=value)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return worker(TrainConfig(**json.loads(args.worker)), json_summary=args.json)
+    fields = {k: getattr(args, k) for k in TrainConfig.__dataclass_fields__}
+    try:
+        cfg = TrainConfig(**fields)
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    except ValueError as exc:
+        raise SystemExit(f"ringtrain train: {exc}")
+    from .bench.procs import free_port
+    from .launch import job_secret
+
+    port = args.master_port or free_port()
+    os.environ["RINGTRAIN_SECRET"] = job_secret(argparse.Namespace(secret_file=None, nnodes=1))
+    argv = [f"--nproc-per-node={args.workers}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+            "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker", json.dumps(asdict(cfg))]
+    if args.json:
+        argv.append("--json")
+    from torch.distributed import run as torchrun
+
+    try:
+        torchrun.main(argv)
+    except Exception as exc:  # torchrun's ChildFailedError already printed each rank's error
+        print(f"ringtrain train: {type(exc).__name__}: the workers failed (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _compute_only_rate(model, loss_fn, batch, steps: int = 3) -> float:
+    """Samples per second of forward + backward alone, on a private copy of the model."""
+    twin = copy.deepcopy(model)
+    x, y = batch
+    loss_fn(twin(x), y).backward()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        twin.zero_grad(set_to_none=True)
+        loss_fn(twin(x), y).backward()
+    return steps * len(x) / (time.perf_counter() - t0)
+
+
+def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
+    import numpy as np
+    import torch
+
+    import ringtrain
+    from . import checkpoint, data, models
+
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    comm = ringtrain.init(transport=cfg.transport, timeout=cfg.timeout)
+    rank, p = comm.rank, comm.world_size
+    spec = models.spec(cfg.model)
+    batch_size = cfg.batch_size or spec.batch_size
+    model = models.build(cfg.model, seed=cfg.seed)
+    dataset = data.dataset(spec.dataset, seed=cfg.seed, **spec.batch_kwargs)
+    loader = data.ShardedLoader(dataset, batch_size, rank=rank, world_size=p, seed=cfg.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+
+    start = 0
+    if cfg.resume:
+        found = checkpoint.latest(cfg.checkpoint_dir)
+        if found is not None:
+            start = checkpoint.restore_training_state(found.payload, model, opt, loader)
+            if rank == 0:
+                print(f"resumed from {found.path} at step {start}", file=sys.stderr)
+    one_rate = _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size)))
+
+    ddp = ringtrain.DistributedDataParallel(
+        model, comm=comm, schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, algorithm=cfg.algorithm,
+        timeline=cfg.timeline or None,
+    )
+    bar = None
+    if rank == 0 and cfg.progress and start < cfg.steps:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.model} x{p}", unit="step", file=sys.stderr)
+    times, losses = [], []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        x, y = loader.next_batch()
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * batch_size / times[-1]:.0f}")
+        if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            checkpoint.save(cfg.checkpoint_dir, step + 1, checkpoint.training_state(step + 1, model, opt, loader))
+    if bar is not None:
+        bar.close()
+
+    rate_buf = np.array([one_rate], dtype=np.float64)
+    comm.allreduce(rate_buf, op="mean")
+    steady = times[2:] if len(times) > 4 else times
+    summary = {
+        "model": cfg.model,
+        "workers": p,
+        "transport": comm.transport.name,
+        "schedule": cfg.schedule,
+        "steps_run": len(times),
+        "final_step": cfg.steps,
+        "last_loss": losses[-1] if losses else None,
+        "median_step_s": float(np.median(steady)) if steady else None,
+        "samples_per_s": p * batch_size / float(np.median(steady)) if steady else None,
+        "one_worker_samples_per_s": float(rate_buf[0]),
+    }
+    if summary["samples_per_s"]:
+        summary["scaling_efficiency"] = summary["samples_per_s"] / (p * summary["one_worker_samples_per_s"])
+    stats = getattr(ddp, "stats", None)
+    if callable(stats):
+        stats = stats()
+    if isinstance(stats, dict):
+        summary["communication"] = stats
+    comm.close()
+    if rank == 0:
+        if json_summary:
+            print(json.dumps(summary))
+        else:
+            _print_summary(summary)
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    print(f"\n{s['model']} on {s['workers']} workers ({s['transport']}, schedule {s['schedule']}):")
+    if s["steps_run"] == 0:
+        print(f"  nothing to do: the checkpoint is already at step {s['final_step']}")
+        return
+    print(f"  steps run          {s['steps_run']} (to step {s['final_step']}), last loss {s['last_loss']:.4f}")
+    print(f"  step time          {s['median_step_s'] * 1e3:.1f} ms (median)")
+    print(f"  throughput         {s['samples_per_s']:.0f} samples/s")
+    print(f"  one worker         {s['one_worker_samples_per_s']:.0f} samples/s (compute only, same load)")
+    print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on {s['workers']} workers "
+          f"({100 * s['scaling_efficiency']:.0f}% efficiency)")
+    comm = s.get("communication") or {}
+    if "hidden_fraction" in comm:
+        print(f"  communication      {100 * comm['hidden_fraction']:.0f}% hidden behind backward")
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
