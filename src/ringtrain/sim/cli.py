@@ -1,0 +1,154 @@
+"""Predict iteration time, throughput and scaling of data-parallel training from 4 to 2048 GPUs.
+
+Every model x cluster x algorithm x GPU count x schedule of the sweep is one prediction:
+iteration = forward + max(backward, end of the last allreduce) + optimizer step, with the
+allreduces grouped by ringtrain.plan (the trainer's own planner) and timed by
+ringtrain.sim.costs. Examples:
+
+  ringtrain simulate                                  # 9 reference models, 1GbE/10GbE/100Gb-IB
+  ringtrain simulate --model resnet50,bert-large --cluster 10GbE --gpus 16,64,256
+  ringtrain simulate --model my_trace.json --cluster alpha=2e-5,beta=8e-10 --json
+  ringtrain simulate --cluster bench_allreduce.json --plot plots/   # alpha/beta from a bench run
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import clusters as clusters_mod
+from . import costs
+from .devices import DEVICES, get_device
+from .models_zoo import MODELS, build_trace
+from .simulator import DEFAULT_GPUS, SCHEDULES, Prediction, sweep
+from .traces import Trace, load
+
+DEFAULT_CLUSTERS = "1GbE,10GbE,100Gb-IB"
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``simulate`` and ``plan``: model, device, cluster."""
+    parser.add_argument("--model", default="all",
+                        help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all', or trace files (.json/.csv)")
+    parser.add_argument("--device", default="v100", help=f"GPU profile for zoo models: {', '.join(DEVICES)} (default v100)")
+    parser.add_argument("--cluster", action="append", default=None,
+                        help=f"network name ({', '.join(costs.NETWORKS)}; comma-separated for several), "
+                             "'alpha=S,beta=S_PER_BYTE[,gamma=..,gpus_per_node=..,servers=..]', or a "
+                             f"'bench allreduce --json' file; repeatable (default {DEFAULT_CLUSTERS})")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node for hierarchical (default 8)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of the fixed schedule, MiB (default 25)")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)), help="comma-separated GPU counts")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated: {', '.join(SCHEDULES)}")
+    parser.add_argument("--algorithms", default="ring", help=f"comma-separated: {', '.join(costs.ALGORITHMS)}")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--csv", metavar="FILE", help="also write every prediction as a CSV row")
+    parser.add_argument("--plot", metavar="DIR", help="also write PNG scaling curves and Gantt charts to DIR")
+
+
+def split(value: str, option: str, accepted: Sequence[str] | None = None) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"{option}: needs at least one value")
+    if accepted is not None:
+        for v in items:
+            if v not in accepted:
+                raise ValueError(f"{option}: unknown value {v!r}; choose from {', '.join(accepted)}")
+    return items
+
+
+def parse_gpus(value: str) -> list[int]:
+    out = []
+    for v in split(value, "--gpus"):
+        try:
+            p = int(v)
+        except ValueError:
+            raise ValueError(f"--gpus: {v!r} is not an integer") from None
+        if p < 1:
+            raise ValueError(f"--gpus: GPU counts must be >= 1, got {p}")
+        out.append(p)
+    return out
+
+
+def load_traces(value: str, device_name: str) -> list[Trace]:
+    names = list(MODELS) if value.strip().lower() == "all" else split(value, "--model")
+    device = get_device(device_name)
+    return [load(n) if n.lower().endswith((".json", ".csv")) else build_trace(n, device) for n in names]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        traces = load_traces(args.model, args.device)
+        clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], args.gpus_per_node)
+        gpus = parse_gpus(args.gpus)
+        schedules = split(args.schedules, "--schedules", SCHEDULES)
+        algorithms = split(args.algorithms, "--algorithms", costs.ALGORITHMS)
+        predictions = sweep(traces, clusters, gpus, schedules, algorithms, args.bucket_mb)
+    except ValueError as e:
+        print(f"ringtrain simulate: {e}", file=sys.stderr)
+        return 2
+    if args.csv:
+        write_csv(predictions, args.csv)
+    if args.plot:
+        from . import plot
+
+        for path in plot.write_all(predictions, traces, clusters, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        json.dump(document(predictions, traces, clusters, args.device), sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(predictions, schedules, args.device))
+    return 0
+
+
+def document(predictions: list[Prediction], traces: list[Trace], clusters: list[Any], device: str) -> dict[str, Any]:
+    return {
+        "device": device,
+        "models": [
+            {"model": t.model, "batch_size": t.batch_size, "sample_unit": t.sample_unit, "layers": len(t.layers),
+             "params": t.params, "grad_bytes": t.grad_bytes, "forward_s": t.forward_s, "backward_s": t.backward_s,
+             "optimizer_s": t.optimizer_s, "source": t.source}
+            for t in traces
+        ],
+        "clusters": [
+            {k: getattr(c, k) for k in c.__slots__} for c in clusters
+        ],
+        "rows": [p.to_dict() for p in predictions],
+    }
+
+
+def write_csv(predictions: list[Prediction], path: str | Path) -> None:
+    rows = [p.to_dict() for p in predictions]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_table(predictions: list[Prediction], schedules: Sequence[str], device: str) -> str:
+    """One line per model x cluster x algorithm x GPU count; a column per schedule."""
+    cells: dict[tuple, dict[str, Prediction]] = {}
+    for p in predictions:
+        cells.setdefault((p.model, p.cluster, p.algorithm, p.world_size), {})[p.schedule] = p
+    head = f"{'model':<12} {'cluster':<16} {'algorithm':<10} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
+    lines = [
+        f"iteration time in ms (scaling efficiency) per schedule; zoo models on {device}",
+        head + f"  {'best':<8} {'samples/s':>10}",
+    ]
+    for (model, cluster, algorithm, p), by_schedule in cells.items():
+        row = f"{model:<12} {cluster:<16} {algorithm:<10} {p:>5}"
+        for s in schedules:
+            pr = by_schedule[s]
+            row += f"{pr.iteration_s * 1e3:>10.1f} ({pr.efficiency:>4.0%})"
+        best = min(by_schedule.values(), key=lambda pr: pr.iteration_s)
+        lines.append(row + f"  {best.schedule:<8} {best.samples_per_s:>10.0f}")
+    return "\n".join(lines)

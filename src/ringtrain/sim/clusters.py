@@ -1,0 +1,204 @@
+"""Clusters: the network a simulated job runs on, and the allreduce cost it implies.
+
+Words used here:
+
+* **link** — the α–β(–γ) constants of one network hop: ``alpha`` seconds of start-up per
+  message, ``beta`` seconds per byte, ``gamma`` seconds per byte reduced. The allreduce
+  formulas of ``sim.costs`` turn link constants into the time of one allreduce for any
+  world size and algorithm.
+* **cluster** — a link between nodes, GPUs per node and the link inside a node (NVLink by
+  default; used by ``hierarchical``), and the number of parameter servers (used by ``ps``).
+* **cluster spec** — what a user writes after ``--cluster``:
+
+  - a name from ``sim.costs.NETWORKS`` (case-insensitive), e.g. ``10GbE``, ``56Gb-IB``,
+    ``mgwfbp-10GbE-16``;
+  - ``alpha=SECONDS,beta=SECONDS_PER_BYTE`` with optional ``gamma=``, ``gpus_per_node=``,
+    ``servers=`` — user-given constants;
+  - the path of a ``ringtrain bench allreduce --json`` file: α and β fitted to its rows
+    (``from_bench``).
+
+Profiles published as *fitted allreduce times* (``fitted_world_size`` set, e.g. the MG-WFBP
+authors' ``a + b*n`` on 16 workers) are turned into the link constants that give exactly that
+time for a ring allreduce on that many workers; at other world sizes they scale as a ring does.
+The same conversion is used for α/β fitted from a bench file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import costs
+from .calibrate import fit_alpha_beta
+
+INTRA_NODE = "NVLink"
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    name: str
+    alpha: float
+    """Start-up time of one message between nodes, seconds."""
+    beta: float
+    """Seconds per byte between nodes."""
+    gamma: float = 0.0
+    """Seconds per byte reduced."""
+    gpus_per_node: int = 8
+    """GPUs sharing the fast intra-node link (hierarchical)."""
+    intra_alpha: float = costs.NETWORKS[INTRA_NODE].alpha
+    """Start-up time inside a node, seconds."""
+    intra_beta: float = costs.NETWORKS[INTRA_NODE].beta
+    """Seconds per byte inside a node."""
+    servers: int = 1
+    """Parameter servers (algorithm ``ps``)."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("cluster name must not be empty")
+        for key in ("alpha", "beta", "gamma", "intra_alpha", "intra_beta"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and value >= 0 and value != float("inf")):
+                raise ValueError(f"--cluster: {key}={value!r}; it must be a finite number >= 0")
+        if self.beta == 0 and self.alpha == 0:
+            raise ValueError("--cluster: alpha and beta cannot both be 0")
+        for key in ("gpus_per_node", "servers"):
+            if not (isinstance(getattr(self, key), int) and getattr(self, key) >= 1):
+                raise ValueError(f"--cluster: {key} must be an integer >= 1, got {getattr(self, key)!r}")
+
+    def options(self, algorithm: str) -> dict[str, Any]:
+        """The extra arguments ``costs.allreduce_time`` takes for ``algorithm``."""
+        if algorithm == "hierarchical":
+            return {"gpus_per_node": self.gpus_per_node, "intra_alpha": self.intra_alpha, "intra_beta": self.intra_beta}
+        if algorithm == "ps":
+            return {"servers": self.servers}
+        return {}
+
+    def cost(self, world_size: int, algorithm: str = "ring") -> costs.AllreduceCost:
+        """``cost(nbytes) -> seconds`` of one allreduce on ``world_size`` GPUs of this cluster."""
+        if algorithm not in costs.ALGORITHMS:
+            raise ValueError(f"--algorithms: unknown algorithm {algorithm!r}; choose from {', '.join(costs.ALGORITHMS)}")
+        if algorithm == "hierarchical" and world_size > self.gpus_per_node and world_size % self.gpus_per_node:
+            raise ValueError(
+                f"--gpus: {world_size} GPUs do not fill nodes of {self.gpus_per_node} (algorithm hierarchical)"
+            )
+        return costs.allreduce_cost(world_size, algorithm, self.alpha, self.beta, self.gamma, **self.options(algorithm))
+
+
+def link_from_fit(a: float, b: float, world_size: int, algorithm: str = "ring") -> tuple[float, float]:
+    """Link (alpha, beta) whose ``algorithm`` allreduce on ``world_size`` takes ``a + b*n``.
+
+    Every formula in ``sim.costs`` is linear in alpha and in beta, so the coefficients are read
+    off the formula itself: ``allreduce_time`` with (alpha=1, beta=0) and (alpha=0, beta=1).
+    """
+    if world_size < 2:
+        raise ValueError(f"a fitted allreduce needs world_size >= 2, got {world_size}")
+    n = 1e6
+    per_alpha = float(costs.allreduce_time(n, world_size, algorithm, alpha=1.0, beta=0.0))
+    per_beta = float(costs.allreduce_time(n, world_size, algorithm, alpha=0.0, beta=1.0)) / n
+    if per_alpha <= 0 or per_beta <= 0:
+        raise ValueError(f"cannot convert a fit for algorithm {algorithm!r} to link constants")
+    return a / per_alpha, b / per_beta
+
+
+def named(name: str, gpus_per_node: int = 8) -> Cluster:
+    """The cluster of a ``sim.costs.NETWORKS`` profile (case-insensitive name)."""
+    by_lower = {k.lower(): v for k, v in costs.NETWORKS.items()}
+    prof = by_lower.get(name.strip().lower())
+    if prof is None:
+        raise ValueError(
+            f"--cluster: unknown network {name!r}; choose from {', '.join(costs.NETWORKS)}, "
+            "give alpha=...,beta=..., or a bench allreduce JSON file"
+        )
+    alpha, beta = prof.alpha, prof.beta
+    source = prof.source
+    if prof.fitted_world_size is not None:
+        alpha, beta = link_from_fit(alpha, beta, prof.fitted_world_size)
+        source += f"; scaled from {prof.fitted_world_size} workers as a ring allreduce"
+    return Cluster(prof.name, alpha, beta, prof.gamma, gpus_per_node=gpus_per_node, source=source)
+
+
+def custom(spec: str) -> Cluster:
+    """``alpha=..,beta=..[,gamma=..][,gpus_per_node=..][,servers=..][,name=..]``."""
+    fields: dict[str, Any] = {}
+    allowed = ("alpha", "beta", "gamma", "gpus_per_node", "servers", "intra_alpha", "intra_beta", "name")
+    for part in spec.split(","):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in allowed:
+            raise ValueError(f"--cluster {spec!r}: expected key=value pairs with keys {', '.join(allowed)}")
+        try:
+            fields[key] = value.strip() if key == "name" else int(value) if key in ("gpus_per_node", "servers") else float(value)
+        except ValueError:
+            raise ValueError(f"--cluster {spec!r}: {key}={value!r} is not a number") from None
+    if "alpha" not in fields or "beta" not in fields:
+        raise ValueError(f"--cluster {spec!r}: both alpha= and beta= are required")
+    name = fields.pop("name", f"alpha={fields['alpha']:g},beta={fields['beta']:g}")
+    return Cluster(name, source="user-given", **fields)
+
+
+def load_bench_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``bench allreduce --json`` document (extra keys are kept and ignored)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--cluster {path}: cannot read a bench JSON file: {e}") from None
+    rows = doc.get("rows") if isinstance(doc, dict) else doc
+    if not isinstance(rows, list):
+        raise ValueError(f"--cluster {path}: no 'rows' list in the bench JSON file")
+    need = ("algorithm", "world_size", "nbytes", "median_s")
+    good = [r for r in rows if isinstance(r, dict) and all(k in r for k in need)]
+    if not good:
+        raise ValueError(f"--cluster {path}: no row has all of {', '.join(need)}")
+    return good
+
+
+def from_bench(
+    path: str | Path,
+    algorithm: str = "ring",
+    transport: str | None = None,
+    world_size: int | None = None,
+    gpus_per_node: int = 8,
+) -> Cluster:
+    """Link α/β fitted (``calibrate.fit_alpha_beta``) to a bench file's ``algorithm`` rows.
+
+    Uses the rows of ``world_size`` (default: the largest measured with ``algorithm``) and
+    ``transport`` (default: all of them), then converts the whole-allreduce fit to link
+    constants with ``link_from_fit``.
+    """
+    rows = [r for r in load_bench_rows(path) if r["algorithm"] == algorithm]
+    if transport is not None:
+        rows = [r for r in rows if r.get("transport") == transport]
+    if not rows:
+        raise ValueError(f"--cluster {path}: no rows with algorithm={algorithm!r}" + (f", transport={transport!r}" if transport else ""))
+    p = world_size if world_size is not None else max(int(r["world_size"]) for r in rows)
+    rows = [r for r in rows if int(r["world_size"]) == p]
+    if not rows:
+        raise ValueError(f"--cluster {path}: no rows with world_size={p}")
+    a, b = fit_alpha_beta([float(r["nbytes"]) for r in rows], [float(r["median_s"]) for r in rows])
+    alpha, beta = link_from_fit(a, b, p, algorithm if algorithm in costs.ALGORITHMS else "ring")
+    return Cluster(
+        f"bench:{Path(path).stem}", alpha, beta, gpus_per_node=gpus_per_node,
+        source=f"fitted to {len(rows)} rows of {path} ({algorithm}, {p} ranks): a={a:.3g} s, b={b:.3g} s/B",
+    )
+
+
+def resolve(spec: str, gpus_per_node: int = 8) -> Cluster:
+    """A cluster from one spec string (see the module docstring)."""
+    spec = spec.strip()
+    if spec.lower().endswith(".json"):
+        return from_bench(spec, gpus_per_node=gpus_per_node)
+    if "=" in spec:
+        return custom(spec)
+    return named(spec, gpus_per_node)
+
+
+def resolve_many(specs: list[str], gpus_per_node: int = 8) -> list[Cluster]:
+    """Clusters for ``--cluster`` values: names may be comma-separated; key=value specs may not."""
+    out: list[Cluster] = []
+    for spec in specs:
+        parts = [spec] if "=" in spec else [s for s in spec.split(",") if s.strip()]
+        out += [resolve(s, gpus_per_node) for s in parts]
+    return out

@@ -1,0 +1,210 @@
+"""The simulator: one training iteration of a traced model on p GPUs, from the trace and a cost.
+
+Words used here:
+
+* **cost** — the time of one allreduce of n bytes on p GPUs with a given algorithm, from
+  ``ringtrain.sim.costs`` (through a ``Cluster``) or any ``cost(nbytes) -> seconds``.
+* **schedule** — how gradients are grouped into allreduces: ``single``, ``wfbp``,
+  ``fixed`` (a MiB bucket cap), ``mgwfbp``, ``optimal``. Groups and their start and end
+  times come from ``ringtrain.plan.merge``, the same code the trainer runs.
+* **iteration** — forward, then backward with the plan's allreduces overlapping it, then the
+  optimizer step once the last allreduce has ended:
+  ``iteration = forward + max(backward, end of the last allreduce) + optimizer``
+  (the allreduce end is counted from the start of backward). On one GPU nothing is
+  communicated: ``forward + backward + optimizer``.
+* **throughput** ``p * batch / iteration`` samples/s; **speedup** is throughput over the
+  one-GPU throughput; **scaling efficiency** is speedup / p.
+
+Modelled: start-up and per-byte cost of each allreduce (per algorithm and world size),
+overlap of communication with backward on one communication stream, the order in which
+gradients become ready, the optimizer step. Not modelled: compute slowed down by concurrent
+communication (memory bandwidth, SMs or CPU cores taken by the collective), stragglers and
+run-to-run jitter, contention at parameter servers or in the network core beyond what the
+cost formula charges, forward-pass prefetching of parameters, and data loading.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import numpy as np
+
+from .. import plan as planner
+from .traces import Trace
+
+#: The schedules in the order tables show them: from the least to the most overlap-aware.
+SCHEDULES = ("single", "wfbp", "fixed", "mgwfbp", "optimal")
+DEFAULT_GPUS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+CostFn = Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    model: str
+    cluster: str
+    algorithm: str
+    schedule: str
+    world_size: int
+    batch_size: int
+    """Samples per GPU per iteration."""
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    """Sum of the allreduce times (some of it hidden behind backward)."""
+    comm_end_s: float
+    """End of the last allreduce, counted from the start of backward."""
+    optimizer_s: float
+    iteration_s: float
+    samples_per_s: float
+    speedup: float
+    efficiency: float
+    groups: int
+    """Number of allreduces per iteration."""
+    plan: planner.Plan = field(repr=False, compare=False)
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication not hidden behind backward."""
+        return max(0.0, self.comm_end_s - self.backward_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__slots__ if k != "plan"}
+        d["exposed_s"] = self.exposed_s
+        return d
+
+
+def affine_or_none(cost: CostFn, probe: Sequence[float] = (1.0, 1e3, 1e5, 1e6, 3e7, 1e9, 1e10)) -> tuple[float, float] | None:
+    """(a, b) if ``cost(n) == a + b n`` at every probe size (to 1e-9 relative), else None.
+
+    Every cost in ``sim.costs`` is affine in n > 0 for a fixed world size and algorithm;
+    handing the planner the affine form lets it use its vectorized path. Any other cost is
+    passed to the planner as it is (slower, same answer).
+    """
+    ys = [float(cost(float(n))) for n in probe]
+    b = (ys[-1] - ys[-2]) / (probe[-1] - probe[-2])
+    a = ys[-2] - b * probe[-2]
+    if a < 0:  # rounding of a + b*n at 1e9 bytes can leave -1e-18 for a cost of pure bandwidth
+        a = 0.0 if a > -1e-12 else a
+    if a < 0 or b < 0:
+        return None
+    for n, y in zip(probe, ys):
+        if not math.isclose(a + b * n, y, rel_tol=1e-9, abs_tol=1e-15):
+            return None
+    return a, b
+
+
+def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 25.0) -> planner.Plan:
+    """The planner's grouping and timing of ``trace``'s gradients under ``cost``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--schedules: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    _, times, sizes = trace.gradient_layers()
+    ab = affine_or_none(cost)
+    if ab is not None:
+        return planner.merge(times, sizes, ab[0], ab[1], method=schedule, bucket_cap_mb=bucket_cap_mb)
+    return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, cost=cost)
+
+
+def single_gpu_iteration(trace: Trace) -> float:
+    return trace.forward_s + trace.backward_s + trace.optimizer_s
+
+
+def predict_with_cost(
+    trace: Trace,
+    cost: CostFn,
+    world_size: int,
+    schedule: str = "optimal",
+    *,
+    algorithm: str = "ring",
+    cluster: str = "custom",
+    bucket_cap_mb: float = 25.0,
+) -> Prediction:
+    """Predict one iteration of ``trace`` on ``world_size`` GPUs whose allreduce takes ``cost``."""
+    if world_size < 1:
+        raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
+    plan = make_plan(trace, schedule, cost if world_size > 1 else _free, bucket_cap_mb)
+    base = single_gpu_iteration(trace)
+    iteration = trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s
+    throughput = world_size * trace.batch_size / iteration
+    speedup = base / iteration * world_size
+    return Prediction(
+        model=trace.model,
+        cluster=cluster,
+        algorithm=algorithm,
+        schedule=schedule,
+        world_size=world_size,
+        batch_size=trace.batch_size,
+        forward_s=trace.forward_s,
+        backward_s=trace.backward_s,
+        comm_s=plan.comm_time,
+        comm_end_s=plan.end_time,
+        optimizer_s=trace.optimizer_s,
+        iteration_s=iteration,
+        samples_per_s=throughput,
+        speedup=speedup,
+        efficiency=speedup / world_size,
+        groups=len(plan.groups),
+        plan=plan,
+    )
+
+
+def _free(nbytes: Any) -> Any:
+    return 0.0 * nbytes
+
+
+def predict(
+    trace: Trace,
+    alpha: float,
+    beta: float,
+    world_size: int,
+    schedule: str = "optimal",
+    algorithm: str = "ring",
+    *,
+    gamma: float = 0.0,
+    bucket_cap_mb: float = 25.0,
+    cluster: str = "custom",
+    **cost_options: Any,
+) -> Prediction:
+    """Predict one iteration from per-link ``alpha`` (s) and ``beta`` (s/byte).
+
+    The allreduce cost is ``sim.costs.allreduce_time(n, world_size, algorithm, alpha, beta,
+    gamma, **cost_options)`` (e.g. the intra-node link of ``hierarchical``). This is the
+    entry point for checking predictions against measured runs.
+    """
+    from . import costs
+
+    cost = costs.allreduce_cost(world_size, algorithm, alpha, beta, gamma, **cost_options)
+    return predict_with_cost(
+        trace, cost, world_size, schedule, algorithm=algorithm, cluster=cluster, bucket_cap_mb=bucket_cap_mb
+    )
+
+
+class ClusterLike(Protocol):
+    name: str
+
+    def cost(self, world_size: int, algorithm: str) -> CostFn: ...
+
+
+def sweep(
+    traces: Iterable[Trace],
+    clusters: Sequence[ClusterLike],
+    gpus: Sequence[int] = DEFAULT_GPUS,
+    schedules: Sequence[str] = SCHEDULES,
+    algorithms: Sequence[str] = ("ring",),
+    bucket_cap_mb: float = 25.0,
+) -> list[Prediction]:
+    """Every trace x cluster x algorithm x GPU count x schedule, in that nesting order."""
+    out: list[Prediction] = []
+    for trace in traces:
+        for cluster in clusters:
+            for algorithm in algorithms:
+                for p in gpus:
+                    cost = cluster.cost(p, algorithm)
+                    for schedule in schedules:
+                        out.append(predict_with_cost(
+                            trace, cost, p, schedule, algorithm=algorithm, cluster=cluster.name,
+                            bucket_cap_mb=bucket_cap_mb,
+                        ))
+    return out
