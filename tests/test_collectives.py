@@ -1,0 +1,297 @@
+"""The collective algorithms on the in-process thread transport, checked exactly.
+
+Data is integer valued and distinct per (rank, element) where the op allows, small enough to
+be exact in float16 and bfloat16 (modulo for those), so every result is compared with a
+numpy reference by exact equality, naming the first mismatching index. Random floats check
+that every rank ends with bitwise identical bytes. One thread run per (algorithm, world size)
+carries every length x op x dtype combination, so the whole sweep stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ringtrain.collectives import ops
+from ringtrain.errors import CommError, MismatchError
+from ringtrain.transport.base import CallHeader, shape_digest
+from ringtrain.transport.local import run_threads
+
+pytestmark = pytest.mark.timeout(60)
+
+ALGORITHMS = ["ring"]
+SEGMENTED = {"ring"}  # accept max_segment_bytes
+WORLD = [1, 2, 3, 4, 5, 7, 8]
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
+OPS = ["sum", "min", "max", "prod"]
+TINY_SEGMENT = 8  # bytes: one to four elements per segment
+MULTI_SEGMENT_N = 45
+
+
+def lengths(p: int) -> list[int]:
+    return sorted({0, 1, max(p - 1, 0), p + 1, 1009})
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+def values(op: str, dtype: str, rank: int, n: int, p: int) -> np.ndarray:
+    """Exact small integers (float64) for one rank, distinct per (rank, element) where possible."""
+    i = np.arange(n, dtype=np.int64)
+    if op == "prod":  # at most ceil(p/4) factors of two per element: exact even in float16
+        v = np.where((rank + i) % 4 == 0, 2, np.where((rank * 7 + i) % 5 == 0, -1, 1))
+    elif op == "sum":
+        bound = {"float16": 61, "bfloat16": 17}.get(dtype)  # |partial sums| <= 16 * bound/2
+        v = (rank * n + i) - (p * n) // 2 if bound is None else ((rank * n + i) * 7 + rank) % bound - bound // 2
+    else:  # min/max: distinct, and which rank holds the extreme varies with the element
+        bound = {"float16": 2039, "bfloat16": 251}.get(dtype, 1_000_003)
+        v = ((rank * n + i) * 7919) % bound - bound // 2
+    return v.astype(np.float64)
+
+
+def to_storage(v: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return torch.from_numpy(v).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+    return v.astype(dtype)
+
+
+def reference(op: str, dtype: str, n: int, p: int) -> np.ndarray:
+    stack = np.stack([values(op, dtype, r, n, p) for r in range(p)]) if n else np.zeros((p, 0))
+    red = {"sum": np.sum, "min": np.min, "max": np.max, "prod": np.prod}[op](stack, axis=0)
+    return to_storage(red, dtype)
+
+
+def header(kind: str, op: str, alg: str, dtype: str, n: int, seq: int = 1, root: int = -1) -> CallHeader:
+    return CallHeader(seq, kind, op, alg, dtype, n, shape_digest((n,)), root)
+
+
+def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if not np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}")):
+        bad = np.flatnonzero(got.view(f"u{got.itemsize}") != want.view(f"u{want.itemsize}"))[0]
+        raise AssertionError(f"{what}: first mismatch at index {bad}: got {got[bad]}, want {want[bad]}")
+
+
+def run(p: int, fn, timeout: float = 50.0) -> list:
+    results = run_threads(p, fn, timeout=timeout)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def deadline(seconds: float = 30.0) -> float:
+    return time.monotonic() + seconds
+
+
+def call_allreduce(alg: str, t, buf, op: str, dtype: str, hdr: CallHeader, **kw) -> None:
+    module = importlib.import_module(f"ringtrain.collectives.{alg}")
+    if alg == "hierarchical" and "hosts" not in kw:
+        kw["hosts"] = [r // 2 for r in range(t.world_size)]  # pairs; odd p leaves a lone rank
+    module.allreduce(t, buf, ops.reducer(op, dtype), hdr, deadline(), **kw)
+
+
+def cases(p: int, alg: str):
+    """(n, op, dtype, kwargs) combinations for one thread run."""
+    for n in lengths(p):
+        for dtype in DTYPES:
+            for op in OPS:
+                yield n, op, dtype, {}
+    if alg in SEGMENTED:
+        for dtype in DTYPES:
+            for op in OPS:
+                yield MULTI_SEGMENT_N, op, dtype, {"max_segment_bytes": TINY_SEGMENT}
+
+
+# --- allreduce: every algorithm x world size x length x op x dtype -------------------------
+
+
+def allreduce_sweep(alg: str, p: int) -> None:
+    todo = list(cases(p, alg))
+
+    def body(t):
+        out = []
+        for seq, (n, op, dtype, kw) in enumerate(todo, 1):
+            buf = to_storage(values(op, dtype, t.rank, n, p), dtype)
+            call_allreduce(alg, t, buf, op, dtype, header("allreduce", op, alg, dtype, n, seq), **kw)
+            out.append(buf)
+        return out
+
+    results = run(p, body)
+    for k, (n, op, dtype, kw) in enumerate(todo):
+        want = reference(op, dtype, n, p)
+        for rank in range(p):
+            assert_same(results[rank][k], want, f"{alg} p={p} n={n} {op} {dtype} {kw} rank {rank}")
+
+
+@pytest.mark.parametrize("p", WORLD)
+@pytest.mark.parametrize("alg", ALGORITHMS)
+def test_allreduce_exact(alg, p):
+    allreduce_sweep(alg, p)
+
+
+def test_ring_allreduce_16_ranks():
+    allreduce_sweep("ring", 16)
+
+
+@pytest.mark.parametrize("alg", ALGORITHMS)
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_allreduce_bitwise_identical_on_random_floats(alg, p):
+    rng = np.random.default_rng(p)
+    n = 1009
+    sums = [rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n) for _ in range(p)]
+    prods = [rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n) for _ in range(p)]  # no overflow
+
+    def body(t):
+        out = []
+        for seq, dtype in enumerate(DTYPES[:4], 1):
+            for op, data in (("sum", sums), ("prod", prods)):
+                buf = to_storage(data[t.rank], dtype)
+                kw = {"max_segment_bytes": 64} if alg in SEGMENTED and dtype == "float32" else {}
+                hdr = header("allreduce", op, alg, dtype, n, 2 * seq + (op == "sum"))
+                call_allreduce(alg, t, buf, op, dtype, hdr, **kw)
+                out.append(buf)
+        return out
+
+    results = run(p, body)
+    for k in range(len(results[0])):
+        for rank in range(1, p):
+            assert_same(results[rank][k], results[0][k], f"{alg} p={p} case {k} rank {rank} vs rank 0")
+    # and it is a reduction, not a copy: float64 sum close to the reference
+    ref = np.sum(np.stack(sums), axis=0)
+    np.testing.assert_allclose(results[0][6], ref, rtol=1e-9, atol=1e-6)  # order differs: float rounding
+
+
+# --- ring: reduce-scatter, allgather, broadcast, barrier -----------------------------------
+
+
+@pytest.mark.parametrize("p", WORLD + [16])
+def test_ring_reduce_scatter_and_allgather(p):
+    from ringtrain.collectives import ring, schedule
+
+    combos = [(n, dt, kw) for n in lengths(p) + [MULTI_SEGMENT_N] for dt in ("bfloat16", "float32", "int64")
+              for kw in ({}, {"max_segment_bytes": TINY_SEGMENT})]
+
+    def body(t):
+        out = []
+        for seq, (n, dtype, kw) in enumerate(combos, 1):
+            buf = to_storage(values("sum", dtype, t.rank, n, p), dtype)
+            ring.reduce_scatter(t, buf, ops.reducer("sum", dtype), header("reduce_scatter", "sum", "ring", dtype, n, 2 * seq), deadline(), **kw)
+            lo, hi = schedule.chunk_bounds(n, p)[t.rank]
+            mine = buf[lo:hi].copy()
+            gathered = np.zeros_like(buf)
+            gathered[lo:hi] = buf[lo:hi]
+            ring.allgather(t, gathered, header("allgather", "none", "ring", dtype, n, 2 * seq + 1), deadline(), **kw)
+            out.append((mine, gathered))
+        return out
+
+    results = run(p, body)
+    for k, (n, dtype, kw) in enumerate(combos):
+        want = reference("sum", dtype, n, p)
+        for rank in range(p):
+            lo, hi = schedule.chunk_bounds(n, p)[rank]
+            mine, gathered = results[rank][k]
+            assert_same(mine, want[lo:hi], f"reduce_scatter p={p} n={n} {dtype} {kw} rank {rank}")
+            assert_same(gathered, want, f"allgather p={p} n={n} {dtype} {kw} rank {rank}")
+
+
+@pytest.mark.parametrize("p", WORLD + [16])
+@pytest.mark.parametrize("module", ["ring", "tree"])
+def test_broadcast_every_root(module, p):
+    mod = importlib.import_module(f"ringtrain.collectives.{module}")
+    combos = [(root, n, kw) for root in range(p) for n in (0, 1, p + 1, 1009)
+              for kw in ({}, {"max_segment_bytes": 40})]
+    if module == "tree":
+        combos = [(root, n, {}) for root, n, kw in combos if not kw]
+
+    def body(t):
+        out = []
+        for seq, (root, n, kw) in enumerate(combos, 1):
+            buf = np.arange(n, dtype=np.int64) * 1000 + t.rank
+            mod.broadcast(t, buf, root, header("broadcast", "none", "ring", "int64", n, seq, root), deadline(), **kw)
+            out.append(buf)
+        return out
+
+    results = run(p, body)
+    for k, (root, n, kw) in enumerate(combos):
+        for rank in range(p):
+            assert_same(results[rank][k], np.arange(n, dtype=np.int64) * 1000 + root, f"{module} root={root} n={n} {kw}")
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_barrier_waits_for_everyone(p):
+    from ringtrain.collectives import ring
+
+    entered = []
+    lock = threading.Lock()
+
+    def body(t):
+        seen = []
+        for seq in range(1, 4):
+            if t.rank == (seq % p):
+                time.sleep(0.05)  # the late rank: nobody may leave before it arrives
+            with lock:
+                entered.append(seq)
+            ring.barrier(t, CallHeader(seq, "barrier"), deadline())
+            with lock:
+                seen.append(entered.count(seq))
+        return seen
+
+    for seen in run(p, body):
+        assert seen == [p, p, p]
+
+
+# --- groups, validation and mismatch -------------------------------------------------------
+
+
+def test_ring_allreduce_on_a_subgroup():
+    from ringtrain.collectives import ring
+
+    group = [4, 1, 3]
+
+    def body(t):
+        if t.rank not in group:
+            return None
+        buf = np.arange(10, dtype=np.int64) + 100 * t.rank
+        ring.allreduce(t, buf, ops.reducer("sum", "int64"), header("allreduce", "sum", "ring", "int64", 10), deadline(), group=group)
+        return buf
+
+    results = run(6, body)
+    want = np.arange(10) * 3 + 100 * sum(group)
+    for r in group:
+        assert_same(results[r], want, f"rank {r}")
+
+
+def test_bad_arguments_raise_value_error():
+    from ringtrain.collectives import ring
+
+    def body(t):
+        hdr = header("allreduce", "sum", "ring", "int64", 4)
+        red = ops.reducer("sum", "int64")
+        with pytest.raises(ValueError, match="not in group"):
+            ring.allreduce(t, np.zeros(4, np.int64), red, hdr, deadline(), group=[1 - t.rank])
+        with pytest.raises(ValueError, match="1-D"):
+            ring.allreduce(t, np.zeros((2, 2), np.int64), red, hdr, deadline())
+        with pytest.raises(ValueError, match="max_segment_bytes"):
+            ring.allreduce(t, np.zeros(4, np.int64), red, hdr, deadline(), max_segment_bytes=0)
+        with pytest.raises(ValueError, match="root"):
+            ring.broadcast(t, np.zeros(4, np.int64), 7, hdr, deadline())
+
+    run(2, body)
+
+
+@pytest.mark.parametrize("alg", ALGORITHMS)
+def test_length_mismatch_raises_on_every_rank(alg):
+    def body(t):
+        n = 5 if t.rank == 1 else 4
+        buf = np.zeros(n, np.int64)
+        call_allreduce(alg, t, buf, "sum", "int64", header("allreduce", "sum", alg, "int64", n), )
+
+    results = run_threads(3, body, timeout=20)
+    assert all(isinstance(r, CommError) for r in results), results
+    assert any(isinstance(r, MismatchError) for r in results), results
