@@ -1,0 +1,767 @@
+"""The tcp transport: one authenticated, full-duplex socket per pair of ranks.
+
+Words (frames, hellos and the handshake are defined in ``wire.py``):
+
+- *connection*: the socket between this rank and one peer, a Unix-domain stream socket
+  when both ranks have the same host identity (``host_ids``), TCP otherwise. Made once, by
+  the higher rank connecting to the lower rank's listener, then kept non-blocking.
+- *listener*: this rank's listening sockets during set-up (one Unix, one TCP, as needed);
+  it answers handshakes one at a time, refuses (logs and closes) anything that fails one,
+  and keeps serving until every expected peer is in or the deadline passes. It is closed
+  once the mesh is built.
+- *endpoint*: where a listener can be reached, published in the job's store under
+  ``{prefix}/tcp/{rank}``.
+- *send state* / *receive state*: the progress of one frame within one exchange. An
+  exchange registers every connection it uses with one ``poll`` and moves whatever bytes
+  each socket is ready for, so all peers' sends and receives proceed at once.
+- *segment*: when a receive reduces (``Recv.reduce``), the payload lands in a per-connection
+  scratch buffer of ``segment_bytes`` and is reduced into the destination segment by segment
+  as segments complete, while the kernel keeps receiving the next one. Without a reducer the
+  payload goes straight into the destination buffer (``recv_into``), and every send goes
+  straight from the caller's buffer (``sendmsg``): no copies, no pickle.
+- *mid-frame*: a connection whose current DATA frame is partly sent. An ABORT frame cannot be
+  interleaved there, so abort just closes such a connection.
+
+Every wait ends by the caller's deadline (CommTimeout naming the peer and the call); an
+end of stream or reset is PeerLost naming the peer; an ABORT frame becomes the same error
+type as the one that made the peer abort.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import logging
+import math
+import os
+import secrets as _secrets
+import select
+import socket
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from . import wire
+from .base import CallHeader, Recv, Send, Transport
+
+log = logging.getLogger(__name__)
+
+#: Requested SO_SNDBUF / SO_RCVBUF (the kernel caps it at net.core.[rw]mem_max).
+SOCKET_BUFFER_BYTES = 4 << 20
+#: Default reduce segment: big enough that numpy's per-call cost vanishes, small enough to overlap.
+DEFAULT_SEGMENT_BYTES = 512 << 10
+#: A listener gives any one incoming handshake at most this long.
+HANDSHAKE_TIMEOUT = 5.0
+#: abort() spends at most this long telling peers.
+ABORT_BUDGET = 1.0
+
+_IN = select.POLLIN | select.POLLPRI
+_OUT = select.POLLOUT
+_BAD = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+# --- small blocking helpers used during set-up -------------------------------------------------
+
+
+def _remaining(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _tune(sock: socket.socket) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError:  # pragma: no cover - some platforms refuse; defaults still work
+            pass
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> Optional[bytes]:
+    """n bytes, or None if the peer ends the stream first; socket.timeout at the deadline."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = _remaining(deadline)
+        if left <= 0:
+            raise socket.timeout("deadline passed")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    left = _remaining(deadline)
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    sock.settimeout(left)
+    sock.sendall(data)
+
+
+def _unix_address(name: str) -> str:
+    """Published names start with '@' for Linux's abstract namespace (no file to remove)."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def route_address(toward: str) -> str:
+    """The local address of the interface that reaches ``toward`` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(toward, 9, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(infos[0][4])
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+# --- set-up: handshakes -------------------------------------------------------------------------
+
+
+class _Identity:
+    """What one rank needs to run handshakes: rank, world size, job digest, secret."""
+
+    __slots__ = ("rank", "world_size", "job", "_secret")
+
+    def __init__(self, rank: int, world_size: int, prefix: str, secret: Optional[bytes]):
+        self.rank = rank
+        self.world_size = world_size
+        self.job = wire.job_digest(prefix)
+        self._secret = secret
+
+    def __repr__(self) -> str:  # never show the secret
+        return f"_Identity(rank={self.rank}, world_size={self.world_size})"
+
+    @property
+    def has_secret(self) -> bool:
+        return self._secret is not None
+
+    def mac(self, role: int, connect_hello: bytes, accept_hello: bytes) -> bytes:
+        return wire.handshake_mac(self._secret, role, connect_hello, accept_hello)
+
+
+def connect_handshake(sock: socket.socket, me: _Identity, peer: int, deadline: float) -> None:
+    """Run the connector's side on a connected socket; AuthError/ProtocolError/CommTimeout."""
+    mine = wire.Hello.fresh(wire.CONNECT, me.has_secret, me.rank, peer, me.world_size, me.job)
+    mine_bytes = mine.pack()
+    try:
+        _send_all(sock, mine_bytes, deadline)
+        reply = _recv_exact(sock, wire.HELLO_SIZE + wire.MAC_SIZE, deadline)
+        if reply is None:
+            raise ProtocolError(f"rank {peer} closed the connection during the handshake with rank {me.rank}")
+        theirs_bytes = reply[: wire.HELLO_SIZE]
+        theirs = wire.Hello.unpack(theirs_bytes)
+        wire.check_hello(theirs, mine)
+        wire.check_secrets_agree(theirs, me.has_secret)
+        if not wire.mac_ok(me.mac(wire.ACCEPT, mine_bytes, theirs_bytes), reply[wire.HELLO_SIZE :]):
+            raise AuthError(f"rank {peer} could not prove it holds this job's shared secret (the secrets differ)")
+        _send_all(sock, me.mac(wire.CONNECT, mine_bytes, theirs_bytes), deadline)
+        ack = _recv_exact(sock, len(wire.ACK), deadline)
+        if ack != wire.ACK:
+            raise ProtocolError(f"rank {peer} refused the connection from rank {me.rank}")
+    except socket.timeout:
+        raise CommTimeout(f"rank {me.rank}: handshake with rank {peer} did not finish by the deadline") from None
+    except (ConnectionError, OSError) as exc:
+        if isinstance(exc, CommError):
+            raise
+        raise PeerLost(f"rank {me.rank}: connection to rank {peer} failed during the handshake: {exc}") from None
+
+
+def accept_handshake(sock: socket.socket, me: _Identity, expected: set[int], seen_nonces: set[bytes], deadline: float) -> int:
+    """Run the acceptor's side; return the peer's rank. Raises CommError/OSError on refusal."""
+    data = _recv_exact(sock, wire.HELLO_SIZE, deadline)
+    if data is None:
+        raise ProtocolError("connection closed before a complete hello")
+    theirs = wire.Hello.unpack(data)
+    mine = wire.Hello.fresh(wire.ACCEPT, me.has_secret, me.rank, theirs.rank, me.world_size, me.job)
+    mine_bytes = mine.pack()
+    # Answer first, so that a connector of another job or with other secrets can say why.
+    _send_all(sock, mine_bytes + me.mac(wire.ACCEPT, data, mine_bytes), deadline)
+    wire.check_hello(theirs, mine)
+    wire.check_secrets_agree(theirs, me.has_secret)
+    if theirs.rank not in expected:
+        raise ProtocolError(f"rank {theirs.rank} is not expected to connect to rank {me.rank} (now)")
+    if theirs.nonce in seen_nonces:
+        raise AuthError(f"replayed handshake claiming rank {theirs.rank}")
+    seen_nonces.add(theirs.nonce)
+    mac = _recv_exact(sock, wire.MAC_SIZE, deadline)
+    if mac is None:
+        raise AuthError(f"peer claiming rank {theirs.rank} left before proving it holds the secret")
+    if not wire.mac_ok(me.mac(wire.CONNECT, data, mine_bytes), mac):
+        raise AuthError(f"peer claiming rank {theirs.rank} failed authentication")
+    _send_all(sock, wire.ACK, deadline)
+    return theirs.rank
+
+
+class Listener:
+    """This rank's listening sockets during set-up, and the loop that admits peers."""
+
+    def __init__(self, me: _Identity, *, unix: bool, tcp: bool, bind_host: str = "127.0.0.1",
+                 publish_host: Optional[str] = None, handshake_timeout: float = HANDSHAKE_TIMEOUT):
+        self.me = me
+        self.handshake_timeout = handshake_timeout
+        self.endpoints: dict[str, object] = {}
+        self.refused = 0  # connections refused so far (tests read it)
+        self._socks: list[socket.socket] = []
+        self._unix_path: Optional[str] = None
+        self._seen: set[bytes] = set()
+        try:
+            if unix:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._socks.append(s)
+                _tune(s)
+                if sys.platform.startswith("linux"):
+                    name = f"@ringtrain-{os.getpid()}-{_secrets.token_hex(8)}"
+                else:  # pragma: no cover - no abstract namespace elsewhere
+                    name = os.path.join(tempfile.gettempdir(), f"ringtrain-{os.getpid()}-{_secrets.token_hex(8)}.sock")
+                    self._unix_path = name
+                s.bind(_unix_address(name))
+                s.listen(max(128, me.world_size))
+                self.endpoints["unix"] = name
+            if tcp:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._socks.append(s)
+                _tune(s)
+                s.bind((bind_host, 0))
+                s.listen(max(128, me.world_size))
+                host = publish_host or s.getsockname()[0]
+                self.endpoints["tcp"] = [host, s.getsockname()[1]]
+        except BaseException:
+            self.close()
+            raise
+
+    def accept(self, expected: set[int], deadline: float) -> dict[int, socket.socket]:
+        """Admit one authenticated connection from each rank in ``expected``."""
+        waiting = set(expected)
+        got: dict[int, socket.socket] = {}
+        poller = select.poll()
+        by_fd = {s.fileno(): s for s in self._socks}
+        for fd in by_fd:
+            poller.register(fd, _IN)
+        try:
+            while waiting:
+                left = _remaining(deadline)
+                if left <= 0:
+                    raise CommTimeout(
+                        f"rank {self.me.rank}: ranks {sorted(waiting)} did not connect before the deadline"
+                    )
+                for fd, _ in poller.poll(math.ceil(left * 1000)):
+                    try:
+                        conn, addr = by_fd[fd].accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    peer = self._admit(conn, addr, waiting, deadline)
+                    if peer is not None:
+                        waiting.discard(peer)
+                        got[peer] = conn
+        except BaseException:
+            for s in got.values():
+                s.close()
+            raise
+        return got
+
+    def _admit(self, conn: socket.socket, addr, waiting: set[int], deadline: float) -> Optional[int]:
+        conn_deadline = min(deadline, time.monotonic() + self.handshake_timeout)
+        try:
+            return accept_handshake(conn, self.me, waiting, self._seen, conn_deadline)
+        except (CommError, OSError) as exc:  # socket.timeout is an OSError
+            self.refused += 1
+            reason = "handshake timed out" if isinstance(exc, socket.timeout) else f"{type(exc).__name__}: {exc}"
+            log.warning("rank %d refused a connection from %r: %s", self.me.rank, addr or "local", reason)
+            conn.close()
+            return None
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close()
+        self._socks = []
+        if self._unix_path is not None:
+            try:
+                os.unlink(self._unix_path)
+            except FileNotFoundError:
+                pass
+            self._unix_path = None
+
+
+def dial(endpoints: dict, same_host: bool, me: _Identity, peer: int, deadline: float) -> socket.socket:
+    """Connect to ``peer``'s listener (Unix socket if on the same host) and authenticate."""
+    if same_host and "unix" in endpoints:
+        family, address = socket.AF_UNIX, _unix_address(str(endpoints["unix"]))
+    elif "tcp" in endpoints:
+        host, port = endpoints["tcp"]
+        family, address = socket.AF_INET, (str(host), int(port))
+    else:
+        raise ProtocolError(f"rank {peer} published no endpoint this rank can use: {sorted(endpoints)}")
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            left = _remaining(deadline)
+            if left <= 0:
+                raise CommTimeout(f"rank {me.rank}: could not reach rank {peer} before the deadline")
+            sock.settimeout(left)
+            sock.connect(address)
+            connect_handshake(sock, me, peer, deadline)
+            return sock
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            time.sleep(min(0.05, max(0.0, _remaining(deadline))))
+        except socket.timeout:
+            sock.close()
+            raise CommTimeout(f"rank {me.rank}: could not reach rank {peer} before the deadline") from None
+        except BaseException:
+            sock.close()
+            raise
+
+
+# --- the transport ------------------------------------------------------------------------------
+
+
+class _Conn:
+    """One peer's socket and the per-connection state that outlives an exchange."""
+
+    __slots__ = ("peer", "sock", "fd", "hdr", "midframe", "dead", "_scratch")
+
+    def __init__(self, peer: int, sock: socket.socket):
+        sock.setblocking(False)
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.hdr = bytearray(wire.FRAME_HEADER_SIZE)
+        self.midframe = False  # a DATA frame is partly sent
+        self.dead: Optional[str] = None  # why it can no longer be used
+        self._scratch: Optional[np.ndarray] = None
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch
+
+    def kill(self, why: str) -> None:
+        if self.dead is None:
+            self.dead = why
+        try:
+            self.sock.close()
+        except OSError:  # pragma: no cover
+            pass
+
+
+class _SendState:
+    __slots__ = ("conn", "head", "payload", "total", "off")
+
+    def __init__(self, conn: _Conn, head: bytes, payload: memoryview):
+        self.conn = conn
+        self.head = head
+        self.payload = payload
+        self.total = len(head) + payload.nbytes
+        self.off = 0
+
+
+class _RecvState:
+    __slots__ = ("conn", "recv", "nbytes", "dest", "elems", "got_head", "off", "seg_start", "seg", "scratch")
+
+    def __init__(self, conn: _Conn, recv: Recv, segment_bytes: int):
+        self.conn = conn
+        self.recv = recv
+        self.elems = recv.buf.reshape(-1)
+        self.dest = memoryview(self.elems.view(np.uint8))
+        self.nbytes = self.dest.nbytes
+        self.got_head = 0
+        self.off = 0
+        self.seg_start = 0
+        itemsize = recv.buf.dtype.itemsize
+        self.seg = max(itemsize, segment_bytes - segment_bytes % itemsize)
+        self.scratch = memoryview(conn.scratch(self.seg)) if recv.reduce is not None else None
+
+
+def _as_bytes(buf: np.ndarray, what: str) -> np.ndarray:
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{what} buffer must be a numpy array, got {type(buf).__name__}")
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{what} buffer must be C-contiguous")
+    return buf.reshape(-1).view(np.uint8)
+
+
+class TcpTransport(Transport):
+    """Framed, authenticated sockets between every pair of ranks (see the module docstring)."""
+
+    name = "tcp"
+
+    def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
+                 host_id: str = "", segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if segment_bytes < 8:
+            raise ValueError(f"segment_bytes must be >= 8, got {segment_bytes}")
+        self.rank = rank
+        self.world_size = world_size
+        self.host_id = host_id
+        self.segment_bytes = segment_bytes
+        self._conns = {peer: _Conn(peer, s) for peer, s in socks.items()}
+        self._closed = False
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, rank: int, world_size: int, store, *, secret: Optional[bytes], timeout: float,
+                host_ids: Sequence[str], bind_host: Optional[str] = None, prefix: str = "ringtrain",
+                segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> "TcpTransport":
+        """Build the full mesh through ``store`` (a torch.distributed Store) by ``timeout`` seconds.
+
+        Rank r publishes its endpoints, connects to every lower rank, then admits every
+        higher rank: rank 0 only admits, so each rank's connects finish (induction) and
+        nothing waits in a cycle.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if secret is not None and (not isinstance(secret, (bytes, bytearray)) or len(secret) == 0):
+            raise ValueError("secret must be None or non-empty bytes")
+        if len(host_ids) != world_size:
+            raise ValueError(f"host_ids must have world_size={world_size} entries, got {len(host_ids)}")
+        deadline = time.monotonic() + timeout
+        me = _Identity(rank, world_size, prefix, bytes(secret) if secret is not None else None)
+        mine = host_ids[rank]
+        peers = [p for p in range(world_size) if p != rank]
+        need_unix = any(host_ids[p] == mine for p in peers)
+        need_tcp = any(host_ids[p] != mine for p in peers)
+        publish = None
+        if bind_host is None:
+            if need_tcp:
+                toward = getattr(store, "host", None)
+                bind_host = route_address(toward) if toward else "0.0.0.0"
+            else:
+                bind_host = "127.0.0.1"
+        if bind_host in ("0.0.0.0", ""):
+            publish = route_address(getattr(store, "host", None) or "8.8.8.8")
+        listener = Listener(me, unix=need_unix, tcp=need_tcp, bind_host=bind_host, publish_host=publish)
+        socks: dict[int, socket.socket] = {}
+        try:
+            store.set(f"{prefix}/tcp/{rank}", json.dumps(listener.endpoints))
+            for peer in range(rank):
+                endpoints = _fetch_endpoints(store, f"{prefix}/tcp/{peer}", rank, peer, deadline)
+                socks[peer] = dial(endpoints, host_ids[peer] == mine, me, peer, deadline)
+            socks.update(listener.accept(set(range(rank + 1, world_size)), deadline))
+        except BaseException:
+            for s in socks.values():
+                s.close()
+            raise
+        finally:
+            listener.close()
+        return cls(rank, world_size, socks, host_id=mine, segment_bytes=segment_bytes)
+
+    # ---- exchange -----------------------------------------------------------------------------
+
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], header: CallHeader, deadline: float) -> None:
+        if self._closed:
+            raise CommError(f"rank {self.rank}: transport is closed")
+        send_states: dict[int, _SendState] = {}
+        recv_states: dict[int, _RecvState] = {}
+        loopback: Optional[np.ndarray] = None
+        for s in sends:
+            payload = _as_bytes(s.buf, "send")
+            if s.peer == self.rank:
+                loopback = payload
+                continue
+            conn = self._conn(s.peer, header)
+            if conn.fd in send_states:
+                raise ValueError(f"more than one Send to rank {s.peer} in one exchange")
+            send_states[conn.fd] = _SendState(conn, wire.encode_data_header(header, payload.nbytes), memoryview(payload))
+        for r in recvs:
+            _as_bytes(r.buf, "receive")
+            if r.peer == self.rank:
+                self._recv_loopback(r, loopback, header)
+                continue
+            conn = self._conn(r.peer, header)
+            if conn.fd in recv_states:
+                raise ValueError(f"more than one Recv from rank {r.peer} in one exchange")
+            recv_states[conn.fd] = _RecvState(conn, r, self.segment_bytes)
+        if not send_states and not recv_states:
+            return
+        for st in list(send_states.values()):  # small messages usually leave right here
+            if self._pump_send(st, header, deadline):
+                del send_states[st.conn.fd]
+        self._run(send_states, recv_states, header, deadline)
+
+    def _conn(self, peer: int, header: CallHeader) -> _Conn:
+        conn = self._conns.get(peer)
+        if conn is None:
+            raise ValueError(f"rank {self.rank} has no connection to rank {peer} (world size {self.world_size})")
+        if conn.dead is not None:
+            raise PeerLost(f"rank {self.rank}: connection to rank {peer} is gone ({conn.dead}) during {header.describe()}")
+        return conn
+
+    def _recv_loopback(self, r: Recv, payload: Optional[np.ndarray], header: CallHeader) -> None:
+        if payload is None:
+            raise ValueError(f"rank {self.rank} receives from itself without sending to itself")
+        if payload.nbytes != r.buf.nbytes:
+            raise MismatchError(f"rank {self.rank} sent itself {payload.nbytes} bytes but expects {r.buf.nbytes}")
+        incoming = payload.view(r.buf.dtype)
+        if r.reduce is None:
+            np.copyto(r.buf.reshape(-1), incoming)
+        else:
+            r.reduce(r.buf.reshape(-1), incoming)
+
+    def _run(self, sends: dict[int, _SendState], recvs: dict[int, _RecvState], header: CallHeader, deadline: float) -> None:
+        poller = select.poll()
+        watch_abort: set[int] = set()  # send-only peers: watched for an ABORT frame
+
+        def interest(fd: int) -> int:
+            return (_IN if fd in recvs or fd in watch_abort else 0) | (_OUT if fd in sends else 0)
+
+        for fd in set(sends) | set(recvs):
+            if fd in sends and fd not in recvs:
+                watch_abort.add(fd)
+            poller.register(fd, interest(fd))
+        while sends or recvs:
+            left = _remaining(deadline)
+            events = poller.poll(max(0, math.ceil(left * 1000))) if left > 0 else poller.poll(0)
+            if not events and _remaining(deadline) <= 0:
+                raise self._timeout(sends, recvs, header)
+            for fd, ev in events:
+                before = interest(fd)
+                if fd in recvs and ev & (_IN | _BAD):
+                    if self._pump_recv(recvs[fd], header, deadline):
+                        del recvs[fd]
+                elif fd in watch_abort and ev & _IN:
+                    self._peek_abort(sends[fd].conn, header, deadline)
+                    watch_abort.discard(fd)
+                if fd in sends and ev & (_OUT | _BAD):
+                    if self._pump_send(sends[fd], header, deadline):
+                        del sends[fd]
+                        watch_abort.discard(fd)
+                after = interest(fd)
+                if after == 0:
+                    poller.unregister(fd)
+                elif after != before:
+                    poller.modify(fd, after)
+
+    def _timeout(self, sends: dict[int, _SendState], recvs: dict[int, _RecvState], header: CallHeader) -> CommTimeout:
+        waits = [f"receiving from rank {st.conn.peer} ({st.off} of {st.nbytes} bytes)" for st in recvs.values()]
+        waits += [f"sending to rank {st.conn.peer} ({st.off} of {st.total} bytes)" for st in sends.values()]
+        return CommTimeout(f"rank {self.rank}: deadline passed while {', '.join(waits)} during {header.describe()}")
+
+    def _pump_send(self, st: _SendState, header: CallHeader, deadline: float) -> bool:
+        """Send what the socket takes now; True when the frame is complete."""
+        conn = st.conn
+        try:
+            while st.off < st.total:
+                if st.off < len(st.head):
+                    n = conn.sock.sendmsg([memoryview(st.head)[st.off :], st.payload])
+                else:
+                    n = conn.sock.send(st.payload[st.off - len(st.head) :])
+                st.off += n
+                conn.midframe = st.off < st.total
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise self._lost_while_sending(conn, exc, header, deadline) from None
+        return True
+
+    def _lost_while_sending(self, conn: _Conn, exc: OSError, header: CallHeader, deadline: float) -> CommError:
+        """The peer went away under a send: surface its ABORT if one is waiting, else PeerLost."""
+        try:
+            self._peek_abort(conn, header, min(deadline, time.monotonic() + 0.2), wait=True)
+        except CommError as err:
+            conn.kill(str(err))
+            return err
+        conn.kill("reset while sending")
+        return PeerLost(f"rank {self.rank}: rank {conn.peer} is gone ({exc.strerror or exc}) during {header.describe()}")
+
+    def _peek_abort(self, conn: _Conn, header: CallHeader, deadline: float, wait: bool = False) -> None:
+        """If the next frame from ``conn`` is an ABORT, read it and raise its error.
+
+        A DATA frame (the peer is ahead of us) is left unread for the exchange that wants it.
+        """
+        head = b""
+        while True:
+            try:
+                head = conn.sock.recv(wire.FRAME_HEADER_SIZE, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                head = None
+            except OSError:
+                return
+            if head == b"":
+                if not wait:
+                    conn.kill("closed by the peer")
+                    raise PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection during {header.describe()}")
+                return
+            if head is not None and len(head) == wire.FRAME_HEADER_SIZE:
+                break
+            if not wait or _remaining(deadline) <= 0:
+                return
+            select.select([conn.sock], [], [], max(0.0, min(0.02, _remaining(deadline))))
+        fh = self._decode(conn, head)
+        if fh.kind == wire.ABORT:
+            conn.sock.recv(wire.FRAME_HEADER_SIZE)
+            raise self._read_abort(conn, fh, deadline)
+
+    def _decode(self, conn: _Conn, head: bytes | bytearray) -> wire.FrameHeader:
+        try:
+            return wire.decode_frame_header(head)
+        except ProtocolError as exc:
+            conn.kill("malformed frame")
+            raise ProtocolError(f"rank {self.rank}: malformed frame from rank {conn.peer}: {exc}") from None
+
+    def _read_abort(self, conn: _Conn, fh: wire.FrameHeader, deadline: float) -> CommError:
+        end = min(deadline, time.monotonic() + ABORT_BUDGET) if deadline > time.monotonic() else time.monotonic() + 0.2
+        buf = bytearray(fh.length)  # bounded by wire.MAX_ABORT_TEXT
+        view = memoryview(buf)
+        got = 0
+        while got < fh.length:
+            try:
+                n = conn.sock.recv_into(view[got:], fh.length - got)
+            except (BlockingIOError, InterruptedError):
+                if _remaining(end) <= 0:
+                    break
+                select.select([conn.sock], [], [], max(0.0, _remaining(end)))
+                continue
+            except OSError:
+                break
+            if n == 0:
+                break
+            got += n
+        conn.kill("peer aborted")
+        if got < fh.length:
+            return PeerLost(f"rank {conn.peer} aborted (its message was cut off)")
+        return wire.abort_error(buf, conn.peer)
+
+    def _pump_recv(self, st: _RecvState, header: CallHeader, deadline: float) -> bool:
+        """Receive what the socket holds now; True when the frame is complete."""
+        conn = st.conn
+        sock = conn.sock
+        try:
+            while st.got_head < wire.FRAME_HEADER_SIZE:
+                n = sock.recv_into(memoryview(conn.hdr)[st.got_head :], wire.FRAME_HEADER_SIZE - st.got_head)
+                if n == 0:
+                    raise self._eof(st, header)
+                st.got_head += n
+                if st.got_head == wire.FRAME_HEADER_SIZE:
+                    fh = self._decode(conn, conn.hdr)
+                    if fh.kind == wire.ABORT:
+                        raise self._read_abort(conn, fh, deadline)
+                    header.check(fh.call, self.rank, conn.peer)
+                    if fh.length != st.nbytes:
+                        raise MismatchError(
+                            f"rank {self.rank} expected {st.nbytes} bytes from rank {conn.peer} "
+                            f"but it announced {fh.length} during {header.describe()}"
+                        )
+            if st.scratch is None:
+                while st.off < st.nbytes:
+                    n = sock.recv_into(st.dest[st.off :], st.nbytes - st.off)
+                    if n == 0:
+                        raise self._eof(st, header)
+                    st.off += n
+            else:
+                while st.off < st.nbytes:
+                    seg_end = min(st.seg_start + st.seg, st.nbytes)
+                    n = sock.recv_into(st.scratch[st.off - st.seg_start : seg_end - st.seg_start], seg_end - st.off)
+                    if n == 0:
+                        raise self._eof(st, header)
+                    st.off += n
+                    if st.off == seg_end:
+                        self._reduce_segment(st, seg_end)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except CommError:
+            raise
+        except OSError as exc:
+            conn.kill("reset")
+            raise PeerLost(
+                f"rank {self.rank}: connection to rank {conn.peer} failed ({exc.strerror or exc}) during {header.describe()}"
+            ) from None
+        return True
+
+    def _reduce_segment(self, st: _RecvState, seg_end: int) -> None:
+        itemsize = st.elems.dtype.itemsize
+        a, b = st.seg_start // itemsize, seg_end // itemsize
+        incoming = np.frombuffer(st.scratch, dtype=st.elems.dtype, count=b - a)
+        st.recv.reduce(st.elems[a:b], incoming)
+        st.seg_start = seg_end
+
+    def _eof(self, st: _RecvState, header: CallHeader) -> PeerLost:
+        conn = st.conn
+        where = "mid-frame" if st.got_head or st.off else "before sending"
+        conn.kill("closed by the peer")
+        return PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection ({where}) during {header.describe()}")
+
+    # ---- abort / close ------------------------------------------------------------------------
+
+    def abort(self, error: BaseException) -> None:
+        if self._closed:
+            return
+        frame = wire.encode_abort(error)
+        end = time.monotonic() + ABORT_BUDGET
+        for conn in self._conns.values():
+            if conn.dead is not None or conn.midframe:
+                continue
+            self._send_abort(conn, frame, end)
+        self.close()
+
+    def _send_abort(self, conn: _Conn, frame: bytes, end: float) -> None:
+        view = memoryview(frame)
+        sent = 0
+        try:
+            while sent < len(frame):
+                try:
+                    sent += conn.sock.send(view[sent:])
+                except (BlockingIOError, InterruptedError):
+                    if _remaining(end) <= 0:
+                        return
+                    select.select([], [conn.sock], [], max(0.0, min(0.05, _remaining(end))))
+            # Read what the peer already sent us so that close() sends FIN, not a reset that
+            # could destroy our ABORT in flight.
+            sink = bytearray(1 << 16)
+            try:
+                for _ in range(64):
+                    if not conn.sock.recv_into(sink):
+                        break
+            except (BlockingIOError, InterruptedError):
+                pass
+            conn.sock.shutdown(socket.SHUT_WR)
+        except (BlockingIOError, InterruptedError, OSError):
+            return
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns.values():
+            conn.kill("closed by this rank")
+
+    def __del__(self) -> None:  # pragma: no cover - safety net
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _fetch_endpoints(store, key: str, rank: int, peer: int, deadline: float) -> dict:
+    left = _remaining(deadline)
+    try:
+        if left <= 0:
+            raise TimeoutError
+        store.wait([key], datetime.timedelta(seconds=left))
+        raw = store.get(key)
+    except Exception as exc:  # the store raises its own timeout types
+        if isinstance(exc, CommError):
+            raise
+        raise CommTimeout(f"rank {rank}: rank {peer} did not publish its endpoint before the deadline") from None
+    try:
+        endpoints = json.loads(bytes(raw).decode("utf-8"))
+        if not isinstance(endpoints, dict):
+            raise ValueError
+    except ValueError:
+        raise ProtocolError(f"rank {peer}'s published endpoint is not valid: {bytes(raw)[:80]!r}") from None
+    return endpoints

@@ -1,0 +1,653 @@
+"""The tcp transport over real sockets: ranks as threads of this process, and as real processes.
+
+Test data makes every (rank, element) distinct and integer valued, so results are compared
+exactly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringtrain.errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from ringtrain.transport import tcp, wire
+from ringtrain.transport.base import CallHeader, Recv, Send
+from ringtrain.transport.tcp import Listener, TcpTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"test-secret-0123456789"
+CALL = CallHeader(1, "allreduce", "sum", "ring", "float32", 0)
+
+
+def add(out, incoming):
+    np.add(out, incoming, out=out)
+
+
+def on_threads(n, fn, timeout=30.0):
+    """Run fn(rank) on n threads; return each rank's result or exception."""
+    results: list = [None] * n
+
+    def body(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            results[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for th in threads:
+        th.start()
+    end = time.monotonic() + timeout
+    for th in threads:
+        th.join(max(0.0, end - time.monotonic()))
+    assert not any(th.is_alive() for th in threads), "a rank hung"
+    return results
+
+
+def build_mesh(world, host_ids=None, secrets_=None, timeout=10.0, prefix="t", **kw):
+    store = dist.HashStore()
+    host_ids = host_ids or ["h"] * world
+    secrets_ = secrets_ or [SECRET] * world
+
+    def connect(r):
+        return TcpTransport.connect(
+            r, world, store, secret=secrets_[r], timeout=timeout, host_ids=host_ids, prefix=prefix, **kw
+        )
+
+    return on_threads(world, connect, timeout + 10)
+
+
+@pytest.fixture
+def mesh():
+    made = []
+
+    def make(world, **kw):
+        ts = build_mesh(world, **kw)
+        made.extend(t for t in ts if isinstance(t, TcpTransport))
+        for t in ts:
+            if isinstance(t, BaseException):
+                raise t
+        return ts
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def values(rank, n, dtype=np.float32, stride=1):
+    return (np.arange(n, dtype=np.int64) * stride + rank * n).astype(dtype)
+
+
+def deadline(s=10.0):
+    return time.monotonic() + s
+
+
+# --- correctness on threads ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world, hosts",
+    [(1, None), (2, None), (2, ["a", "b"]), (3, ["a", "a", "b"]), (4, ["a", "b", "a", "b"])],
+)
+@pytest.mark.parametrize("n", [0, 1, 1023, 70_001])
+def test_ring_shift_and_reduce_exact(mesh, world, hosts, n):
+    ts = mesh(world, host_ids=hosts, segment_bytes=4096)  # small segments: many per message
+
+    def step(r):
+        t = ts[r]
+        right, left = (r + 1) % world, (r - 1) % world
+        got = np.full(n, -1, np.float32)
+        t.exchange([Send(right, values(r, n))], [Recv(left, got)], CALL, deadline())
+        acc = values(r, n, np.int64)
+        t.exchange([Send(right, values(r, n, np.int64))], [Recv(left, acc, add)], CALL, deadline())
+        return got, acc
+
+    for r, res in enumerate(on_threads(world, step)):
+        assert not isinstance(res, BaseException), res
+        got, acc = res
+        left = (r - 1) % world
+        np.testing.assert_array_equal(got, values(left, n))
+        np.testing.assert_array_equal(acc, values(r, n, np.int64) + values(left, n, np.int64))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32, np.uint16, np.uint8])
+def test_dtypes_and_unaligned_segments(mesh, dtype):
+    ts = mesh(2, segment_bytes=1000)  # not a multiple of 8: rounded down per dtype
+    n = 777
+
+    def step(r):
+        acc = values(r, n, dtype, stride=0) + 1
+        ts[r].exchange([Send(1 - r, values(r, n, dtype, stride=0) + 1)], [Recv(1 - r, acc, add)], CALL, deadline())
+        return acc
+
+    res = on_threads(2, step)
+    for r in range(2):
+        np.testing.assert_array_equal(res[r], (values(0, n, dtype, 0) + 1) + (values(1, n, dtype, 0) + 1))
+
+
+def test_all_to_all_with_every_peer_at_once(mesh):
+    world, n = 4, 50_000
+    ts = mesh(world, host_ids=["a", "a", "b", "b"], segment_bytes=8192)
+
+    def step(r):
+        acc = values(r, n, np.int64)
+        others = [p for p in range(world) if p != r]
+        ts[r].exchange(
+            [Send(p, values(r, n, np.int64)) for p in others], [Recv(p, acc, add) for p in others], CALL, deadline()
+        )
+        return acc
+
+    expect = sum(values(r, n, np.int64) for r in range(world))
+    for res in on_threads(world, step):
+        np.testing.assert_array_equal(res, expect)
+
+
+def test_many_exchanges_keep_order_and_headers(mesh):
+    ts = mesh(2)
+
+    def step(r):
+        out = []
+        for seq in range(200):
+            call = CallHeader(seq, "send", dtype="int64", numel=seq % 7)
+            buf = np.empty(seq % 7, np.int64)
+            mine = np.arange(seq % 7, dtype=np.int64) + 1000 * seq + r
+            sends = [Send(1 - r, mine)] if (seq + r) % 3 else []
+            ts[r].exchange(sends, [Recv(1 - r, buf)] if (seq + 1 - r) % 3 else [], call, deadline())
+            out.append(buf.copy() if (seq + 1 - r) % 3 else None)
+        return out
+
+    res = on_threads(2, step)
+    for r in range(2):
+        for seq, buf in enumerate(res[r]):
+            if buf is not None:
+                np.testing.assert_array_equal(buf, np.arange(seq % 7) + 1000 * seq + (1 - r))
+
+
+def test_self_send_and_receive(mesh):
+    (t,) = mesh(1)
+    acc = np.arange(5, dtype=np.int32)
+    t.exchange([Send(0, np.ones(5, np.int32))], [Recv(0, acc, add)], CALL, deadline())
+    np.testing.assert_array_equal(acc, np.arange(5) + 1)
+
+
+def test_receive_straight_into_the_callers_buffer(mesh):
+    ts = mesh(2)
+    dest = np.zeros(1 << 16, np.float32)
+    address = dest.__array_interface__["data"][0]
+
+    def step(r):
+        if r == 0:
+            ts[0].exchange([Send(1, values(0, dest.size))], [], CALL, deadline())
+        else:
+            ts[1].exchange([], [Recv(0, dest)], CALL, deadline())
+
+    on_threads(2, step)
+    assert dest.__array_interface__["data"][0] == address
+    np.testing.assert_array_equal(dest, values(0, dest.size))
+
+
+def test_bad_arguments(mesh):
+    store = dist.HashStore()
+    kw = dict(secret=None, timeout=1.0, host_ids=["h"], prefix="bad")
+    with pytest.raises(ValueError, match="rank"):
+        TcpTransport.connect(1, 1, store, **kw)
+    with pytest.raises(ValueError, match="timeout"):
+        TcpTransport.connect(0, 1, store, **{**kw, "timeout": 0})
+    with pytest.raises(ValueError, match="host_ids"):
+        TcpTransport.connect(0, 1, store, **{**kw, "host_ids": ["a", "b"]})
+    with pytest.raises(ValueError, match="secret"):
+        TcpTransport.connect(0, 1, store, **{**kw, "secret": b""})
+    ts = mesh(2)
+    with pytest.raises(ValueError, match="contiguous"):
+        ts[0].exchange([Send(1, np.zeros(10)[::2])], [], CALL, deadline())
+    with pytest.raises(ValueError, match="no connection"):
+        ts[0].exchange([Send(5, np.zeros(1))], [], CALL, deadline())
+
+
+# --- errors on threads -----------------------------------------------------------------------
+
+
+def test_mismatched_headers_raise_on_both_ranks(mesh):
+    ts = mesh(2)
+
+    def step(r):
+        call = CallHeader(4, "allreduce", "sum" if r == 0 else "max", "ring", "float32", 8)
+        ts[r].exchange([Send(1 - r, np.zeros(8, np.float32))], [Recv(1 - r, np.zeros(8, np.float32))], call, deadline())
+
+    res = on_threads(2, step)
+    for r in range(2):
+        assert isinstance(res[r], MismatchError), res[r]
+        assert f"rank {r} called" in str(res[r]) and f"rank {1 - r} called" in str(res[r])
+        assert "op=sum" in str(res[r]) and "op=max" in str(res[r])
+
+
+def test_payload_size_mismatch(mesh):
+    ts = mesh(2)
+
+    def step(r):
+        if r == 0:
+            ts[0].exchange([Send(1, np.zeros(10, np.float32))], [], CALL, deadline(2))
+        else:
+            ts[1].exchange([], [Recv(0, np.zeros(9, np.float32))], CALL, deadline(2))
+
+    res = on_threads(2, step)
+    assert isinstance(res[1], MismatchError) and "expected 36 bytes" in str(res[1])
+
+
+@pytest.mark.parametrize(
+    "error", [MismatchError("shapes differ"), CommTimeout("rank 9 is slow"), ValueError("user bug")]
+)
+def test_abort_reaches_a_waiting_peer_with_the_same_type(mesh, error):
+    ts = mesh(3)
+
+    def step(r):
+        if r == 0:
+            time.sleep(0.1)
+            ts[0].abort(error)
+            return None
+        ts[r].exchange([], [Recv(0, np.zeros(4, np.float32))], CALL, deadline())
+
+    res = on_threads(3, step)
+    expected = type(error) if isinstance(error, CommError) else CommError
+    for r in (1, 2):
+        assert type(res[r]) is expected, res[r]
+        assert str(res[r]).startswith("rank 0 aborted: ") and str(error) in str(res[r])
+
+
+def test_abort_reaches_a_peer_blocked_sending(mesh):
+    ts = mesh(2, host_ids=["a", "b"])
+    big = np.zeros(32 << 20, np.uint8)  # far more than the socket buffers hold
+
+    def step(r):
+        if r == 1:
+            time.sleep(0.3)
+            ts[1].abort(PeerLost("rank 1 lost rank 7"))
+            return None
+        t0 = time.monotonic()
+        try:
+            ts[0].exchange([Send(1, big)], [], CALL, deadline(10))
+        finally:
+            res_time.append(time.monotonic() - t0)
+
+    res_time: list = []
+    res = on_threads(2, step)
+    assert isinstance(res[0], PeerLost), res[0]
+    assert res_time[0] < 5
+
+
+def test_peer_that_closes_is_peer_lost(mesh):
+    ts = mesh(2)
+    ts[1].close()
+    with pytest.raises(PeerLost, match="rank 1"):
+        ts[0].exchange([], [Recv(1, np.zeros(4))], CALL, deadline())
+    with pytest.raises(PeerLost, match="gone"):  # the connection stays dead
+        ts[0].exchange([Send(1, np.zeros(4))], [], CALL, deadline())
+
+
+def test_silent_peer_times_out_naming_it(mesh):
+    ts = mesh(3)
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match=r"receiving from rank 2 .*call #1 allreduce"):
+        ts[0].exchange([Send(1, np.zeros(4))], [Recv(2, np.zeros(4))], CALL, deadline(0.3))
+    assert time.monotonic() - t0 < 2
+
+
+def test_close_is_idempotent_and_closes_sockets(mesh):
+    ts = mesh(2)
+    fds = [c.sock for c in ts[0]._conns.values()]
+    ts[0].close()
+    ts[0].close()
+    assert all(s.fileno() == -1 for s in fds)
+    with pytest.raises(CommError, match="closed"):
+        ts[0].exchange([], [], CALL, deadline())
+
+
+# --- set-up: authentication and refusals -------------------------------------------------------
+
+
+def test_wrong_secret_is_refused_before_data(caplog):
+    caplog.set_level(logging.WARNING)
+    wrong = b"wrong-secret-9999"
+    res = build_mesh(2, secrets_=[SECRET, wrong], timeout=2.0)
+    assert isinstance(res[1], AuthError), res[1]  # the connecting side
+    assert isinstance(res[0], CommTimeout), res[0]  # the listener refused it and waited on
+    for text in [str(res[0]), str(res[1]), caplog.text]:
+        assert SECRET.decode() not in text and wrong.decode() not in text
+    assert "refused a connection" in caplog.text
+
+
+@pytest.mark.parametrize("secrets_", [[SECRET, None], [None, SECRET]])
+def test_missing_secret_is_refused(secrets_):
+    res = build_mesh(2, secrets_=secrets_, timeout=2.0)
+    assert isinstance(res[1], AuthError), res[1]
+    assert isinstance(res[0], CommTimeout), res[0]
+
+
+def test_without_secret_a_handshake_still_runs(mesh):
+    ts = mesh(3, secrets_=[None] * 3)
+    assert all(isinstance(t, TcpTransport) for t in ts)
+
+
+def test_peer_of_another_job_is_a_protocol_error():
+    store = dist.HashStore()
+    prefixes = ["jobA", "jobB"]
+
+    def connect(r):
+        if r == 1:  # rank 1 of job B finds rank 0 of job A's endpoint under its own key
+            while not store.check(["jobA/tcp/0"]):
+                time.sleep(0.01)
+            store.set("jobB/tcp/0", store.get("jobA/tcp/0"))
+        return TcpTransport.connect(r, 2, store, secret=None, timeout=2.0, host_ids=["h", "h"], prefix=prefixes[r])
+
+    res = on_threads(2, connect)
+    assert isinstance(res[1], ProtocolError) and "another job" in str(res[1])
+    assert isinstance(res[0], CommTimeout)
+
+
+class ListenerThread:
+    """Rank 0's listener of a 2-rank job, admitting rank 1, on a thread."""
+
+    def __init__(self, secret=SECRET, handshake_timeout=2.0, wait=20.0):
+        self.me = tcp._Identity(0, 2, "fuzz", secret)
+        self.listener = Listener(self.me, unix=True, tcp=True, handshake_timeout=handshake_timeout)
+        self.result: dict = {}
+        self.thread = threading.Thread(target=self._run, args=(wait,), daemon=True)
+        self.thread.start()
+
+    def _run(self, wait):
+        try:
+            self.result["socks"] = self.listener.accept({1}, deadline(wait))
+        except BaseException as exc:  # noqa: BLE001
+            self.result["error"] = exc
+
+    def raw(self, kind="tcp"):
+        if kind == "tcp":
+            return socket.create_connection(tuple(self.listener.endpoints["tcp"]), timeout=5)
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(5)
+        s.connect(tcp._unix_address(self.listener.endpoints["unix"]))
+        return s
+
+    def legit(self, secret=SECRET):
+        me = tcp._Identity(1, 2, "fuzz", secret)
+        return tcp.dial(self.listener.endpoints, True, me, 0, deadline(5))
+
+    def finish(self):
+        self.thread.join(25)
+        assert not self.thread.is_alive()
+        self.listener.close()
+        for s in self.result.get("socks", {}).values():
+            s.close()
+        return self.result
+
+
+def read_until_closed(sock, limit=1 << 16):
+    got = b""
+    while len(got) < limit:
+        try:
+            chunk = sock.recv(4096)
+        except (ConnectionResetError, socket.timeout):
+            break
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def test_replayed_handshake_is_refused():
+    lt = ListenerThread()
+    # Record a genuine connector's bytes, then play them to the listener again.
+    me = tcp._Identity(1, 2, "fuzz", SECRET)
+    hello = wire.Hello.fresh(wire.CONNECT, True, 1, 0, 2, me.job).pack()
+    s = lt.raw()
+    s.sendall(hello)
+    answer = s.recv(wire.HELLO_SIZE + wire.MAC_SIZE, socket.MSG_WAITALL)
+    recorded_mac = me.mac(wire.CONNECT, hello, answer[: wire.HELLO_SIZE])
+    s.close()  # (the listener refuses this one: it never got the MAC)
+    s = lt.raw()
+    s.sendall(hello + recorded_mac)  # the replay: same hello, same MAC, but a new listener nonce
+    assert read_until_closed(s)[wire.HELLO_SIZE + wire.MAC_SIZE :] == b""  # no ACK, closed
+    s.close()
+    lt.legit().close()
+    res = lt.finish()
+    assert set(res["socks"]) == {1}
+    assert lt.listener.refused == 2
+
+
+@pytest.mark.parametrize("payload", [b"", b"GET / HTTP/1.1\r\n\r\n", b"RTHS" + bytes(200), os.urandom(68)])
+def test_listener_survives_garbage_and_keeps_serving(payload):
+    lt = ListenerThread()
+    for kind in ("tcp", "unix"):
+        s = lt.raw(kind)
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        read_until_closed(s)
+        s.close()
+    lt.legit().close()
+    res = lt.finish()
+    assert "error" not in res and set(res["socks"]) == {1}
+    assert lt.listener.refused == 2
+
+
+def test_silent_connection_is_dropped_after_the_handshake_timeout():
+    lt = ListenerThread(handshake_timeout=0.2)
+    silent = lt.raw()
+    lt.legit().close()
+    res = lt.finish()
+    silent.close()
+    assert set(res["socks"]) == {1}
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.builds(lambda tail: wire.HELLO_MAGIC + bytes([wire.VERSION]) + tail, st.binary(max_size=140)),
+        st.builds(
+            lambda rank, world, flags, role: wire.Hello(role, bool(flags), rank, 0, world, wire.job_digest("fuzz"), bytes(32)).pack()
+            + os.urandom(32),
+            st.integers(0, 3),
+            st.integers(1, 4),
+            st.integers(0, 1),
+            st.sampled_from([wire.CONNECT, wire.ACCEPT]),
+        ),
+    )
+)
+def test_fuzz_listener(fuzz_listener, data):
+    """Random, truncated and almost-right handshakes: each refused, the listener keeps serving."""
+    s = fuzz_listener.raw()
+    try:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        tail = read_until_closed(s)
+    except OSError:
+        tail = b""
+    finally:
+        s.close()
+    assert wire.ACK not in tail[wire.HELLO_SIZE + wire.MAC_SIZE :]
+    assert fuzz_listener.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def fuzz_listener():
+    lt = ListenerThread(handshake_timeout=1.0, wait=110.0)
+    yield lt
+    refused = lt.listener.refused
+    lt.legit().close()  # after all that, a genuine peer still gets in
+    res = lt.finish()
+    assert "error" not in res and set(res["socks"]) == {1}, res
+    assert refused >= 500
+
+
+# --- hostile frames on an established connection ---------------------------------------------
+
+
+def pair():
+    """A transport for rank 0 whose connection to rank 1 is the other end of a socketpair."""
+    a, b = socket.socketpair()
+    return TcpTransport(0, 2, {1: a}), b
+
+
+@pytest.mark.parametrize(
+    "raw, error",
+    [
+        (b"X" * wire.FRAME_HEADER_SIZE, ProtocolError),
+        (wire.encode_data_header(CALL, 1 << 39), MismatchError),  # claims 512 GiB: no allocation
+        (wire.encode_data_header(CALL, wire.MAX_PAYLOAD)[:-8] + (2**63).to_bytes(8, "little"), ProtocolError),
+        (wire.encode_data_header(CALL, 16)[:30], PeerLost),  # truncated, then closed
+        (wire.encode_data_header(CALL, 16) + b"12345", PeerLost),  # payload cut short
+        (wire.encode_abort(AuthError("x"))[:-1], PeerLost),  # ABORT cut short
+    ],
+)
+def test_hostile_frames(raw, error):
+    t, evil = pair()
+    evil.sendall(raw)
+    evil.shutdown(socket.SHUT_WR)
+    tracemalloc.start()
+    try:
+        with pytest.raises(error):
+            t.exchange([], [Recv(1, np.zeros(4, np.float32))], CALL, deadline(5))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    if error is ProtocolError:
+        assert t._conns[1].dead and t._conns[1].sock.fileno() == -1  # that connection is closed
+    t.close()
+    evil.close()
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.one_of(
+        st.binary(max_size=120),
+        st.builds(lambda tail: wire.FRAME_MAGIC + bytes([wire.VERSION]) + tail, st.binary(max_size=120)),
+        st.builds(
+            lambda length, cut, kind: (
+                wire.encode_data_header(CALL, length) if kind else wire.encode_abort(CommError("e" * length))
+            )[: wire.FRAME_HEADER_SIZE + cut],
+            st.integers(0, 40),
+            st.integers(0, 40),
+            st.booleans(),
+        ),
+    )
+)
+def test_fuzz_frames_on_a_connection(data):
+    """Whatever a peer sends, the receive ends with data or a CommError, never a hang or a crash."""
+    t, evil = pair()
+    try:
+        evil.sendall(data)
+        evil.shutdown(socket.SHUT_WR)
+        buf = np.zeros(4, np.float32)
+        try:
+            t.exchange([], [Recv(1, buf)], CALL, deadline(2))
+        except CommError as exc:
+            assert not isinstance(exc, CommTimeout)
+        else:
+            assert data[: wire.FRAME_HEADER_SIZE] == wire.encode_data_header(CALL, 16)
+    finally:
+        t.close()
+        evil.close()
+
+
+# --- real processes --------------------------------------------------------------------------
+
+
+def _proc_main(rank, world, port, hosts, scenario, q):
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(50, exit=True, file=sys.stderr)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=20))
+        t = TcpTransport.connect(rank, world, store, secret=SECRET, timeout=20, host_ids=hosts, prefix="mp")
+        n = 300_001
+        right, left = (rank + 1) % world, (rank - 1) % world
+        if scenario == "ring":
+            cur, acc = values(rank, n, np.int64), values(rank, n, np.int64)
+            for step in range(world - 1):
+                call = CallHeader(step, "allreduce", "sum", "ring", "int64", n)
+                nxt = np.empty(n, np.int64)
+                t.exchange([Send(right, cur)], [Recv(left, nxt)], call, deadline(20))
+                t.exchange([Send(right, cur)], [Recv(left, acc, add)], call, deadline(20))
+                cur = nxt
+            q.put((rank, "ok", int(acc.sum()), int(acc[n // 2])))
+        elif scenario == "killed":
+            if rank == world - 1:
+                q.put((rank, "ready", 0, 0))
+                time.sleep(60)
+            got = np.empty(n, np.int64)
+            t0 = time.monotonic()
+            try:
+                t.exchange([Send(right, values(rank, n, np.int64))], [Recv(left, got)], CALL, deadline(8))
+                t.exchange([Send(right, got)], [Recv(left, got)], CALL, deadline(8))
+                q.put((rank, "no error", 0, 0))
+            except CommError as exc:
+                q.put((rank, type(exc).__name__, time.monotonic() - t0, str(exc)))
+        t.close()
+    except BaseException as exc:  # noqa: BLE001
+        q.put((rank, "crash", 0, repr(exc)))
+
+
+def run_procs(world, hosts, scenario, kill_last_after_ready=False, timeout=40):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=20), wait_for_workers=False)
+    procs = [ctx.Process(target=_proc_main, args=(r, world, store.port, hosts, scenario, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        end = time.monotonic() + timeout
+        expected = world
+        while len(out) < expected:
+            rank, status, a, b = q.get(timeout=max(0.1, end - time.monotonic()))
+            if status == "ready" and kill_last_after_ready:
+                time.sleep(0.2)
+                os.kill(procs[rank].pid, signal.SIGKILL)
+                out[rank] = ("killed", 0, 0)
+                continue
+            out[rank] = (status, a, b)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world, hosts", [(2, ["h", "h"]), (3, ["a", "b", "a"])])
+def test_processes_ring_allreduce_exact(world, hosts):
+    n = 300_001
+    out = run_procs(world, hosts, "ring")
+    total = sum(values(r, n, np.int64) for r in range(world))
+    for r in range(world):
+        assert out[r] == ("ok", int(total.sum()), int(total[n // 2])), out[r]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("hosts", [["h", "h", "h"], ["a", "b", "c"]])
+def test_processes_peer_killed(hosts):
+    out = run_procs(3, hosts, "killed", kill_last_after_ready=True)
+    assert out[2][0] == "killed"
+    for r in (0, 1):
+        status, took, text = out[r]
+        assert status in ("PeerLost", "CommTimeout"), out[r]
+        assert took < 8 + 2
+    # rank 0 receives from rank 2 (the killed one) and must name it
+    assert "rank 2" in out[0][2]
