@@ -97,6 +97,22 @@ def test_optimal_equals_brute_force_custom_cost():
                 assert abs(plan.end_time - best) <= 1e-12 * max(best, 1e-300), (n, times, sizes)
 
 
+def test_optimal_without_the_cost_table(monkeypatch):
+    # Large models cost each row of candidate groups separately instead of in one table.
+    import ringtrain.plan as plan_module
+
+    rng = np.random.default_rng(17)
+    cases = [random_instance(rng, int(rng.integers(1, 11))) for _ in range(60)]
+    with_table = [merge(t, s, 2.5e-4, 8e-10) for t, s in cases]
+    monkeypatch.setattr(plan_module, "_COST_TABLE_LIMIT", 0)
+    monkeypatch.setattr(plan_module, "_COST_TABLE_LIMIT_LINEAR", 0)
+    for (times, sizes), expected in zip(cases, with_table):
+        plan = merge(times, sizes, 2.5e-4, 8e-10)
+        assert plan.groups == expected.groups and plan.end_time == expected.end_time
+        best, _ = brute_force(times, sizes, LinearCost(2.5e-4, 8e-10))
+        assert plan.end_time == pytest.approx(best, rel=1e-12, abs=0)
+
+
 def test_optimal_on_integer_data_is_exactly_the_brute_force_optimum():
     rng = np.random.default_rng(3)
     for _ in range(200):

@@ -52,6 +52,8 @@ import numpy as np
 
 METHODS = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 MIB = 1024 * 1024
+_COST_TABLE_LIMIT = 1 << 21  # candidate groups costed in one call (up to ~2,000 layers)
+_COST_TABLE_LIMIT_LINEAR = 1 << 17  # the same for the linear cost (up to ~500 layers)
 
 #: ``cost(nbytes) -> seconds``. Called with a float64 numpy array where it can take one
 #: (the element-wise result is used), else once per element with a Python float.
@@ -238,9 +240,21 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[
     prefix = _prefix(sizes)
     best = np.zeros(n + 1)
     split = np.zeros(n + 1, dtype=np.int64)  # the last group of best[j] is split[j]..j-1
+    # The cost of every candidate group, row j holding the groups i..j-1 for i < j, in one call
+    # of the cost function when the triangle is small enough (a user cost may be slow per
+    # call; the linear cost is cheap per call, and building the table costs time too).
+    limit = _COST_TABLE_LIMIT_LINEAR if isinstance(cost, LinearCost) else _COST_TABLE_LIMIT
+    table = None
+    if n * (n + 1) // 2 <= limit:
+        rows, cols = np.tril_indices(n + 1, -1)
+        table = _cost_array(cost, prefix[rows] - prefix[cols])
     for j in range(1, n + 1):
+        if table is None:
+            costs = _cost_array(cost, prefix[j] - prefix[:j])
+        else:
+            costs = table[j * (j - 1) // 2 : j * (j + 1) // 2]
         # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
-        ends = np.maximum(ready[j - 1], best[:j]) + _cost_array(cost, prefix[j] - prefix[:j])
+        ends = np.maximum(ready[j - 1], best[:j]) + costs
         i = int(np.argmin(ends))
         best[j] = ends[i]
         split[j] = i
@@ -256,23 +270,22 @@ def _mgwfbp_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[t
     """MG-WFBP's greedy pass (see the module docstring for the rule and its source)."""
     n = len(sizes)
     groups: list[tuple[int, int]] = []
+    prefix = _prefix(sizes)
     first = 0
-    open_bytes = float(sizes[0]) if n else 0.0
     prev_end = 0.0  # end of the last closed group's allreduce
     for k in range(n - 1):
+        # costs of the open group (layers first..k), of layer k+1 alone, and of both together
+        open_bytes, together = prefix[k + 1] - prefix[first], prefix[k + 2] - prefix[first]
+        c_open, c_next, c_both = _cost_array(cost, np.array([open_bytes, sizes[k + 1], together]))
+        saving = cost.alpha if isinstance(cost, LinearCost) else float(c_open + c_next - c_both)
         start = max(float(ready[k]), prev_end)
-        end = start + _cost_scalar(cost, open_bytes)
+        end = start + float(c_open)
         next_ready = float(ready[k + 1])
-        merged = next_ready < end and (
-            start > next_ready or next_ready - start < _startup_saving(cost, open_bytes, float(sizes[k + 1]))
-        )
-        if merged:
-            open_bytes += float(sizes[k + 1])
-        else:
+        merged = next_ready < end and (start > next_ready or next_ready - start < saving)
+        if not merged:
             groups.append((first, k))
             prev_end = end
             first = k + 1
-            open_bytes = float(sizes[k + 1])
     if n:
         groups.append((first, n - 1))
     return groups
@@ -346,18 +359,6 @@ def _cost_array(cost: CostFn, nbytes: np.ndarray) -> np.ndarray:
         bad = int(np.flatnonzero(~(np.isfinite(out) & (out >= 0.0)))[0])
         raise ValueError(f"cost({nbytes[bad]!r}) returned {out[bad]!r}; it must be finite and >= 0")
     return out
-
-
-def _cost_scalar(cost: CostFn, nbytes: float) -> float:
-    return float(_cost_array(cost, np.array([nbytes]))[0])
-
-
-def _startup_saving(cost: CostFn, a: float, b: float) -> float:
-    """Time saved by sending a and b bytes in one allreduce instead of two (alpha if linear)."""
-    if isinstance(cost, LinearCost):
-        return cost.alpha
-    both = _cost_array(cost, np.array([a, b, a + b]))
-    return float(both[0] + both[1] - both[2])
 
 
 # --- validation --------------------------------------------------------------------------

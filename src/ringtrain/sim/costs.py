@@ -90,6 +90,10 @@ def _floor_pow2(p: int) -> int:
 
 
 def _check_sizes(nbytes: Any) -> np.ndarray:
+    if isinstance(nbytes, (float, int)) and not isinstance(nbytes, bool):
+        if not (0 <= nbytes < math.inf):
+            raise ValueError(f"nbytes={nbytes!r}; every size must be finite and >= 0")
+        return np.float64(nbytes)  # the scalar fast path (the planner calls this per layer)
     try:
         n = np.asarray(nbytes, dtype=np.float64)
     except (TypeError, ValueError):
@@ -100,14 +104,11 @@ def _check_sizes(nbytes: Any) -> np.ndarray:
 
 
 def _result(n: np.ndarray, t: Any) -> Any:
-    t = np.broadcast_to(np.asarray(t, dtype=np.float64), n.shape)
-    return float(t) if n.ndim == 0 else np.array(t)
-
-
-def _prepare(nbytes: Any, p: Any, alpha: float, beta: float, gamma: float) -> tuple[np.ndarray, int]:
-    for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-        _check_number(name, value)
-    return _check_sizes(nbytes), _check_world(p)
+    """A float for a scalar size, else an array shaped like the sizes."""
+    if n.ndim == 0:
+        return float(t)
+    t = np.asarray(t, dtype=np.float64)
+    return t if t.shape == n.shape else np.broadcast_to(t, n.shape).copy()
 
 
 def _check_world(p: Any) -> int:
@@ -210,110 +211,103 @@ def network(name: str) -> NetworkProfile:
         raise ValueError(f"network={name!r}: accepted values are {', '.join(NETWORKS)}") from None
 
 
-# --- one function per algorithm ------------------------------------------------------------
+# --- the formulas: n a float64 array, everything else already validated -------------------
 
 
-def ring_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
-    """Ring allreduce (Patarasuk & Yuan 2009): 2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ."""
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+def _ring(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float) -> Any:
+    # Patarasuk & Yuan 2009: 2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ.
     if p == 1:
-        return _result(n, 0.0 * n)
-    return _result(n, 2 * (p - 1) * alpha + (2 * (p - 1) / p) * n * beta + ((p - 1) / p) * n * gamma)
+        return 0.0 * n
+    return 2 * (p - 1) * alpha + (2 * (p - 1) / p) * n * beta + ((p - 1) / p) * n * gamma
 
 
-def naive_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
-    """All-to-all of whole vectors (seed 001): (p-1)(α + nβ + nγ)."""
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
-    return _result(n, (p - 1) * (alpha + n * beta + n * gamma))
+def _naive(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float) -> Any:
+    # seed 001, DESIGN.md: (p-1)(α + nβ + nγ).
+    return (p - 1) * (alpha + n * beta + n * gamma)
 
 
-def central_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
-    """Reduce at one master, then send back (seed 001): 2(p-1)(α + nβ) + (p-1)nγ."""
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
-    return _result(n, 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma)
+def _central(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float) -> Any:
+    # seed 001, DESIGN.md: 2(p-1)(α + nβ) + (p-1)nγ.
+    return 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma
 
 
-def halving_doubling_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
-    """Rabenseifner (Thakur et al. 2005 §4.4), with MPICH's fold for p not a power of two."""
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+def _halving_doubling(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float) -> Any:
+    # Thakur, Rabenseifner & Gropp 2005 §4.4; MPICH's fold for p not a power of two.
     q = _floor_pow2(p)
     steps = q.bit_length() - 1  # log2(q)
     t = 2 * steps * alpha + (2 * (q - 1) / q) * n * beta + ((q - 1) / q) * n * gamma
     if q != p:  # fold the extra ranks in (α + nβ + nγ) and send them the result (α + nβ)
         t = t + 2 * alpha + 2 * n * beta + n * gamma
-    return _result(n, t)
+    return t
 
 
-def recursive_doubling_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
-    """Whole-vector exchanges with partners at doubling distance (Thakur et al. 2005 §4.4)."""
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+def _recursive_doubling(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float) -> Any:
+    # Thakur, Rabenseifner & Gropp 2005 §4.4: log2(p)(α + nβ + nγ), same fold as above.
     q = _floor_pow2(p)
-    steps = q.bit_length() - 1
-    t = steps * (alpha + n * beta + n * gamma)
+    t = (q.bit_length() - 1) * (alpha + n * beta + n * gamma)
     if q != p:
         t = t + 2 * alpha + 2 * n * beta + n * gamma
-    return _result(n, t)
+    return t
 
 
-def binomial_tree_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0) -> Any:
-    """Binomial reduce then binomial broadcast (Thakur et al. 2005): ⌈log2 p⌉(2α + 2nβ + nγ)."""
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
+def _binomial_tree(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float) -> Any:
+    # Thakur, Rabenseifner & Gropp 2005 §4.1-4.2: ⌈log2 p⌉ rounds of reduce, then of broadcast.
     rounds = (p - 1).bit_length()  # ⌈log2 p⌉
-    return _result(n, rounds * (2 * alpha + 2 * n * beta + n * gamma))
+    return rounds * (2 * alpha + 2 * n * beta + n * gamma)
 
 
-def hierarchical_time(
-    nbytes: Any,
-    p: int,
-    alpha: float,
-    beta: float,
-    gamma: float = 0.0,
-    *,
-    gpus_per_node: int | None = None,
-    intra_beta: float | None = None,
-    intra_alpha: float = 0.0,
+def _hierarchical(
+    n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, *, gpus_per_node: int, intra_beta: float, intra_alpha: float
 ) -> Any:
-    """Ring reduce-scatter in the node, ring allreduce of n/g between nodes, allgather in the node.
-
-    ``alpha``, ``beta`` are the link between nodes; ``intra_alpha``, ``intra_beta`` the link
-    inside a node.
-    """
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
-    if gpus_per_node is None or intra_beta is None:
-        raise ValueError("algorithm='hierarchical' needs gpus_per_node and intra_beta (intra_alpha is optional)")
-    gpus_per_node = _check_count("gpus_per_node", gpus_per_node)
-    _check_number("intra_alpha", intra_alpha)
-    _check_number("intra_beta", intra_beta)
+    # DESIGN.md, each phase a ring (Patarasuk & Yuan 2009).
     if p <= gpus_per_node:
-        return ring_time(nbytes, p, intra_alpha, intra_beta, gamma)
-    if p % gpus_per_node:
-        raise ValueError(f"world_size={p} is not a multiple of gpus_per_node={gpus_per_node}")
+        return _ring(n, p, intra_alpha, intra_beta, gamma)
     g, nodes = gpus_per_node, p // gpus_per_node
     inside = 2 * (g - 1) * intra_alpha + (2 * (g - 1) / g) * n * intra_beta + ((g - 1) / g) * n * gamma
-    between = ring_time(n / g, nodes, alpha, beta, gamma)
-    return _result(n, inside + between)
+    return inside + _ring(n / g, nodes, alpha, beta, gamma)
 
 
-def ps_time(nbytes: Any, p: int, alpha: float, beta: float, gamma: float = 0.0, *, servers: int = 1) -> Any:
-    """Synchronous push then pull over ``servers`` parameter servers, each holding 1/K of n."""
-    n, p = _prepare(nbytes, p, alpha, beta, gamma)
-    k = _check_count("servers", servers)
+def _ps(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, *, servers: int) -> Any:
+    # seed 002, DESIGN.md: the busiest link per direction, a server's or a worker's.
     if p == 1:
-        return _result(n, 0.0 * n)
+        return 0.0 * n
+    k = servers
     per_direction = np.maximum(p * (alpha + n * beta / k), k * alpha + n * beta)
-    return _result(n, 2 * per_direction + (p - 1) * n * gamma / k)
+    return 2 * per_direction + (p - 1) * n * gamma / k
 
 
-_FUNCTIONS = {
-    "ring": ring_time,
-    "naive": naive_time,
-    "central": central_time,
-    "halving_doubling": halving_doubling_time,
-    "recursive_doubling": recursive_doubling_time,
-    "binomial_tree": binomial_tree_time,
-    "hierarchical": hierarchical_time,
-    "ps": ps_time,
+_FORMULAS = {
+    "ring": _ring,
+    "naive": _naive,
+    "central": _central,
+    "halving_doubling": _halving_doubling,
+    "recursive_doubling": _recursive_doubling,
+    "binomial_tree": _binomial_tree,
+    "hierarchical": _hierarchical,
+    "ps": _ps,
 }
+
+
+def _check_options(algorithm: str, p: int, options: dict[str, Any]) -> dict[str, Any]:
+    """The algorithm's options, validated and with defaults filled in."""
+    allowed = _OPTIONS.get(algorithm, ())
+    for key in options:
+        if key not in allowed:
+            accepted = ", ".join(allowed) if allowed else "none"
+            raise ValueError(f"option {key!r} does not apply to algorithm={algorithm!r} (accepted: {accepted})")
+    if algorithm == "ps":
+        return {"servers": _check_count("servers", options.get("servers", 1))}
+    if algorithm == "hierarchical":
+        if options.get("gpus_per_node") is None or options.get("intra_beta") is None:
+            raise ValueError("algorithm='hierarchical' needs gpus_per_node and intra_beta (intra_alpha is optional)")
+        g = _check_count("gpus_per_node", options["gpus_per_node"])
+        intra_alpha = options.get("intra_alpha", 0.0)
+        _check_number("intra_alpha", intra_alpha)
+        _check_number("intra_beta", options["intra_beta"])
+        if p > g and p % g:
+            raise ValueError(f"world_size={p} is not a multiple of gpus_per_node={g}")
+        return {"gpus_per_node": g, "intra_beta": options["intra_beta"], "intra_alpha": intra_alpha}
+    return {}
 
 
 # --- the public entry points ---------------------------------------------------------------
@@ -331,23 +325,16 @@ def allreduce_time(
     """Seconds for one allreduce of ``nbytes`` over ``world_size`` ranks with ``algorithm``.
 
     ``beta`` is required. ``options``: hierarchical takes gpus_per_node, intra_beta and
-    intra_alpha; ps takes servers. ``nbytes`` may be a numpy array (the result is then one).
+    intra_alpha (default 0); ps takes servers (default 1). ``nbytes`` may be a numpy array
+    (the result is then one, element-wise).
     """
-    if algorithm not in _FUNCTIONS:
-        raise ValueError(f"algorithm={algorithm!r}: accepted values are {', '.join(ALGORITHMS)}")
-    if beta is None:
-        raise ValueError("beta (seconds per byte) is required; see ringtrain.sim.costs.NETWORKS")
-    allowed = _OPTIONS.get(algorithm, ())
-    for key in options:
-        if key not in allowed:
-            accepted = ", ".join(allowed) if allowed else "none"
-            raise ValueError(f"option {key!r} does not apply to algorithm={algorithm!r} (accepted: {accepted})")
-    return _FUNCTIONS[algorithm](nbytes, world_size, alpha, beta, gamma, **options)
+    return allreduce_cost(world_size, algorithm, alpha, beta, gamma, **options)(nbytes)
 
 
 @dataclass(frozen=True)
 class AllreduceCost:
-    """``allreduce_time`` with everything but the size fixed: a cost for ``ringtrain.plan.merge``."""
+    """``allreduce_time`` with everything but the size fixed and validated once: a cost for
+    ``ringtrain.plan.merge`` (``merge(t, s, cost=allreduce_cost(64, beta=8e-10))``)."""
 
     world_size: int
     algorithm: str = "ring"
@@ -357,12 +344,22 @@ class AllreduceCost:
     options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        self(0.0)  # validates every argument once, here
+        if self.algorithm not in _FORMULAS:
+            raise ValueError(f"algorithm={self.algorithm!r}: accepted values are {', '.join(ALGORITHMS)}")
+        if self.beta is None:
+            raise ValueError("beta (seconds per byte) is required; see ringtrain.sim.costs.NETWORKS")
+        for name in ("alpha", "beta", "gamma"):
+            _check_number(name, getattr(self, name))
+        p = _check_world(self.world_size)
+        checked = _check_options(self.algorithm, p, dict(self.options))
+        object.__setattr__(self, "world_size", p)
+        object.__setattr__(self, "options", tuple(sorted(checked.items())))
 
     def __call__(self, nbytes: Any) -> Any:
-        return allreduce_time(
-            nbytes, self.world_size, self.algorithm, self.alpha, self.beta, self.gamma, **dict(self.options)
-        )
+        n = _check_sizes(nbytes)
+        formula = _FORMULAS[self.algorithm]
+        options = dict(self.options) if self.options else {}
+        return _result(n, formula(n, self.world_size, self.alpha, self.beta, self.gamma, **options))
 
 
 def allreduce_cost(
@@ -373,7 +370,7 @@ def allreduce_cost(
     gamma: float = 0.0,
     **options: Any,
 ) -> AllreduceCost:
-    """A ``cost(nbytes) -> seconds`` callable, e.g. ``merge(t, s, cost=allreduce_cost(64, beta=8e-10))``."""
+    """A ``cost(nbytes) -> seconds`` callable with everything but the size fixed."""
     return AllreduceCost(world_size, algorithm, alpha, beta, gamma, tuple(sorted(options.items())))
 
 
