@@ -24,8 +24,8 @@ from ringtrain.transport.local import run_threads
 
 pytestmark = pytest.mark.timeout(60)
 
-ALGORITHMS = ["ring"]
-SEGMENTED = {"ring"}  # accept max_segment_bytes
+ALGORITHMS = ["ring", "naive", "central", "halving_doubling", "hierarchical"]
+SEGMENTED = {"ring", "hierarchical"}  # accept max_segment_bytes
 WORLD = [1, 2, 3, 4, 5, 7, 8]
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "min", "max", "prod"]
@@ -295,3 +295,56 @@ def test_length_mismatch_raises_on_every_rank(alg):
     results = run_threads(3, body, timeout=20)
     assert all(isinstance(r, CommError) for r in results), results
     assert any(isinstance(r, MismatchError) for r in results), results
+
+
+# --- hierarchical: host layouts ------------------------------------------------------------
+
+LAYOUTS = ["aabb", "aaabb", "abc", "aaaaab", "abbbccc", "abab", "aaaa", "aabbbbcc"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hierarchical_host_layouts(layout):
+    hosts = list(layout)
+    p = len(hosts)
+    rng = np.random.default_rng(len(layout))
+    floats = [rng.standard_normal(301) for _ in range(p)]
+    todo = [(n, op, dt, kw) for n in (0, 1, p + 1, 301) for op in OPS for dt in ("bfloat16", "float32", "int64")
+            for kw in ({}, {"max_segment_bytes": TINY_SEGMENT})]
+
+    def body(t):
+        out = []
+        for seq, (n, op, dtype, kw) in enumerate(todo, 1):
+            buf = to_storage(values(op, dtype, t.rank, n, p), dtype)
+            call_allreduce("hierarchical", t, buf, op, dtype, header("allreduce", op, "hierarchical", dtype, n, seq), hosts=hosts, **kw)
+            out.append(buf)
+        buf = floats[t.rank].copy()
+        call_allreduce("hierarchical", t, buf, "sum", "float64", header("allreduce", "sum", "hierarchical", "float64", 301, 0), hosts=hosts)
+        out.append(buf)
+        return out
+
+    results = run(p, body)
+    for k, (n, op, dtype, kw) in enumerate(todo):
+        want = reference(op, dtype, n, p)
+        for rank in range(p):
+            assert_same(results[rank][k], want, f"hierarchical {layout} n={n} {op} {dtype} {kw} rank {rank}")
+    for rank in range(1, p):
+        assert_same(results[rank][-1], results[0][-1], f"hierarchical {layout} random floats rank {rank}")
+    np.testing.assert_allclose(results[0][-1], np.sum(floats, axis=0), rtol=1e-12, atol=1e-12)  # float reordering
+
+
+def test_hierarchical_rejects_short_hosts_list():
+    def body(t):
+        with pytest.raises(ValueError, match="hosts"):
+            call_allreduce("hierarchical", t, np.zeros(3, np.int64), "sum", "int64",
+                           header("allreduce", "sum", "hierarchical", "int64", 3), hosts=["a"])
+
+    run(2, body)
+
+
+def test_registry():
+    from ringtrain import collectives
+
+    for name in collectives.ALGORITHMS:
+        assert callable(collectives.get(name).allreduce)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        collectives.get("bogus")
