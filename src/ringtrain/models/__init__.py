@@ -1,0 +1,123 @@
+"""Reference workloads: models that need no download, built by name.
+
+    model = ringtrain.models.build("resnet", seed=0)        # same seed -> same weights
+    x, y = ringtrain.models.make_batch("resnet", seed=1)     # default batch for that model
+    loss = model.loss(model(x), y)
+    ringtrain.models.describe("resnet")                      # sizes, default batch, data set
+
+Names (see each module's docstring):
+
+==================== ========================================= =============== ==========
+name                 what                                      default batch   data set
+==================== ========================================= =============== ==========
+charlm               = charlm-transformer                      32 x 64 bytes   text
+charlm-transformer   byte-level GPT, d=128, 4 blocks           32 x 64 bytes   text
+charlm-lstm          byte embedding + 2-layer LSTM (256)       32 x 64 bytes   text
+resnet               ResNet-style CNN, 35 convs, BatchNorm     32 x 3x32x32    images
+mlp                  1024-4096-4096-10 MLP                     32 x 1024       vectors
+==================== ========================================= =============== ==========
+
+*Data set* names the matching :func:`ringtrain.data.dataset` kind. ``build`` creates the
+weights under a private copy of torch's random state, so it neither depends on nor
+disturbs the caller's random numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .base import ReferenceModel
+from .charlm import CharLSTM, CharTransformer
+from .mlp import MLP
+from .resnet import ResNet
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """How to build one registry entry."""
+
+    name: str
+    """Registry name."""
+    cls: type[ReferenceModel]
+    """The model class."""
+    summary: str
+    """One line for listings."""
+    batch_size: int = 32
+    """Default per-rank batch size."""
+    dataset: str = ""
+    """The :func:`ringtrain.data.dataset` kind this model trains on."""
+    batch_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments to ``make_batch`` (the language models' ``seq_len``)."""
+
+
+_SPECS = {
+    s.name: s
+    for s in (
+        ModelSpec("charlm-transformer", CharTransformer, "byte-level transformer LM (d=128, 4 blocks)",
+                  dataset="text", batch_kwargs={"seq_len": 64}),
+        ModelSpec("charlm-lstm", CharLSTM, "byte-level LSTM LM (2 layers of 256)",
+                  dataset="text", batch_kwargs={"seq_len": 64}),
+        ModelSpec("resnet", ResNet, "ResNet-style CNN on 32x32 images, 35 convolutions, BatchNorm", dataset="images"),
+        ModelSpec("mlp", MLP, "MLP 1024-4096-4096-10, few large layers", dataset="vectors"),
+    )
+}
+_ALIASES = {"charlm": "charlm-transformer"}
+
+
+def names() -> list[str]:
+    """Every accepted model name, aliases included."""
+    return sorted([*_SPECS, *_ALIASES])
+
+
+def spec(name: str) -> ModelSpec:
+    """The registry entry for ``name`` (aliases resolved)."""
+    key = _ALIASES.get(name, name)
+    if key not in _SPECS:
+        raise ValueError(f"model must be one of {names()}, got {name!r}")
+    return _SPECS[key]
+
+
+def build(name: str, seed: int = 0, **kwargs: Any) -> ReferenceModel:
+    """Build model ``name`` with weights drawn from ``seed``; ``kwargs`` go to its constructor."""
+    s = spec(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return s.cls(**kwargs)
+        except TypeError as exc:  # an unknown keyword: name the accepted ones
+            raise ValueError(f"bad argument for model {name!r}: {exc}") from None
+
+
+def make_batch(model: str | ReferenceModel, batch_size: int | None = None, seed: int = 0,
+               **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random batch for ``model`` (a name, built with ``model_kwargs``, or an instance)."""
+    if isinstance(model, str):
+        s = spec(model)
+        model = build(model, **model_kwargs)
+    else:
+        s = spec(model.family)
+    return model.make_batch(batch_size or s.batch_size, seed=seed, **s.batch_kwargs)
+
+
+def describe(name: str, **kwargs: Any) -> dict[str, Any]:
+    """Sizes and defaults of model ``name`` (built with ``kwargs``), as a JSON-ready dict."""
+    s = spec(name)
+    model = build(name, **kwargs)
+    return {
+        "name": s.name,
+        "summary": s.summary,
+        "num_params": model.num_params,
+        "num_param_tensors": model.num_param_tensors,
+        "num_layers": model.num_layers,
+        "gradient_bytes": 4 * model.num_params,
+        "batch_size": s.batch_size,
+        "dataset": s.dataset,
+        **s.batch_kwargs,
+    }
+
+
+__all__ = ["MLP", "CharLSTM", "CharTransformer", "ModelSpec", "ReferenceModel", "ResNet",
+           "build", "describe", "make_batch", "names", "spec"]

@@ -1,0 +1,168 @@
+"""Reference models: registry, sizes, deterministic init, determinism, data-parallel equivalence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringtrain import data, models
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the machine's cores are shared, and OpenMP threads spinning
+    against other processes make small models many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+# Exact sizes of the defaults, as documented in the modules (a change must update the docs).
+DOCUMENTED = {
+    "charlm-transformer": (891_904, 54, 28),
+    "charlm-lstm": (938_240, 11, 3),
+    "resnet": (4_375_770, 107, 71),
+    "mlp": (21_020_682, 6, 3),
+}
+
+# Small variants keep the gradient tests fast.
+SMALL = {
+    "charlm-transformer": dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=16),
+    "charlm-lstm": dict(embed_dim=16, hidden_size=32),
+    "resnet": dict(widths=(4, 8), blocks_per_stage=1, image_size=8, norm="group"),
+    "mlp": dict(in_features=16, hidden=(32, 32)),
+}
+
+
+def small_batch(name, model, n, seed):
+    if name.startswith("charlm"):
+        return model.make_batch(n, seed=seed, seq_len=12)
+    return model.make_batch(n, seed=seed)
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_documented_sizes(name):
+    d = models.describe(name)
+    assert (d["num_params"], d["num_param_tensors"], d["num_layers"]) == DOCUMENTED[name]
+    assert d["gradient_bytes"] == 4 * d["num_params"]
+    assert d["dataset"] in data.KINDS
+
+
+def test_names_and_alias():
+    assert models.names() == ["charlm", "charlm-lstm", "charlm-transformer", "mlp", "resnet"]
+    assert type(models.build("charlm")) is models.CharTransformer
+
+
+def test_bad_arguments_name_the_choices():
+    with pytest.raises(ValueError, match="model must be one of .*resnet"):
+        models.build("vgg")
+    with pytest.raises(ValueError, match="bad argument for model 'mlp'"):
+        models.build("mlp", width=3)
+    with pytest.raises(ValueError, match=r"norm must be one of \('batch', 'group', 'none'\)"):
+        models.build("resnet", norm="layer")
+    with pytest.raises(ValueError, match="d_model .* divisible by n_heads"):
+        models.build("charlm", d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
+        models.build("charlm-lstm", hidden_size=0)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
+        models.build("charlm", **SMALL["charlm-transformer"])(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_seeded_init_is_reproducible_and_private(name):
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a = models.build(name, seed=5, **SMALL[name])
+    assert torch.equal(torch.rand(3), expected_next), "build() must not consume the caller's random numbers"
+    b = models.build(name, seed=5, **SMALL[name])
+    c = models.build(name, seed=6, **SMALL[name])
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point())
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_forward_backward_shapes_and_determinism(name):
+    grads = []
+    for _ in range(2):
+        model = models.build(name, seed=1, **SMALL[name])
+        x, y = small_batch(name, model, 4, seed=2)
+        loss = model.loss(model(x), y)
+        assert loss.dim() == 0 and torch.isfinite(loss)
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    # Same inputs, same weights, same process: backward is bitwise repeatable on the CPU.
+    assert all(torch.equal(g1, g2) for g1, g2 in zip(*grads))
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_mean_of_shard_gradients_is_the_full_batch_gradient(name):
+    """What data parallelism relies on: the loss is a per-sample mean with no batch statistics
+    (resnet with norm="group"), so averaging the gradients of p shards of a batch gives the
+    gradient of the whole batch."""
+    p, b = 3, 2
+    model = models.build(name, seed=3, **SMALL[name])
+    x, y = small_batch(name, model, p * b, seed=4)
+    model.zero_grad()
+    model.loss(model(x), y).backward()
+    full = [q.grad.clone() for q in model.parameters()]
+    shard_sum = [torch.zeros_like(q) for q in model.parameters()]
+    for r in range(p):
+        model.zero_grad()
+        model.loss(model(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b]).backward()
+        for acc, q in zip(shard_sum, model.parameters()):
+            acc += q.grad
+    for f, s in zip(full, shard_sum):
+        # Tolerance: the two sides sum the same terms in a different order (float32).
+        torch.testing.assert_close(s / p, f, rtol=1e-4, atol=1e-6)
+
+
+def test_batchnorm_resnet_is_not_shard_equivalent_but_group_norm_is():
+    """Documents why correctness tests use norm="group": BatchNorm's batch statistics differ per shard."""
+    kw = dict(SMALL["resnet"], norm="batch")
+    model = models.build("resnet", seed=3, **kw)
+    x, y = model.make_batch(4, seed=4)
+    whole = model(x)
+    halves = torch.cat([model(x[:2]), model(x[2:])])
+    assert not torch.allclose(whole, halves, atol=1e-4)
+    model.eval()  # running statistics: per-sample again
+    torch.testing.assert_close(model(x), torch.cat([model(x[:2]), model(x[2:])]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_make_batch_defaults_fit_the_model(name):
+    x, y = models.make_batch(name, seed=0)
+    s = models.spec(name)
+    assert x.shape[0] == y.shape[0] == s.batch_size
+    model = models.build(name)
+    x2, y2 = models.make_batch(model, batch_size=2, seed=0)
+    assert x2.shape[0] == 2
+    with torch.no_grad():
+        out = model(x2)
+    assert model.loss(out, y2).dim() == 0
+    if name.startswith("charlm"):
+        assert x.shape == (32, 64) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+@pytest.mark.timeout(90)
+def test_charlm_learns_the_stdlib_text():
+    """The reference workload trains: a tiny LM's loss drops well below uniform (ln 256 = 5.55)."""
+    torch.manual_seed(0)
+    model = models.build("charlm", seed=0, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)
+    loader = data.ShardedLoader(data.dataset("text", seq_len=32), batch_size=16, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        x, y = loader.next_batch()
+        loss = model.loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 5.0
+    assert sum(losses[-10:]) / 10 < 3.6, losses[-10:]
