@@ -46,10 +46,16 @@ def test_seed_000_arithmetic():
     assert sim.allreduce_time(1.2e9, 40, "ring", alpha=0.0, beta=1 / 6e9) == pytest.approx(0.39, rel=1e-12)
     profile = sim.network("seed000-IB")
     assert sim.allreduce_time(1.2e9, 40, beta=profile.beta, alpha=profile.alpha) == pytest.approx(0.39, rel=1e-12)
-    # Seed 000's cluster is 5 nodes of 8 GPUs with ~10 GB/s inside a node: hierarchical gives
-    # 2·(7/8)·1.2e9/1e10 + 2·(4/5)·1.5e8/6e9 = 0.21 + 0.04 s.
-    hier = sim.allreduce_time(1.2e9, 40, "hierarchical", beta=1 / 6e9, gpus_per_node=8, intra_beta=1e-10)
+    # Seed 000's cluster is 5 nodes of 8 GPUs with ~10 GB/s inside a node. Hierarchical with
+    # one network card per GPU: 2·(7/8)·1.2e9/1e10 + 2·(4/5)·1.5e8/6e9 = 0.21 + 0.04 s.
+    kw = {"beta": 1 / 6e9, "gpus_per_node": 8, "intra_beta": 1e-10}
+    hier = sim.allreduce_time(1.2e9, 40, "hierarchical", nics_per_node=8, **kw)
     assert hier == pytest.approx(0.25, rel=1e-12)
+    # One card per node carries all 8 shards: 0.21 + 2·(4/5)·1.2e9/6e9 = 0.21 + 0.32 s. That is
+    # slower than the flat ring (0.39 s): its node cards carry about the same bytes, but its
+    # intra-node hops run in the same steps instead of in phases of their own.
+    shared = sim.allreduce_time(1.2e9, 40, "hierarchical", **kw)
+    assert shared == pytest.approx(0.53, rel=1e-12)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8, 16, 64, 1024])
@@ -85,7 +91,10 @@ def test_binomial_tree_rounds_up_log2():
 def test_hierarchical():
     # p = 8, g = 2: inside 2(1)α_i + 2(1/2)·nβ_i + (1/2)·nγ = 0 + 8 + 8; ring of 32 B over 4 nodes:
     # 6α + 1.5·32·β + 0.75·32·γ = 6 + 24 + 6.
-    assert t("hierarchical", 8, **HIER) == 16.0 + 36.0
+    assert t("hierarchical", 8, nics_per_node=2, **HIER) == 16.0 + 36.0
+    # One card shared by the node's 2 rings doubles the inter-node beta term: 6 + 48 + 6.
+    assert t("hierarchical", 8, **HIER) == 16.0 + 60.0
+    assert t("hierarchical", 8, nics_per_node=4, **HIER) == t("hierarchical", 8, nics_per_node=2, **HIER)
     # One GPU per node: a plain ring between nodes. All ranks in one node: a ring on the fast link.
     assert t("hierarchical", 8, gpus_per_node=1, intra_beta=0.125) == t("ring", 8)
     one_node = t("hierarchical", 2, gpus_per_node=8, intra_beta=0.125, intra_alpha=0.5)
@@ -224,6 +233,7 @@ def test_network_table():
         ((1.0, 6, "hierarchical"), {"gpus_per_node": 4, "intra_beta": 1e-10}, "multiple"),
         ((1.0, 8, "hierarchical"), {"gpus_per_node": 0, "intra_beta": 1e-10}, "gpus_per_node"),
         ((1.0, 8, "hierarchical"), {"gpus_per_node": 2, "intra_beta": -1.0}, "intra_beta"),
+        ((1.0, 8, "hierarchical"), {"gpus_per_node": 2, "intra_beta": 1e-10, "nics_per_node": 0}, "nics_per_node"),
     ],
 )
 def test_invalid_input(args, kw, needle):

@@ -12,9 +12,11 @@ collective communication operations in MPICH", IJHPCA 19(1)):
   sending two messages from one rank takes twice as long (one port).
 
 Every model gives 0 for p = 1 (there is nothing to exchange; a one-worker job runs no
-parameter server either). Each function takes ``nbytes`` as a number (returns a float) or a
-numpy array (returns an array, element-wise), so the planner and the simulator can evaluate
-many message sizes in one call. Formulas, with their sources:
+parameter server either). ``allreduce_time`` and the callables from ``allreduce_cost`` take
+``nbytes`` as a number (and return a float) or as a numpy array (and return an array,
+element-wise), so the planner and the simulator can cost many message sizes in one call.
+``allreduce_cost`` validates its arguments once; its calls then only check the sizes.
+Formulas, with their sources:
 
 - ring (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
   workstations", JPDC 69(2); DESIGN.md): reduce-scatter in p-1 steps of n/p bytes, then
@@ -38,10 +40,14 @@ many message sizes in one call. Formulas, with their sources:
 - binomial_tree (Thakur et al. 2005 §4.2 and §4.1): binomial-tree reduce to a root, then
   binomial-tree broadcast, ⌈log2 p⌉ rounds each: ⌈log2 p⌉(2α + 2nβ + nγ).
 - hierarchical (DESIGN.md; each phase costed as in Patarasuk & Yuan 2009): g GPUs per node on
-  a fast link (intra_alpha, intra_beta), p/g nodes on the slower one (alpha, beta). Ring
-  reduce-scatter inside each node, ring allreduce of the n/g shard between nodes (one GPU per
-  node per shard, all shards at once), ring allgather inside the node:
-  2(g-1)α_i + 2(g-1)/g·nβ_i + (g-1)/g·nγ + ring(n/g over p/g nodes).
+  a fast link (intra_alpha, intra_beta), h = p/g nodes on the slower one (alpha, beta). Ring
+  reduce-scatter inside each node, then g ring allreduces of n/g bytes between nodes at once
+  (GPU i of every node on shard i), then ring allgather inside the node. The g inter-node
+  rings share the node's c = nics_per_node network cards (default 1), so each is slowed by
+  s = g / min(c, g):
+  2(g-1)α_i + 2(g-1)/g·nβ_i + (g-1)/g·nγ + 2(h-1)α + 2(h-1)/h·(n/g)·s·β + (h-1)/h·(n/g)·γ.
+  With one card per node the cards carry the same bytes as a flat ring's, so hierarchical
+  saves start-ups, not bandwidth; with one card per GPU (c = g) the inter-node bytes fall g-fold.
   p must be a multiple of g, or at most g (one node: a ring on the fast link).
 - ps, parameter servers (seed 002; DESIGN.md), synchronous push then pull, K servers each
   holding 1/K of the vector, servers on their own machines. In each direction the busiest link
@@ -74,7 +80,7 @@ ALGORITHMS = (
 
 # Options each algorithm takes beyond alpha, beta and gamma.
 _OPTIONS: dict[str, tuple[str, ...]] = {
-    "hierarchical": ("gpus_per_node", "intra_alpha", "intra_beta"),
+    "hierarchical": ("gpus_per_node", "intra_alpha", "intra_beta", "nics_per_node"),
     "ps": ("servers",),
 }
 
@@ -257,14 +263,24 @@ def _binomial_tree(n: np.ndarray, p: int, alpha: float, beta: float, gamma: floa
 
 
 def _hierarchical(
-    n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, *, gpus_per_node: int, intra_beta: float, intra_alpha: float
+    n: np.ndarray,
+    p: int,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    *,
+    gpus_per_node: int,
+    intra_beta: float,
+    intra_alpha: float,
+    nics_per_node: int,
 ) -> Any:
-    # DESIGN.md, each phase a ring (Patarasuk & Yuan 2009).
+    # DESIGN.md, each phase a ring (Patarasuk & Yuan 2009); g rings share the node's cards.
     if p <= gpus_per_node:
         return _ring(n, p, intra_alpha, intra_beta, gamma)
     g, nodes = gpus_per_node, p // gpus_per_node
+    sharing = g / min(nics_per_node, g)
     inside = 2 * (g - 1) * intra_alpha + (2 * (g - 1) / g) * n * intra_beta + ((g - 1) / g) * n * gamma
-    return inside + _ring(n / g, nodes, alpha, beta, gamma)
+    return inside + _ring(n / g, nodes, alpha, beta * sharing, gamma)
 
 
 def _ps(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, *, servers: int) -> Any:
@@ -299,14 +315,17 @@ def _check_options(algorithm: str, p: int, options: dict[str, Any]) -> dict[str,
         return {"servers": _check_count("servers", options.get("servers", 1))}
     if algorithm == "hierarchical":
         if options.get("gpus_per_node") is None or options.get("intra_beta") is None:
-            raise ValueError("algorithm='hierarchical' needs gpus_per_node and intra_beta (intra_alpha is optional)")
+            raise ValueError(
+                "algorithm='hierarchical' needs gpus_per_node and intra_beta (intra_alpha and nics_per_node are optional)"
+            )
         g = _check_count("gpus_per_node", options["gpus_per_node"])
         intra_alpha = options.get("intra_alpha", 0.0)
         _check_number("intra_alpha", intra_alpha)
         _check_number("intra_beta", options["intra_beta"])
         if p > g and p % g:
             raise ValueError(f"world_size={p} is not a multiple of gpus_per_node={g}")
-        return {"gpus_per_node": g, "intra_beta": options["intra_beta"], "intra_alpha": intra_alpha}
+        nics = _check_count("nics_per_node", options.get("nics_per_node", 1))
+        return {"gpus_per_node": g, "intra_beta": options["intra_beta"], "intra_alpha": intra_alpha, "nics_per_node": nics}
     return {}
 
 
@@ -324,8 +343,8 @@ def allreduce_time(
 ) -> Any:
     """Seconds for one allreduce of ``nbytes`` over ``world_size`` ranks with ``algorithm``.
 
-    ``beta`` is required. ``options``: hierarchical takes gpus_per_node, intra_beta and
-    intra_alpha (default 0); ps takes servers (default 1). ``nbytes`` may be a numpy array
+    ``beta`` is required. ``options``: hierarchical takes gpus_per_node, intra_beta,
+    intra_alpha (default 0) and nics_per_node (default 1); ps takes servers (default 1). ``nbytes`` may be a numpy array
     (the result is then one, element-wise).
     """
     return allreduce_cost(world_size, algorithm, alpha, beta, gamma, **options)(nbytes)
