@@ -1,0 +1,223 @@
+"""Data without download: corpus, windows, synthetic sets, sharded sampling and exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ringtrain import data
+from ringtrain.data import ShardedLoader, ShardedSampler, TextWindows, permutation, splitmix64
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# --- the permutation ---------------------------------------------------------------------
+
+def test_splitmix64_matches_the_reference_outputs():
+    # Reference: Vigna's splitmix64 seeded with 0 (state += golden gamma before mixing).
+    assert int(splitmix64(np.zeros(1, np.uint64))[0]) == 0xE220A8397B1DCDAF
+    assert int(splitmix64(np.array([0x9E3779B97F4A7C15], np.uint64))[0]) == 0x6E789E6AA1B965F4
+
+
+def test_permutation_is_fixed_across_versions_and_machines():
+    # Pinned: a change here would silently change every run's data order.
+    assert permutation(10, 0, 0).tolist() == [6, 1, 4, 0, 2, 7, 3, 8, 9, 5]
+    for n in (0, 1, 2, 17, 1000):
+        assert sorted(permutation(n, 3, 1).tolist()) == list(range(n))
+    assert permutation(1000, 0, 0).tolist() != permutation(1000, 0, 1).tolist()
+    assert permutation(1000, 0, 0).tolist() != permutation(1000, 1, 0).tolist()
+    assert data.mix(1, 2) != data.mix(2, 1)
+    with pytest.raises(ValueError, match="non-negative"):
+        data.mix(-1)
+
+
+# --- the sampler -------------------------------------------------------------------------
+
+def take(sampler, steps):
+    return [sampler.next_indices().tolist() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_rank_slices_concatenate_to_the_single_process_batch(world_size, batch_size, shuffle):
+    g = world_size * batch_size
+    n = 5 * g + g - 1  # 5 global batches and a remainder (not a multiple of g when g > 1)
+    steps = 12  # crosses two epoch boundaries (5 batches per epoch)
+    ranks = [ShardedSampler(n, batch_size, rank=r, world_size=world_size, seed=9, shuffle=shuffle)
+             for r in range(world_size)]
+    single = ShardedSampler(n, world_size * batch_size, seed=9, shuffle=shuffle)
+    per_rank = [take(s, steps) for s in ranks]
+    expected = take(single, steps)
+    for step in range(steps):
+        joined = [i for r in range(world_size) for i in per_rank[r][step]]
+        assert joined == expected[step], f"step {step}"
+        assert len(set(joined)) == len(joined), f"ranks overlap at step {step}"
+    # Each epoch visits distinct samples and drops only the remainder.
+    for epoch in range(2):
+        seen = [i for step in expected[epoch * 5:(epoch + 1) * 5] for i in step]
+        assert len(seen) == len(set(seen)) == 5 * world_size * batch_size
+    assert ranks[0].epoch == 2 and ranks[0].position == 2
+    if not shuffle:
+        assert expected[0] == list(range(world_size * batch_size))
+
+
+def test_sampler_resumes_exactly_and_across_world_sizes():
+    a = ShardedSampler(100, 4, rank=1, world_size=2, seed=1)
+    take(a, 17)  # epoch 1, position 5
+    state = a.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 5)
+    b = ShardedSampler(100, 4, rank=1, world_size=2, seed=1)
+    b.load_state_dict(state)
+    assert take(b, 20) == take(a, 20)
+    # Same global batch split over 4 ranks instead of 2: the run continues with the same samples.
+    single = ShardedSampler(100, 8, seed=1)
+    single.load_state_dict(a.state_dict())
+    quads = [ShardedSampler(100, 2, rank=r, world_size=4, seed=1) for r in range(4)]
+    for q in quads:
+        q.load_state_dict(a.state_dict())
+    expected = take(single, 3)
+    got = [take(q, 3) for q in quads]
+    assert [[i for r in range(4) for i in got[r][s]] for s in range(3)] == expected
+
+
+def test_sampler_refuses_a_state_it_cannot_continue():
+    a = ShardedSampler(100, 4, seed=1)
+    for other, key in ((ShardedSampler(100, 4, seed=2), "seed"), (ShardedSampler(101, 4, seed=1), "num_samples"),
+                       (ShardedSampler(100, 5, seed=1), "global_batch_size"),
+                       (ShardedSampler(100, 4, seed=1, shuffle=False), "shuffle")):
+        with pytest.raises(ValueError, match=f"cannot resume: the saved sampler has {key}="):
+            other.load_state_dict(a.state_dict())
+    bad = dict(a.state_dict(), position=25)
+    with pytest.raises(ValueError, match="outside"):
+        ShardedSampler(100, 4, seed=1).load_state_dict(bad)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_samples=10, batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(num_samples=10, batch_size=True), "batch_size must be an integer >= 1"),
+    (dict(num_samples=10, batch_size=2, rank=2, world_size=2), r"rank must be in \[0, world_size=2\)"),
+    (dict(num_samples=10, batch_size=2, world_size=0), "world_size must be an integer >= 1"),
+    (dict(num_samples=10, batch_size=6, world_size=2), "smaller than one global batch"),
+    (dict(num_samples=10, batch_size=2, seed=-1), "seed must be an integer >= 0"),
+])
+def test_sampler_validates_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ShardedSampler(**kwargs)
+
+
+# --- text ---------------------------------------------------------------------------------
+
+def test_text_corpus_reads_the_stdlib_deterministically():
+    corpus = data.text_corpus(max_bytes=300_000)
+    assert len(corpus.data) == 300_000
+    assert all(f.endswith(".py") for f in corpus.files)
+    assert not any("site-packages" in f or "__pycache__" in f for f in corpus.files)
+    data.text_corpus.cache_clear()
+    again = data.text_corpus(max_bytes=300_000)
+    assert again is not corpus and again.data == corpus.data and again.digest == corpus.digest
+    first = (data.stdlib_dir() / corpus.files[0]).read_bytes()
+    assert corpus.data.startswith(first[:300_000])
+
+
+def test_text_corpus_walk_order_cap_and_skips(tmp_path):
+    (tmp_path / "b.py").write_bytes(b"BBBB")
+    (tmp_path / "a.py").write_bytes(b"AA")
+    (tmp_path / "notes.txt").write_bytes(b"xx")
+    for skipped in ("site-packages", "__pycache__"):
+        (tmp_path / skipped).mkdir()
+        (tmp_path / skipped / "s.py").write_bytes(b"SS")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "c.py").write_bytes(b"CCC")
+    whole = data.text_corpus(max_bytes=100, root=str(tmp_path))
+    assert whole.data == b"AABBBBCCC"
+    assert whole.files == ("a.py", "b.py", "pkg/c.py")
+    cut = data.text_corpus(max_bytes=5, root=str(tmp_path))
+    assert cut.data == b"AABBB" and cut.files == ("a.py", "b.py")
+    with pytest.raises(ValueError, match="max_bytes must be an integer >= 2"):
+        data.text_corpus(max_bytes=0, root=str(tmp_path))
+    with pytest.raises(ValueError, match="root must be a directory"):
+        data.text_corpus(root=str(tmp_path / "missing"))
+
+
+def test_text_windows_are_exact_slices_with_shifted_targets():
+    text = bytes(range(256)) * 3
+    ds = TextWindows(text, seq_len=10)
+    assert len(ds) == (len(text) - 1) // 10
+    x, y = ds.batch([0, 5, len(ds) - 1])
+    for row, i in enumerate([0, 5, len(ds) - 1]):
+        assert bytes(x[row].tolist()) == text[i * 10:i * 10 + 10]
+        assert bytes(y[row].tolist()) == text[i * 10 + 1:i * 10 + 11]
+    assert x.dtype == y.dtype == torch.int64
+    with pytest.raises(IndexError):
+        ds.batch([len(ds)])
+    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+        TextWindows(text, seq_len=0)
+
+
+def test_text_dataset_splits_do_not_overlap():
+    corpus = data.text_corpus(max_bytes=200_000)
+    train, val = corpus.split("train"), corpus.split("val")
+    assert train + val == corpus.data and len(val) == 10_000
+    with pytest.raises(ValueError, match=r"split must be one of \('train', 'val'\)"):
+        corpus.split("test")
+    with pytest.raises(ValueError, match="dataset kind must be one of"):
+        data.dataset("audio")
+    with pytest.raises(ValueError, match="dataset 'text' accepts"):
+        data.dataset("text", size=3)
+
+
+# --- synthetic ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["images", "vectors"])
+def test_synthetic_samples_do_not_depend_on_the_batch_they_are_in(kind):
+    ds = data.dataset(kind, num_samples=50, seed=4)
+    x_all, y_all = ds.batch(range(10))
+    x_some, y_some = ds.batch([7, 2])
+    assert torch.equal(x_some, x_all[[7, 2]]) and torch.equal(y_some, y_all[[7, 2]])
+    other = data.dataset(kind, num_samples=50, seed=5)
+    assert not torch.equal(other.batch(range(10))[0], x_all)
+    val = data.dataset(kind, split="val", num_samples=50, seed=4)
+    assert not torch.equal(val.batch(range(10))[0], x_all)
+    assert int(y_all.min()) >= 0 and int(y_all.max()) < 10
+    with pytest.raises(IndexError):
+        ds.batch([50])
+    with pytest.raises(ValueError, match=f"bad argument for dataset '{kind}'"):
+        data.dataset(kind, colour=True)
+
+
+def test_synthetic_labels_are_learnable():
+    """Labels follow the teacher: nearest class prototype predicts images far above chance."""
+    ds = data.SyntheticImages(num_samples=200, noise=1.0, seed=0)
+    x, y = ds.batch(range(200))
+    dist = ((x[:, None] - ds.prototypes[None]) ** 2).flatten(2).sum(2)
+    assert (dist.argmin(1) == y).float().mean() > 0.9
+
+
+# --- the loader ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["text", "images"])
+def test_loader_resumes_with_identical_batches(kind):
+    ds = data.dataset(kind, seq_len=16, max_bytes=20_000) if kind == "text" else data.dataset(kind, num_samples=40)
+    a = ShardedLoader(ds, batch_size=3, rank=1, world_size=2, seed=7)
+    for _ in range(9):
+        a.next_batch()
+    state = a.state_dict()
+    b = ShardedLoader(ds, batch_size=3, rank=1, world_size=2, seed=7)
+    b.load_state_dict(state)
+    for _ in range(12):  # crosses an epoch boundary for both data sets
+        (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert (a.epoch, a.position) == (b.epoch, b.position)
+
+
+def test_loader_ranks_together_equal_one_process():
+    ds = data.dataset("text", seq_len=8, max_bytes=5_000)
+    ranks = [ShardedLoader(ds, batch_size=2, rank=r, world_size=3, seed=0) for r in range(3)]
+    single = ShardedLoader(ds, batch_size=6, seed=0)
+    for _ in range(4):
+        parts = [loader.next_batch() for loader in ranks]
+        x, y = single.next_batch()
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
