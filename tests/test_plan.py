@@ -290,6 +290,8 @@ def test_invalid_options():
         merge(T3, S3, 1.0, 1.0, method="fixed", bucket_cap_mb=0)
     with pytest.raises(ValueError, match="first_bucket_mb"):
         merge(T3, S3, 1.0, 1.0, method="fixed", first_bucket_mb=-1.0)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        merge(T3, S3, 1.0, 1.0, method="optimal", bucket_cap_mb=float("nan"))
     with pytest.raises(ValueError, match="cost"):
         merge(T3, S3, cost=lambda b: -1.0 + 0 * b)
 

@@ -214,6 +214,9 @@ def merge(
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}: accepted values are {', '.join(METHODS)}")
+    _check_positive("bucket_cap_mb", bucket_cap_mb)
+    if first_bucket_mb is not None:
+        _check_positive("first_bucket_mb", first_bucket_mb)
     times, sizes = _check_layers(backward_times, sizes_bytes)
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
     n = len(times)
@@ -295,9 +298,6 @@ def _fixed_groups(
     sizes: np.ndarray, bucket_cap_mb: float, first_bucket_mb: float | None
 ) -> list[tuple[int, int]]:
     """Close a bucket once it holds at least the cap (torch DDP's and Horovod's rule)."""
-    _check_positive("bucket_cap_mb", bucket_cap_mb)
-    if first_bucket_mb is not None:
-        _check_positive("first_bucket_mb", first_bucket_mb)
     cap = bucket_cap_mb * MIB
     limit = cap if first_bucket_mb is None else first_bucket_mb * MIB
     groups: list[tuple[int, int]] = []
