@@ -20,3 +20,27 @@ __all__ = [
     "network",
 ]
 # --- end of cost models and calibration (other blocks: extend __all__ with +=) -----------
+
+# --- traces, clusters and the simulator (owner: sim.traces / clusters / simulator) -------
+from .clusters import Cluster
+from .devices import DEVICES, DeviceProfile
+from .models_zoo import MODELS, build_trace
+from .simulator import SCHEDULES, Prediction, predict, predict_with_cost, sweep
+from .traces import Layer, Trace, profile_module
+
+__all__ += [
+    "Cluster",
+    "DEVICES",
+    "DeviceProfile",
+    "Layer",
+    "MODELS",
+    "Prediction",
+    "SCHEDULES",
+    "Trace",
+    "build_trace",
+    "predict",
+    "predict_with_cost",
+    "profile_module",
+    "sweep",
+]
+# --- end of traces, clusters and the simulator ------------------------------------------

@@ -186,7 +186,10 @@ def load(path: str | Path) -> Trace:
     """Read a trace written by ``save`` (JSON or CSV, chosen by the suffix)."""
     path = Path(path)
     fmt = _format(path)
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read trace file {path}: {e.strerror}") from None
     try:
         return Trace.from_dict(json.loads(text)) if fmt == "json" else loads_csv(text)
     except (ValueError, TypeError) as e:

@@ -1,0 +1,98 @@
+"""`ringtrain simulate` and `ringtrain plan` through the real CLI entry point (in process)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from ringtrain.cli import main
+from ringtrain.sim.devices import DEVICES
+from ringtrain.sim.models_zoo import build_trace
+from ringtrain.sim.traces import save
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_simulate_json_has_one_row_per_case(capsys):
+    rc = main(["simulate", "--model", "resnet50,lstm-ptb", "--cluster", "10GbE", "--cluster", "alpha=1e-5,beta=1e-9",
+               "--gpus", "4,32", "--algorithms", "ring,halving_doubling", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["rows"]) == 2 * 2 * 2 * 2 * 5
+    assert [m["model"] for m in doc["models"]] == ["resnet50", "lstm-ptb"]
+    assert [c["name"] for c in doc["clusters"]] == ["10GbE", "alpha=1e-05,beta=1e-09"]
+    row = doc["rows"][0]
+    for key in ("model", "cluster", "algorithm", "schedule", "world_size", "iteration_s", "samples_per_s",
+                "speedup", "efficiency", "groups", "exposed_s"):
+        assert key in row
+
+
+def test_simulate_table_csv_and_trace_file(tmp_path, capsys):
+    trace_path = tmp_path / "mine.csv"
+    save(build_trace("googlenet", DEVICES["a100"]), trace_path)
+    out_csv = tmp_path / "out.csv"
+    rc = main(["simulate", "--model", str(trace_path), "--cluster", "25GbE", "--gpus", "8", "--schedules",
+               "wfbp,optimal", "--csv", str(out_csv)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "googlenet" in text and "wfbp" in text and "optimal" in text
+    rows = list(csv.DictReader(out_csv.open()))
+    assert [r["schedule"] for r in rows] == ["wfbp", "optimal"]
+    assert float(rows[1]["iteration_s"]) <= float(rows[0]["iteration_s"])
+
+
+@pytest.mark.timeout(120)
+def test_simulate_plots(tmp_path, capsys):
+    rc = main(["simulate", "--model", "resnet50", "--cluster", "1GbE,10GbE", "--gpus", "4,16,64",
+               "--plot", str(tmp_path), "--json"])
+    assert rc == 0
+    capsys.readouterr()
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["gantt_resnet50_16gpus_1GbE.png", "scaling_resnet50.png"]
+    assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model", "alexnet"], "--model"),
+    (["--cluster", "token-ring"], "--cluster"),
+    (["--gpus", "4,x"], "--gpus"),
+    (["--gpus", "0"], "--gpus"),
+    (["--schedules", "greedy"], "--schedules"),
+    (["--algorithms", "butterfly"], "--algorithms"),
+    (["--device", "p100"], "--device"),
+])
+def test_simulate_bad_options_exit_2_naming_the_option(argv, match, capsys):
+    assert main(["simulate", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_plan_prints_every_method_with_layer_names(capsys):
+    rc = main(["plan", "--model", "densenet121", "--cluster", "10GbE", "--gpus", "64", "--max-groups", "3"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for method in ("single", "wfbp", "fixed", "mgwfbp", "optimal"):
+        assert f"\n{method}: groups" in out
+    assert "features.conv0" in out and "more groups" in out
+
+
+def test_plan_json_with_alpha_beta(capsys):
+    rc = main(["plan", "--model", "resnet50", "--alpha", "1e-5", "--beta", "1e-9", "--gpus", "8",
+               "--methods", "optimal,wfbp", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [m["schedule"] for m in doc["methods"]] == ["optimal", "wfbp"]
+    assert len(doc["methods"][1]["plan"]["groups"]) == len(doc["layers"])
+    assert doc["methods"][0]["iteration_s"] <= doc["methods"][1]["iteration_s"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    ([], "--model"),
+    (["--model", "resnet50,vgg16"], "--model"),
+    (["--model", "resnet50", "--alpha", "1e-5"], "--alpha"),
+    (["--model", "resnet50", "--cluster", "1GbE,10GbE"], "--cluster"),
+])
+def test_plan_bad_options(argv, match, capsys):
+    assert main(["plan", *argv]) == 2
+    assert match in capsys.readouterr().err

@@ -1,0 +1,134 @@
+"""The simulator's arithmetic, checked by hand on a toy trace, and its invariants on the zoo."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ringtrain import plan as planner
+from ringtrain.sim import costs
+from ringtrain.sim.clusters import named
+from ringtrain.sim.devices import DEVICES
+from ringtrain.sim.models_zoo import MODELS, build_trace
+from ringtrain.sim.simulator import (
+    DEFAULT_GPUS,
+    SCHEDULES,
+    affine_or_none,
+    make_plan,
+    predict,
+    predict_with_cost,
+    sweep,
+)
+from ringtrain.sim.traces import Layer, Trace
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def toy() -> Trace:
+    # Forward 8 s in all; gradient layers in backward order C, B, A with backward 1, 2, 3 s
+    # and 64, 128, 192 bytes. Every number is dyadic, so the arithmetic below is exact.
+    layers = (
+        Layer("A", 2.0, 3.0, 192, 48),
+        Layer("B", 2.0, 2.0, 128, 32),
+        Layer("C", 4.0, 1.0, 64, 16),
+    )
+    return Trace("toy", layers, batch_size=4, optimizer_s=0.5)
+
+
+def cost(nbytes):  # one allreduce: 1 s start-up + 1/64 s per byte
+    return 1.0 + nbytes / 64.0
+
+
+def test_schedules_are_the_planners_methods():
+    assert sorted(SCHEDULES) == sorted(planner.METHODS)
+    assert DEFAULT_GPUS == tuple(2**k for k in range(2, 12))
+
+
+def test_toy_iteration_times_by_hand():
+    # wfbp: C ready 1, ends 1+2=3; B ready 3, ends 3+3=6; A ready 6, ends 6+4=10
+    # single: all ready at 6, ends 6 + 1 + 384/64 = 13
+    # optimal: wfbp is best here (merging C+B ends 3+4=7, then A 7+4=11; B+A ends 6+6=12 after C)
+    expected_end = {"wfbp": 10.0, "single": 13.0, "optimal": 10.0, "fixed": 13.0}
+    for schedule, end in expected_end.items():
+        p = predict_with_cost(toy(), cost, 2, schedule)
+        assert p.comm_end_s == end, schedule
+        assert p.iteration_s == 8.0 + end + 0.5  # forward + max(backward 6, comm end) + optimizer
+        assert p.samples_per_s == 2 * 4 / p.iteration_s
+        assert p.speedup == (8.0 + 6.0 + 0.5) / p.iteration_s * 2
+        assert p.efficiency == p.speedup / 2
+    assert predict_with_cost(toy(), cost, 2, "wfbp").groups == 3
+    assert predict_with_cost(toy(), cost, 2, "wfbp").exposed_s == 4.0
+
+
+def test_one_gpu_communicates_nothing():
+    for schedule in SCHEDULES:
+        p = predict_with_cost(toy(), cost, 1, schedule)
+        assert (p.comm_s, p.exposed_s, p.speedup, p.efficiency) == (0.0, 0.0, 1.0, 1.0)
+        assert p.comm_end_s == 6.0  # the (empty) last allreduce ends when its gradient is ready
+        assert p.iteration_s == 14.5
+
+
+def test_only_the_last_allreduce_shows_when_the_others_hide_behind_backward():
+    quick = lambda n: 0.0 * n + 0.25  # each allreduce ends before the next gradient is ready
+    p = predict_with_cost(toy(), quick, 8, "wfbp")
+    assert p.plan.starts == [1.0, 3.0, 6.0]
+    assert p.exposed_s == 0.25  # the input-side layer's allreduce starts when backward ends
+    assert p.iteration_s == 8.0 + 6.0 + 0.25 + 0.5
+
+
+def test_affine_detection():
+    assert affine_or_none(planner.LinearCost(2.0, 0.5)) == (2.0, 0.5)
+    assert affine_or_none(costs.allreduce_cost(16, "ring", 1e-5, 1e-9)) == pytest.approx((30e-5, 1.875e-9), rel=1e-9)
+    assert affine_or_none(lambda n: n**0.5) is None
+
+
+def test_a_non_affine_cost_is_planned_through_the_callable():
+    sqrt_cost = lambda n: 1.0 + n**0.5
+    p = make_plan(toy(), "optimal", sqrt_cost)
+    brute = min(
+        (planner.evaluate([1.0, 2.0, 3.0], [64, 128, 192], g, cost=sqrt_cost).end_time, g)
+        for g in ([(0, 0), (1, 1), (2, 2)], [(0, 1), (2, 2)], [(0, 0), (1, 2)], [(0, 2)])
+    )
+    assert p.end_time == brute[0]
+
+
+def test_predict_uses_the_cost_models():
+    t = build_trace("resnet50", DEVICES["v100"])
+    p = predict(t, 2e-5, 1e-9, 32, "single", "halving_doubling")
+    n = t.grad_bytes
+    assert p.comm_s == pytest.approx(costs.allreduce_time(n, 32, "halving_doubling", 2e-5, 1e-9), rel=1e-12)
+    h = predict(t, 2e-5, 1e-9, 32, "single", "hierarchical", gpus_per_node=8, intra_beta=1e-11)
+    assert h.comm_s == pytest.approx(
+        costs.allreduce_time(n, 32, "hierarchical", 2e-5, 1e-9, gpus_per_node=8, intra_beta=1e-11), rel=1e-12)
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="schedule"):
+        predict_with_cost(toy(), cost, 2, "greedy")
+    with pytest.raises(ValueError, match="world size"):
+        predict_with_cost(toy(), cost, 0, "wfbp")
+
+
+def test_optimal_is_never_beaten_and_every_schedule_is_swept():
+    traces = [build_trace(m, DEVICES["v100"]) for m in ("resnet50", "bert-large", "lstm-ptb")]
+    clusters = [named("1GbE"), named("10GbE"), named("100Gb-IB")]
+    gpus = (4, 64, 2048)
+    rows = sweep(traces, clusters, gpus, SCHEDULES, ("ring", "halving_doubling"))
+    assert len(rows) == 3 * 3 * 2 * 3 * 5
+    assert {r.schedule for r in rows} == set(SCHEDULES)
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((r.model, r.cluster, r.algorithm, r.world_size), {})[r.schedule] = r.iteration_s
+    for case, times in by_case.items():
+        for schedule, t in times.items():
+            assert times["optimal"] <= t, (case, schedule)
+
+
+def test_the_full_default_sweep_runs():
+    # 9 models x 3 networks x 10 GPU counts x 5 schedules (its time is measured in docs/simulator.md)
+    traces = [build_trace(m, DEVICES["v100"]) for m in MODELS]
+    rows = sweep(traces, [named(n) for n in ("1GbE", "10GbE", "100Gb-IB")])
+    assert len(rows) == 1350
+    for (model, gpus), group in itertools.groupby(rows, key=lambda r: (r.model, r.world_size)):
+        assert all(0 < r.efficiency <= 1.0 + 1e-12 for r in group), (model, gpus)

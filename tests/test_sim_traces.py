@@ -1,0 +1,141 @@
+"""Layer traces: validation, the planner's backward-order view, JSON/CSV files, profiling a module."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringtrain.sim.traces import Layer, Trace, dumps_csv, dumps_json, load, loads_csv, profile_module, save
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _trace(**kw):
+    # forward order: input (no grad) -> A -> relu -> B -> pool; integer-valued times
+    layers = [
+        Layer("input", 1.0, 16.0, 0, 0),
+        Layer("A", 2.0, 1.0, 40, 10),
+        Layer("relu", 1.0, 2.0, 0, 0),
+        Layer("B", 4.0, 4.0, 80, 20),
+        Layer("pool", 1.0, 8.0, 0, 0),
+    ]
+    return Trace(model="toy", layers=tuple(layers), batch_size=kw.get("batch_size", 8), optimizer_s=0.5)
+
+
+def test_gradient_layers_fold_parameter_free_layers_into_the_next_gradient_layer():
+    names, times, sizes = _trace().gradient_layers()
+    assert names == ["B", "A"]
+    assert times == [8.0 + 4.0, 2.0 + 1.0]  # pool's backward runs before B's; relu's before A's
+    assert sizes == [80, 40]
+    t = _trace()
+    assert t.backward_s - sum(times) == 16.0  # the input layer's tail after the last gradient
+
+
+def test_totals():
+    t = _trace()
+    assert (t.forward_s, t.backward_s, t.grad_bytes, t.params) == (9.0, 31.0, 120, 30)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="", forward_s=1, backward_s=1, grad_bytes=0, params=0), "name"),
+        (dict(name="x", forward_s=-1, backward_s=1, grad_bytes=0, params=0), "forward_s"),
+        (dict(name="x", forward_s=1, backward_s=float("nan"), grad_bytes=0, params=0), "backward_s"),
+        (dict(name="x", forward_s=1, backward_s=1, grad_bytes=-4, params=0), "grad_bytes"),
+    ],
+)
+def test_layer_rejects_bad_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Layer(**kwargs)
+
+
+def test_trace_rejects_bad_fields():
+    ok = (Layer("a", 1, 1, 4, 1),)
+    with pytest.raises(ValueError, match="batch_size"):
+        Trace("m", ok, batch_size=0)
+    with pytest.raises(ValueError, match="no layer produces a gradient"):
+        Trace("m", (Layer("a", 1, 1, 0, 0),), batch_size=1)
+    with pytest.raises(ValueError, match="at least one layer"):
+        Trace("m", (), batch_size=1)
+
+
+def test_json_and_csv_round_trip_exactly(tmp_path):
+    t = _trace()
+    for suffix in ("json", "csv"):
+        save(t, tmp_path / f"t.{suffix}")
+        assert load(tmp_path / f"t.{suffix}") == t
+    assert json.loads(dumps_json(t))["layers"][1] == {"name": "A", "forward_s": 2.0, "backward_s": 1.0,
+                                                       "grad_bytes": 40, "params": 10}
+    assert dumps_csv(t).splitlines()[:2] == ["# model: toy", "# batch_size: 8"]
+
+
+_floats = st.floats(min_value=0, max_value=1e3, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(_floats, _floats, st.integers(1, 10**12)), min_size=1, max_size=6))
+def test_csv_round_trip_any_values(rows):
+    t = Trace("m", tuple(Layer(f"l{i}", f, b, g, g // 4) for i, (f, b, g) in enumerate(rows)), batch_size=3)
+    assert loads_csv(dumps_csv(t)) == t
+
+
+def test_load_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="suffix"):
+        load(tmp_path / "t.txt")
+    with pytest.raises(ValueError, match="cannot read"):
+        load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": "m", "batch_size": 1, "layers": [{"name": "a"}]}))
+    with pytest.raises(ValueError, match="forward_s"):
+        load(bad)
+
+
+class _Net(torch.nn.Module):
+    """A conv, a parameter-free ReLU, a linear layer and a functional op outside any leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.act = torch.nn.ReLU()
+        self.fc = torch.nn.Linear(4 * 8 * 8, 5)
+        self.scale = torch.nn.Parameter(torch.ones(5))  # held directly by the root
+
+    def forward(self, x):
+        y = self.act(self.conv(x)).flatten(1)
+        return self.fc(y) * self.scale
+
+
+@pytest.mark.timeout(30)
+def test_profile_module_measures_every_layer_and_counts_bytes_exactly():
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    batch = (torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,)))
+    t = profile_module(net, lambda: batch, torch.nn.functional.cross_entropy, name="net", optimizer=opt, repeats=2)
+    by_name = {layer.name: layer for layer in t.layers}
+    assert [n for n in by_name if n != "(other)"][:3] == ["conv", "act", "fc"]  # first-forward-call order
+    assert by_name["conv"].grad_bytes == (4 * 3 * 9 + 4) * 4 and by_name["conv"].params == 4 * 3 * 9 + 4
+    assert by_name["fc"].grad_bytes == (5 * 256 + 5) * 4
+    assert by_name["(root)"].grad_bytes == 5 * 4
+    assert by_name["act"].grad_bytes == 0 and by_name["act"].backward_s == 0.0
+    assert t.grad_bytes == sum(p.numel() * 4 for p in net.parameters())
+    assert t.batch_size == 6 and t.model == "net" and t.optimizer_s > 0
+    assert all(layer.forward_s >= 0 and layer.backward_s >= 0 for layer in t.layers)
+    assert by_name["conv"].forward_s > 0 and by_name["fc"].backward_s > 0
+    # the hooks are gone afterwards
+    assert not net.conv._forward_hooks and not net.conv._forward_pre_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+
+
+@pytest.mark.timeout(30)
+def test_profile_module_counts_a_shared_parameter_once():
+    lin = torch.nn.Linear(4, 4, bias=False)
+    net = torch.nn.Sequential(lin, torch.nn.Tanh(), lin)
+    t = profile_module(net, lambda: (torch.randn(2, 4), torch.randn(2, 4)), torch.nn.functional.mse_loss, repeats=1)
+    assert t.grad_bytes == 16 * 4
+    assert t.optimizer_s == 0.0
