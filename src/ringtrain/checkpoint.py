@@ -1,0 +1,275 @@
+"""Atomic, verifiable, exactly-resumable training checkpoints.
+
+Words:
+
+- *payload*: what the caller saves — nested dicts, lists and tuples of tensors, ints,
+  floats, bools, strings and None (a model's and an optimizer's ``state_dict()``, a
+  loader's ``state_dict()``, :func:`capture_rng`). Only those types, so loading runs
+  ``torch.load(weights_only=True)``: a checkpoint file cannot execute code.
+- *checkpoint file*: ``<directory>/ckpt-<step, 9 digits>.pt``, a plain ``torch.save`` of
+  ``{"ringtrain_checkpoint": 1, "step": step, "digest": sha256, "payload": payload}``, so
+  ``torch.load`` opens it without ringtrain. The *digest* is SHA-256 over the payload's
+  structure and every tensor's bytes; torch's own format does not notice flipped bits in
+  tensor data, the digest does.
+- *atomic save*: the file is written under a temporary name in the same directory
+  (``.ckpt-<step>.pt.<host>.<pid>.<random>.tmp``), flushed and fsynced, renamed over the
+  final name with ``os.replace``, then the directory is fsynced. A reader sees the old
+  set of checkpoints or the new one, never a partial file under a checkpoint name; a
+  writer killed at any instant leaves at most a stale temporary file, which later saves
+  on the same host remove once its writer is dead.
+- *keep*: after a save, only the ``keep`` checkpoints with the highest steps remain.
+- *latest valid*: :func:`latest` tries checkpoints from the highest step down; a file that
+  is truncated, corrupt or not a checkpoint is skipped with a warning, never raised, so a
+  resume always starts from the newest checkpoint that is whole.
+
+Who writes: with data parallelism every rank holds the same parameters and optimizer
+state, so the caller usually saves on rank 0 only and every rank loads the same file.
+The RNG state captured is the saving process's; it restores other ranks exactly only if
+they drew the same random numbers (same seed, same calls) — ringtrain's reference models
+and loaders draw none per rank. A job whose ranks draw different random numbers saves
+one file per rank (one directory each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+import socket
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT_KEY = "ringtrain_checkpoint"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
+_TMP = re.compile(r"^\.ckpt-\d+\.pt\.(?P<host>[^.]+)\.(?P<pid>\d+)\..+\.tmp$")
+
+
+class CheckpointError(RuntimeError):
+    """A file is not a whole, valid ringtrain checkpoint."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """One loaded checkpoint."""
+
+    path: Path
+    """The file it came from."""
+    step: int
+    """The training step recorded when it was saved."""
+    payload: dict[str, Any]
+    """What the caller saved."""
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of ``step``."""
+    return f"ckpt-{step:09d}.pt"
+
+
+def digest(payload: Any) -> str:
+    """SHA-256 over the structure of ``payload`` and the bytes of every tensor in it."""
+    h = hashlib.sha256()
+    _feed(h, payload)
+    return h.hexdigest()
+
+
+def _feed(h: "hashlib._Hash", obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)};".encode())
+        for key, value in obj.items():
+            _feed(h, key)
+            _feed(h, value)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{'L' if isinstance(obj, list) else 'U'}{len(obj)};".encode())
+        for value in obj:
+            _feed(h, value)
+    elif obj is None or isinstance(obj, (bool, int, float, str)):
+        h.update(f"S{type(obj).__name__}:{obj!r};".encode())
+    else:
+        raise TypeError(
+            f"checkpoint payloads may hold tensors, dicts, lists, tuples, int, float, bool, str "
+            f"and None; got {type(obj).__name__}"
+        )
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically and durably (temp file, fsync, rename, fsync dir)."""
+    path = Path(path)
+    directory = path.parent
+    prefix = f".{path.name}.{_host()}.{os.getpid()}."
+    fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], keep: int = 3) -> Path:
+    """Write the checkpoint of ``step`` atomically, then keep only the newest ``keep``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be a positive integer, got {keep!r}")
+    if not isinstance(payload, dict):
+        raise ValueError(f"payload must be a dict, got {type(payload).__name__}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {FORMAT_KEY: FORMAT_VERSION, "step": step, "digest": digest(payload), "payload": payload}
+    path = atomic_save(record, directory / checkpoint_name(step))
+    for _, old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    _remove_stale_temporaries(directory)
+    return path
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every file named like a checkpoint, lowest step first (not validated)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        m = _NAME.match(entry.name)
+        if m and entry.is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def load(path: str | os.PathLike[str]) -> Checkpoint:
+    """Load and verify one checkpoint file; raise :class:`CheckpointError` if it is not whole."""
+    path = Path(path)
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a truncated or foreign file
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: not a ringtrain checkpoint of format {FORMAT_VERSION}")
+    payload = record.get("payload")
+    if digest(payload) != record.get("digest"):
+        raise CheckpointError(f"{path}: contents do not match the recorded digest (corrupt file)")
+    return Checkpoint(path, int(record["step"]), payload)
+
+
+def latest(directory: str | os.PathLike[str]) -> Checkpoint | None:
+    """The valid checkpoint with the highest step in ``directory``, or None if there is none."""
+    for step, path in reversed(list_checkpoints(directory)):
+        try:
+            return load(path)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint of step {step}: {exc}", RuntimeWarning, stacklevel=2)
+            log.warning("skipping checkpoint of step %d: %s", step, exc)
+    return None
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_temporaries(directory: Path) -> None:
+    """Delete temporary files of dead writers on this host (a writer killed mid-save)."""
+    host = _host()
+    for entry in directory.iterdir():
+        m = _TMP.match(entry.name)
+        if m and m.group("host") == host and not _pid_alive(int(m.group("pid"))):
+            entry.unlink(missing_ok=True)
+
+
+# --- random number generator state -------------------------------------------------------
+
+def capture_rng() -> dict[str, Any]:
+    """The state of torch's CPU generator, numpy's global generator and Python's ``random``,
+    as tensors and plain values (loadable with ``weights_only=True``)."""
+    version, internal, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
+    }
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng` returned: the next random numbers are the same."""
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(int(v) for v in p["internal"].tolist()), p["gauss_next"]))
+
+
+# --- the whole training state ------------------------------------------------------------
+
+def training_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   loader: Any = None, **extra: Any) -> dict[str, Any]:
+    """A payload with everything an exact resume needs.
+
+    ``model`` is the plain module (unwrap a DistributedDataParallel first); ``loader`` anything
+    with ``state_dict()`` (a :class:`ringtrain.data.ShardedLoader`); ``extra`` more plain values.
+    """
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "data": loader.state_dict() if loader is not None else None,
+        "rng": capture_rng(),
+        "extra": extra,
+    }
+
+
+def restore_training_state(payload: dict[str, Any], model: torch.nn.Module,
+                           optimizer: torch.optim.Optimizer | None = None, loader: Any = None) -> int:
+    """Load what :func:`training_state` made into live objects; returns the step to continue after."""
+    model.load_state_dict(payload["model"])
+    if optimizer is not None:
+        if payload.get("optimizer") is None:
+            raise ValueError("the checkpoint holds no optimizer state, but an optimizer was given")
+        optimizer.load_state_dict(payload["optimizer"])
+    if loader is not None:
+        if payload.get("data") is None:
+            raise ValueError("the checkpoint holds no data position, but a loader was given")
+        loader.load_state_dict(payload["data"])
+    restore_rng(payload["rng"])
+    return int(payload["step"])

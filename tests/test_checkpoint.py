@@ -1,0 +1,244 @@
+"""Checkpoints: exact round trip, corruption skipped, retention, RNG, exact resume, kill -9 mid-write."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ringtrain import checkpoint, data, models
+from ringtrain.checkpoint import CheckpointError
+
+pytestmark = pytest.mark.timeout(30)
+
+SMALL_LM = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def assert_same(a, b, where="payload"):
+    """Exact structural equality: same types, same keys, bitwise-equal tensors."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def trainer(seed=0):
+    """A small LM, Adam and a sharded text loader: the objects a training state holds."""
+    model = models.build("charlm", seed=seed, **SMALL_LM)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loader = data.ShardedLoader(data.dataset("text", seq_len=12, max_bytes=30_000), batch_size=4,
+                                rank=1, world_size=2, seed=3)
+    return model, opt, loader
+
+
+def train(model, opt, loader, steps):
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        # Random numbers consumed every step, as dropout or augmentation would: resume must restore them.
+        noise = torch.rand(()).item() + np.random.rand() + random.random()
+        loss = model.loss(model(x), y) * (1.0 + 1e-3 * noise)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_round_trip_is_exact(tmp_path):
+    model, opt, loader = trainer()
+    train(model, opt, loader, 2)
+    payload = checkpoint.training_state(2, model, opt, loader, note="hello", lr=1e-2)
+    path = checkpoint.save(tmp_path, 2, payload)
+    assert path.name == "ckpt-000000002.pt"
+    got = checkpoint.load(path)
+    assert got.step == 2 and got.path == path
+    assert_same(payload, got.payload)
+    # A plain torch.load (no ringtrain, no code execution) opens it too.
+    raw = torch.load(path, weights_only=True)
+    assert raw["step"] == 2 and raw["digest"] == checkpoint.digest(payload)
+
+
+def test_rng_restore_repeats_the_same_random_numbers(tmp_path):
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    torch.randn(3), np.random.randn(1), random.gauss(0, 1)  # leave a cached gaussian around
+    checkpoint.save(tmp_path, 0, {"rng": checkpoint.capture_rng()})
+
+    def draw():
+        return (torch.rand(5).tolist(), torch.randn(2).tolist(), np.random.rand(5).tolist(),
+                np.random.randn(3).tolist(), [random.random() for _ in range(5)], random.gauss(0, 1))
+
+    first = draw()
+    checkpoint.restore_rng(checkpoint.latest(tmp_path).payload["rng"])
+    assert draw() == first
+    assert draw() != first
+
+
+def test_resume_from_checkpoint_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    model, opt, loader = trainer()
+    train(model, opt, loader, 3)
+    checkpoint.save(tmp_path, 3, checkpoint.training_state(3, model, opt, loader))
+    train(model, opt, loader, 4)
+    uninterrupted = model.state_dict()
+
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)  # a fresh process would differ
+    model2, opt2, loader2 = trainer(seed=42)
+    step = checkpoint.restore_training_state(checkpoint.latest(tmp_path).payload, model2, opt2, loader2)
+    assert step == 3
+    train(model2, opt2, loader2, 4)
+    assert_same(uninterrupted, model2.state_dict(), "model")
+
+
+def test_keep_only_the_newest(tmp_path):
+    for step in (1, 5, 3, 10, 7):
+        checkpoint.save(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [7, 10]
+    assert checkpoint.latest(tmp_path).payload["x"].item() == 10
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def corrupt(path: Path, how: str) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(raw[:len(raw) // 2]))
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "garbage":
+        path.write_bytes(os.urandom(len(raw)))
+    elif how == "bitflip":  # inside the tensor data: torch.load alone would not notice
+        i = raw.find(np.arange(1000, dtype=np.float32)[500:502].tobytes())
+        assert i > 0
+        raw[i + 1] ^= 0x10
+        path.write_bytes(bytes(raw))
+    elif how == "foreign":
+        torch.save({"model": torch.zeros(3)}, path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "garbage", "bitflip", "foreign"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, how):
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, {"w": torch.arange(1000, dtype=torch.float32) + step})
+    newest = tmp_path / checkpoint.checkpoint_name(2)
+    if how == "bitflip":
+        checkpoint.save(tmp_path, 2, {"w": torch.arange(1000, dtype=torch.float32)})
+    corrupt(newest, how)
+    with pytest.raises(CheckpointError):
+        checkpoint.load(newest)
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint of step 2"):
+        got = checkpoint.latest(tmp_path)
+    assert got.step == 1 and torch.equal(got.payload["w"], torch.arange(1000, dtype=torch.float32) + 1)
+
+
+def test_no_valid_checkpoint_gives_none(tmp_path):
+    assert checkpoint.latest(tmp_path) is None
+    assert checkpoint.latest(tmp_path / "missing") is None
+    (tmp_path / checkpoint.checkpoint_name(4)).write_bytes(b"not a checkpoint")
+    (tmp_path / "ckpt-notes.pt").write_bytes(b"ignored: not a checkpoint name")
+    with pytest.warns(RuntimeWarning):
+        assert checkpoint.latest(tmp_path) is None
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="step must be a non-negative integer"):
+        checkpoint.save(tmp_path, -1, {})
+    with pytest.raises(ValueError, match="keep must be a positive integer"):
+        checkpoint.save(tmp_path, 1, {}, keep=0)
+    with pytest.raises(ValueError, match="payload must be a dict"):
+        checkpoint.save(tmp_path, 1, [1])
+    with pytest.raises(TypeError, match="got ndarray"):
+        checkpoint.save(tmp_path, 1, {"a": np.zeros(2)})
+    assert checkpoint.list_checkpoints(tmp_path) == []
+    assert not list(tmp_path.iterdir())
+
+
+# --- kill -9 in the middle of a write, in a real child process ------------------------------
+
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    from ringtrain import checkpoint
+    directory, megabytes = sys.argv[1], int(sys.argv[2])
+    checkpoint.save(directory, 1, {"w": torch.arange(1000, dtype=torch.float32)})
+    print("saved 1", flush=True)
+    big = {"w": torch.ones(megabytes * 2**18, dtype=torch.float32)}
+    while True:  # keep writing until killed; every completed write is a valid checkpoint
+        checkpoint.save(directory, 2, big, keep=5)
+""")
+
+
+def _partial_temporaries(directory: Path) -> list[Path]:
+    found = []
+    for p in directory.iterdir():
+        try:
+            if p.name.endswith(".tmp") and p.stat().st_size > 0:
+                found.append(p)
+        except FileNotFoundError:  # renamed between listing and stat
+            pass
+    return found
+
+
+def _kill_writer_mid_write(directory: Path) -> None:
+    """Start the writer, wait for its second checkpoint's temporary file to fill, kill -9 it."""
+    env = dict(os.environ, PYTHONPATH=str(Path(checkpoint.__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(directory), "64"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saved 1", proc.stderr.read()
+        deadline = time.monotonic() + 20
+        while not _partial_temporaries(directory):
+            assert time.monotonic() < deadline, "the writer never started its second checkpoint"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+@pytest.mark.timeout(90)
+def test_kill_9_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
+    for attempt in range(3):
+        directory = tmp_path / f"attempt{attempt}"
+        directory.mkdir()
+        _kill_writer_mid_write(directory)
+        if [p for p in directory.iterdir() if p.name.endswith(".tmp")]:
+            break  # the kill landed before the rename: a half-written file is left behind
+    else:
+        pytest.fail("three kills in a row landed between two writes; could not test a kill mid-write")
+    got = checkpoint.latest(directory)
+    # The killed write never produced a file under a checkpoint name. An earlier loop iteration
+    # may have completed step 2; then that one is whole. Either way, the result is valid.
+    assert got is not None
+    if got.step == 1:
+        assert torch.equal(got.payload["w"], torch.arange(1000, dtype=torch.float32))
+    else:
+        assert got.step == 2 and bool((got.payload["w"] == 1).all())
+    # The next save on this host removes the dead writer's temporary file.
+    checkpoint.save(directory, 3, {"w": torch.zeros(1)})
+    assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
