@@ -1,0 +1,107 @@
+"""Calibration: the numbers the planner needs, measured on the live job.
+
+Words used here:
+
+- *sweep*: a few allreduces of float32 buffers of growing size on the live communicator,
+  each timed (median of ``repeats``) after one warm-up; ``alpha`` and ``beta`` are the
+  least-squares fit of ``time = alpha + beta * bytes`` (``ringtrain.sim.calibrate``). Rank 0's
+  fit is broadcast, so every rank plans with the same two numbers.
+- *stamp*: the ``time.perf_counter()`` at which a parameter's gradient became ready in one
+  backward pass (its post-accumulate-grad hook); NaN for a parameter that got no gradient.
+- *backward start*: the stamp of the gradient of the module's output (a hook on the output).
+- *observed order*: parameter ids sorted by stamp (no gradient last).
+- *gap*: a parameter's backward time, its stamp minus the stamp before it in the observed
+  order (minus the backward start for the first). Gaps are indexed by parameter id.
+- *profile*: the per-parameter median gap over the profiled iterations, then the mean over
+  ranks (an allreduce), laid out in rank 0's observed order (a broadcast). Both exchanges make
+  the profile, hence the plan, identical on every rank, as the collectives require.
+- *drift*: how far the ready curve (cumulative gaps in plan order) moved between the profile
+  the current plan was made from and a newer one, as a share of the older backward time.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..sim.calibrate import fit_alpha_beta
+
+#: Sweep sizes in bytes (float32 buffers): start-up dominated to bandwidth dominated.
+SWEEP_BYTES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)
+
+
+def sweep_alpha_beta(comm, algorithm: str, sizes: Sequence[int] = SWEEP_BYTES, repeats: int = 3) -> tuple[float, float]:
+    """(alpha, beta) of ``comm.allreduce`` fitted on rank 0 and broadcast. A collective: run it
+    on every rank at once, from the wrapper's communication thread. (0, 0) on one rank."""
+    import time
+
+    if comm.world_size == 1:
+        return 0.0, 0.0
+    medians = []
+    for nbytes in sizes:
+        buf = np.ones(max(1, nbytes // 4), dtype=np.float32)
+        comm.allreduce(buf, op="sum", algorithm=algorithm)  # warm-up: connections, pages, caches
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            comm.allreduce(buf, op="sum", algorithm=algorithm)
+            times.append(time.perf_counter() - t0)
+        medians.append(float(np.median(times)))
+    fit = np.array(fit_alpha_beta([4 * max(1, s // 4) for s in sizes], medians), dtype=np.float64)
+    comm.broadcast(fit, root=0)
+    return float(fit[0]), float(fit[1])
+
+
+def observed_order(stamps: np.ndarray) -> np.ndarray:
+    """Parameter ids sorted by stamp; those without a stamp (NaN) last, by id."""
+    key = np.where(np.isnan(stamps), np.inf, stamps)
+    return np.argsort(key, kind="stable")
+
+
+def gaps(stamps: np.ndarray, start: float) -> np.ndarray:
+    """Per-parameter backward time (see the module docstring); 0 where there is no stamp."""
+    order = observed_order(stamps)
+    out = np.zeros(len(stamps))
+    prev = start if np.isfinite(start) else np.nanmin(stamps) if np.any(np.isfinite(stamps)) else 0.0
+    for pid in order:
+        t = stamps[pid]
+        if not np.isfinite(t):
+            break
+        out[pid] = max(0.0, t - prev)
+        prev = t
+    return out
+
+
+def local_profile(gap_rows: Sequence[np.ndarray]) -> np.ndarray:
+    """The per-parameter median over profiled iterations (rows of gaps)."""
+    if not gap_rows:
+        raise ValueError("no profiled iterations")
+    return np.median(np.stack(gap_rows), axis=0)
+
+
+def drift(old_times: Sequence[float], new_times: Sequence[float]) -> float:
+    """Largest move of the ready curve, as a share of the old backward time (0 if it was 0).
+
+    Both lists are in the same (plan) order.
+    """
+    old = np.cumsum(np.asarray(old_times, dtype=np.float64))
+    new = np.cumsum(np.asarray(new_times, dtype=np.float64))
+    if old.shape != new.shape:
+        raise ValueError(f"profiles differ in length: {old.shape} and {new.shape}")
+    if not old.size or old[-1] <= 0.0:
+        return 0.0 if not new.size or new[-1] <= 0.0 else float("inf")
+    return float(np.max(np.abs(new - old)) / old[-1])
+
+
+def exchange_profile(comm, local_gaps: np.ndarray, local_order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mean gaps over ranks, rank 0's order), equal on every rank: a collective, run from the
+    communication thread."""
+    n = len(local_gaps)
+    times = np.ascontiguousarray(local_gaps, dtype=np.float64).copy()
+    comm.allreduce(times, op="mean", algorithm="auto")
+    # Rank 0's copy of the mean and its order go to everyone: some allreduce algorithms may
+    # round differently on different ranks, and plans must agree to the last bit.
+    packed = np.concatenate([times, np.asarray(local_order, dtype=np.float64)])
+    comm.broadcast(packed, root=0)
+    return packed[:n].copy(), packed[n:].astype(np.int64)

@@ -1,0 +1,189 @@
+"""Timeline: what each rank did when, as Chrome/Perfetto trace events, plus iteration stats.
+
+Words used here:
+
+- *span*: an interval of work on one *lane*: ``compute`` (the training thread: forward, each
+  parameter's backward, the wait for communication, the copy back into ``.grad``) or
+  ``communication`` (the wrapper's communication thread: each bucket's allreduce, and the
+  calibration exchanges). Spans are Chrome trace "complete" events (``ph: "X"``, times in
+  microseconds from the wrapper's creation); ``pid`` is the rank, ``tid`` the lane.
+- *trace file*: one JSON file per rank, ``trace.json`` -> ``trace.rank0.json`` ...; it opens in
+  Perfetto (ui.perfetto.dev) or chrome://tracing, and :func:`draw_timeline` draws it as a PNG.
+- *hidden share*: the fraction of an iteration's communication time that overlaps its backward
+  pass (from the backward start to the last gradient ready).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+LANES = {"compute": 0, "communication": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class IterationStats:
+    """Where one synchronizing iteration's time went (seconds)."""
+
+    iteration: int
+    """Count of synchronizing backward passes before this one."""
+    forward_s: float
+    """The wrapped module's forward."""
+    backward_s: float
+    """Backward start (gradient of the output) to the last gradient ready."""
+    comm_s: float
+    """Sum of the buckets' allreduce times on the communication thread."""
+    exposed_s: float
+    """Communication left after backward: last allreduce end minus last gradient ready (>= 0)."""
+    wait_s: float
+    """Time the training thread blocked at the end of backward (waiting plus copying back)."""
+    hidden_fraction: float
+    """Share of comm_s that overlapped backward (1.0 when there was no communication)."""
+    buckets: int
+    """Allreduces in this iteration."""
+    predicted_end_s: float
+    """The plan's predicted end of the last allreduce, from backward start."""
+    measured_end_s: float
+    """Measured end of the last allreduce (or of backward when none), from backward start."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def overlap(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Total length of the parts of ``intervals`` that fall inside [lo, hi]."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+
+
+def hidden_fraction(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Share of the intervals' total length inside [lo, hi]; 1.0 if they are empty."""
+    total = sum(b - a for a, b in intervals)
+    return 1.0 if total <= 0.0 else min(1.0, overlap(intervals, lo, hi) / total)
+
+
+def trace_path(path: str | os.PathLike, rank: int) -> Path:
+    """``trace.json`` -> ``trace.rank{rank}.json`` (the suffix kept, ``.json`` if none)."""
+    p = Path(path)
+    suffix = p.suffix or ".json"
+    stem = p.name[: -len(p.suffix)] if p.suffix else p.name
+    return p.with_name(f"{stem}.rank{rank}{suffix}")
+
+
+class TraceRecorder:
+    """Collects spans of the first ``max_iterations`` recorded iterations; writes one file."""
+
+    def __init__(self, path: str | os.PathLike, rank: int, max_iterations: int, origin: Optional[float] = None):
+        if max_iterations < 1:
+            raise ValueError(f"timeline_iterations must be >= 1, got {max_iterations}")
+        self.path = trace_path(path, rank)
+        self.rank = rank
+        self.max_iterations = max_iterations
+        self.origin = time.perf_counter() if origin is None else origin
+        self.iterations = 0
+        self.events: list[dict[str, Any]] = []
+        self._written = False
+
+    @property
+    def recording(self) -> bool:
+        return self.iterations < self.max_iterations
+
+    def span(self, name: str, cat: str, lane: str, start: float, end: float, **args: Any) -> None:
+        """Record [start, end] (perf_counter seconds) on ``lane``."""
+        if not self.recording:
+            return
+        event = {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "ts": round((start - self.origin) * 1e6, 3),
+            "dur": round(max(0.0, end - start) * 1e6, 3),
+            "pid": self.rank,
+            "tid": LANES[lane],
+        }
+        if args:
+            event["args"] = args
+        self.events.append(event)
+
+    def end_iteration(self) -> None:
+        if not self.recording:
+            return
+        self.iterations += 1
+        if not self.recording:
+            self.flush()
+
+    def flush(self) -> Optional[Path]:
+        """Write the trace file (atomically: a temporary file, then a rename). Idempotent
+        once all iterations are recorded; returns the path, or None when nothing was recorded."""
+        if self._written or not self.events:
+            return None
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+        meta += [
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": lane}}
+            for lane, tid in LANES.items()
+        ]
+        doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms"}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.path)
+        if not self.recording:
+            self._written = True
+        return self.path
+
+
+_COLORS = {"forward": "#4c72b0", "backward": "#55a868", "wait": "#999999", "copy": "#8172b2",
+           "allreduce": "#dd8452", "calibration": "#c44e52"}
+
+
+def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], png_path: str | os.PathLike,
+                  iterations: Optional[int] = 3) -> Path:
+    """Draw trace file(s) as a PNG: per rank a compute lane and a communication lane.
+
+    ``iterations``: how many of the last recorded iterations to show (None: all).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    files = [trace_files] if isinstance(trace_files, (str, os.PathLike)) else list(trace_files)
+    if not files:
+        raise ValueError("draw_timeline needs at least one trace file")
+    spans = []
+    for f in files:
+        doc = json.loads(Path(f).read_text())
+        spans += [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    if iterations is not None:
+        its = sorted({e.get("args", {}).get("iteration", -1) for e in spans})
+        keep = set(its[-iterations:])
+        spans = [e for e in spans if e.get("args", {}).get("iteration", -1) in keep]
+    if not spans:
+        raise ValueError(f"no spans to draw in {files}")
+    t0 = min(e["ts"] for e in spans)
+    ranks = sorted({e["pid"] for e in spans})
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.9 * len(ranks) * len(LANES)))
+    labels = []
+    for r_i, rank in enumerate(ranks):
+        for lane, tid in LANES.items():
+            row = r_i * len(LANES) + tid
+            labels.append(f"rank {rank} {lane}")
+            for e in spans:
+                if e["pid"] == rank and e["tid"] == tid:
+                    ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (row - 0.4, 0.8),
+                                   facecolors=_COLORS.get(e["cat"], "#333333"), edgecolor="none")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title("ringtrain DDP timeline: backward and allreduce overlap")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper right", fontsize=8, ncol=3)
+    fig.tight_layout()
+    out = Path(png_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

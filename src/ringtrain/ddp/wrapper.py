@@ -1,0 +1,477 @@
+"""DistributedDataParallel: gradients averaged over ranks while backward is still running.
+
+How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibration`,
+:mod:`.timeline`):
+
+1. ``forward`` runs the wrapped module (after broadcasting its buffers from rank 0, as torch's
+   DDP does), puts a hook on the output's gradient to stamp the *backward start*, and, with
+   ``find_unused_parameters=True``, walks the autograd graph from the output to learn which
+   parameters will get a gradient (the *expected* ones).
+2. Each parameter's ``Tensor.register_post_accumulate_grad_hook`` (public API) fires when its
+   ``.grad`` is final for this backward: the hook stamps the time, copies ``.grad`` into the
+   parameter's slot of its bucket and, once a bucket's last slot is filled and every earlier
+   bucket has been launched, *launches* it: queues its allreduce (op ``mean``) on the
+   wrapper's one communication thread. Buckets launch in plan order on every rank, whatever
+   order the hooks fire in, so the collectives match across ranks.
+3. The end of backward is the hook of the last expected gradient (a public mechanism, unlike
+   autograd's internal ``queue_callback``): it waits for every launched allreduce (with a
+   deadline) and copies each bucket back into ``.grad``. So when ``loss.backward()`` returns,
+   every ``.grad`` holds the mean over ranks. A backward that ends without some expected
+   gradient (an unused parameter, ``find_unused_parameters=False``) is reported by the next
+   ``forward`` with the names of the parameters that got none, as torch's DDP does.
+4. *Planning*: the first ``warmup_iterations + profile_iterations`` iterations use one bucket
+   (reduced after backward, so the hooks time backward undisturbed), laid out in reverse
+   registration order. Then the profile (per-parameter backward times, mean over ranks, rank
+   0's observed order) and the sweep's alpha and beta go to ``ringtrain.plan.merge`` with the
+   chosen schedule, and the buckets are laid out again. Every ``replan_interval`` iterations
+   the profile is exchanged again and the plan re-made if the ready curve drifted by more than
+   ``drift_threshold`` of the backward time (or the order changed). Plans are logged on the
+   ``ringtrain.ddp`` logger (INFO on rank 0).
+
+With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
+the unused-parameter check) and nothing is copied or sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import plan as planner
+from ..comm import ALGORITHMS
+from . import buckets as bucketing
+from . import calibration
+from .comm_thread import CommThread
+from .timeline import IterationStats, TraceRecorder, hidden_fraction
+
+logger = logging.getLogger("ringtrain.ddp")
+
+SCHEDULES = planner.METHODS
+
+
+@dataclass(kw_only=True, slots=True)
+class DDPOptions:
+    """The wrapper's settings (validated here; the constructor's keywords)."""
+
+    schedule: str = "optimal"
+    """How gradients are merged into allreduces: one of ``ringtrain.plan.METHODS``."""
+    bucket_cap_mb: float = 25.0
+    """Bucket size threshold in MiB for ``schedule="fixed"``."""
+    algorithm: str = "auto"
+    """Allreduce algorithm (``ringtrain.comm.ALGORITHMS``)."""
+    timeline: Optional[str | os.PathLike] = None
+    """Trace file name; each rank writes ``<stem>.rank<r><suffix>``. None: no trace."""
+    timeline_iterations: int = 10
+    """Iterations recorded in the trace (from the first one with the measured plan)."""
+    find_unused_parameters: bool = False
+    """Find, at each forward, the parameters that will get no gradient; they contribute zeros."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's module buffers to every rank at each forward (torch DDP's default)."""
+    warmup_iterations: int = 1
+    """Synchronizing iterations before profiling starts (first-iteration costs excluded)."""
+    profile_iterations: int = 2
+    """Synchronizing iterations timed for the first plan (per-parameter median)."""
+    replan_interval: int = 50
+    """Re-check the profile every so many iterations after the first plan (0: never)."""
+    drift_threshold: float = 0.2
+    """Re-plan when the ready curve moved by more than this share of the backward time."""
+    alpha: Optional[float] = None
+    """Allreduce start-up time in seconds; None: measured by a sweep at construction."""
+    beta: Optional[float] = None
+    """Allreduce time per byte in seconds; None: measured by a sweep at construction."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: accepted values are {', '.join(SCHEDULES)}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r}: accepted values are {', '.join(ALGORITHMS)}")
+        if not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: it must be a number > 0")
+        for name, low in (("timeline_iterations", 1), ("warmup_iterations", 0), ("profile_iterations", 1),
+                          ("replan_interval", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r}: it must be an integer >= {low}")
+        if not isinstance(self.drift_threshold, (int, float)) or not self.drift_threshold > 0:
+            raise ValueError(f"drift_threshold={self.drift_threshold!r}: it must be a number > 0")
+        if (self.alpha is None) != (self.beta is None):
+            raise ValueError("give both alpha and beta (to skip the calibration sweep) or neither")
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not value >= 0):
+                raise ValueError(f"{name}={value!r}: it must be a number >= 0")
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper: ``ddp(x)`` runs ``module(x)``; after ``loss.backward()`` every
+    parameter's ``.grad`` is the mean over ranks. See the module docstring for how.
+
+    ``comm``: a ``ringtrain.Communicator`` (default: the one made by ``ringtrain.init``). While
+    a backward pass is in flight the wrapper's thread owns it; use it freely otherwise.
+    Other keywords: :class:`DDPOptions`.
+    """
+
+    def __init__(self, module: nn.Module, comm=None, schedule: str = "optimal", bucket_cap_mb: float = 25.0,
+                 algorithm: str = "auto", timeline=None, find_unused_parameters: bool = False, **options: Any):
+        super().__init__()
+        opts = DDPOptions(schedule=schedule, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeline=timeline,
+                          find_unused_parameters=find_unused_parameters, **options)
+        if comm is None:
+            from .. import get_communicator
+
+            comm = get_communicator()
+        self.module = module
+        self.options = opts
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self._timeout = comm.timeout + 10.0
+        self._thread = CommThread(f"ringtrain-ddp-comm-{comm.rank}")
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._names = [names[id(p)] for p in self._params]
+        self._pid_of = {id(p): i for i, p in enumerate(self._params)}
+        self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
+        self._module_buffers = [b for b in module.buffers() if b.numel()]
+
+        self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers, "broadcast parameters")
+        if opts.alpha is not None:
+            self.alpha, self.beta = float(opts.alpha), float(opts.beta)
+        else:
+            self.alpha, self.beta = self._thread.run(
+                "calibration sweep", partial(calibration.sweep_alpha_beta, comm, opts.algorithm), self._timeout * 8)
+        self._log(f"alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B "
+                  f"({'given' if opts.alpha is not None else 'allreduce sweep'}), world_size={self.world_size}")
+
+        n = len(self._params)
+        self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
+        self._plan_times = np.zeros(n)
+        first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
+        self._install(first, planner.merge([0.0] * n, self._sizes[first], self.alpha, self.beta, method="single"))
+
+        self.iteration = 0
+        self.stats: deque[IterationStats] = deque(maxlen=1000)
+        self._lock = threading.Lock()
+        self._sync = True
+        self._armed = False
+        self._expected = n
+        self._unused: list[int] = []
+        self._forward_span: Optional[tuple[float, float]] = None
+        self._reset_iteration()
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, pid))
+                       for pid, p in enumerate(self._params)]
+        self._recorder = None
+        if opts.timeline is not None:
+            self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations)
+        self._finalizer = weakref.finalize(self, _shutdown, self._thread, self._recorder)
+
+    # --- public ------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> planner.Plan:
+        """The plan the buckets are laid out by (layers = parameters in backward order)."""
+        return self._plan
+
+    @property
+    def buckets(self) -> list[bucketing.BucketSpec]:
+        return list(self._specs)
+
+    @property
+    def order(self) -> list[int]:
+        """Parameter ids in the backward order the plan uses."""
+        return list(self._order)
+
+    @property
+    def last_stats(self) -> Optional[IterationStats]:
+        return self.stats[-1] if self.stats else None
+
+    @property
+    def timeline_path(self):
+        return None if self._recorder is None else self._recorder.path
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._active:
+            raise self._missing_gradients_error()
+        t0 = time.perf_counter()
+        if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers:
+            self._broadcast_tensors(self._module_buffers, "broadcast buffers")
+        out = self.module(*inputs, **kwargs)
+        self._armed = self._sync and torch.is_grad_enabled()
+        if self._armed:
+            outputs = [t for t in _tensors(out) if t.grad_fn is not None]
+            for t in outputs:
+                t.register_hook(self._on_backward_start)
+            if self.options.find_unused_parameters:
+                used = _reachable_params(outputs, self._pid_of)
+                self._expected = len(used)
+                self._unused = [pid for pid in range(len(self._params)) if pid not in used]
+        self._forward_span = (t0, time.perf_counter())
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward and backward passes inside accumulate local gradients without communicating;
+        the first synchronizing backward after it averages the accumulated gradients."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def close(self) -> None:
+        """Write the trace file, remove the hooks, stop the communication thread (idempotent).
+        The communicator stays open: it belongs to the caller."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._finalizer()
+
+    # --- hooks -------------------------------------------------------------------------------
+
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        if self._armed and not np.isfinite(self._bwd_start):
+            self._bwd_start = time.perf_counter()
+
+    def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            if not self._active:
+                self._begin_backward()
+            if self._got[pid]:
+                # A second gradient before the first backward ended: that one lacked some.
+                raise self._missing_gradients_error()
+            self._got[pid] = 1
+            self._stamps[pid] = now
+            self._ready += 1
+            if self.world_size > 1:
+                grad = param.grad
+                if grad.is_sparse:
+                    raise ValueError(f"parameter {self._names[pid]!r} has a sparse gradient; "
+                                     "ringtrain.DistributedDataParallel reduces dense gradients only")
+                self._slots[pid].copy_(grad)
+                self._mark_ready(self._bucket_index[pid])
+            if self._ready == self._expected:
+                self._end_backward()
+
+    def _begin_backward(self) -> None:
+        self._active = True
+        if self.world_size > 1:
+            for pid in self._unused:  # find_unused_parameters: they contribute zeros
+                self._slots[pid].zero_()
+                self._mark_ready(self._bucket_index[pid])
+
+    def _mark_ready(self, bucket: int) -> None:
+        self._pending[bucket] -= 1
+        while self._launched < len(self._specs) and self._pending[self._launched] == 0:
+            k = self._launched
+            job = self._thread.submit(
+                f"allreduce bucket {k}",
+                partial(self.comm.allreduce, self._bufs[k], "mean", self.options.algorithm),
+                self._specs[k].nbytes,
+            )
+            self._jobs.append(job)
+            self._launched += 1
+
+    def _end_backward(self) -> None:
+        t_last = time.perf_counter()
+        if self.world_size > 1 and self._launched != len(self._specs):
+            raise RuntimeError(f"internal error: {self._launched} of {len(self._specs)} buckets launched at the "
+                               "end of backward")
+        for job in self._jobs:
+            job.wait(self._timeout)
+        t_waited = time.perf_counter()
+        if self.world_size > 1:
+            with torch.no_grad():
+                for pid, p in enumerate(self._params):
+                    if p.grad is None:
+                        p.grad = self._slots[pid].clone()
+                    else:
+                        p.grad.copy_(self._slots[pid])
+        t_done = time.perf_counter()
+        self._record(t_last, t_waited, t_done)
+        self._profile()
+        self.iteration += 1
+        self._reset_iteration()
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _reset_iteration(self) -> None:
+        n = len(self._params)
+        self._active = False
+        self._pending = list(self._counts)
+        self._launched = 0
+        self._jobs: list = []
+        self._ready = 0
+        self._got = bytearray(n)
+        self._stamps = np.full(n, np.nan)
+        self._bwd_start = float("nan")
+        if not self.options.find_unused_parameters:
+            self._expected = n
+
+    def _missing_gradients_error(self) -> RuntimeError:
+        missing = [self._names[pid] for pid in range(len(self._params)) if not self._got[pid]]
+        self._reset_iteration()
+        hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
+                "autograd graph) but did not" if self.options.find_unused_parameters else
+                "Pass find_unused_parameters=True to DistributedDataParallel if some parameters legitimately get no "
+                "gradient in some iterations (they then contribute zeros), or make every parameter reach the loss")
+        return RuntimeError(
+            f"ringtrain.DistributedDataParallel: the previous backward pass ended without a gradient for "
+            f"{len(missing)} of {len(self._params)} parameters, so their allreduce never ran: {missing}. {hint}.")
+
+    def _record(self, t_last: float, t_waited: float, t_done: float) -> None:
+        finite = self._stamps[np.isfinite(self._stamps)]
+        start = self._bwd_start if np.isfinite(self._bwd_start) else float(finite.min()) if finite.size else t_last
+        end = float(finite.max()) if finite.size else t_last
+        spans = [(j.started, j.ended) for j in self._jobs]
+        last_comm = max((b for _, b in spans), default=end)
+        fwd = self._forward_span or (start, start)
+        self.stats.append(IterationStats(
+            iteration=self.iteration, forward_s=fwd[1] - fwd[0], backward_s=end - start,
+            comm_s=sum(b - a for a, b in spans), exposed_s=max(0.0, last_comm - end), wait_s=t_done - t_last,
+            hidden_fraction=hidden_fraction(spans, start, end), buckets=len(spans),
+            predicted_end_s=self._plan.end_time, measured_end_s=max(last_comm, end) - start))
+        rec = self._recorder
+        planned = self.iteration >= self.options.warmup_iterations + self.options.profile_iterations
+        if rec is None or not rec.recording or not planned:
+            return
+        it = self.iteration
+        rec.span("forward", "forward", "compute", fwd[0], fwd[1], iteration=it)
+        prev = start
+        for pid in calibration.observed_order(self._stamps):
+            t = self._stamps[pid]
+            if not np.isfinite(t):
+                break
+            rec.span(f"backward {self._names[pid]}", "backward", "compute", prev, t, iteration=it)
+            prev = t
+        for k, job in enumerate(self._jobs):
+            rec.span(f"allreduce bucket {k}", "allreduce", "communication", job.started, job.ended, iteration=it,
+                     bytes=job.nbytes, params=len(self._specs[k].pids))
+        rec.span("wait for allreduce", "wait", "compute", t_last, t_waited, iteration=it)
+        rec.span("copy into .grad", "copy", "compute", t_waited, t_done, iteration=it)
+        rec.end_iteration()
+
+    def _profile(self) -> None:
+        opts = self.options
+        it = self.iteration
+        if it < opts.warmup_iterations:
+            return
+        self._profile_rows.append(calibration.gaps(self._stamps, self._bwd_start))
+        planned_at = opts.warmup_iterations + opts.profile_iterations - 1
+        if it == planned_at:
+            self._replan(first=True)
+        elif opts.replan_interval and it > planned_at and (it - planned_at) % opts.replan_interval == 0:
+            self._replan(first=False)
+
+    def _replan(self, first: bool) -> None:
+        local = calibration.local_profile(list(self._profile_rows))
+        mine = calibration.observed_order(self._stamps)
+        t0 = time.perf_counter()
+        times, order = self._thread.run("profile exchange", partial(calibration.exchange_profile, self.comm, local, mine),
+                                        self._timeout)
+        if self._recorder is not None:
+            self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
+                                iteration=self.iteration)
+        order = bucketing.check_order(order, len(self._params))
+        if not first:
+            moved = calibration.drift(self._plan_times, times[self._order])
+            if moved <= self.options.drift_threshold and order == self._order:
+                return
+            self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
+        ordered = times[order]
+        plan = planner.merge(ordered, self._sizes[order], self.alpha, self.beta, method=self.options.schedule,
+                             bucket_cap_mb=self.options.bucket_cap_mb)
+        self._plan_times = ordered
+        self._install(order, plan)
+        self._log(f"plan ({plan.method}, alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B): "
+                  f"{len(plan.groups)} groups {plan.groups}, predicted end {plan.end_time * 1e3:.3f} ms "
+                  f"(backward {plan.backward_time * 1e3:.3f} ms, communication {plan.comm_time * 1e3:.3f} ms, "
+                  f"{100 * plan.hidden_fraction:.0f}% hidden)")
+
+    def _install(self, order: list[int], plan: planner.Plan) -> None:
+        """Lay out buckets for ``plan`` over ``order`` and allocate their buffers."""
+        params = self._params
+        specs = bucketing.layout(order, plan.groups, [p.numel() for p in params], [p.dtype for p in params],
+                                 [p.element_size() for p in params])
+        self._order = list(order)
+        self._plan = plan
+        self._specs = specs
+        self._counts = [len(s.pids) for s in specs]
+        self._bucket_index = [0] * len(params)
+        self._slots: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        if self.world_size == 1:  # nothing is copied or sent
+            self._bufs = []
+            return
+        self._bufs = [torch.zeros(s.numel, dtype=s.dtype) for s in specs]
+        for s, buf in zip(specs, self._bufs):
+            for pid, off in zip(s.pids, s.offsets):
+                p = params[pid]
+                self._bucket_index[pid] = s.index
+                self._slots[pid] = buf[off:off + p.numel()].view(p.shape)
+
+    def _broadcast_tensors(self, tensors: list[torch.Tensor], label: str) -> None:
+        """Copy rank 0's values of ``tensors`` to every rank: one broadcast of their bytes."""
+        tensors = [t for t in tensors if t.numel()]
+        if self.world_size == 1 or not tensors:
+            return
+        with torch.no_grad():
+            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+            self._thread.run(label, partial(self.comm.broadcast, flat.numpy(), 0), self._timeout)
+            offset = 0
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                t.copy_(flat[offset:offset + n].view(t.dtype).view(t.shape))
+                offset += n
+
+    def _log(self, message: str) -> None:
+        logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d: %s", self.rank, message)
+
+
+def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder]) -> None:
+    try:
+        if recorder is not None:
+            recorder.flush()
+    finally:
+        thread.close()
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (nested tuples, lists and dicts)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _tensors(item)]
+    if isinstance(out, dict):
+        return [t for item in out.values() for t in _tensors(item)]
+    return []
+
+
+def _reachable_params(outputs: list[torch.Tensor], pid_of: dict[int, int]) -> set[int]:
+    """Ids of the parameters whose gradient-accumulation nodes the outputs' graph reaches."""
+    found: set[int] = set()
+    seen: set = set()
+    stack = [t.grad_fn for t in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
+        if var is not None and id(var) in pid_of:
+            found.add(pid_of[id(var)])
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return found
