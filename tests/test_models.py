@@ -166,3 +166,16 @@ def test_charlm_learns_the_stdlib_text():
         losses.append(loss.item())
     assert losses[0] > 5.0
     assert sum(losses[-10:]) / 10 < 3.6, losses[-10:]
+
+
+def test_measuring_command_reports_sizes_and_times(capsys):
+    import json
+
+    from ringtrain.models.__main__ import main
+
+    assert main(["charlm-lstm", "--steps", "1", "--warmup", "0", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["models"]
+    assert row["num_params"] == DOCUMENTED["charlm-lstm"][0] and row["step_ms_median"] > 0
+    with pytest.raises(SystemExit):
+        main(["--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
