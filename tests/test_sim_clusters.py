@@ -42,6 +42,10 @@ def test_custom_spec():
     assert (c.alpha, c.beta, c.gpus_per_node, c.servers) == (2e-5, 8e-10, 4, 2)
     assert c.options("hierarchical")["gpus_per_node"] == 4 and c.options("ps") == {"servers": 2}
     assert c.options("ring") == {}
+    assert c.options("hierarchical")["nics_per_node"] == 1
+    wide = custom("alpha=0,beta=1e-9,intra_beta=1e-10,gpus_per_node=8,nics_per_node=8")
+    # one card per GPU: the 8 inter-node rings do not share a card
+    assert wide.cost(16, "hierarchical")(1e6) < custom("alpha=0,beta=1e-9,intra_beta=1e-10").cost(16, "hierarchical")(1e6)
     for bad, match in [("alpha=1", "beta"), ("alpha=x,beta=1", "not a number"), ("alpha=1,beta=1,speed=3", "keys"),
                        ("alpha=-1,beta=1", "alpha")]:
         with pytest.raises(ValueError, match=match):

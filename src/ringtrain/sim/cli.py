@@ -9,6 +9,7 @@ ringtrain.sim.costs. Examples:
   ringtrain simulate --model resnet50,bert-large --cluster 10GbE --gpus 16,64,256
   ringtrain simulate --model my_trace.json --cluster alpha=2e-5,beta=8e-10 --json
   ringtrain simulate --cluster bench_allreduce.json --plot plots/   # alpha/beta from a bench run
+  ringtrain simulate --model profile:resnet --cluster 1GbE --gpus 2,4  # trace profiled on this CPU
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from . import costs
 from .devices import DEVICES, get_device
 from .models_zoo import MODELS, build_trace
 from .simulator import DEFAULT_GPUS, SCHEDULES, Prediction, sweep
-from .traces import Trace, load
+from .traces import Trace, load, profile_reference
 
 DEFAULT_CLUSTERS = "1GbE,10GbE,100Gb-IB"
 
@@ -33,7 +34,8 @@ DEFAULT_CLUSTERS = "1GbE,10GbE,100Gb-IB"
 def add_common(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``simulate`` and ``plan``: model, device, cluster."""
     parser.add_argument("--model", default="all",
-                        help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all', or trace files (.json/.csv)")
+                        help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all', trace files (.json/.csv), "
+                             "or profile:NAME to profile a ringtrain.models model on this CPU")
     parser.add_argument("--device", default="v100", help=f"GPU profile for zoo models: {', '.join(DEVICES)} (default v100)")
     parser.add_argument("--cluster", action="append", default=None,
                         help=f"network name ({', '.join(costs.NETWORKS)}; comma-separated for several), "
@@ -79,9 +81,19 @@ def parse_gpus(value: str) -> list[int]:
 
 
 def load_traces(value: str, device_name: str) -> list[Trace]:
+    """Zoo models on ``device_name``, trace files, or ``profile:NAME`` (a ringtrain.models model
+    profiled on this machine's CPU)."""
     names = list(MODELS) if value.strip().lower() == "all" else split(value, "--model")
     device = get_device(device_name)
-    return [load(n) if n.lower().endswith((".json", ".csv")) else build_trace(n, device) for n in names]
+    out = []
+    for n in names:
+        if n.lower().endswith((".json", ".csv")):
+            out.append(load(n))
+        elif n.startswith("profile:"):
+            out.append(profile_reference(n[len("profile:"):]))
+        else:
+            out.append(build_trace(n, device))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,7 +153,7 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
         cells.setdefault((p.model, p.cluster, p.algorithm, p.world_size), {})[p.schedule] = p
     head = f"{'model':<12} {'cluster':<16} {'algorithm':<10} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
     lines = [
-        f"iteration time in ms (scaling efficiency) per schedule; zoo models on {device}",
+        f"iteration time in ms (scaling efficiency) per schedule; zoo models timed on {device}",
         head + f"  {'best':<8} {'samples/s':>10}",
     ]
     for (model, cluster, algorithm, p), by_schedule in cells.items():

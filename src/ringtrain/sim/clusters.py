@@ -6,14 +6,16 @@ Words used here:
   message, ``beta`` seconds per byte, ``gamma`` seconds per byte reduced. The allreduce
   formulas of ``sim.costs`` turn link constants into the time of one allreduce for any
   world size and algorithm.
-* **cluster** — a link between nodes, GPUs per node and the link inside a node (NVLink by
-  default; used by ``hierarchical``), and the number of parameter servers (used by ``ps``).
+* **cluster** — a link between nodes, GPUs per node, network cards per node and the link
+  inside a node (NVLink by default) — used by ``hierarchical`` — and the number of parameter
+  servers (used by ``ps``).
 * **cluster spec** — what a user writes after ``--cluster``:
 
   - a name from ``sim.costs.NETWORKS`` (case-insensitive), e.g. ``10GbE``, ``56Gb-IB``,
     ``mgwfbp-10GbE-16``;
   - ``alpha=SECONDS,beta=SECONDS_PER_BYTE`` with optional ``gamma=``, ``gpus_per_node=``,
-    ``servers=`` — user-given constants;
+    ``nics_per_node=``, ``intra_alpha=``, ``intra_beta=``, ``servers=``, ``name=`` —
+    user-given constants;
   - the path of a ``ringtrain bench allreduce --json`` file: α and β fitted to its rows
     (``from_bench``).
 
@@ -51,6 +53,8 @@ class Cluster:
     """Start-up time inside a node, seconds."""
     intra_beta: float = costs.NETWORKS[INTRA_NODE].beta
     """Seconds per byte inside a node."""
+    nics_per_node: int = 1
+    """Network cards per node, shared by the inter-node rings of hierarchical."""
     servers: int = 1
     """Parameter servers (algorithm ``ps``)."""
     source: str = ""
@@ -64,14 +68,15 @@ class Cluster:
                 raise ValueError(f"--cluster: {key}={value!r}; it must be a finite number >= 0")
         if self.beta == 0 and self.alpha == 0:
             raise ValueError("--cluster: alpha and beta cannot both be 0")
-        for key in ("gpus_per_node", "servers"):
+        for key in ("gpus_per_node", "nics_per_node", "servers"):
             if not (isinstance(getattr(self, key), int) and getattr(self, key) >= 1):
                 raise ValueError(f"--cluster: {key} must be an integer >= 1, got {getattr(self, key)!r}")
 
     def options(self, algorithm: str) -> dict[str, Any]:
         """The extra arguments ``costs.allreduce_time`` takes for ``algorithm``."""
         if algorithm == "hierarchical":
-            return {"gpus_per_node": self.gpus_per_node, "intra_alpha": self.intra_alpha, "intra_beta": self.intra_beta}
+            return {"gpus_per_node": self.gpus_per_node, "intra_alpha": self.intra_alpha, "intra_beta": self.intra_beta,
+                    "nics_per_node": self.nics_per_node}
         if algorithm == "ps":
             return {"servers": self.servers}
         return {}
@@ -121,16 +126,17 @@ def named(name: str, gpus_per_node: int = 8) -> Cluster:
 
 
 def custom(spec: str) -> Cluster:
-    """``alpha=..,beta=..[,gamma=..][,gpus_per_node=..][,servers=..][,name=..]``."""
+    """``alpha=..,beta=..`` and optionally ``gamma, gpus_per_node, nics_per_node, intra_alpha,
+    intra_beta, servers, name``."""
     fields: dict[str, Any] = {}
-    allowed = ("alpha", "beta", "gamma", "gpus_per_node", "servers", "intra_alpha", "intra_beta", "name")
+    allowed = ("alpha", "beta", "gamma", "gpus_per_node", "nics_per_node", "servers", "intra_alpha", "intra_beta", "name")
     for part in spec.split(","):
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in allowed:
             raise ValueError(f"--cluster {spec!r}: expected key=value pairs with keys {', '.join(allowed)}")
         try:
-            fields[key] = value.strip() if key == "name" else int(value) if key in ("gpus_per_node", "servers") else float(value)
+            fields[key] = value.strip() if key == "name" else int(value) if key in ("gpus_per_node", "nics_per_node", "servers") else float(value)
         except ValueError:
             raise ValueError(f"--cluster {spec!r}: {key}={value!r} is not a number") from None
     if "alpha" not in fields or "beta" not in fields:

@@ -352,3 +352,19 @@ def _one_iteration(
     out[f"b:{first}"] = out.get(f"b:{first}", 0.0) + max(0.0, t2 - prev)
     out["optimizer"] = opt_s
     return out
+
+
+def profile_reference(name: str, batch_size: int | None = None, repeats: int = 3, seed: int = 0) -> Trace:
+    """Profile one of ``ringtrain.models``' reference models on this machine's CPU.
+
+    The optimizer is SGD with momentum, as ``ringtrain train`` uses; the batch is the model's
+    default (or ``batch_size``) drawn from ``seed``.
+    """
+    import torch
+
+    from .. import models
+
+    model = models.build(name, seed=seed)
+    x, y = models.make_batch(model, batch_size=batch_size, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return profile_module(model, lambda: (x, y), model.loss, name=name, optimizer=optimizer, repeats=repeats)
