@@ -1,0 +1,337 @@
+"""Shared-memory segments, the mailbox layout inside them, and how a rank waits on a peer.
+
+Words (used by ``shm.py`` too):
+
+- *segment*: a file in /dev/shm (a tmpfs) that two processes map with ``MAP_SHARED``. Its
+  name is ``ringtrain-<pidns>-<pid>-<tag>-<serial>-<src>-<dst>`` so that a segment left behind
+  by a crashed process can be recognised (its pid is dead in our pid namespace) and removed.
+- *mailbox*: the one-way channel from a *sender* rank to a *receiver* rank, living in one
+  segment that the sender creates. It is a ring of ``slots`` *slots* of ``slot_bytes`` bytes
+  each, preceded by a *control block* (one or more 4 KiB pages) that holds:
+
+  ====== ==================================================================================
+  word    meaning (all int64, 8-byte aligned; each counter on its own 64-byte line)
+  ====== ==================================================================================
+  0-2     magic, slot count, slot size (written once by the sender before anyone maps it)
+  8       *head*: number of slots the sender has filled so far (written by the sender only)
+  16      *tail*: number of slots the receiver has consumed so far (written by receiver only)
+  24      *closed*: 1 once the sender closed its transport (written by the sender)
+  32-34   *abort* flag, error code, text length; text (<= ABORT_TEXT bytes) at byte 512
+  ====== ==================================================================================
+
+  followed by the *slot table*: 64 bytes per slot = the CallHeader (36 bytes packed) of the message
+  the slot belongs to, the message length, this slot's offset in the message and the number
+  of payload bytes in the slot. Slot ``k`` of the ring holds filled slot number ``n`` when
+  ``n % slots == k``; it is free for the sender while ``head - tail < slots``.
+
+Memory ordering. The sender writes a slot (table entry and payload), then stores ``head``;
+the receiver loads ``head``, then reads the slot, then stores ``tail``; the sender loads
+``tail`` before it overwrites a slot. Every counter is an aligned 8-byte word written by one
+process with a single store, so loads never see a torn value. This relies on x86-64 total
+store order (stores become visible in program order; a load is not reordered with an
+earlier load, a store not with an earlier load). The stores happen in separate C calls from
+the interpreter, so the compiler cannot reorder them either. Weaker machines (ARM, POWER)
+would need fences that Python cannot issue; :data:`ORDERING_OK` is False there and the
+transport refuses to start.
+
+Waiting. A rank that can make no progress *backs off*: it spins a few rounds, then yields
+the CPU (``sched_yield``), then sleeps for growing intervals up to 1 ms, so that 4 ranks on
+2 cores do not starve each other. While waiting it checks its deadline and, every few
+milliseconds, whether the peer's process is still alive.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+#: x86 total store order makes the plain stores above safe (see the module text).
+ORDERING_OK = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+MAGIC = 0x31304D4853545200  # "\0RTSHM01" little-endian
+PAGE = 4096
+SLOT_ENTRY = 64  # bytes per slot-table entry
+SLOT_TABLE = 1536  # byte offset of the slot table in the control block
+ABORT_TEXT_AT = 512
+ABORT_TEXT = 1000  # at most this many bytes of error text travel with an abort
+
+# word indices (int64) in the control block
+W_MAGIC, W_SLOTS, W_SLOT_BYTES = 0, 1, 2
+W_HEAD, W_TAIL, W_CLOSED = 8, 16, 24
+W_ABORT, W_ABORT_CODE, W_ABORT_LEN = 32, 33, 34
+
+NAME_PREFIX = "ringtrain-"
+_NAME_RE = re.compile(r"^ringtrain-(\d+)-(\d+)-[0-9a-f]+-\d+-\d+-\d+$")
+
+
+def control_bytes(slots: int) -> int:
+    """Size of the control block: a whole number of pages holding the slot table."""
+    end = SLOT_TABLE + SLOT_ENTRY * slots
+    return -(-end // PAGE) * PAGE
+
+
+def segment_dir() -> str:
+    """/dev/shm when it exists (Linux), else the temporary directory (page-cache backed)."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+# --- process identity and liveness ---------------------------------------------------------
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not tell)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _proc_stat(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, start time in clock ticks) of ``pid`` from /proc, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    fields = text[text.rindex(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[19])
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessId:
+    """Who a rank's process is: pid, its start time and its pid namespace.
+
+    The start time guards against pid reuse; liveness is only judged for processes in our
+    own pid namespace (elsewhere the pid means nothing to us).
+    """
+
+    pid: int
+    start: int
+    pidns: int
+
+    @classmethod
+    def mine(cls) -> "ProcessId":
+        pid = os.getpid()
+        stat = _proc_stat(pid) if os.path.isdir("/proc") else None
+        return cls(pid, stat[1] if stat else 0, pid_namespace())
+
+    def encode(self) -> bytes:
+        return f"{self.pid}:{self.start}:{self.pidns}".encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ProcessId":
+        pid, start, ns = (int(x) for x in data.decode().split(":"))
+        return cls(pid, start, ns)
+
+    def alive(self) -> bool:
+        """False only when we can tell the process is gone (or a zombie)."""
+        if self.pidns != pid_namespace():
+            return True
+        if os.path.isdir("/proc"):
+            stat = _proc_stat(self.pid)
+            if stat is None:
+                return False
+            state, start = stat
+            return state not in ("Z", "X", "x") and (self.start == 0 or start == self.start)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+# --- segments ------------------------------------------------------------------------------
+
+
+def _map(path: str, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            raise OSError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {size}")
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # fault every page in now, not mid-exchange
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_stale_segments(directory: Optional[str] = None) -> list[str]:
+    """Unlink ringtrain segments whose creating process is dead; return their names.
+
+    Best effort: only segments created in our pid namespace are judged, and errors are
+    ignored (another process may be removing the same files).
+    """
+    directory = directory or segment_dir()
+    ns = pid_namespace()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m is None or int(m.group(1)) != ns:
+            continue
+        pid = int(m.group(2))
+        if ProcessId(pid, 0, ns).alive():
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+class Mailbox:
+    """One mapped mailbox segment, seen from the sender or from the receiver.
+
+    ``count`` is this side's own counter (head for the sender, tail for the receiver) and
+    ``seen`` the last value read of the other side's counter.
+    """
+
+    def __init__(self, mm: mmap.mmap, path: str, owner: bool):
+        self.mm = mm
+        self.path = path
+        self.owner = owner  # True for the sender, which created (and unlinks) the segment
+        self.linked = owner
+        self.ctl = memoryview(mm).cast("q")  # the whole segment as int64 words; only the start is used
+        if self.ctl[W_MAGIC] != MAGIC:
+            raise OSError(f"segment {path} is not a ringtrain mailbox")
+        self.slots = int(self.ctl[W_SLOTS])
+        self.slot_bytes = int(self.ctl[W_SLOT_BYTES])
+        base = control_bytes(self.slots)
+        whole = np.frombuffer(mm, dtype=np.uint8)
+        self.data = [whole[base + k * self.slot_bytes : base + (k + 1) * self.slot_bytes] for k in range(self.slots)]
+        self.count = 0
+        self.seen = 0
+
+    @classmethod
+    def create(cls, path: str, slots: int, slot_bytes: int) -> "Mailbox":
+        size = control_bytes(slots) + slots * slot_bytes
+        mm = _map(path, size, create=True)
+        try:
+            ctl = memoryview(mm).cast("q")
+            ctl[W_SLOTS] = slots
+            ctl[W_SLOT_BYTES] = slot_bytes
+            ctl[W_MAGIC] = MAGIC
+            ctl.release()
+            return cls(mm, path, owner=True)
+        except BaseException:
+            mm.close()
+            unlink_quietly(path)
+            raise
+
+    @classmethod
+    def open(cls, path: str) -> "Mailbox":
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size < PAGE:
+            raise OSError(f"segment {path} is too small ({size} bytes) to be a ringtrain mailbox")
+        mm = _map(path, size, create=False)
+        try:
+            return cls(mm, path, owner=False)
+        except BaseException:
+            mm.close()
+            raise
+
+    # -- flags written by the sender ------------------------------------------------------
+
+    def set_abort(self, code: int, text: str) -> None:
+        raw = text.encode("utf-8", "replace")[:ABORT_TEXT]
+        self.mm[ABORT_TEXT_AT : ABORT_TEXT_AT + len(raw)] = raw
+        self.ctl[W_ABORT_CODE] = code
+        self.ctl[W_ABORT_LEN] = len(raw)
+        self.ctl[W_ABORT] = 1  # last: the text and code are visible before the flag (TSO)
+
+    def abort_info(self) -> Optional[tuple[int, str]]:
+        if not self.ctl[W_ABORT]:
+            return None
+        n = min(max(int(self.ctl[W_ABORT_LEN]), 0), ABORT_TEXT)
+        text = bytes(self.mm[ABORT_TEXT_AT : ABORT_TEXT_AT + n]).decode("utf-8", "ignore")
+        return int(self.ctl[W_ABORT_CODE]), text
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            unlink_quietly(self.path)
+
+    def close(self) -> None:
+        """Unlink (if ours and still linked) and unmap. Idempotent."""
+        self.unlink()
+        if self.mm is None:
+            return
+        self.data = []
+        self.ctl.release()
+        try:
+            self.mm.close()
+        except BufferError:  # a caller still holds a view; the mapping goes when it does
+            pass
+        self.mm = None
+
+
+# --- waiting -------------------------------------------------------------------------------
+
+
+class Backoff:
+    """Spin, then yield, then sleep for growing intervals; call ``reset`` after progress."""
+
+    SPINS = 64  # idle rounds that only re-check (microseconds each)
+    YIELD_FOR = 0.002  # then sched_yield until this long idle
+    MAX_SLEEP = 0.001
+    CHECK_EVERY = 0.005  # how often (idle time) the slower checks are due
+
+    __slots__ = ("idle", "since", "sleep", "next_check")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.idle = 0
+        self.since = 0.0
+        self.sleep = 20e-6
+        self.next_check = 0.0
+
+    def pause(self) -> bool:
+        """Wait a little; return True when the slow checks (deadline, liveness) are due."""
+        self.idle += 1
+        if self.idle <= self.SPINS:
+            return False
+        now = time.monotonic()
+        if self.since == 0.0:
+            self.since = now
+            self.next_check = now + self.CHECK_EVERY
+            return True
+        if now - self.since < self.YIELD_FOR:
+            os.sched_yield()
+        else:
+            time.sleep(self.sleep)
+            self.sleep = min(self.sleep * 2, self.MAX_SLEEP)
+        if now >= self.next_check:
+            self.next_check = now + self.CHECK_EVERY
+            return True
+        return False
