@@ -114,7 +114,7 @@ def test_resume_from_checkpoint_is_bitwise_equal_to_an_uninterrupted_run(tmp_pat
 
 
 def test_keep_only_the_newest(tmp_path):
-    for step in (1, 5, 3, 10, 7):
+    for step in (1, 3, 5, 7, 10):
         checkpoint.save(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [7, 10]
     assert checkpoint.latest(tmp_path).payload["x"].item() == 10
@@ -242,3 +242,16 @@ def test_kill_9_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
     # The next save on this host removes the dead writer's temporary file.
     checkpoint.save(directory, 3, {"w": torch.zeros(1)})
     assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_saving_an_earlier_step_never_deletes_what_it_wrote(tmp_path):
+    """A run resumed from step 5 (because 7 and 10 are damaged) keeps its new checkpoints."""
+    for step in (5, 7, 10):
+        checkpoint.save(tmp_path, step, {"s": torch.tensor(step)}, keep=3)
+    for step in (7, 10):
+        corrupt(tmp_path / checkpoint.checkpoint_name(step), "truncated")
+    with pytest.warns(RuntimeWarning, match=r"later steps \[7, 10\]"):
+        checkpoint.save(tmp_path, 6, {"s": torch.tensor(6)}, keep=2)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [5, 6, 7, 10]
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        assert checkpoint.latest(tmp_path).step == 6

@@ -221,3 +221,10 @@ def test_loader_ranks_together_equal_one_process():
         x, y = single.next_batch()
         assert torch.equal(torch.cat([p[0] for p in parts]), x)
         assert torch.equal(torch.cat([p[1] for p in parts]), y)
+
+
+def test_sampler_state_missing_a_key_is_refused():
+    state = ShardedSampler(100, 4).state_dict()
+    del state["position"]
+    with pytest.raises(ValueError, match=r"lacks \['position'\]"):
+        ShardedSampler(100, 4).load_state_dict(state)

@@ -17,7 +17,10 @@ Words:
   set of checkpoints or the new one, never a partial file under a checkpoint name; a
   writer killed at any instant leaves at most a stale temporary file, which later saves
   on the same host remove once its writer is dead.
-- *keep*: after a save, only the ``keep`` checkpoints with the highest steps remain.
+- *keep*: after saving step s, only the newest ``keep`` checkpoints with steps <= s remain.
+  Checkpoints of later steps (a run resumed from an older checkpoint because the newer ones
+  were damaged, or a fresh run in an old directory) are left alone, with a warning, so a
+  save never deletes the file it just wrote.
 - *latest valid*: :func:`latest` tries checkpoints from the highest step down; a file that
   is truncated, corrupt or not a checkpoint is skipped with a warning, never raised, so a
   resume always starts from the newest checkpoint that is whole.
@@ -146,8 +149,13 @@ def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], 
     directory.mkdir(parents=True, exist_ok=True)
     record = {FORMAT_KEY: FORMAT_VERSION, "step": step, "digest": digest(payload), "payload": payload}
     path = atomic_save(record, directory / checkpoint_name(step))
-    for _, old in list_checkpoints(directory)[:-keep]:
+    existing = list_checkpoints(directory)
+    for _, old in [c for c in existing if c[0] <= step][:-keep]:
         old.unlink(missing_ok=True)
+    later = [s for s, _ in existing if s > step]
+    if later:
+        warnings.warn(f"{directory} holds checkpoints of later steps {later} than this one ({step}); "
+                      f"latest() prefers them while they are valid", RuntimeWarning, stacklevel=2)
     _remove_stale_temporaries(directory)
     return path
 

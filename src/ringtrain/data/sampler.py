@@ -151,6 +151,9 @@ class ShardedSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``. The global batch may be split over a different world size."""
+        missing = [k for k in self.state_dict() if k not in state]
+        if missing:
+            raise ValueError(f"cannot resume: the saved sampler state lacks {missing}")
         for key in ("seed", "num_samples", "global_batch_size", "shuffle"):
             mine = self.state_dict()[key]
             if int(state[key]) != mine:

@@ -109,7 +109,7 @@ class TextWindows:
         if len(data) < seq_len + 1:
             raise ValueError(f"text of {len(data)} bytes is shorter than one window (seq_len + 1 = {seq_len + 1})")
         self.seq_len = seq_len
-        self.tokens = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # widened per batch
         self._offsets = torch.arange(seq_len + 1)
 
     def __len__(self) -> int:
@@ -120,5 +120,5 @@ class TextWindows:
         idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"sample index out of range [0, {len(self)})")
-        windows = self.tokens[idx[:, None] * self.seq_len + self._offsets]
+        windows = self.tokens[idx[:, None] * self.seq_len + self._offsets].long()
         return windows[:, :-1], windows[:, 1:]
