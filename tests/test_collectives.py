@@ -348,3 +348,56 @@ def test_registry():
         assert callable(collectives.get(name).allreduce)
     with pytest.raises(ValueError, match="algorithm must be one of"):
         collectives.get("bogus")
+
+
+# --- failures end in a CommError on every rank, never a hang --------------------------------
+
+
+@pytest.mark.parametrize("alg", ALGORITHMS)
+def test_empty_buffer_still_detects_mismatch(alg):
+    def body(t):
+        n = 0 if t.rank == 0 else 3
+        call_allreduce(alg, t, np.zeros(n, np.int64), "sum", "int64", header("allreduce", "sum", alg, "int64", n))
+
+    results = run_threads(4, body, timeout=20)
+    assert all(isinstance(r, CommError) for r in results), results
+
+
+@pytest.mark.parametrize("alg", ALGORITHMS)
+def test_absent_peer_ends_in_comm_error(alg):
+    def body(t):
+        if t.rank == 2:
+            return "left"  # returns without calling: its transport closes
+        buf = np.zeros(100, np.int64)
+        module = importlib.import_module(f"ringtrain.collectives.{alg}")
+        module.allreduce(t, buf, ops.reducer("sum", "int64"), header("allreduce", "sum", alg, "int64", 100),
+                         time.monotonic() + 2.0, **({"hosts": [0, 0, 1, 1]} if alg == "hierarchical" else {}))
+
+    start = time.monotonic()
+    results = run_threads(4, body, timeout=20)
+    assert results[2] == "left"
+    assert all(isinstance(r, CommError) for i, r in enumerate(results) if i != 2), results
+    assert time.monotonic() - start < 15
+
+
+def test_silent_peer_times_out_by_the_deadline():
+    from ringtrain.collectives import ring
+    from ringtrain.errors import CommTimeout
+
+    def body(t):
+        if t.rank == 1:
+            time.sleep(1.5)  # alive but silent past everyone's deadline
+            return "slept"
+        start = time.monotonic()
+        try:
+            ring.allreduce(t, np.zeros(10, np.int64), ops.reducer("sum", "int64"),
+                           header("allreduce", "sum", "ring", "int64", 10), start + 0.3)
+        except CommError as exc:  # the silent rank's neighbour times out; the other may see it leave
+            return type(exc), time.monotonic() - start
+        return None
+
+    results = run_threads(3, body, timeout=20)
+    assert results[1] == "slept"
+    outcomes = [results[0], results[2]]
+    assert all(r is not None and r[1] < 1.4 for r in outcomes), outcomes  # before the peer wakes
+    assert CommTimeout in [r[0] for r in outcomes], outcomes

@@ -315,3 +315,9 @@ def test_hierarchy_role_respects_group_order():
     assert (role.local, role.lane, role.cross) == ((2, 0), 0, (3, 2))  # host b appears first
     role = S.hierarchy_role([3, 2, 1, 0], hosts, 0)
     assert (role.local, role.lane, role.cross) == ((2, 0), 1, (1, 0))
+
+
+def test_chain_beats_tree_only_with_enough_segments():
+    assert not S.chain_beats_tree(1, 8) and not S.chain_beats_tree(100, 2)
+    assert S.chain_beats_tree(2, 3) and not S.chain_beats_tree(1, 3)
+    assert S.chain_beats_tree(4, 8) and not S.chain_beats_tree(3, 8)

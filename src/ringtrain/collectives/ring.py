@@ -15,9 +15,9 @@ Each step is cut into segments of at most ``max_segment_bytes`` (default
 schedule.DEFAULT_SEGMENT_BYTES); within a transfer the transport moves the outgoing segment
 and reduces the incoming one concurrently, and streams long messages itself.
 
-Broadcast is a pipelined chain along the ring when the buffer spans several segments
-(bandwidth-optimal for long buffers) and a binomial tree when it fits one segment (fewer
-start-ups). Barrier is a dissemination barrier (``ceil(log2 p)`` rounds), see tree.py.
+Broadcast is a pipelined chain along the ring when the buffer spans enough segments
+(bandwidth-optimal for long buffers) and a binomial tree otherwise (fewer start-ups); the
+rule is schedule.chain_beats_tree. Barrier is a dissemination barrier (``ceil(log2 p)`` rounds), see tree.py.
 
 Every function takes ``group`` (global ranks in order, None = all) and works in place on a
 1-D contiguous numpy array; reductions go only through ``reduce`` (``out = out op in``).
@@ -126,7 +126,7 @@ def broadcast(
     if root not in members:
         raise ValueError(f"broadcast root {root!r} is not in the group {list(members)}")
     p, root_pos = len(members), members.index(root)
-    if schedule.segment_count(buf.size, seg) > 1:
+    if schedule.chain_beats_tree(schedule.segment_count(buf.size, seg), p):
         plan = schedule.chain_broadcast_plan(buf.size, p, pos, root_pos, seg)
     else:
         plan = schedule.binomial_broadcast_plan(buf.size, p, pos, root_pos)

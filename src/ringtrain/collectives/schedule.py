@@ -184,6 +184,15 @@ def chain_broadcast_plan(n: int, p: int, pos: int, root: int, seg_elems: int) ->
     return tuple(plan)
 
 
+def chain_beats_tree(count: int, p: int) -> bool:
+    """Whether a chain broadcast of ``count`` segments beats a binomial tree over ``p`` ranks.
+
+    Counting transfers of one segment's length (start-ups and bandwidth alike): the chain
+    needs ``count + p - 2``, the tree ``ceil(log2 p)`` rounds of ``count`` segments each.
+    """
+    return count + p - 2 < count * (p - 1).bit_length()
+
+
 # --- binomial tree and dissemination -----------------------------------------------------
 
 
