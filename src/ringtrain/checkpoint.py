@@ -183,7 +183,11 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
     if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT_VERSION:
         raise CheckpointError(f"{path}: not a ringtrain checkpoint of format {FORMAT_VERSION}")
     payload = record.get("payload")
-    if digest(payload) != record.get("digest"):
+    try:
+        actual = digest(payload)
+    except TypeError as exc:
+        raise CheckpointError(f"{path}: payload holds a type checkpoints do not ({exc})") from exc
+    if actual != record.get("digest"):
         raise CheckpointError(f"{path}: contents do not match the recorded digest (corrupt file)")
     return Checkpoint(path, int(record["step"]), payload)
 

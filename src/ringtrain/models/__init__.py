@@ -17,7 +17,21 @@ resnet               ResNet-style CNN, 35 convs, BatchNorm     32 x 3x32x32    i
 mlp                  1024-4096-4096-10 MLP                     32 x 1024       vectors
 ==================== ========================================= =============== ==========
 
-*Data set* names the matching :func:`ringtrain.data.dataset` kind. ``build`` creates the
+Sizes and forward+backward time of one step at the default batch, one thread
+(``python -m ringtrain.models``; development machine, measured while it was quiet — the
+same run under load from other processes took 2-3x as long):
+
+==================== ============ ======= ====== ==========
+name                 parameters   tensors layers step (ms)
+==================== ============ ======= ====== ==========
+charlm-transformer        891,904      54     28        142
+charlm-lstm               938,240      11      3         81
+resnet                  4,375,770     107     71        106
+mlp                    21,020,682       6      3         74
+==================== ============ ======= ====== ==========
+
+*Tensors* are parameter tensors (one gradient hook each); *layers* are modules owning
+parameters. *Data set* names the matching :func:`ringtrain.data.dataset` kind. ``build`` creates the
 weights under a private copy of torch's random state, so it neither depends on nor
 disturbs the caller's random numbers.
 """
