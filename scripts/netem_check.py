@@ -52,9 +52,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return s
 
 
-def serve_bulk(host: str, nbytes: int) -> None:
+def serve_bulk(host: str, nbytes: int, port: int = PORT) -> None:
     """Receive ``nbytes``; print seconds from the first byte to the last, then acknowledge."""
-    conn, _ = _listen(host, PORT).accept()
+    conn, _ = _listen(host, port).accept()
     conn.settimeout(120)
     buf = memoryview(bytearray(CHUNK))
     got, start = 0, None
@@ -69,8 +69,8 @@ def serve_bulk(host: str, nbytes: int) -> None:
     conn.sendall(b"k")
 
 
-def send_bulk(host: str, nbytes: int) -> None:
-    conn = _connect(host, PORT)
+def send_bulk(host: str, nbytes: int, port: int = PORT) -> None:
+    conn = _connect(host, port)
     data = bytes(CHUNK)
     sent = 0
     while sent < nbytes:
@@ -123,17 +123,43 @@ def _pair(net: EmulatedNetwork, server_args: list[str], client_host: int, client
     return json.loads((out_server.strip() or out_client.strip()).splitlines()[-1])
 
 
-def measure_bulk(rate: str | None, burst: int | None, nbytes: int) -> dict:
-    with EmulatedNetwork(2, rate=rate, burst_bytes=burst, prefix="netemcheck") as net:
-        r = _pair(net, ["serve-bulk", net.addr(1), str(nbytes)], 0, ["send-bulk", net.addr(1), str(nbytes)])
-        gbps = r["bytes"] * 8 / r["seconds"] / 1e9
-        row = {"rate": net.rate, "burst_bytes": net.shape.burst_bytes if net.shape else None,
-               "mib": nbytes / 2**20, "seconds": round(r["seconds"], 4), "goodput_gbps": round(gbps, 3)}
-        if net.shape is not None:
-            line = net.shape.rate_bps / 1e9
-            row["of_line"] = round(gbps / line, 4)
-            row["of_frames"] = round(gbps / line / PAYLOAD_SHARE, 4)
-        return row
+def _bulk_once(net: EmulatedNetwork, nbytes: int, both_ways: bool) -> float:
+    """Gbit/s of host 0 -> host 1 (the slower direction when both ways run at once)."""
+    pairs = [(0, 1)] + ([(1, 0)] if both_ways else [])
+    servers = []
+    for k, (_, dst) in enumerate(pairs):
+        servers.append(_worker(net, dst, "serve-bulk", net.addr(dst), str(nbytes), str(PORT + k)))
+        if servers[-1].stdout.readline().strip() != "ready":
+            raise RuntimeError("receiver did not start")
+    clients = [_worker(net, src, "send-bulk", net.addr(dst), str(nbytes), str(PORT + k))
+               for k, (src, dst) in enumerate(pairs)]
+    rates = []
+    for server in servers:
+        out, _ = server.communicate(timeout=300)
+        r = json.loads(out.strip().splitlines()[-1])
+        rates.append(r["bytes"] * 8 / r["seconds"] / 1e9)
+    for client in clients:
+        client.communicate(timeout=60)
+    if any(p.returncode for p in servers + clients):
+        raise RuntimeError("a worker failed")
+    return min(rates)
+
+
+def measure_bulk(rate: str | None, burst: int | None, nbytes: int, repeat: int, both_ways: bool = False) -> dict:
+    """Median goodput over ``repeat`` transfers, each on a fresh network."""
+    runs = []
+    for _ in range(repeat):
+        with EmulatedNetwork(2, rate=rate, burst_bytes=burst, prefix="netemcheck") as net:
+            runs.append(_bulk_once(net, nbytes, both_ways))
+    gbps = statistics.median(runs)
+    row = {"rate": net.rate, "burst_bytes": net.shape.burst_bytes if net.shape else None,
+           "mib": nbytes / 2**20, "both_ways": both_ways, "goodput_gbps": round(gbps, 3),
+           "runs": [round(r, 3) for r in runs]}
+    if net.shape is not None:
+        line = net.shape.rate_bps / 1e9
+        row["of_line"] = round(gbps / line, 4)
+        row["of_frames"] = round(gbps / line / PAYLOAD_SHARE, 4)
+    return row
 
 
 def measure_rtt(rate: str | None, across: bool, count: int) -> dict:
@@ -150,14 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("serve-bulk", "send-bulk", "serve-echo", "ping"):
         cmd, *rest = argv
-        {"serve-bulk": lambda: serve_bulk(rest[0], int(rest[1])),
-         "send-bulk": lambda: send_bulk(rest[0], int(rest[1])),
+        {"serve-bulk": lambda: serve_bulk(rest[0], int(rest[1]), int(rest[2])),
+         "send-bulk": lambda: send_bulk(rest[0], int(rest[1]), int(rest[2])),
          "serve-echo": lambda: serve_echo(rest[0]),
          "ping": lambda: ping(rest[0], int(rest[1]))}[cmd]()
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=128, help="MiB per transfer at 1 Gbit/s (x2 at 10 Gbit/s and none)")
     parser.add_argument("--quick", action="store_true", help="only the default burst per rate")
+    parser.add_argument("--repeat", type=int, default=3, help="transfers per configuration (median reported)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     n1 = args.mib * 2**20
@@ -166,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     bursts_10g = [None] if args.quick else [131072, 524288, None, 4194304]
     plan += [("1gbit", b, n1) for b in bursts_1g] + [("10gbit", b, 2 * n1) for b in bursts_10g]
     try:
-        bulk = [measure_bulk(rate, burst, n) for rate, burst, n in plan]
+        bulk = [measure_bulk(rate, burst, n, args.repeat) for rate, burst, n in plan]
+        bulk += [measure_bulk(rate, None, n, args.repeat, both_ways=True) for rate, n in (("1gbit", n1), ("10gbit", 2 * n1))]
         rtt = [measure_rtt(rate, across, 2000) for rate, across in
                ((None, False), (None, True), ("1gbit", True), ("10gbit", True))]
     except NetemUnavailable as exc:
@@ -175,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"bulk": bulk, "rtt": rtt}, indent=2))
         return 0
-    print(f"{'rate':>7} {'burst B':>9} {'MiB':>5} {'s':>7} {'Gbit/s':>7} {'of line':>8} {'of frames':>9}")
+    print(f"{'rate':>7} {'burst B':>9} {'MiB':>5} {'dir':>4} {'Gbit/s':>7} {'of line':>8} {'of frames':>9}  runs")
     for r in bulk:
         burst = "-" if r["burst_bytes"] is None else str(r["burst_bytes"])
         share = (f"{r['of_line']:8.1%} {r['of_frames']:9.1%}" if "of_line" in r else f"{'-':>8} {'-':>9}")
-        print(f"{r['rate']:>7} {burst:>9} {r['mib']:5.0f} {r['seconds']:7.3f} {r['goodput_gbps']:7.3f} {share}")
+        direction = "both" if r["both_ways"] else "one"
+        print(f"{r['rate']:>7} {burst:>9} {r['mib']:5.0f} {direction:>4} {r['goodput_gbps']:7.3f} {share}  {r['runs']}")
     print()
     for r in rtt:
         print(f"RTT {r['path']:<20} rate {r['rate']:<6}: median {r['median_us']:7.1f} us "

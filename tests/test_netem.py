@@ -6,6 +6,7 @@ import errno
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -31,12 +32,15 @@ def _ours(prefix: str) -> list[str]:
     return sorted(line.split()[0] for line in out.splitlines() if line.startswith(prefix + "-"))
 
 
-def _root_state() -> tuple[str, str, list[str]]:
-    """Namespaces, root links (without counters) and root qdiscs: what a network must leave as it found."""
+def _root_state() -> tuple:
+    """Root links and qdiscs, namespaces, /etc/netns, lock files: what a network must leave as it found."""
     def run(*argv: str) -> str:
         return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
     netns = sorted(line.split()[0] for line in run("ip", "netns", "list").splitlines() if line.strip())
-    return run("ip", "-o", "link", "show"), run("tc", "qdisc", "show"), netns
+    def listing(path: str) -> list[str] | None:
+        return sorted(os.listdir(path)) if os.path.isdir(path) else None
+    return (run("ip", "-o", "link", "show"), run("tc", "qdisc", "show"), netns,
+            listing(netem.ETC_NETNS), listing(netem.LOCK_DIR))
 
 
 def _gone(pid: int) -> bool:
@@ -90,6 +94,11 @@ def test_namespace_names_round_trip():
         assert parse_namespace_name("rt", foreign) is None
 
 
+def test_hosts_file_maps_hostname_to_own_address():
+    text = netem.hosts_file("vm", "10.213.0.2", {"t-h0": "10.213.0.1", "t-h1": "10.213.0.2"})
+    assert text.splitlines() == ["127.0.0.1 localhost", "10.213.0.2 vm", "10.213.0.1 t-h0", "10.213.0.2 t-h1"]
+
+
 def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="n_hosts"):
         EmulatedNetwork(0)
@@ -130,6 +139,9 @@ def test_create_and_destroy_leave_nothing_behind():
         qdiscs = net.run(1, ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
         assert "tbf" in qdiscs and "rate 1Gbit" in qdiscs
         assert _root_state()[:2] == before[:2]  # the root namespace's links and qdiscs are untouched
+        resolved = net.run(2, ["getent", "hosts", socket.gethostname(), net.host_id(0)],
+                           capture_output=True, text=True).stdout.split()
+        assert resolved[0::2] == [net.addr(2), net.addr(0)]  # the hostname is the host's own address
         assert os.path.exists(netem._lock_path(net.tag))
     assert _root_state() == before
     assert not os.path.exists(netem._lock_path(net.tag))
@@ -177,6 +189,29 @@ def test_hosts_talk_tcp_across_the_bridge():
 
 
 UNREACHABLE = "import socket\ntry: socket.create_connection(('192.0.2.1', 80), timeout=2)\nexcept OSError as e: print(e.errno)"
+
+
+RANK = textwrap.dedent("""
+    import os, sys, time
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    assert (os.environ["MASTER_ADDR"], os.environ["LOCAL_RANK"]) == ("10.213.0.1", "0")
+    if rank == int(sys.argv[1]):
+        sys.exit(3)
+    time.sleep(0 if int(sys.argv[1]) < 0 else 30)
+""")
+
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_start_ranks_and_a_failing_rank_stops_the_others():
+    with EmulatedNetwork(3, prefix=_prefix()) as net:
+        assert net.wait_ranks(net.start_ranks([sys.executable, "-c", RANK, "-1"]), timeout=10) == [0, 0, 0]
+        t0 = time.monotonic()
+        codes = net.wait_ranks(net.start_ranks([sys.executable, "-c", RANK, "1"]), timeout=10)
+        assert codes == [-signal.SIGTERM, 3, -signal.SIGTERM]
+        assert time.monotonic() - t0 < 9  # stopped because rank 1 failed, not by the deadline
+        codes = net.wait_ranks(net.start_ranks([sys.executable, "-c", RANK, "5"]), timeout=0.5)
+        assert codes == [-signal.SIGTERM] * 3
 
 
 BULK_RECV = textwrap.dedent("""

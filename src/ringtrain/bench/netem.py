@@ -20,6 +20,12 @@ Words used below:
   started on host ``i``. Namespaces share the hostname and /dev/shm, so anything that
   decides "same host" from the hostname would silently bypass the shaped link; the
   rendezvous reads this variable instead.
+- **hosts file**: ``/etc/netns/{namespace}/hosts``, which ``ip netns exec`` mounts over
+  /etc/hosts for processes on that host. It maps the machine's hostname to the host's own
+  address and every host identity to its address, as on a real cluster. Without it the
+  hostname resolves to 127.0.0.1 and gloo listens on loopback, where peers cannot reach it
+  (a rendezvous that hangs); processes also get ``GLOO_SOCKET_IFNAME=eth0`` unless the
+  caller sets it.
 
 Shaping (tbf) and what was measured on the development machine (scripts/netem_check.py,
 one TCP stream of 256 MiB from plain Python sockets, MTU 1500): the goodput of a fully used
@@ -46,7 +52,9 @@ Example: two ranks of a torchrun-style job, each on its own host at 1 Gbit/s::
     except NetemUnavailable as exc:
         print(f"skipped: {exc}")
 
-``popen`` adds ``RINGTRAIN_HOST_ID`` to the environment. Leaving the ``with`` block (also
+``net.start_ranks(argv, master_port=29500)`` does the same loop (one rank per host) and
+``net.wait_ranks(procs, timeout)`` waits for all of them, killing the others as soon as one
+fails. ``popen`` adds ``RINGTRAIN_HOST_ID`` (and ``GLOO_SOCKET_IFNAME``) to the environment. Leaving the ``with`` block (also
 by an exception, Ctrl-C or SIGTERM) kills the processes started in the namespaces and
 removes every namespace, and with them every link, that the network made.
 """
@@ -62,6 +70,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -83,6 +92,8 @@ __all__ = [
 HOST_ID_ENV = "RINGTRAIN_HOST_ID"
 #: Where the harness keeps its liveness locks (root-only, like /run/netns).
 LOCK_DIR = "/run/ringtrain-netem"
+#: Per-namespace /etc overrides that `ip netns exec` bind-mounts (iproute2 convention).
+ETC_NETNS = "/etc/netns"
 #: The first three octets of every host address (a /24 that exists only inside the namespaces).
 SUBNET = "10.213.0"
 #: Deadline for one `ip`/`tc` command.
@@ -162,6 +173,13 @@ class LinkShape:
 def namespace_names(tag: str, n_hosts: int) -> tuple[str, list[str]]:
     """(switch namespace, [host namespaces]) of the network tagged ``tag``."""
     return f"{tag}-sw", [f"{tag}-h{i}" for i in range(n_hosts)]
+
+
+def hosts_file(hostname: str, own_addr: str, identities: Mapping[str, str]) -> str:
+    """The /etc/hosts of one host: localhost, the machine's hostname at ``own_addr``, every identity at its address."""
+    lines = ["127.0.0.1 localhost", f"{own_addr} {hostname}"]
+    lines += [f"{addr} {name}" for name, addr in identities.items()]
+    return "\n".join(lines) + "\n"
 
 
 def parse_namespace_name(prefix: str, name: str) -> tuple[int, str] | None:
@@ -262,9 +280,12 @@ def _is_zombie(pid: int) -> bool:
 
 
 def _delete_namespaces(namespaces: Sequence[str]) -> None:
+    """Delete the namespaces (their links go with them) and their /etc/netns overrides."""
     if namespaces:
         batch = "".join(f"netns delete {ns}\n" for ns in namespaces)
         _command(["ip", "-force", "-batch", "-"], stdin=batch, check=False)
+    for ns in namespaces:
+        shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
 
 
 def cleanup_stale(prefix: str = "ringtrain") -> list[str]:
@@ -272,29 +293,40 @@ def cleanup_stale(prefix: str = "ringtrain") -> list[str]:
 
     A network is a leftover when its harness pid is dead and its lock is free. Processes still
     running inside its namespaces are killed, then the namespaces are deleted (which removes
-    their veth pairs and bridge). Namespaces of live harnesses, and namespaces whose names
+    their veth pairs and bridge), with their /etc/netns overrides and lock file. Namespaces of live harnesses, and namespaces whose names
     this harness does not make, are left alone.
     """
     reason = unavailable_reason(shaping=False)
     if reason is not None:
         raise NetemUnavailable(reason)
+    existing = set(_list_namespaces())
+    overrides = set(os.listdir(ETC_NETNS)) if os.path.isdir(ETC_NETNS) else set()
     by_tag: dict[str, list[str]] = {}
-    for ns in _list_namespaces():
+    for ns in sorted(existing | overrides):
         parsed = parse_namespace_name(prefix, ns)
         if parsed is not None:
             by_tag.setdefault(parsed[1], []).append(ns)
     removed: list[str] = []
-    for tag, namespaces in sorted(by_tag.items()):
+    for tag, names in by_tag.items():
         pid = int(tag.rsplit("-", 2)[1])
         if _pid_alive(pid) or not _lock_is_free(tag):
             continue
+        namespaces = [ns for ns in names if ns in existing]
         _kill_namespace_processes(namespaces)
         _delete_namespaces(namespaces)
+        for ns in names:  # overrides whose namespace is already gone
+            shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
         try:
             os.unlink(_lock_path(tag))
         except FileNotFoundError:
             pass
-        removed.extend(sorted(namespaces))
+        removed.extend(namespaces)
+    if removed:
+        for directory in (ETC_NETNS, LOCK_DIR):
+            try:
+                os.rmdir(directory)  # only if now empty: a crashed network may have created it
+            except OSError:
+                pass
     return removed
 
 
@@ -328,6 +360,7 @@ class EmulatedNetwork:
         self._made: list[str] = []              # namespaces created so far, in order
         self._processes: list[subprocess.Popen] = []
         self._lock_fd: int | None = None
+        self._made_etc_netns = False             # whether this network created /etc/netns itself
         self._previous_handlers: dict[int, object] = {}
         self._open = False
 
@@ -364,13 +397,14 @@ class EmulatedNetwork:
         """Start ``argv`` inside host ``i``; the network kills it (and its process group) on exit.
 
         ``env`` is the whole environment as for subprocess (None: this process's); RINGTRAIN_HOST_ID
-        is added. Other keyword arguments go to subprocess.Popen (``start_new_session`` is forced on,
+        is added, and GLOO_SOCKET_IFNAME=eth0 unless ``env`` sets it. Other keyword arguments go to subprocess.Popen (``start_new_session`` is forced on,
         so the process and its children can be killed as one group).
         """
         if not self._open:
             raise RuntimeError("EmulatedNetwork is not open: use it as `with EmulatedNetwork(...) as net:`")
         full_env = dict(os.environ if env is None else env)
         full_env[HOST_ID_ENV] = self.host_id(i)
+        full_env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         kwargs["start_new_session"] = True
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv], env=full_env, **kwargs)
         self._processes.append(proc)
@@ -394,6 +428,42 @@ class EmulatedNetwork:
         if check:
             done.check_returncode()
         return done
+
+    def start_ranks(self, argv: Sequence[str], *, master_port: int = 29500,
+                    env: Mapping[str, str] | None = None, **kwargs) -> list[subprocess.Popen]:
+        """Start ``argv`` once per host as rank ``i`` of a torchrun-style job (one rank per host).
+
+        Each gets MASTER_ADDR (host 0), MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK=0,
+        LOCAL_WORLD_SIZE=1 on top of ``env`` (None: this process's environment).
+        """
+        if not 1 <= master_port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535], got {master_port}")
+        base = dict(os.environ if env is None else env)
+        procs = []
+        for rank in range(self.n_hosts):
+            rank_env = {**base, "MASTER_ADDR": self.addr(0), "MASTER_PORT": str(master_port),
+                        "RANK": str(rank), "WORLD_SIZE": str(self.n_hosts),
+                        "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+            procs.append(self.popen(rank, argv, env=rank_env, **kwargs))
+        return procs
+
+    def wait_ranks(self, procs: Sequence[subprocess.Popen], timeout: float) -> list[int]:
+        """Wait for every rank; when one fails (or the deadline passes) stop the others. Exit codes by rank.
+
+        A rank stopped because another failed, or because of the deadline, shows a negative
+        code (the signal that ended it).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]  # poll every rank: any() would stop at the first running one
+            if None not in codes:
+                break
+            if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+                for p in procs:
+                    self._stop(p)
+                break
+            time.sleep(0.02)
+        return [p.returncode for p in procs]
 
     # ---- life cycle -------------------------------------------------------------------
 
@@ -432,7 +502,14 @@ class EmulatedNetwork:
             made = [ns for ns in self._made if ns in existing]
             _kill_namespace_processes(made)
             _delete_namespaces(made)
+            for ns in self._made:
+                shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
             self._made.clear()
+            if self._made_etc_netns:
+                try:
+                    os.rmdir(ETC_NETNS)  # only if empty: another network may be using it
+                except OSError:
+                    pass
             self._release_lock()
             atexit.unregister(self.close)
             self._restore_signal_handlers()
@@ -447,8 +524,14 @@ class EmulatedNetwork:
             raise ValueError(f"host index must be in [0, {self.n_hosts}), got {i!r}")
 
     def _take_lock(self) -> None:
-        os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
-        fd = os.open(_lock_path(self.tag), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        for attempt in range(3):  # another network may remove the empty directory in between
+            os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
+            try:
+                fd = os.open(_lock_path(self.tag), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock_fd = fd
 
@@ -461,11 +544,16 @@ class EmulatedNetwork:
             pass
         os.close(self._lock_fd)
         self._lock_fd = None
+        try:
+            os.rmdir(LOCK_DIR)  # only if empty: other networks keep their locks there
+        except OSError:
+            pass
 
     def _build(self) -> None:
         for ns in (self.switch_namespace, *self.host_namespaces):
             _command(["ip", "netns", "add", ns])
             self._made.append(ns)
+        self._write_hosts_files()
         switch = ["link add br0 type bridge stp_state 0", "link set br0 addrgenmode none", "link set br0 up"]
         for i, host_ns in enumerate(self.host_namespaces):
             switch += [f"link add p{i} type veth peer name eth0 netns {host_ns}",
@@ -480,6 +568,17 @@ class EmulatedNetwork:
             _command(["tc", "-n", self.switch_namespace, "-batch", "-"], stdin="\n".join(switch_tc) + "\n")
             for host_ns in self.host_namespaces:
                 _command(["tc", "-n", host_ns, "-batch", "-"], stdin=self.shape.tbf_command("eth0") + "\n")
+
+    def _write_hosts_files(self) -> None:
+        if not os.path.isdir(ETC_NETNS):
+            os.makedirs(ETC_NETNS, exist_ok=True)
+            self._made_etc_netns = True
+        identities = {self.host_id(i): self.addr(i) for i in range(self.n_hosts)}
+        hostname = socket.gethostname()
+        for i, ns in enumerate(self.host_namespaces):
+            os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
+            with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
+                f.write(hosts_file(hostname, self.addr(i), identities))
 
     def _stop(self, proc: subprocess.Popen) -> None:
         """SIGTERM the process group, SIGKILL it after the grace period; reap the process."""
