@@ -30,7 +30,16 @@ state, so the caller usually saves on rank 0 only and every rank loads the same 
 The RNG state captured is the saving process's; it restores other ranks exactly only if
 they drew the same random numbers (same seed, same calls) — ringtrain's reference models
 and loaders draw none per rank. A job whose ranks draw different random numbers saves
-one file per rank (one directory each).
+one file per rank (one directory each). A loader's state is the same on every rank (the
+position in the global batch sequence), so rank 0's file restores every rank's loader.
+
+    payload = checkpoint.training_state(step, model, optimizer, loader)
+    if rank == 0:
+        checkpoint.save(run_dir, step, payload, keep=3)
+    ...
+    found = checkpoint.latest(run_dir)            # None: start from scratch
+    if found is not None:
+        step = checkpoint.restore_training_state(found.payload, model, optimizer, loader)
 """
 
 from __future__ import annotations
