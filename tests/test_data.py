@@ -228,3 +228,15 @@ def test_sampler_state_missing_a_key_is_refused():
     del state["position"]
     with pytest.raises(ValueError, match=r"lacks \['position'\]"):
         ShardedSampler(100, 4).load_state_dict(state)
+
+
+def test_rank_0_state_restores_every_rank():
+    """Checkpoints are written by rank 0 only: its loader state must resume the other ranks too."""
+    ranks = [ShardedSampler(60, 2, rank=r, world_size=3, seed=2) for r in range(3)]
+    for s in ranks:
+        take(s, 7)
+    state = ranks[0].state_dict()
+    for r in range(3):
+        fresh = ShardedSampler(60, 2, rank=r, world_size=3, seed=2)
+        fresh.load_state_dict(state)
+        assert take(fresh, 5) == take(ranks[r], 5)
