@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -115,11 +116,20 @@ def run(args: argparse.Namespace) -> int:
         for path in plot.write_all(predictions, traces, clusters, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
-        json.dump(document(predictions, traces, clusters, args.device), sys.stdout, indent=1)
-        print()
+        emit(json.dumps(document(predictions, traces, clusters, args.device), indent=1))
     else:
-        print(format_table(predictions, schedules, args.device))
+        emit(format_table(predictions, schedules, args.device))
     return 0
+
+
+def emit(text: str) -> None:
+    """Print ``text``; a reader that stops early (``| head``) is not an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def document(predictions: list[Prediction], traces: list[Trace], clusters: list[Any], device: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import json
 import sys
 from . import clusters as clusters_mod
 from . import costs
-from .cli import add_common, load_traces, split
+from .cli import add_common, emit, load_traces, split
 from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
 
@@ -51,10 +51,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"model": trace.model, "cluster": cluster.name, "world_size": args.gpus, "algorithm": args.algorithm,
                "layers": names, "methods": [dict(p.to_dict(), plan=p.plan.to_dict()) for p in preds]}
-        json.dump(doc, sys.stdout, indent=1)
-        print()
+        emit(json.dumps(doc, indent=1))
     else:
-        print(describe(trace, preds, names, args.max_groups))
+        emit(describe(trace, preds, names, args.max_groups))
     return 0
 
 
