@@ -11,7 +11,8 @@ call header makes equal everywhere):
 - one rank: nothing to do;
 - ranks on more than one host, with several ranks on some host: ``hierarchical`` for
   messages of at least 1 MiB;
-- messages under 64 KiB: ``halving_doubling`` (2·log2 p start-ups instead of 2(p−1));
+- messages under 64 KiB: on 2 ranks ``naive`` (one exchange instead of two), else
+  ``halving_doubling`` (2·log2 p start-ups instead of 2(p−1));
 - otherwise ``ring`` (bandwidth-optimal).
 The thresholds come from ``ringtrain bench allreduce`` on the development machine
 (benchmarks/README.md); ``AUTO_SMALL_BYTES`` and ``AUTO_HIER_BYTES`` hold them.
@@ -173,8 +174,8 @@ class Communicator:
         hosts = set(self.host_ids)
         if 1 < len(hosts) < self.world_size and nbytes >= AUTO_HIER_BYTES:
             return "hierarchical"
-        if nbytes < AUTO_SMALL_BYTES and self.world_size > 2:
-            return "halving_doubling"
+        if nbytes < AUTO_SMALL_BYTES:
+            return "naive" if self.world_size == 2 else "halving_doubling"
         return "ring"
 
     def _next_seq(self) -> int:
