@@ -1,0 +1,160 @@
+"""Calibration: the sweep's alpha and beta, the backward profile, its exchange, drift and re-planning."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import raise_first, run_comms
+from ringtrain.ddp import DistributedDataParallel
+from ringtrain.ddp import calibration as cal
+
+
+def test_gaps_follow_the_observed_order():
+    stamps = np.array([3.0, 1.0, np.nan, 2.0])
+    assert list(cal.observed_order(stamps)) == [1, 3, 0, 2]
+    assert list(cal.gaps(stamps, 0.5)) == [1.0, 0.5, 0.0, 1.0]
+    # No backward start: the first gradient's own time opens the count.
+    assert list(cal.gaps(stamps, float("nan"))) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_local_profile_is_the_median_per_parameter():
+    rows = [np.array([1.0, 5.0]), np.array([3.0, 1.0]), np.array([2.0, 100.0])]
+    assert list(cal.local_profile(rows)) == [2.0, 5.0]
+    with pytest.raises(ValueError):
+        cal.local_profile([])
+
+
+def test_drift_is_the_largest_move_of_the_ready_curve():
+    assert cal.drift([1, 1, 2], [1, 1, 2]) == 0.0
+    assert cal.drift([1, 1, 2], [2, 1, 1]) == 0.25  # ready [1,2,4] -> [2,3,4]: moved 1 of 4
+    assert cal.drift([1, 1, 2], [1, 1, 4]) == 0.5
+    assert cal.drift([0, 0], [0, 0]) == 0.0 and math.isinf(cal.drift([0, 0], [1, 0]))
+    with pytest.raises(ValueError):
+        cal.drift([1], [1, 2])
+
+
+def test_exchange_gives_every_rank_the_mean_and_rank_0_order():
+    def body(comm):
+        gaps = np.array([1.0, 2.0, 3.0]) * (comm.rank + 1)
+        order = np.array([2, 0, 1]) if comm.rank == 0 else np.array([0, 1, 2])
+        return cal.exchange_profile(comm, gaps, order)
+
+    results = raise_first(run_comms(3, body))
+    for times, order in results:
+        assert list(times) == [2.0, 4.0, 6.0]  # (1 + 2 + 3) / 3 * [1, 2, 3], exact
+        assert list(order) == [2, 0, 1] and order.dtype == np.int64
+
+
+@pytest.mark.timeout(30)
+def test_sweep_fits_the_same_alpha_beta_on_every_rank():
+    results = raise_first(run_comms(2, lambda comm: cal.sweep_alpha_beta(comm, "ring", repeats=2)))
+    assert results[0] == results[1]
+    alpha, beta = results[0]
+    assert alpha >= 0 and beta >= 0 and alpha + beta > 0
+    assert cal.sweep_alpha_beta(type("One", (), {"world_size": 1})(), "ring") == (0.0, 0.0)
+
+
+def test_construction_sweep_is_logged(caplog):
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+
+    def body(comm):
+        ddp = DistributedDataParallel(nn.Linear(4, 4), comm)
+        ddp.close()
+        return ddp.alpha, ddp.beta
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1]
+    assert any("allreduce sweep" in r.getMessage() and "alpha=" in r.getMessage() for r in caplog.records)
+
+
+class Swapped(nn.Module):
+    """Registered first-then-second, used second-then-first: the backward order is
+    first's gradients before second's, the reverse of what registration suggests."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(6, 6)
+        self.second = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.first(torch.tanh(self.second(x)))
+
+
+def test_backward_order_is_discovered_and_plan_logged(caplog):
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+
+    def body(comm):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Swapped(), comm, alpha=1e-5, beta=1e-9, warmup_iterations=1,
+                                      profile_iterations=2)
+        assert ddp.plan.method == "single"
+        names = [n for n, p in ddp.module.named_parameters()]
+        before = [names[i] for i in ddp.order]
+        for _ in range(3):
+            ddp(torch.ones(2, 6)).sum().backward()
+        after = [names[i] for i in ddp.order]
+        ddp.close()
+        return before, after, ddp.plan.method
+
+    for before, after, method in raise_first(run_comms(2, body)):
+        assert before[:2] == ["second.bias", "second.weight"]
+        assert set(after[:2]) == {"first.weight", "first.bias"}
+        assert method == "optimal"
+    assert any("plan (optimal" in r.getMessage() and "groups" in r.getMessage() for r in caplog.records)
+
+
+class SlowBackward(torch.autograd.Function):
+    delay = 0.0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(SlowBackward.delay)
+        return g
+
+
+class Slowable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(SlowBackward.apply(self.a(x)))
+
+
+@pytest.mark.timeout(30)
+def test_plan_is_remade_when_backward_times_drift(caplog):
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    SlowBackward.delay = 0.0
+
+    def body(comm):
+        ddp = DistributedDataParallel(Slowable(), comm, alpha=1e-5, beta=1e-9, warmup_iterations=0,
+                                      profile_iterations=1, replan_interval=2)
+        x = torch.ones(2, 4)
+        ddp(x).sum().backward()  # plan made here
+        planned = ddp.plan.backward_time
+        if comm.rank == 0:
+            SlowBackward.delay = 0.03  # one rank's slowdown moves the mean over ranks
+        for _ in range(2):
+            ddp(x).sum().backward()
+        ddp.close()
+        return planned, ddp.plan.backward_time
+
+    try:
+        results = raise_first(run_comms(1, body))
+    finally:
+        SlowBackward.delay = 0.0
+    planned, replanned = results[0]
+    assert replanned > planned + 0.02
+    assert any("drifted" in r.getMessage() for r in caplog.records)

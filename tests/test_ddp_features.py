@@ -1,0 +1,251 @@
+"""DistributedDataParallel: no_sync accumulation, unused parameters, options, forward pass-through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import raise_first, run_comms
+from ringtrain.ddp import DistributedDataParallel
+from test_ddp_support import global_batch, make_model, perturbed, rank_batch
+
+FAST = dict(alpha=2e-5, beta=1e-9, warmup_iterations=0, profile_iterations=1)
+MICRO = 3  # micro-batches per step
+
+
+def accumulate_train(model, batches, steps, ddp=None):
+    """Per step: MICRO micro-batches, the first MICRO - 1 under no_sync (when ddp is given);
+    each micro-batch loss is divided by MICRO so the step's gradient is the mean over them."""
+    net = ddp if ddp is not None else model
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        for m in range(MICRO):
+            x, y = batches(step, m)
+            ctx = ddp.no_sync() if ddp is not None and m < MICRO - 1 else _null()
+            with ctx:
+                loss = nn.functional.mse_loss(net(x), y) / MICRO
+                loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def micro_batch(step, m, world_size, rank):
+    return rank_batch("mlp", step * MICRO + m, world_size, rank)
+
+
+def run_no_sync(world_size, same_data):
+    base = make_model("mlp")
+
+    def body(comm):
+        model = perturbed(base, comm.rank)
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", algorithm="ring", **FAST)
+        src = 0 if same_data else comm.rank
+        try:
+            return accumulate_train(model, lambda s, m: micro_batch(s, m, world_size, src), 6, ddp)
+        finally:
+            ddp.close()
+
+    return raise_first(run_comms(world_size, body, thread_timeout=60.0))
+
+
+@pytest.mark.timeout(60)
+def test_no_sync_accumulation_equals_big_batch():
+    world_size = 2
+    results = run_no_sync(world_size, same_data=False)
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a, b)
+
+    def big(step, _m):  # all micro-batches of all ranks at once: one batch of MICRO * 2 * PER_RANK
+        xs, ys = zip(*(global_batch("mlp", step * MICRO + m, world_size) for m in range(MICRO)))
+        return torch.cat(xs), torch.cat(ys)
+
+    model = make_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(6):
+        x, y = big(step, 0)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for got, want in zip(results[0], model.parameters()):
+        # Not bitwise: the big batch sums all rows in one matmul; DDP sums micro-batches in
+        # .grad, then averages over ranks (another reduction order).
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_no_sync_with_equal_data_is_bitwise_local_accumulation():
+    results = run_no_sync(2, same_data=True)
+    expected = accumulate_train(make_model("mlp"), lambda s, m: micro_batch(s, m, 2, 0), 6)
+    for got, want in zip(results[0], expected):
+        assert torch.equal(got, want)
+
+
+def test_no_sync_sends_nothing():
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("mlp"), comm, **FAST)
+        x, y = rank_batch("mlp", 0, 2, comm.rank)
+        with ddp.no_sync():
+            nn.functional.mse_loss(ddp(x), y).backward()
+        local = [p.grad.clone() for p in ddp.module.parameters()]
+        seq = comm._seq
+        ddp.close()
+        return local, seq
+
+    results = raise_first(run_comms(2, body))
+    # Different data, no communication: the local gradients differ between ranks.
+    assert not all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+    assert results[0][1] == results[1][1]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_unused_parameter_error_names_it(world_size):
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("unused"), comm, **FAST)
+        x, y = rank_batch("unused", 0, world_size, comm.rank)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        try:
+            ddp(x)
+        except RuntimeError as exc:
+            return str(exc)
+        finally:
+            ddp.close()
+        return None
+
+    for message in raise_first(run_comms(world_size, body)):
+        assert message is not None, "the forward after an incomplete backward must raise"
+        assert "'unused.weight'" in message and "'unused.bias'" in message
+        assert "'used.weight'" not in message
+        assert "find_unused_parameters=True" in message
+
+
+@pytest.mark.timeout(30)
+def test_find_unused_parameters_trains_the_used_ones():
+    world_size = 2
+    base = make_model("unused")
+
+    def body(comm):
+        model = perturbed(base, comm.rank)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, schedule="wfbp", **FAST)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(8):
+            x, y = rank_batch("unused", step, world_size, comm.rank)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        ddp.close()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, model.unused.weight.grad.clone()
+
+    results = raise_first(run_comms(world_size, body))
+    ref = make_model("unused")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(8):
+        x, y = global_batch("unused", step, world_size)
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    for name, p in ref.named_parameters():
+        assert torch.equal(results[0][0][name], results[1][0][name]), name
+        # Reduction order differs (see test_ddp_correctness); unused ones are exactly unchanged.
+        torch.testing.assert_close(results[0][0][name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    assert torch.equal(results[0][1], torch.zeros_like(results[0][1]))  # zeros contributed
+
+
+@pytest.mark.timeout(30)
+def test_parameter_unused_on_one_rank_gets_the_mean():
+    """Rank 1 uses the branch, rank 0 does not: the mean is rank 1's gradient / 2 on both."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(4, 4)
+            self.branch = nn.Linear(4, 4)
+
+        def forward(self, x, use_branch):
+            h = self.trunk(x)
+            return self.branch(h) if use_branch else h
+
+    torch.manual_seed(3)
+    base = Branchy()
+    x = torch.arange(8.0).reshape(2, 4) / 8
+
+    def body(comm):
+        import copy
+
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        for _ in range(3):  # through profiling into the planned layout
+            ddp.zero_grad()
+            ddp(x, comm.rank == 1).sum().backward()
+        ddp.close()
+        return model.branch.weight.grad.clone()
+
+    grads = raise_first(run_comms(2, body))
+    alone = __import__("copy").deepcopy(base)
+    alone(x, True).sum().backward()
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0], alone.branch.weight.grad / 2)  # (g + 0) / 2 is exact
+
+
+def test_forward_passes_through_and_module_is_reachable():
+    def body(comm):
+        model = make_model("mlp")
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        x = torch.ones(2, 12)
+        same = torch.equal(ddp(x), model(x))
+        keys = list(ddp.state_dict())[:1]
+        ddp.close()
+        return same, ddp.module is model, keys
+
+    (same, is_module, keys), = raise_first(run_comms(1, body))
+    assert same and is_module and keys == ["module.layers.0.weight"]
+
+
+def test_buffers_are_broadcast_from_rank_0():
+    class WithBuffer(nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("count", torch.tensor([value], dtype=torch.int64))
+            self.register_buffer("flag", torch.tensor([value % 2 == 1]))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    def body(comm):
+        model = WithBuffer(7 + comm.rank)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        model.count += comm.rank  # diverge again; the next forward re-broadcasts
+        ddp(torch.ones(1, 3))
+        ddp.close()
+        return int(model.count), bool(model.flag), model.lin.weight.detach().clone()
+
+    results = raise_first(run_comms(3, body))
+    assert [r[:2] for r in results] == [(7, True)] * 3
+    assert all(torch.equal(results[0][2], r[2]) for r in results)
+
+
+@pytest.mark.parametrize("kw, word", [
+    (dict(schedule="greedy"), "schedule"), (dict(algorithm="tree"), "algorithm"),
+    (dict(bucket_cap_mb=0), "bucket_cap_mb"), (dict(alpha=1e-5), "alpha"),
+    (dict(profile_iterations=0), "profile_iterations"), (dict(drift_threshold=-1), "drift_threshold"),
+])
+def test_bad_options_raise_value_error_naming_them(kw, word):
+    def body(comm):
+        with pytest.raises(ValueError, match=word) as info:
+            DistributedDataParallel(nn.Linear(2, 2), comm, **kw)
+        return str(info.value)
+
+    message, = raise_first(run_comms(1, body))
+    if word in ("schedule", "algorithm"):
+        assert "optimal" in message or "ring" in message  # the accepted values are listed

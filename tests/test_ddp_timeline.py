@@ -1,0 +1,98 @@
+"""Timeline: per-rank Chrome trace files, the PNG drawing, and per-iteration stats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import raise_first, run_comms
+from ringtrain.ddp import DistributedDataParallel, draw_timeline, trace_path
+from ringtrain.ddp.timeline import TraceRecorder, hidden_fraction, overlap
+from test_ddp_support import make_model, rank_batch
+
+
+def test_trace_path_inserts_the_rank():
+    assert str(trace_path("out/trace.json", 3)) == "out/trace.rank3.json"
+    assert str(trace_path("trace", 0)) == "trace.rank0.json"
+
+
+def test_overlap_and_hidden_fraction():
+    spans = [(0.0, 2.0), (3.0, 5.0)]
+    assert overlap(spans, 1.0, 4.0) == 2.0
+    assert hidden_fraction(spans, 1.0, 4.0) == 0.5
+    assert hidden_fraction([], 0.0, 1.0) == 1.0
+    assert hidden_fraction(spans, 0.0, 10.0) == 1.0
+
+
+def test_recorder_stops_after_its_iterations(tmp_path):
+    rec = TraceRecorder(tmp_path / "t.json", 0, 2, origin=0.0)
+    for i in range(4):
+        rec.span("forward", "forward", "compute", i, i + 0.5, iteration=i)
+        rec.end_iteration()
+    doc = json.loads((tmp_path / "t.rank0.json").read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in spans] == [0.0, 1e6] and spans[0]["dur"] == 5e5
+    with pytest.raises(ValueError):
+        TraceRecorder(tmp_path / "t.json", 0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_trace_files_per_rank_and_png(tmp_path):
+    target = tmp_path / "trace.json"
+
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("mlp"), comm, schedule="wfbp", timeline=target,
+                                      timeline_iterations=3, alpha=2e-5, beta=1e-9, warmup_iterations=0,
+                                      profile_iterations=1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for step in range(6):
+            x, y = rank_batch("mlp", step, 2, comm.rank)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        path = ddp.timeline_path
+        stats = list(ddp.stats)
+        ddp.close()
+        return path, stats
+
+    results = raise_first(run_comms(2, body))
+    names = [str(p) for p, _ in results]
+    assert names == [str(tmp_path / "trace.rank0.json"), str(tmp_path / "trace.rank1.json")]
+    for rank, (path, stats) in enumerate(results):
+        events = json.loads(path.read_text())["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == {rank}
+        iterations = sorted({e["args"]["iteration"] for e in spans if e["cat"] != "calibration"})
+        assert iterations == [1, 2, 3]  # the first planned iteration and the two after it
+        exchange = [e for e in spans if e["cat"] == "calibration"]
+        assert [e["args"]["iteration"] for e in exchange] == [0] and exchange[0]["tid"] == 1
+        cats = {e["cat"] for e in spans}
+        assert {"forward", "backward", "allreduce", "wait", "copy"} <= cats
+        comm_spans = [e for e in spans if e["cat"] == "allreduce"]
+        assert all(e["tid"] == 1 for e in comm_spans) and len(comm_spans) == 3 * 12  # wfbp: one per parameter
+        assert all(e["args"]["bytes"] > 0 for e in comm_spans)
+        back = [e for e in spans if e["cat"] == "backward" and e["args"]["iteration"] == 2]
+        assert len(back) == 12 and all(e["tid"] == 0 for e in back)
+        assert len(stats) == 6
+        for s in stats:
+            assert 0.0 <= s.hidden_fraction <= 1.0 and s.comm_s > 0 and s.backward_s > 0
+            assert s.buckets == (1 if s.iteration == 0 else 12)
+    png = draw_timeline([p for p, _ in results], tmp_path / "timeline.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_world_size_one_stats_have_no_communication():
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("mlp"), comm)
+        for step in range(3):
+            x, y = rank_batch("mlp", step, 1, 0)
+            nn.functional.mse_loss(ddp(x), y).backward()
+        ddp.close()
+        return list(ddp.stats)
+
+    stats, = raise_first(run_comms(1, body))
+    assert [s.buckets for s in stats] == [0, 0, 0]
+    assert all(s.comm_s == 0 and s.hidden_fraction == 1.0 and s.forward_s > 0 for s in stats)
