@@ -145,7 +145,8 @@ def _bulk_once(net: EmulatedNetwork, nbytes: int, both_ways: bool) -> float:
     return min(rates)
 
 
-def measure_bulk(rate: str | None, burst: int | None, nbytes: int, repeat: int, both_ways: bool = False) -> dict:
+def measure_bulk(rate: str | None, burst: int | None, nbytes: int, repeat: int,
+                 both_ways: bool = False) -> dict:
     """Median goodput over ``repeat`` transfers, each on a fresh network."""
     runs = []
     for _ in range(repeat):
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
          "ping": lambda: ping(rest[0], int(rest[1]))}[cmd]()
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=128, help="MiB per transfer at 1 Gbit/s (x2 at 10 Gbit/s and none)")
+    parser.add_argument("--mib", type=int, default=128,
+                        help="MiB per transfer at 1 Gbit/s (twice that at 10 Gbit/s and none)")
     parser.add_argument("--quick", action="store_true", help="only the default burst per rate")
     parser.add_argument("--repeat", type=int, default=3, help="transfers per configuration (median reported)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     plan += [("1gbit", b, n1) for b in bursts_1g] + [("10gbit", b, 2 * n1) for b in bursts_10g]
     try:
         bulk = [measure_bulk(rate, burst, n, args.repeat) for rate, burst, n in plan]
-        bulk += [measure_bulk(rate, None, n, args.repeat, both_ways=True) for rate, n in (("1gbit", n1), ("10gbit", 2 * n1))]
+        bulk += [measure_bulk(rate, None, n, args.repeat, both_ways=True)
+                 for rate, n in (("1gbit", n1), ("10gbit", 2 * n1))]
         rtt = [measure_rtt(rate, across, 2000) for rate, across in
                ((None, False), (None, True), ("1gbit", True), ("10gbit", True))]
     except NetemUnavailable as exc:
@@ -203,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"bulk": bulk, "rtt": rtt}, indent=2))
         return 0
-    print(f"{'rate':>7} {'burst B':>9} {'MiB':>5} {'dir':>4} {'Gbit/s':>7} {'of line':>8} {'of frames':>9}  runs")
+    print(f"{'rate':>7} {'burst B':>9} {'MiB':>5} {'dir':>4} {'Gbit/s':>7} {'of line':>8} "
+          f"{'of frames':>9}  runs")
     for r in bulk:
         burst = "-" if r["burst_bytes"] is None else str(r["burst_bytes"])
         share = (f"{r['of_line']:8.1%} {r['of_frames']:9.1%}" if "of_line" in r else f"{'-':>8} {'-':>9}")
         direction = "both" if r["both_ways"] else "one"
-        print(f"{r['rate']:>7} {burst:>9} {r['mib']:5.0f} {direction:>4} {r['goodput_gbps']:7.3f} {share}  {r['runs']}")
+        print(f"{r['rate']:>7} {burst:>9} {r['mib']:5.0f} {direction:>4} {r['goodput_gbps']:7.3f} "
+              f"{share}  {r['runs']}")
     print()
     for r in rtt:
         print(f"RTT {r['path']:<20} rate {r['rate']:<6}: median {r['median_us']:7.1f} us "

@@ -74,9 +74,11 @@ def test_default_burst_meets_the_measured_minimum():
 
 def test_link_shape_validates_and_writes_tbf():
     shape = LinkShape.for_rate("1gbit")
-    assert shape.tbf_command("eth0") == "qdisc replace dev eth0 root tbf rate 1000000000bit burst 131072b latency 5ms"
+    assert shape.tbf_command("eth0") == (
+        "qdisc replace dev eth0 root tbf rate 1000000000bit burst 131072b latency 5ms")
     assert LinkShape.for_rate("none") is None
-    assert LinkShape.for_rate("10gbit", burst_bytes=8192, queue_ms=2).tbf_command("p1").endswith("burst 8192b latency 2ms")
+    fast = LinkShape.for_rate("10gbit", burst_bytes=8192, queue_ms=2)
+    assert fast.tbf_command("p1").endswith("rate 10000000000bit burst 8192b latency 2ms")
     with pytest.raises(ValueError, match="burst_bytes"):
         LinkShape(rate_bps=10**9, burst_bytes=100)
     with pytest.raises(ValueError, match="queue_ms"):
@@ -188,7 +190,13 @@ def test_hosts_talk_tcp_across_the_bridge():
         assert out.stdout.strip() == str(errno.ENETUNREACH)
 
 
-UNREACHABLE = "import socket\ntry: socket.create_connection(('192.0.2.1', 80), timeout=2)\nexcept OSError as e: print(e.errno)"
+UNREACHABLE = textwrap.dedent("""
+    import socket
+    try:
+        socket.create_connection(("192.0.2.1", 80), timeout=2)
+    except OSError as e:
+        print(e.errno)
+""")
 
 
 RANK = textwrap.dedent("""
@@ -226,7 +234,8 @@ BULK_RECV = textwrap.dedent("""
 """)
 BULK_SEND = textwrap.dedent("""
     import socket, sys
-    c = socket.create_connection((sys.argv[1], 5301), timeout=10); n = int(sys.argv[2]); chunk = bytes(1 << 20)
+    c = socket.create_connection((sys.argv[1], 5301), timeout=10)
+    n = int(sys.argv[2]); chunk = bytes(1 << 20)
     for i in range(0, n, len(chunk)):
         c.sendall(chunk[: n - i])
 """)

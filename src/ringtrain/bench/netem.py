@@ -54,9 +54,10 @@ Example: two ranks of a torchrun-style job, each on its own host at 1 Gbit/s::
 
 ``net.start_ranks(argv, master_port=29500)`` does the same loop (one rank per host) and
 ``net.wait_ranks(procs, timeout)`` waits for all of them, killing the others as soon as one
-fails. ``popen`` adds ``RINGTRAIN_HOST_ID`` (and ``GLOO_SOCKET_IFNAME``) to the environment. Leaving the ``with`` block (also
-by an exception, Ctrl-C or SIGTERM) kills the processes started in the namespaces and
-removes every namespace, and with them every link, that the network made.
+fails. ``popen`` adds ``RINGTRAIN_HOST_ID`` (and ``GLOO_SOCKET_IFNAME``) to the environment.
+Leaving the ``with`` block (also by an exception, Ctrl-C or SIGTERM) kills the processes
+started in the namespaces and removes every namespace, and with them every link, that the
+network made; so does :func:`cleanup_stale` for a harness that was killed outright.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class LinkShape:
     @classmethod
     def for_rate(cls, rate: str | None, *, burst_bytes: int | None = None,
                  queue_ms: float = 5.0) -> LinkShape | None:
-        """The shape for ``rate`` (see :func:`parse_rate`) with the measured default burst; None for no shaping."""
+        """The shape for ``rate`` (see :func:`parse_rate`) with the default burst; None: no shaping."""
         rate_bps = parse_rate(rate)
         if rate_bps is None:
             return None
@@ -176,7 +177,7 @@ def namespace_names(tag: str, n_hosts: int) -> tuple[str, list[str]]:
 
 
 def hosts_file(hostname: str, own_addr: str, identities: Mapping[str, str]) -> str:
-    """The /etc/hosts of one host: localhost, the machine's hostname at ``own_addr``, every identity at its address."""
+    """One host's /etc/hosts: the machine's hostname at ``own_addr``, each identity at its address."""
     lines = ["127.0.0.1 localhost", f"{own_addr} {hostname}"]
     lines += [f"{addr} {name}" for name, addr in identities.items()]
     return "\n".join(lines) + "\n"
@@ -203,7 +204,8 @@ def unavailable_reason(*, shaping: bool = True) -> str | None:
     return None
 
 
-def _command(argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def _command(argv: Sequence[str], *, stdin: str | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
     """Run an iproute2 command with a deadline; raise NetemUnavailable naming it when it fails."""
     try:
         done = subprocess.run(list(argv), input=stdin, capture_output=True, text=True,
@@ -279,6 +281,13 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)  # started with start_new_session: the group id is the leader's pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _delete_namespaces(namespaces: Sequence[str]) -> None:
     """Delete the namespaces (their links go with them) and their /etc/netns overrides."""
     if namespaces:
@@ -293,8 +302,8 @@ def cleanup_stale(prefix: str = "ringtrain") -> list[str]:
 
     A network is a leftover when its harness pid is dead and its lock is free. Processes still
     running inside its namespaces are killed, then the namespaces are deleted (which removes
-    their veth pairs and bridge), with their /etc/netns overrides and lock file. Namespaces of live harnesses, and namespaces whose names
-    this harness does not make, are left alone.
+    their veth pairs and bridge), with their /etc/netns overrides and lock file. Namespaces
+    of live harnesses, and namespaces whose names this harness does not make, are left alone.
     """
     reason = unavailable_reason(shaping=False)
     if reason is not None:
@@ -397,8 +406,9 @@ class EmulatedNetwork:
         """Start ``argv`` inside host ``i``; the network kills it (and its process group) on exit.
 
         ``env`` is the whole environment as for subprocess (None: this process's); RINGTRAIN_HOST_ID
-        is added, and GLOO_SOCKET_IFNAME=eth0 unless ``env`` sets it. Other keyword arguments go to subprocess.Popen (``start_new_session`` is forced on,
-        so the process and its children can be killed as one group).
+        is added, and GLOO_SOCKET_IFNAME=eth0 unless ``env`` sets it. Other keyword arguments go
+        to subprocess.Popen (``start_new_session`` is forced on, so the process and its children
+        can be killed as one group).
         """
         if not self._open:
             raise RuntimeError("EmulatedNetwork is not open: use it as `with EmulatedNetwork(...) as net:`")
@@ -413,7 +423,7 @@ class EmulatedNetwork:
     def run(self, i: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
             timeout: float = 60.0, check: bool = True, capture_output: bool = False,
             input: str | bytes | None = None, **kwargs) -> subprocess.CompletedProcess:
-        """Run ``argv`` inside host ``i`` to completion (deadline ``timeout`` seconds), like subprocess.run."""
+        """Run ``argv`` inside host ``i`` to completion within ``timeout`` s, like subprocess.run."""
         if capture_output:
             kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         if input is not None:
@@ -422,7 +432,7 @@ class EmulatedNetwork:
         try:
             stdout, stderr = proc.communicate(input=input, timeout=timeout)
         except subprocess.TimeoutExpired:
-            self._stop(proc)
+            self._stop([proc])
             raise
         done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         if check:
@@ -459,8 +469,7 @@ class EmulatedNetwork:
             if None not in codes:
                 break
             if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
-                for p in procs:
-                    self._stop(p)
+                self._stop(procs)
                 break
             time.sleep(0.02)
         return [p.returncode for p in procs]
@@ -495,8 +504,7 @@ class EmulatedNetwork:
             old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             self._open = False
-            for proc in self._processes:
-                self._stop(proc)
+            self._stop(self._processes)
             self._processes.clear()
             existing = set(_list_namespaces())
             made = [ns for ns in self._made if ns in existing]
@@ -580,26 +588,28 @@ class EmulatedNetwork:
             with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
                 f.write(hosts_file(hostname, self.addr(i), identities))
 
-    def _stop(self, proc: subprocess.Popen) -> None:
-        """SIGTERM the process group, SIGKILL it after the grace period; reap the process."""
-        if proc.poll() is None:
-            self._signal_group(proc, signal.SIGTERM)
+    @staticmethod
+    def _stop(procs: Sequence[subprocess.Popen]) -> None:
+        """SIGTERM the process groups still running, SIGKILL those left after the grace period; reap.
+
+        A group is signalled only while its leader is unreaped (running or a zombie), so its id
+        cannot have been reused by an unrelated process. Stragglers that left the group are
+        caught later by killing whatever is still inside the namespaces.
+        """
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE_S
+        for p in running:
             try:
-                proc.wait(timeout=KILL_GRACE_S)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p.pid, signal.SIGKILL)
+        for p in running:
+            try:
+                p.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
-        self._signal_group(proc, signal.SIGKILL)  # also whatever it left in its group
-        try:
-            proc.wait(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-
-    @staticmethod
-    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-        try:
-            os.killpg(proc.pid, sig)  # start_new_session: the group id is the pid
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
