@@ -81,6 +81,9 @@ def _bench_file(tmp_path, a=4e-4, b=2.5e-9, p=4):
     ] + [
         {"impl": "ringtrain", "transport": "tcp", "algorithm": "ring", "world_size": 2, "nbytes": int(n), "median_s": 9.0}
         for n in SIZES
+    ] + [
+        {"impl": "ringtrain", "transport": "shm", "algorithm": "ring", "world_size": p, "nbytes": int(n), "median_s": 1e-6}
+        for n in SIZES  # same host: not the network, so not used while tcp rows exist
     ] + [{"note": "a row without the keys is skipped"}]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"world_sizes": [2, p], "net": None, "rows": rows, "notes": []}))
@@ -95,6 +98,8 @@ def test_from_bench_fits_the_largest_world_size_and_converts_to_link_constants(t
     assert c.cost(4, "ring")(SIZES) == pytest.approx(4e-4 + 2.5e-9 * SIZES, rel=1e-9)
     two = from_bench(path, world_size=2)
     assert two.cost(2, "ring")(SIZES) == pytest.approx(np.full(len(SIZES), 9.0), rel=1e-9)
+    shm = from_bench(path, transport="shm")
+    assert shm.cost(4, "ring")(SIZES) == pytest.approx(np.full(len(SIZES), 1e-6), rel=1e-9)
 
 
 def test_from_bench_errors(tmp_path):

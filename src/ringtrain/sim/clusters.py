@@ -171,10 +171,14 @@ def from_bench(
     """Link α/β fitted (``calibrate.fit_alpha_beta``) to a bench file's ``algorithm`` rows.
 
     Uses the rows of ``world_size`` (default: the largest measured with ``algorithm``) and
-    ``transport`` (default: all of them), then converts the whole-allreduce fit to link
+    ``transport`` (default: ``tcp`` when several were run, since a cluster is a network), then converts the whole-allreduce fit to link
     constants with ``link_from_fit``.
     """
     rows = [r for r in load_bench_rows(path) if r["algorithm"] == algorithm]
+    transports = list(dict.fromkeys(r.get("transport") for r in rows))
+    if transport is None and len(transports) > 1:
+        # a cluster is a network: prefer TCP over same-host transports (shm) when both were run
+        transport = "tcp" if "tcp" in transports else transports[0]
     if transport is not None:
         rows = [r for r in rows if r.get("transport") == transport]
     if not rows:
