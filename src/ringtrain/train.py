@@ -215,11 +215,18 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     }
     if summary["samples_per_s"]:
         summary["scaling_efficiency"] = summary["samples_per_s"] / (p * summary["one_worker_samples_per_s"])
-    stats = getattr(ddp, "stats", None)
-    if callable(stats):
-        stats = stats()
-    if isinstance(stats, dict):
-        summary["communication"] = stats
+    planned = [st for st in ddp.stats[-len(steady):] if st.buckets]
+    if planned:
+        summary["communication"] = {
+            "hidden_fraction": float(np.median([st.hidden_fraction for st in planned])),
+            "comm_s": float(np.median([st.comm_s for st in planned])),
+            "exposed_s": float(np.median([st.exposed_s for st in planned])),
+            "backward_s": float(np.median([st.backward_s for st in planned])),
+            "buckets": planned[-1].buckets,
+            "predicted_end_s": planned[-1].predicted_end_s,
+            "measured_end_s": float(np.median([st.measured_end_s for st in planned])),
+        }
+    ddp.close()
     comm.close()
     if rank == 0:
         if json_summary:
