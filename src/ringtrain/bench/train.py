@@ -1,0 +1,288 @@
+"""`ringtrain bench train`: training step time of every schedule against torch's DDP.
+
+In one run, on the same data and the same weights, each rank times, interleaved round by
+round: ringtrain's DistributedDataParallel under every schedule (optimal, mgwfbp, wfbp,
+fixed 25 MB, single) and torch's own DistributedDataParallel with its defaults (gloo,
+25 MiB buckets). Per configuration: median iteration time (the slowest rank's), samples/s,
+scaling efficiency (against forward+backward+step alone, timed on every rank at once so that
+the CPU is as loaded as in training), the share of communication hidden behind backward,
+the planner's predicted iteration (forward + max(backward, predicted end of the last
+allreduce) + step), the simulator's prediction from the profiled layer trace and the
+measured alpha/beta (``ringtrain.sim``), and the overlap bound:
+forward + max(backward, ready time of the first gradient + one allreduce of every byte) + step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .procs import emit, run_ranks
+
+SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
+NETS = ("none", "1gbit", "10gbit")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="charlm,resnet,mlp", help="reference models (ringtrain.models)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="ringtrain schedules to time")
+    p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf")
+    p.add_argument("--transport", default="auto", help="ringtrain transport")
+    p.add_argument("--algorithm", default="auto", help="ringtrain allreduce algorithm")
+    p.add_argument("--batch-size", type=int, default=0, help="per-rank batch (0: each model's default)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all configurations")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--out", default="benchmarks", help="directory for results and charts ('' to skip)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return _worker(json.loads(args.worker))
+    from .. import models
+    from ..comm import ALGORITHMS
+    from ..transport import TRANSPORTS
+
+    try:
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        for m in names:
+            models.spec(m)
+        schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+        bad = [s for s in schedules if s not in SCHEDULES]
+        if bad:
+            raise ValueError(f"--schedules: {bad} not in {SCHEDULES}")
+        if args.world_size < 2:
+            raise ValueError(f"--world-size must be >= 2, got {args.world_size}")
+        if args.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {TRANSPORTS}, got {args.transport!r}")
+        if args.algorithm not in ALGORITHMS:
+            raise ValueError(f"--algorithm must be one of {ALGORITHMS}, got {args.algorithm!r}")
+        for opt in ("steps", "rounds"):
+            if getattr(args, opt) < 1:
+                raise ValueError(f"--{opt} must be >= 1")
+        if args.batch_size < 0:
+            raise ValueError("--batch-size must be >= 0")
+    except ValueError as exc:
+        raise SystemExit(f"ringtrain bench train: {exc}")
+    out_dir = Path(args.out) if args.out else None
+    cfg = {
+        "models": names, "schedules": schedules, "torch_ddp": not args.no_torch_ddp,
+        "transport": "tcp" if (args.net != "none" and args.transport == "shm") else args.transport,
+        "algorithm": args.algorithm, "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
+        "timeline_dir": str(out_dir / "timelines") if out_dir else "",
+    }
+    worker_args = ["bench", "train", "--worker", json.dumps(cfg)]
+    if args.net == "none":
+        docs = run_ranks("ringtrain.cli", worker_args, args.world_size, timeout=args.timeout)
+    else:
+        from .netem import EmulatedNetwork
+
+        with EmulatedNetwork(args.world_size, rate=args.net) as net:
+            docs = run_ranks("ringtrain.cli", worker_args, args.world_size, timeout=args.timeout, net=net)
+    rows = [dict(r, net=args.net, world_size=args.world_size) for d in docs for r in d["rows"]]
+    doc = {"net": args.net, "world_size": args.world_size, "rows": rows}
+    if out_dir:
+        from .machine import save_result
+
+        path = save_result(f"train-{args.net}-{args.world_size}r", doc, out_dir)
+        doc["saved_to"] = str(path)
+        doc["charts"] = _charts(rows, path.with_suffix(""))
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(format_table(rows))
+        if out_dir:
+            print(f"saved {doc['saved_to']}" + "".join(f"\nchart {c}" for c in doc["charts"]))
+    return 0
+
+
+# --- worker ------------------------------------------------------------------------------------
+
+
+def _worker(cfg: dict) -> int:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import ringtrain
+    from .. import data, models
+    from ..sim.simulator import predict_with_cost
+    from ..sim.traces import profile_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    comm = ringtrain.init(transport=cfg["transport"], timeout=300)
+    rows = []
+    for name in cfg["models"]:
+        spec = models.spec(name)
+        batch = cfg["batch_size"] or spec.batch_size
+        base = models.build(name, seed=0)
+        ds = data.dataset(spec.dataset, seed=0, **spec.batch_kwargs)
+        loader = data.ShardedLoader(ds, batch, rank=rank, world_size=p, seed=0)
+        batches = [loader.next_batch() for _ in range(4)]
+
+        # Layer trace and compute-only step time, on every rank at once (same CPU load as training).
+        twin = copy.deepcopy(base)
+        trace = profile_module(twin, lambda: batches[0], twin.loss, name=name, repeats=3,
+                               optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9), batch_size=batch)
+        compute_only = trace.forward_s + trace.backward_s + trace.optimizer_s
+
+        configs = []
+        for sched in cfg["schedules"]:
+            model = copy.deepcopy(base)
+            timeline = ""
+            if sched == "optimal" and cfg["timeline_dir"]:
+                timeline = str(Path(cfg["timeline_dir"]) / f"{name}-{p}r.json")
+            ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
+                                                    timeline=timeline or None)
+            configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
+                            "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+        if cfg["torch_ddp"]:
+            model = copy.deepcopy(base)
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            configs.append({"impl": "torch-ddp", "schedule": "torch defaults (25 MiB)", "model": model,
+                            "wrapped": wrapped, "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+
+        def step(c, k):
+            x, y = batches[k % len(batches)]
+            c["opt"].zero_grad(set_to_none=True)
+            loss = c["model"].loss(c["wrapped"](x), y)
+            loss.backward()
+            c["opt"].step()
+
+        for c in configs:  # warm-up: calibration, profiling, the first plan
+            for k in range(5):
+                step(c, k)
+            c["times"] = []
+        for _ in range(cfg["rounds"]):
+            for c in configs:
+                dist.barrier()
+                for k in range(cfg["steps"]):
+                    t0 = time.perf_counter()
+                    step(c, k)
+                    c["times"].append(time.perf_counter() - t0)
+        for c in configs:
+            t = torch.tensor(c["times"], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
+            med = float(t.median())
+            row = {"model": name, "impl": c["impl"], "schedule": c["schedule"], "batch_size": batch,
+                   "median_iter_s": med, "iter_s": t.tolist(), "samples_per_s": p * batch / med,
+                   "scaling_efficiency": compute_only / med, "compute_only_s": compute_only,
+                   "params": int(sum(q.numel() for q in base.parameters())),
+                   "trace_forward_s": trace.forward_s, "trace_backward_s": trace.backward_s,
+                   "trace_optimizer_s": trace.optimizer_s}
+            if c["impl"] == "ringtrain":
+                ddp = c["wrapped"]
+                stats = [s for s in list(ddp.stats)[-len(c["times"]):]]
+                plan = ddp.plan
+                cost = lambda n, a=ddp.alpha, b=ddp.beta: a + b * n  # noqa: E731 - the measured fit
+                pred = predict_with_cost(trace, cost, p, c["schedule"], algorithm=cfg["algorithm"], cluster="measured")
+                first_ready = plan.ready[0] if len(plan.ready) else 0.0
+                one_allreduce = ddp.alpha + ddp.beta * float(sum(plan.group_bytes))
+                bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
+                row.update(
+                    alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups),
+                    planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
+                    sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
+                    overlap_bound_s=bound, vs_bound=med / bound,
+                    hidden_fraction=float(np.median([s.hidden_fraction for s in stats])) if stats else None,
+                    comm_s=float(np.median([s.comm_s for s in stats])) if stats else None,
+                    backward_s=float(np.median([s.backward_s for s in stats])) if stats else None,
+                    exposed_s=float(np.median([s.exposed_s for s in stats])) if stats else None,
+                    timeline=str(ddp.timeline_path) if ddp.timeline_path else None,
+                )
+            rows.append(row)
+        for c in configs:
+            if c["impl"] == "ringtrain":
+                c["wrapped"].close()
+    comm.close()
+    if rank == 0:
+        emit({"rows": rows})
+    dist.destroy_process_group()
+    return 0
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def _label(r: dict) -> str:
+    return r["schedule"] if r["impl"] == "ringtrain" else "torch DDP"
+
+
+def format_table(rows: list[dict]) -> str:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == model]
+        torch_ddp = next((r for r in mrows if r["impl"] == "torch-ddp"), None)
+        r0 = mrows[0]
+        out.append(f"\n{model} ({r0['params'] / 1e6:.2f}M params, batch {r0['batch_size']}/rank, "
+                   f"{r0['world_size']} ranks, net {r0['net']}): compute alone {r0['compute_only_s'] * 1e3:.1f} ms")
+        out.append(f"{'config':<12}{'iter ms':>9}{'samples/s':>11}{'scaling':>9}{'vs DDP':>8}{'hidden':>8}"
+                   f"{'planner':>9}{'sim':>9}{'sim err':>9}{'bound':>8}{'/bound':>8}")
+        for r in mrows:
+            vs = f"{torch_ddp['median_iter_s'] / r['median_iter_s']:.2f}x" if torch_ddp else "-"
+            line = (f"{_label(r):<12}{r['median_iter_s'] * 1e3:>9.1f}{r['samples_per_s']:>11.0f}"
+                    f"{100 * r['scaling_efficiency']:>8.0f}%{vs:>8}")
+            if r["impl"] == "ringtrain":
+                hid = r.get("hidden_fraction")
+                line += (f"{(100 * hid if hid is not None else 0):>7.0f}%{r['planner_iter_s'] * 1e3:>9.1f}"
+                         f"{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%{r['overlap_bound_s'] * 1e3:>8.1f}"
+                         f"{r['vs_bound']:>8.2f}")
+            out.append(line)
+    return "\n".join(out)
+
+
+def _charts(rows: list[dict], stem: Path) -> list[str]:
+    """A bar chart of iteration times, and each optimal run's timeline picture."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    charts = []
+    models_ = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models_), figsize=(4.5 * len(models_), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models_):
+        mrows = [r for r in rows if r["model"] == model]
+        labels = [_label(r) for r in mrows]
+        vals = [r["median_iter_s"] * 1e3 for r in mrows]
+        colors = ["tab:gray" if r["impl"] != "ringtrain" else "tab:blue" for r in mrows]
+        ax.bar(labels, vals, color=colors)
+        bound = next((r["overlap_bound_s"] for r in mrows if r["impl"] == "ringtrain"), None)
+        if bound:
+            ax.axhline(bound * 1e3, color="tab:red", linestyle="--", label="overlap bound")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{model}, {mrows[0]['world_size']} ranks, net {mrows[0]['net']}", fontsize=9)
+        ax.set_ylabel("median iteration (ms)")
+        ax.tick_params(axis="x", rotation=45, labelsize=7)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "-iterations.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    charts.append(str(path))
+    from ..ddp.timeline import draw_timeline
+
+    for r in rows:
+        if r.get("timeline"):
+            files = sorted(Path(r["timeline"]).parent.glob(Path(r["timeline"]).name.replace("rank0", "rank*")))
+            png = stem.with_name(f"{stem.name}-{r['model']}-timeline.png")
+            try:
+                draw_timeline([str(f) for f in files], png)
+                charts.append(str(png))
+            except Exception as exc:  # a picture must never lose the numbers
+                print(f"timeline picture for {r['model']} failed: {exc}", file=sys.stderr)
+    return charts
