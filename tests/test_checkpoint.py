@@ -221,6 +221,7 @@ def _kill_writer_mid_write(directory: Path) -> None:
         proc.stderr.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_kill_9_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
     for attempt in range(3):
@@ -255,3 +256,71 @@ def test_saving_an_earlier_step_never_deletes_what_it_wrote(tmp_path):
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [5, 6, 7, 10]
     with pytest.warns(RuntimeWarning, match="skipping"):
         assert checkpoint.latest(tmp_path).step == 6
+
+
+# --- exact resume across real processes ------------------------------------------------------
+
+_TRAINER = textwrap.dedent("""
+    import random, sys
+    import numpy as np, torch
+    from ringtrain import checkpoint, data, models
+    directory, total = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)
+    torch.manual_seed(0); np.random.seed(0); random.seed(0)
+    model = models.build("charlm", seed=0, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loader = data.ShardedLoader(data.dataset("text", seq_len=12, max_bytes=30_000), batch_size=4, seed=3)
+    step = 0
+    found = checkpoint.latest(directory)
+    if found is not None:
+        step = checkpoint.restore_training_state(found.payload, model, opt, loader)
+    print("start", step, flush=True)
+    while step < total:
+        x, y = loader.next_batch()
+        noise = torch.rand(()).item() + np.random.rand() + random.random()
+        loss = model.loss(model(x), y) * (1.0 + 1e-3 * noise)
+        opt.zero_grad(); loss.backward(); opt.step()
+        step += 1
+        checkpoint.save(directory, step, checkpoint.training_state(step, model, opt, loader), keep=2)
+        print("step", step, flush=True)
+    print("final", checkpoint.digest(model.state_dict()), flush=True)
+""")
+
+
+def _run_trainer(directory: Path, total: int, kill_after: int | None = None) -> list[str]:
+    """Run the trainer script; with ``kill_after``, kill -9 it once it reports that step."""
+    env = dict(os.environ, PYTHONPATH=str(Path(checkpoint.__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(directory), str(total)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if kill_after is not None and line.strip() == f"step {kill_after}":
+                os.kill(proc.pid, signal.SIGKILL)  # lands somewhere in the next step or its save
+                break
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    if kill_after is None:
+        assert proc.returncode == 0, err
+    return lines
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_process_killed_and_restarted_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+    total = 12
+    straight = _run_trainer(tmp_path / "straight", total)
+    assert straight[0] == "start 0" and straight[-1].startswith("final ")
+    resumed_dir = tmp_path / "resumed"
+    _run_trainer(resumed_dir, total, kill_after=5)
+    lines = _run_trainer(resumed_dir, total)
+    restarted_at = int(lines[0].split()[1])
+    assert 5 <= restarted_at < total, lines[0]
+    assert lines[-1] == straight[-1]
