@@ -105,6 +105,43 @@ def ping(host: str, count: int) -> None:
     print(json.dumps({"median_us": statistics.median(times), "p10_us": q[0], "p90_us": q[-1]}), flush=True)
 
 
+def gloo_allreduce(mib: int, iters: int) -> None:
+    """One rank of a torch gloo all_reduce of ``mib`` MiB float32; rank 0 prints the median busbw."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    world = dist.get_world_size()
+    t = torch.ones(mib * 2**20 // 4)
+    dist.all_reduce(t)  # warm-up: connections and buffers
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank == 0:
+        seconds = statistics.median(times)
+        busbw = 2 * (world - 1) / world * t.numel() * 4 * 8 / seconds / 1e9  # nccl-tests' busbw
+        print(json.dumps({"seconds": seconds, "busbw_gbps": busbw}), flush=True)
+
+
+def measure_gloo(rate: str, mib: int, world: int, iters: int) -> dict:
+    with EmulatedNetwork(world, rate=rate, prefix="netemcheck") as net:
+        procs = net.start_ranks([sys.executable, os.path.abspath(__file__), "gloo", str(mib), str(iters)],
+                                stdout=subprocess.PIPE, text=True)
+        codes = net.wait_ranks(procs, timeout=300)
+        if codes != [0] * world:
+            raise RuntimeError(f"gloo ranks exited with {codes}")
+        r = json.loads(procs[0].stdout.read().strip().splitlines()[-1])
+        return {"rate": rate, "world": world, "mib": mib, "seconds": round(r["seconds"], 4),
+                "busbw_gbps": round(r["busbw_gbps"], 3),
+                "of_line": round(r["busbw_gbps"] / (net.shape.rate_bps / 1e9), 4)}
+
+
 def _worker(net: EmulatedNetwork, i: int, *args: str) -> subprocess.Popen:
     return net.popen(i, [sys.executable, os.path.abspath(__file__), *args],
                      stdout=subprocess.PIPE, text=True)
@@ -175,18 +212,21 @@ def measure_rtt(rate: str | None, across: bool, count: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("serve-bulk", "send-bulk", "serve-echo", "ping"):
+    if argv and argv[0] in ("serve-bulk", "send-bulk", "serve-echo", "ping", "gloo"):
         cmd, *rest = argv
         {"serve-bulk": lambda: serve_bulk(rest[0], int(rest[1]), int(rest[2])),
          "send-bulk": lambda: send_bulk(rest[0], int(rest[1]), int(rest[2])),
          "serve-echo": lambda: serve_echo(rest[0]),
-         "ping": lambda: ping(rest[0], int(rest[1]))}[cmd]()
+         "ping": lambda: ping(rest[0], int(rest[1])),
+         "gloo": lambda: gloo_allreduce(int(rest[0]), int(rest[1]))}[cmd]()
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=128,
                         help="MiB per transfer at 1 Gbit/s (twice that at 10 Gbit/s and none)")
     parser.add_argument("--quick", action="store_true", help="only the default burst per rate")
     parser.add_argument("--repeat", type=int, default=3, help="transfers per configuration (median reported)")
+    parser.add_argument("--gloo", action="store_true",
+                        help="also time torch gloo all_reduce of 25 MiB on 2 ranks (needs torch)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     n1 = args.mib * 2**20
@@ -200,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                  for rate, n in (("1gbit", n1), ("10gbit", 2 * n1))]
         rtt = [measure_rtt(rate, across, 2000) for rate, across in
                ((None, False), (None, True), ("1gbit", True), ("10gbit", True))]
+        gloo = [measure_gloo(rate, 25, 2, 5) for rate in ("1gbit", "10gbit")] if args.gloo else []
     except NetemUnavailable as exc:
         print(f"skipped: {exc}")
         return 0
     if args.json:
-        print(json.dumps({"bulk": bulk, "rtt": rtt}, indent=2))
+        print(json.dumps({"bulk": bulk, "rtt": rtt, "gloo": gloo}, indent=2))
         return 0
     print(f"{'rate':>7} {'burst B':>9} {'MiB':>5} {'dir':>4} {'Gbit/s':>7} {'of line':>8} "
           f"{'of frames':>9}  runs")
@@ -218,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rtt:
         print(f"RTT {r['path']:<20} rate {r['rate']:<6}: median {r['median_us']:7.1f} us "
               f"(p10 {r['p10_us']:.1f}, p90 {r['p90_us']:.1f})")
+    for r in gloo:
+        print(f"gloo all_reduce {r['mib']} MiB, {r['world']} ranks, {r['rate']}: {r['seconds'] * 1e3:.1f} ms, "
+              f"busbw {r['busbw_gbps']:.3f} Gbit/s ({r['of_line']:.1%} of line)")
     return 0
 
 

@@ -98,7 +98,8 @@ def test_namespace_names_round_trip():
 
 def test_hosts_file_maps_hostname_to_own_address():
     text = netem.hosts_file("vm", "10.213.0.2", {"t-h0": "10.213.0.1", "t-h1": "10.213.0.2"})
-    assert text.splitlines() == ["127.0.0.1 localhost", "10.213.0.2 vm", "10.213.0.1 t-h0", "10.213.0.2 t-h1"]
+    assert text.splitlines() == ["127.0.0.1 localhost", "10.213.0.2 vm", "10.213.0.1 t-h0", "10.213.0.2 t-h1",
+                                 "::ffff:10.213.0.1 t-h0.v4mapped", "::ffff:10.213.0.2 t-h1.v4mapped"]
 
 
 def test_bad_arguments_are_value_errors():

@@ -180,6 +180,9 @@ def hosts_file(hostname: str, own_addr: str, identities: Mapping[str, str]) -> s
     """One host's /etc/hosts: the machine's hostname at ``own_addr``, each identity at its address."""
     lines = ["127.0.0.1 localhost", f"{own_addr} {hostname}"]
     lines += [f"{addr} {name}" for name, addr in identities.items()]
+    # A dual-stack server (torch's TCPStore) sees peers as ::ffff:a.b.c.d and looks that up; a
+    # name of its own keeps forward lookups of the identity on the IPv4 address.
+    lines += [f"::ffff:{addr} {name}.v4mapped" for name, addr in identities.items()]
     return "\n".join(lines) + "\n"
 
 
