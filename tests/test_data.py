@@ -180,6 +180,8 @@ def test_synthetic_samples_do_not_depend_on_the_batch_they_are_in(kind):
     assert not torch.equal(other.batch(range(10))[0], x_all)
     val = data.dataset(kind, split="val", num_samples=50, seed=4)
     assert not torch.equal(val.batch(range(10))[0], x_all)
+    teacher = "prototypes" if kind == "images" else "teacher"
+    assert torch.equal(getattr(val, teacher), getattr(ds, teacher)), "validation must be the same task"
     assert int(y_all.min()) >= 0 and int(y_all.max()) < 10
     with pytest.raises(IndexError):
         ds.batch([50])

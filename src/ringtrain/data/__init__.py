@@ -27,8 +27,8 @@ def dataset(kind: str, split: str = "train", seed: int = 0, **kwargs: Any) -> Da
 
     ``text``: ``seq_len`` (64), ``max_bytes`` (4 MiB), ``root`` (the stdlib); ``split`` picks
     train or val. ``images``/``vectors``: the constructor arguments of
-    :class:`SyntheticImages`/:class:`SyntheticVectors`; ``split="val"`` gives a data set
-    drawn from a different seed.
+    :class:`SyntheticImages`/:class:`SyntheticVectors`; ``split="val"`` gives other samples
+    of the same task (same teacher, sample stream 1).
     """
     if kind not in KINDS:
         raise ValueError(f"dataset kind must be one of {KINDS}, got {kind!r}")
@@ -41,10 +41,9 @@ def dataset(kind: str, split: str = "train", seed: int = 0, **kwargs: Any) -> Da
         return TextWindows(corpus.split(split), seq_len=seq_len)
     if split not in ("train", "val"):
         raise ValueError(f"split must be one of ('train', 'val'), got {split!r}")
-    data_seed = seed if split == "train" else seed + 1_000_003
     cls = SyntheticImages if kind == "images" else SyntheticVectors
     try:
-        return cls(seed=data_seed, **kwargs)
+        return cls(seed=seed, stream=0 if split == "train" else 1, **kwargs)
     except TypeError as exc:  # an unknown keyword
         raise ValueError(f"bad argument for dataset {kind!r}: {exc}") from None
 
