@@ -55,7 +55,7 @@ Example: two ranks of a torchrun-style job, each on its own host at 1 Gbit/s::
 ``net.start_ranks(argv, master_port=29500)`` does the same loop (one rank per host) and
 ``net.wait_ranks(procs, timeout)`` waits for all of them, killing the others as soon as one
 fails. ``popen`` adds ``RINGTRAIN_HOST_ID`` (and ``GLOO_SOCKET_IFNAME``) to the environment.
-Leaving the ``with`` block (also by an exception, Ctrl-C or SIGTERM) kills the processes
+Leaving the ``with`` block (also by an exception, Ctrl-C, SIGTERM or SIGHUP) kills the processes
 started in the namespaces and removes every namespace, and with them every link, that the
 network made; so does :func:`cleanup_stale` for a harness that was killed outright.
 """
@@ -105,6 +105,8 @@ KILL_GRACE_S = 2.0
 _RATE_UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _NETWORK_SEQ = itertools.count()
+#: Signals after which the network cleans up, then lets the signal do what it did before.
+_CLEANUP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class NetemUnavailable(RuntimeError):
@@ -504,7 +506,7 @@ class EmulatedNetwork:
             return
         masked = threading.current_thread() is threading.main_thread()
         if masked:  # a second Ctrl-C must not cut the clean-up short; it is delivered afterwards
-            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS)
         try:
             self._open = False
             self._stop(self._processes)
@@ -617,7 +619,7 @@ class EmulatedNetwork:
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; atexit and __exit__ remain
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _CLEANUP_SIGNALS:
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _restore_signal_handlers(self) -> None:
