@@ -19,7 +19,10 @@ mpi: $(STAMP)
 	-@command -v mpirun >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
 	-@$(BIN)/python -c 'import mpi4py' 2>/dev/null || $(BIN)/pip install --quiet mpi4py
 
-demo: $(STAMP) mpi
+demo: $(STAMP)
+	$(BIN)/ringtrain train
+
+bench: $(STAMP) mpi
 	$(BIN)/ringtrain bench allreduce --world-sizes 2 --quick
 
 test: $(STAMP)

@@ -189,7 +189,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * batch_size / times[-1]:.0f}")
@@ -215,7 +215,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     }
     if summary["samples_per_s"]:
         summary["scaling_efficiency"] = summary["samples_per_s"] / (p * summary["one_worker_samples_per_s"])
-    planned = [st for st in ddp.stats[-len(steady):] if st.buckets]
+    planned = [st for st in list(ddp.stats)[-len(steady):] if st.buckets]
     if planned:
         summary["communication"] = {
             "hidden_fraction": float(np.median([st.hidden_fraction for st in planned])),
