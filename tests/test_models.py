@@ -179,3 +179,14 @@ def test_measuring_command_reports_sizes_and_times(capsys):
     with pytest.raises(SystemExit):
         main(["--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_dataset_for_matches_the_model(name):
+    model = models.build(name, **SMALL[name])
+    ds = models.dataset_for(model, **({"max_bytes": 10_000} if name.startswith("charlm") else {"num_samples": 8}))
+    x, y = ds.batch([0, 1])
+    loss = model.loss(model(x), y)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    if name == "charlm-transformer":
+        assert x.shape == (2, 16)  # capped at the model's max_seq_len

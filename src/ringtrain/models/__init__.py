@@ -3,6 +3,7 @@
     model = ringtrain.models.build("resnet", seed=0)        # same seed -> same weights
     x, y = ringtrain.models.make_batch("resnet", seed=1)     # default batch for that model
     loss = model.loss(model(x), y)
+    ds = ringtrain.models.dataset_for(model)                 # its real (no-download) data
     ringtrain.models.describe("resnet")                      # sizes, default batch, data set
 
 Names (see each module's docstring):
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+from .. import data
 from .base import ReferenceModel
 from .charlm import CharLSTM, CharTransformer
 from .mlp import MLP
@@ -116,6 +118,12 @@ def make_batch(model: str | ReferenceModel, batch_size: int | None = None, seed:
     return model.make_batch(batch_size or s.batch_size, seed=seed, **s.batch_kwargs)
 
 
+def dataset_for(model: ReferenceModel, split: str = "train", seed: int = 0, **overrides: Any) -> data.Dataset:
+    """The training (or ``"val"``) data set matching ``model``'s input shapes and classes."""
+    s = spec(model.family)
+    return data.dataset(s.dataset, split=split, seed=seed, **{**model.dataset_kwargs(), **overrides})
+
+
 def describe(name: str, **kwargs: Any) -> dict[str, Any]:
     """Sizes and defaults of model ``name`` (built with ``kwargs``), as a JSON-ready dict."""
     s = spec(name)
@@ -134,4 +142,4 @@ def describe(name: str, **kwargs: Any) -> dict[str, Any]:
 
 
 __all__ = ["MLP", "CharLSTM", "CharTransformer", "ModelSpec", "ReferenceModel", "ResNet",
-           "build", "describe", "make_batch", "names", "spec"]
+           "build", "dataset_for", "describe", "make_batch", "names", "spec"]

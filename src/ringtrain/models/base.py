@@ -54,6 +54,10 @@ class ReferenceModel(nn.Module):
         """A random batch of the shapes and dtypes this model takes (for benchmarks)."""
         raise NotImplementedError
 
+    def dataset_kwargs(self) -> dict[str, int]:
+        """Arguments to :func:`ringtrain.data.dataset` that make samples of this model's shapes."""
+        raise NotImplementedError
+
 
 def check_positive(name: str, value: int) -> None:
     """Raise ValueError unless ``value`` is a positive int (bools are refused)."""

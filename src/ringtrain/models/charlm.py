@@ -88,6 +88,9 @@ class CharTransformer(ReferenceModel):
     def make_batch(self, batch_size: int, seed: int = 0, seq_len: int = 64):
         return random_text_batch(batch_size, seq_len, seed)
 
+    def dataset_kwargs(self):
+        return {"seq_len": min(64, self.max_seq_len)}
+
 
 class CharLSTM(ReferenceModel):
     """Byte embedding, stacked LSTM, linear head."""
@@ -108,6 +111,9 @@ class CharLSTM(ReferenceModel):
 
     def make_batch(self, batch_size: int, seed: int = 0, seq_len: int = 64):
         return random_text_batch(batch_size, seq_len, seed)
+
+    def dataset_kwargs(self):
+        return {"seq_len": 64}
 
 
 def random_text_batch(batch_size: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

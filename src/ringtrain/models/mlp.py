@@ -45,3 +45,6 @@ class MLP(ReferenceModel):
         x = torch.randn(batch_size, self.in_features, generator=g)
         y = torch.randint(0, self.num_classes, (batch_size,), generator=g)
         return x, y
+
+    def dataset_kwargs(self):
+        return {"in_features": self.in_features, "num_classes": self.num_classes}

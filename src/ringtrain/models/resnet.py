@@ -109,3 +109,6 @@ class ResNet(ReferenceModel):
         images = torch.randn(batch_size, self.in_channels, self.image_size, self.image_size, generator=g)
         labels = torch.randint(0, self.num_classes, (batch_size,), generator=g)
         return images, labels
+
+    def dataset_kwargs(self):
+        return {"channels": self.in_channels, "size": self.image_size, "num_classes": self.num_classes}
