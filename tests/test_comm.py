@@ -11,7 +11,7 @@ from ringtrain.collectives import schedule
 from ringtrain.comm import ALGORITHMS, Communicator
 from ringtrain.transport.local import LocalHub
 
-from conftest import raise_first, run_comms
+from thread_harness import raise_first, run_comms
 
 pytestmark = pytest.mark.timeout(60)
 REAL_ALGORITHMS = [a for a in ALGORITHMS if a not in ("native", "auto")]
