@@ -1,0 +1,17 @@
+"""Parameter servers: synchronous, asynchronous (stale-synchronous) and sharded.
+
+Servers own the parameters and the SGD-with-momentum state; workers push gradients during
+backward and pull parameters before forward, over ringtrain's framed, authenticated wire.
+See docs/ps.md for the loop, the launch roles and the guarantees.
+"""
+
+from .launch import LocalServers, benchmark, launch_local, run_server_role, worker_from_env
+from .server import STRATEGIES, ParameterServer, ServerConfig, run_server
+from .sharding import Layout, Partition, make_layout
+from .worker import ParameterServerTraining, PSOptions
+
+__all__ = [
+    "STRATEGIES", "Layout", "LocalServers", "ParameterServer", "ParameterServerTraining", "PSOptions", "Partition",
+    "ServerConfig", "benchmark", "launch_local", "make_layout", "run_server", "run_server_role",
+    "worker_from_env",
+]

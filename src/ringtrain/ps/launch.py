@@ -1,0 +1,264 @@
+"""Starting parameter servers: beside local workers, or as ranks of a torchrun job.
+
+Two ways to run a parameter-server job:
+
+- *local servers* (:func:`launch_local`): the calling process starts K server processes
+  (multiprocessing, spawn) on this host and gets their endpoints; the workers are whatever
+  processes the caller runs, each given those endpoints. ``LocalServers.join()`` returns
+  every server's counters; leaving the ``with`` block kills servers still running.
+- *roles in one torchrun job* (:func:`run_server_role`, :func:`worker_from_env`): the job
+  has K + W ranks; ranks [0, K) are servers, ranks [K, K+W) are workers (worker index =
+  rank - K). Each server publishes its endpoint in the job's c10d TCPStore under
+  ``ringtrain-ps/<job>/server/<k>``; workers read them from there. ``ringtrain launch`` /
+  torch.distributed.run starts all of them with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+  and RINGTRAIN_SECRET, as for any ringtrain job.
+
+:func:`benchmark` runs N steps of a reference model with local servers and workers and
+returns step times and byte counts (for ``ringtrain bench train``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from dataclasses import replace
+from typing import Any, Optional
+
+from .. import rendezvous
+from ..errors import CommError, CommTimeout
+from .server import ServerConfig, run_server
+from .worker import ParameterServerTraining, PSOptions
+
+_STORE_KEY = "ringtrain-ps/{job}/server/{k}"
+
+
+# --- local servers ------------------------------------------------------------------------------
+
+
+def _server_child(cfg: ServerConfig, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        stats = run_server(cfg, ready=lambda ep: results.put((cfg.index, "ready", list(ep))))
+        results.put((cfg.index, "done", stats))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        results.put((cfg.index, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class LocalServers:
+    """K server processes on this host; use as a context manager so none outlives the caller."""
+
+    def __init__(self, configs: list[ServerConfig], timeout: float):
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self.procs = [ctx.Process(target=_server_child, args=(c, self._results), daemon=True) for c in configs]
+        for p in self.procs:
+            p.start()
+        self.endpoints: list[Optional[tuple[str, int]]] = [None] * len(configs)
+        self.stats: list[Optional[dict]] = [None] * len(configs)
+        self.errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while any(e is None for e in self.endpoints):
+                self._collect(deadline, "start")
+        except BaseException:
+            self.kill()
+            raise
+
+    def _collect(self, deadline: float, what: str) -> None:
+        try:
+            k, kind, value = self._results.get(timeout=max(0.01, min(0.2, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [k for k, p in enumerate(self.procs) if p.exitcode is not None and self.stats[k] is None
+                    and k not in self.errors]
+            if dead:
+                time.sleep(0.2)
+                if self._results.empty():
+                    raise CommError(f"parameter server(s) {dead} exited (code {[self.procs[k].exitcode for k in dead]}) "
+                                    f"before they could {what}")
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"parameter servers did not {what} in time")
+            return
+        if kind == "ready":
+            self.endpoints[k] = (value[0], int(value[1]))
+        elif kind == "done":
+            self.stats[k] = value
+        else:
+            self.errors[k] = value
+
+    def join(self, timeout: float = 60.0) -> list[Optional[dict]]:
+        """Wait for every server to finish; return their counters (None for a failed one)."""
+        deadline = time.monotonic() + timeout
+        while any(self.stats[k] is None and k not in self.errors for k in range(len(self.procs))):
+            self._collect(deadline, "finish")
+        for p in self.procs:
+            p.join(5)
+        return self.stats
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+
+    def __enter__(self) -> "LocalServers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
+
+def launch_local(servers: int, workers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 2,
+                 timeout: float = 60.0, job: str = "ps", secret: Optional[bytes] = None,
+                 checkpoint_dir: str = "", resume: bool = False, host: str = "127.0.0.1") -> LocalServers:
+    """Start ``servers`` parameter-server processes for ``workers`` workers; return when all listen."""
+    base = ServerConfig(index=0, servers=servers, workers=workers, strategy=strategy, max_staleness=max_staleness,
+                        host=host, job=job, secret=secret, timeout=timeout, checkpoint_dir=checkpoint_dir,
+                        resume=resume)
+    return LocalServers([replace(base, index=k) for k in range(servers)], timeout)
+
+
+# --- roles in a torchrun job --------------------------------------------------------------------
+
+
+def _store(info: rendezvous.JobInfo, timeout: float):
+    prefixed = rendezvous.connect_store(info, timeout)
+    # The raw store, so that servers and workers agree on keys whatever else each has opened.
+    return rendezvous._stores.get((info.master_addr, info.master_port), prefixed)
+
+
+def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 2, timeout: float = 60.0,
+                    job: str = "ps", checkpoint_dir: str = "", resume: bool = False) -> dict:
+    """Be server RANK (< servers) of a torchrun job of servers + workers ranks; return its counters."""
+    info = rendezvous.job_info()
+    if not 0 <= info.rank < servers < info.world_size:
+        raise ValueError(f"servers must be in [rank+1, world_size) = [{info.rank + 1}, {info.world_size}), got {servers}")
+    host = rendezvous.local_address_towards(info.master_addr)
+    cfg = ServerConfig(index=info.rank, servers=servers, workers=info.world_size - servers, strategy=strategy,
+                       max_staleness=max_staleness, host=host, job=job, secret=info.secret, timeout=timeout,
+                       checkpoint_dir=checkpoint_dir, resume=resume)
+    store = _store(info, timeout)
+    return run_server(cfg, ready=lambda ep: store.set(_STORE_KEY.format(job=job, k=info.rank), json.dumps(list(ep))))
+
+
+def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTraining:
+    """Wrap ``module`` as worker RANK - servers of a torchrun job whose first ``servers`` ranks serve."""
+    info = rendezvous.job_info()
+    if not servers <= info.rank < info.world_size:
+        raise ValueError(f"rank {info.rank} is a server rank (servers={servers}); only ranks >= servers are workers")
+    opts = PSOptions(secret=info.secret, **settings)
+    store = _store(info, opts.timeout)
+    endpoints = [json.loads(store.get(_STORE_KEY.format(job=opts.job, k=k)).decode()) for k in range(servers)]
+    return ParameterServerTraining(module, servers=endpoints, worker=info.rank - servers,
+                                   workers=info.world_size - servers, options=opts)
+
+
+# --- benchmark ------------------------------------------------------------------------------------
+
+
+def _bench_worker(w: int, workers: int, endpoints, model_name: str, steps: int, batch_size: int,
+                  seed: int, opts: PSOptions, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import numpy as np
+        import torch
+
+        from .. import data, models
+
+        torch.set_num_threads(1)
+        spec = models.spec(model_name)
+        model = models.build(model_name, seed=seed)
+        dataset = data.dataset(spec.dataset, seed=seed, **spec.batch_kwargs)
+        loader = data.ShardedLoader(dataset, batch_size or spec.batch_size, rank=w, world_size=workers, seed=seed)
+        ps = ParameterServerTraining(model, servers=endpoints, worker=w, workers=workers, options=opts)
+        times, losses = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            x, y = loader.next_batch()
+            loss = model.loss(ps(x), y)
+            loss.backward()
+            ps.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+        ps.wait()
+        stats = ps.close()
+        results.put((w, "ok", {"step_s": times, "losses": losses, "stats": stats}))
+    except BaseException as exc:  # noqa: BLE001
+        results.put((w, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def benchmark(model: str = "mlp", strategy: str = "sync", servers: int = 1, workers: int = 2, steps: int = 10,
+              *, batch_size: int = 0, seed: int = 0, max_staleness: Optional[int] = 2, timeout: float = 120.0,
+              **settings: Any) -> dict:
+    """Train ``model`` for ``steps`` steps with local servers and worker processes; timings and bytes.
+
+    Returns median step time (after 2 warm-up steps), per-worker step times and losses, bytes per
+    worker and per server, and the staleness histogram (async).
+    """
+    import numpy as np
+
+    opts = PSOptions(strategy=strategy, timeout=timeout, **settings)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with launch_local(servers, workers, strategy=strategy, max_staleness=max_staleness, timeout=timeout,
+                      secret=opts.secret, job=opts.job) as srv:
+        procs = [ctx.Process(target=_bench_worker, daemon=True,
+                             args=(w, workers, srv.endpoints, model, steps, batch_size, seed, opts, results))
+                 for w in range(workers)]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(out) < workers:
+                try:
+                    w, kind, value = results.get(timeout=0.5)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise CommTimeout(f"benchmark workers {sorted(set(range(workers)) - set(out))} did not finish")
+                    continue
+                if kind != "ok":
+                    raise CommError(f"benchmark worker {w} failed: {value}")
+                out[w] = value
+            server_stats = srv.join(timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+    rows = [out[w]["step_s"] for w in range(workers)]
+    steady = np.max(np.array(rows)[:, 2:] if steps > 4 else np.array(rows), axis=0)
+    bs = batch_size or _default_batch(model)
+    median = float(np.median(steady))
+    return {
+        "model": model, "strategy": strategy, "servers": servers, "workers": workers, "steps": steps,
+        "median_step_s": median, "samples_per_s": workers * bs / median,
+        "worker_step_s": rows, "losses": [out[w]["losses"] for w in range(workers)],
+        "bytes_per_worker": [{"sent": out[w]["stats"]["bytes_sent"], "received": out[w]["stats"]["bytes_received"]}
+                             for w in range(workers)],
+        "bytes_per_server": [{"sent": s["bytes_sent"], "received": s["bytes_received"]} if s else None
+                             for s in server_stats],
+        "staleness_histogram": _merge_hist(server_stats),
+        "notices": sorted({n for s in server_stats if s for n in s["notices"]}),
+    }
+
+
+def _default_batch(model: str) -> int:
+    from .. import models
+
+    return models.spec(model).batch_size
+
+
+def _merge_hist(stats) -> dict[str, int]:
+    total: dict[int, int] = {}
+    for s in stats:
+        for k, v in ((s or {}).get("staleness_histogram") or {}).items():
+            total[int(k)] = total.get(int(k), 0) + v
+    return {str(k): v for k, v in sorted(total.items())}

@@ -1,0 +1,239 @@
+"""What workers and parameter servers say to each other, on ringtrain's framed, authenticated wire.
+
+Words (frames, hellos, the handshake and ABORT frames are ``transport/wire.py``'s; this
+module only adds what travels inside a DATA frame's payload):
+
+- *ps rank*: the number a process has in the handshake: servers are 0..K-1, workers are
+  K..K+W-1, and the handshake's world size is K+W. A server admits each worker rank at most
+  once, and only after the HMAC handshake over fresh nonces with the job's secret.
+- *message*: one DATA frame whose payload starts with the fixed 40-byte *message header*
+  (magic ``RTPS``, kind, worker index, count, step, version, extra), followed by ``count``
+  partition ids (u32 each) and then the partitions' float32 values in the order of the ids,
+  or, for HELLO, WELCOME and BYE, a UTF-8 JSON body of at most MAX_JSON bytes. No pickle.
+- *kinds*:
+  HELLO (worker -> server, JSON: worker index, layout sizes and digest, strategy and optimizer
+  settings), WELCOME (server -> worker, JSON: the server's version and whether it still needs
+  initial values), INIT (worker 0 -> server: initial values of the whole shard), PUSH (worker ->
+  server: gradients of some partitions for ``step``, tagged with the ``version`` of the
+  parameters they were computed from), PULL (worker -> server: "send me your whole shard once
+  you may", ``step`` = this worker's steps done), PARAMS (server -> worker: the whole shard in
+  shard order at ``version``; ``extra`` = workers still alive), SAVE / SAVED (checkpoint the
+  shard at ``step``), BYE (worker -> server, then server -> worker with its counters as JSON).
+  Errors go back as the wire's ABORT frames, so a worker raises the same error type the server
+  had, with the server's text.
+- *channel*: one connected, authenticated socket with a send lock and byte counters (every byte
+  of every frame, headers included, both ways).
+
+A receiver reads the frame header, then the message header, and checks the announced length
+against what it expects for that kind before it reads on; values are received straight into
+buffers the receiver allocated from its own layout, never sized by what the peer claims.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import CommError, CommTimeout, PeerLost, ProtocolError
+from ..transport import tcp, wire
+from ..transport.base import CallHeader
+
+MAGIC = b"RTPS"
+HELLO, WELCOME, INIT, PUSH, PULL, PARAMS, SAVE, SAVED, BYE = range(1, 10)
+KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", INIT: "INIT", PUSH: "PUSH", PULL: "PULL",
+              PARAMS: "PARAMS", SAVE: "SAVE", SAVED: "SAVED", BYE: "BYE"}
+JSON_KINDS = (HELLO, WELCOME, BYE)
+#: The largest JSON body (HELLO carries one integer per parameter tensor).
+MAX_JSON = 4 << 20
+
+_HEADER = struct.Struct("<4sBBHIIqqQ")  # magic kind flags reserved worker count step version extra
+HEADER_SIZE = _HEADER.size  # 40
+_ID = np.dtype("<u4")
+_IOV_MAX = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded message header; ``body`` = payload bytes that follow it."""
+
+    kind: int
+    worker: int
+    count: int
+    step: int
+    version: int
+    extra: int
+    body: int
+
+    @property
+    def name(self) -> str:
+        return KIND_NAMES.get(self.kind, str(self.kind))
+
+
+def pack_header(kind: int, worker: int = 0, count: int = 0, step: int = 0, version: int = 0, extra: int = 0) -> bytes:
+    return _HEADER.pack(MAGIC, kind, 0, 0, worker, count, step, version, extra)
+
+
+def unpack_header(data: bytes, frame_length: int) -> Header:
+    magic, kind, flags, reserved, worker, count, step, version, extra = _HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a parameter-server message: bad magic {bytes(magic)!r}")
+    if kind not in KIND_NAMES or flags or reserved:
+        raise ProtocolError(f"malformed parameter-server message: kind {kind}, flags {flags}, reserved {reserved}")
+    return Header(kind, worker, count, step, version, extra, frame_length - HEADER_SIZE)
+
+
+def ps_identity(rank: int, world: int, job: str, secret: Optional[bytes]) -> tcp._Identity:
+    """The handshake identity of ps rank ``rank`` in a job of ``world`` ps ranks."""
+    return tcp._Identity(rank, world, f"ringtrain-ps/{job}", secret)
+
+
+class Channel:
+    """One authenticated connection: framed sends under a lock, exact receives, byte counters."""
+
+    def __init__(self, sock: socket.socket, peer: str, timeout: float):
+        self.sock = sock
+        self.peer = peer  # how errors name the other end
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._send_lock = threading.Lock()
+        self._seq = 0
+        sock.setblocking(True)
+
+    # --- sending ---------------------------------------------------------------------------
+    def send(self, kind: int, *, worker: int = 0, step: int = 0, version: int = 0, extra: int = 0,
+             ids: Optional[np.ndarray] = None, values: Sequence = (), body: bytes = b"") -> None:
+        """One message: header, ids (u32), then ``values`` (buffers, sent without copying) or ``body``."""
+        idbytes = b"" if ids is None else np.ascontiguousarray(ids, dtype=_ID).tobytes()
+        count = 0 if ids is None else len(ids)
+        views = [memoryview(v).cast("B") for v in values]
+        length = HEADER_SIZE + len(idbytes) + len(body) + sum(v.nbytes for v in views)
+        with self._send_lock:
+            self._seq += 1
+            frame = wire.encode_data_header(CallHeader(self._seq, "send", numel=length), length)
+            head = frame + pack_header(kind, worker, count, step, version, extra) + idbytes + body
+            self._send_buffers([memoryview(head), *views])
+
+    def send_abort(self, error: BaseException) -> None:
+        """Best effort: tell the peer why this side gives up (an ABORT frame)."""
+        try:
+            with self._send_lock:
+                self._send_buffers([memoryview(wire.encode_abort(error))])
+        except (OSError, CommError):
+            pass
+
+    def _send_buffers(self, views: list[memoryview]) -> None:
+        self.sock.settimeout(self.timeout)
+        views = [v for v in views if v.nbytes]
+        try:
+            while views:
+                n = self.sock.sendmsg(views[:_IOV_MAX])
+                self.bytes_sent += n
+                while n and views:
+                    if n >= views[0].nbytes:
+                        n -= views[0].nbytes
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][n:]
+                        n = 0
+        except socket.timeout:
+            raise CommTimeout(f"sending to {self.peer} did not finish within {self.timeout:g} s") from None
+        except OSError as exc:
+            raise PeerLost(f"{self.peer} is gone (send failed: {exc})") from None
+
+    # --- receiving -------------------------------------------------------------------------
+    def recv_header(self, idle_timeout: Optional[float]) -> Header:
+        """The next message's header; an ABORT frame is raised as the error it carries.
+
+        ``idle_timeout`` bounds the wait for the first byte (None: wait for ever, for a server
+        whose worker may be busy computing); the rest of the frame must follow within timeout.
+        """
+        first = self._recv_exact(1, idle_timeout, at_boundary=True)
+        frame = wire.decode_frame_header(first + self._recv_exact(wire.FRAME_HEADER_SIZE - 1, self.timeout))
+        if frame.kind == wire.ABORT:
+            payload = self._recv_exact(frame.length, self.timeout)
+            kind = type(wire.abort_error(payload, 0))  # the error type the peer had
+            raise kind(f"{self.peer} reported: {payload[4:].decode('utf-8', 'replace')}")
+        if frame.length < HEADER_SIZE:
+            raise ProtocolError(f"{self.peer} sent a {frame.length}-byte message, shorter than a header")
+        return unpack_header(self._recv_exact(HEADER_SIZE, self.timeout), frame.length)
+
+    def recv_ids(self, head: Header, limit: int) -> np.ndarray:
+        if head.count > limit or head.count * _ID.itemsize > head.body:
+            raise ProtocolError(f"{self.peer} sent {head.name} with {head.count} ids (at most {limit} allowed)")
+        return np.frombuffer(self._recv_exact(head.count * _ID.itemsize, self.timeout), dtype=_ID).astype(np.int64)
+
+    def recv_json(self, head: Header) -> dict:
+        if head.body > MAX_JSON:
+            raise ProtocolError(f"{self.peer} sent a {head.body}-byte {head.name} body (at most {MAX_JSON})")
+        try:
+            value = json.loads(self._recv_exact(head.body, self.timeout).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError(f"{self.peer} sent a {head.name} body that is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{self.peer} sent a {head.name} body that is not a JSON object")
+        return value
+
+    def recv_into(self, view: np.ndarray) -> None:
+        """Fill ``view`` (a contiguous array this side allocated) from the stream."""
+        mv = memoryview(view).cast("B")
+        got = 0
+        self.sock.settimeout(self.timeout)
+        try:
+            while got < mv.nbytes:
+                k = self.sock.recv_into(mv[got:], mv.nbytes - got)
+                if k == 0:
+                    raise PeerLost(f"{self.peer} closed the connection in the middle of a message")
+                got += k
+                self.bytes_received += k
+        except socket.timeout:
+            raise CommTimeout(f"{self.peer} stopped sending in the middle of a message ({self.timeout:g} s)") from None
+        except ConnectionError as exc:
+            raise PeerLost(f"{self.peer} is gone ({exc})") from None
+
+    def _recv_exact(self, n: int, timeout: Optional[float], at_boundary: bool = False) -> bytes:
+        buf = np.empty(n, dtype=np.uint8)
+        if n == 0:
+            return b""
+        mv = memoryview(buf)
+        got = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while got < n:
+                self.sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
+                k = self.sock.recv_into(mv[got:], n - got)
+                if k == 0:
+                    if at_boundary and got == 0:
+                        raise EOFError
+                    raise PeerLost(f"{self.peer} closed the connection in the middle of a message")
+                got += k
+                self.bytes_received += k
+        except socket.timeout:
+            raise CommTimeout(f"{self.peer} sent nothing for {timeout:g} s") from None
+        except ConnectionError as exc:
+            if at_boundary and got == 0:
+                raise EOFError from None
+            raise PeerLost(f"{self.peer} is gone ({exc})") from None
+        return buf.tobytes()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def dial(endpoint: Sequence, me: tcp._Identity, server: int, timeout: float) -> socket.socket:
+    """Connect to server ``server`` at (host, port) and run the connector's handshake."""
+    return tcp.dial({"tcp": [str(endpoint[0]), int(endpoint[1])]}, False, me, server, time.monotonic() + timeout)
+
+
+def encode_json(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")

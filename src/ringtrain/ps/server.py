@@ -1,0 +1,492 @@
+"""One parameter server: owns a shard of the parameters and the optimizer state for it.
+
+Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
+
+- *version*: how many updates this server has applied to its shard. Synchronous: version v
+  means steps 0..v-1 are applied. Asynchronous: every worker's gradient is one update.
+- *clock* of a worker: how many complete pushes of its gradient this server has taken from it.
+- *complete push*: a worker's gradients for every partition of this shard for one step. Values
+  land in that worker's own staging buffer as they arrive; only a complete push is ever used,
+  under the server's lock, so a worker that dies half-way through a push changes nothing
+  (*atomic per shard step*).
+- *synchronous* (strategy "sync", "sharded"): once every worker's push for step v is complete,
+  the server sums them in worker order (0, 1, ..., W-1), divides by W and applies one SGD step
+  (torch.optim.SGD, momentum kept here); only then does it answer pulls for version v+1.
+  A worker lost before the step is done ends the job: every other worker gets an error naming it.
+- *asynchronous* ("async"): each complete push is applied on arrival, scaled by 1/W so that W
+  updates move the parameters as far as one synchronous step. Its *staleness* is the number of
+  updates applied since the parameters it was computed from (version now - version pulled),
+  counted in a histogram. A pull from a worker whose clock is more than ``max_staleness`` ahead
+  of the slowest live worker's waits (stale-synchronous parallel). A lost worker is dropped and
+  the rest go on; the server logs it and tells workers how many remain with every answer.
+
+Every wait ends by ``timeout`` with CommTimeout naming who is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import checkpoint
+from ..errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from ..transport import tcp
+from . import protocol as P
+from .sharding import make_layout
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("sync", "async", "sharded")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    index: int
+    """This server's number k in [0, servers)."""
+    servers: int
+    """K, the number of servers of the job."""
+    workers: int
+    """W, the number of workers of the job."""
+    strategy: str = "sync"
+    """'sync' (alias 'sharded') or 'async'."""
+    max_staleness: Optional[int] = 2
+    """async only: how many steps a worker may run ahead of the slowest (None: unbounded)."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 0
+    """Port to listen on (0: any free one)."""
+    job: str = "ps"
+    """Job name mixed into the handshake, so that peers of another job are refused."""
+    secret: Optional[bytes] = field(default=None, repr=False)
+    """The job's shared secret (RINGTRAIN_SECRET); None: no authentication (still framed)."""
+    timeout: float = 60.0
+    """Seconds any wait may last before CommTimeout."""
+    checkpoint_dir: str = ""
+    """Where this server's shard checkpoints go ('' = no checkpoints); a subfolder per server."""
+    resume: bool = False
+    """Start from the newest valid shard checkpoint in checkpoint_dir."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.servers < 1 or self.workers < 1:
+            raise ValueError(f"servers and workers must be >= 1, got {self.servers} and {self.workers}")
+        if not 0 <= self.index < self.servers:
+            raise ValueError(f"index must be in [0, {self.servers}), got {self.index}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+
+    @property
+    def synchronous(self) -> bool:
+        return self.strategy != "async"
+
+    @property
+    def shard_dir(self) -> Optional[Path]:
+        return Path(self.checkpoint_dir) / f"server-{self.index}" if self.checkpoint_dir else None
+
+
+class ParameterServer:
+    """Listen, admit authenticated workers, and serve one shard until every worker is done."""
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.name = f"parameter server {cfg.index}"
+        self._me = P.ps_identity(cfg.index, cfg.servers + cfg.workers, cfg.job, cfg.secret)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((cfg.host, cfg.port))
+        self._listener.listen(128)
+        self.endpoint = (cfg.host, self._listener.getsockname()[1])
+        self.refused = 0
+        self._cond = threading.Condition()
+        self._seen_nonces: set[bytes] = set()
+        W = cfg.workers
+        self._status = ["waiting"] * W  # waiting, connected, bye, lost
+        self._channels: dict[int, P.Channel] = {}
+        self._bytes = {w: [0, 0] for w in range(W)}  # sent to, received from
+        self.failed: Optional[CommError] = None
+        self.notices: list[str] = []
+        self.staleness: Counter[int] = Counter()
+        self._settings: Optional[dict] = None
+        self._initialized = False
+        self._resume_payload = self._load_resume()
+        self.version = 0
+        self.updates = 0
+
+    # --- set-up -------------------------------------------------------------------------------
+    def _load_resume(self) -> Optional[dict]:
+        if not (self.cfg.resume and self.cfg.shard_dir):
+            return None
+        found = checkpoint.latest(self.cfg.shard_dir)
+        return None if found is None else found.payload
+
+    def _configure(self, hello: dict) -> None:
+        """First HELLO: build the layout and optimizer. Later ones must agree with it (caller holds lock)."""
+        keys = ("numels", "partition_bytes", "lr", "momentum", "weight_decay", "strategy", "digest")
+        if self._settings is not None:
+            mine = {k: self._settings[k] for k in keys}
+            theirs = {k: hello.get(k) for k in keys}
+            if mine != theirs:
+                diff = sorted(k for k in keys if mine[k] != theirs[k])
+                raise MismatchError(f"worker {hello.get('worker')} disagrees with the other workers about {diff}")
+            return
+        try:
+            numels = [int(n) for n in hello["numels"]]
+            layout = make_layout(numels, self.cfg.servers, int(hello["partition_bytes"]))
+            lr, momentum, wd = float(hello["lr"]), float(hello["momentum"]), float(hello["weight_decay"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed HELLO: {exc}") from None
+        if layout.digest() != hello.get("digest"):
+            raise MismatchError("the worker's layout digest differs from the one this server computes")
+        if hello.get("strategy") != self.cfg.strategy:
+            raise MismatchError(f"worker uses strategy {hello.get('strategy')!r}, this server {self.cfg.strategy!r}")
+        self.layout = layout
+        self.shard = layout.shard(self.cfg.index)
+        self.shard_ids = np.array([p.id for p in self.shard], dtype=np.int64)
+        self.offsets = layout.offsets(self.cfg.index)
+        self.numel_of = {p.id: p.numel for p in self.shard}
+        n = sum(self.numel_of.values())
+        self.params = torch.zeros(n, dtype=torch.float32)
+        self.opt = torch.optim.SGD([self.params], lr=lr, momentum=momentum, weight_decay=wd)
+        W = self.cfg.workers
+        self._grads = [torch.zeros(n, dtype=torch.float32) for _ in range(W)]
+        self._got = [set() for _ in range(W)]  # partition ids received for the current push
+        self._clock = [0] * W
+        self._complete = [False] * W  # sync: worker's push for step `version` is complete
+        self._settings = {k: hello.get(k) for k in keys}
+        if self._resume_payload is not None:
+            self._restore(self._resume_payload, layout.digest())
+
+    def _restore(self, payload: dict, digest: str) -> None:
+        if payload.get("layout") != digest:
+            raise MismatchError(f"{self.name}: the checkpoint in {self.cfg.shard_dir} is of another model layout")
+        self.params.copy_(payload["params"])
+        if payload.get("momentum") is not None:
+            self.opt.state[self.params]["momentum_buffer"] = payload["momentum"].clone()
+        self.version = int(payload["version"])
+        self._clock = [int(c) for c in payload["clocks"]]
+        self.staleness.update({int(k): int(v) for k, v in payload.get("staleness", {}).items()})
+        self._initialized = True
+        log.info("%s resumed at version %d from %s", self.name, self.version, self.cfg.shard_dir)
+
+    # --- the serving loop ---------------------------------------------------------------------
+    def serve(self) -> dict:
+        """Serve until every worker has said BYE or been lost; return the counters (stats())."""
+        acceptor = threading.Thread(target=self._accept_loop, name=f"ps{self.cfg.index}-accept", daemon=True)
+        acceptor.start()
+        first_deadline = time.monotonic() + self.cfg.timeout
+        with self._cond:
+            while not self._finished():
+                if all(s == "waiting" for s in self._status) and time.monotonic() > first_deadline:
+                    self.failed = self.failed or CommTimeout(
+                        f"{self.name}: no worker connected within {self.cfg.timeout:g} s")
+                    break
+                self._cond.wait(0.2)
+        self._listener.close()
+        return self.stats()
+
+    def _finished(self) -> bool:
+        if self.failed is not None:
+            return not any(s == "connected" for s in self._status)
+        return all(s in ("bye", "lost") for s in self._status)
+
+    def stats(self) -> dict:
+        with self._cond:
+            for w, ch in self._channels.items():
+                self._bytes[w] = [ch.bytes_sent, ch.bytes_received]
+            return {
+                "server": self.cfg.index,
+                "strategy": self.cfg.strategy,
+                "version": self.version,
+                "updates": self.updates,
+                "bytes_sent": sum(b[0] for b in self._bytes.values()),
+                "bytes_received": sum(b[1] for b in self._bytes.values()),
+                "bytes_per_worker": {str(w): {"sent": b[0], "received": b[1]} for w, b in self._bytes.items()},
+                "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+                "refused_connections": self.refused,
+                "notices": list(self.notices),
+                "failed": None if self.failed is None else f"{type(self.failed).__name__}: {self.failed}",
+            }
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            threading.Thread(target=self._connection, args=(sock, addr), daemon=True).start()
+
+    def _connection(self, sock: socket.socket, addr) -> None:
+        """Handshake, HELLO, then this worker's messages in order, until BYE or loss."""
+        K = self.cfg.servers
+        with self._cond:
+            expected = {K + w for w, s in enumerate(self._status) if s == "waiting"}
+        try:
+            rank = tcp.accept_handshake(sock, self._me, expected, self._seen_nonces,
+                                        time.monotonic() + min(self.cfg.timeout, tcp.HANDSHAKE_TIMEOUT))
+        except (CommError, OSError) as exc:
+            with self._cond:
+                self.refused += 1
+            log.warning("%s refused a connection from %r: %s: %s", self.name, addr, type(exc).__name__, exc)
+            sock.close()
+            return
+        w = rank - K
+        ch = P.Channel(sock, f"worker {w}", self.cfg.timeout)
+        with self._cond:
+            if self._status[w] != "waiting":  # two handshakes raced for one rank
+                self.refused += 1
+                sock.close()
+                return
+            self._status[w] = "connected"
+            self._channels[w] = ch
+            self._cond.notify_all()
+        try:
+            self._talk(w, ch)
+        except EOFError:
+            self._lost(w, "closed its connection without BYE")
+        except CommError as exc:
+            self._lost(w, f"{type(exc).__name__}: {exc}")
+            ch.send_abort(exc)  # best effort: a worker that is gone does not read it
+        finally:
+            ch.close()
+            with self._cond:
+                self._bytes[w] = [ch.bytes_sent, ch.bytes_received]
+                self._cond.notify_all()
+
+    def _lost(self, w: int, why: str) -> None:
+        with self._cond:
+            if self._status[w] in ("bye", "lost"):
+                return
+            self._status[w] = "lost"
+            if self._settings is not None:
+                self._got[w].clear()  # a half-received push is dropped, never applied
+                self._complete[w] = False
+            if self.cfg.synchronous:
+                if self.failed is None:
+                    self.failed = PeerLost(
+                        f"{self.name}: worker {w} was lost at step {self.version} ({why}); "
+                        "synchronous training cannot go on without it")
+                    log.error("%s", self.failed)
+                    others = [ch for u, ch in self._channels.items() if u != w and self._status[u] == "connected"]
+                    threading.Thread(target=_tell_all, args=(others, self.failed), daemon=True).start()
+            else:
+                live = sum(s != "lost" for s in self._status)
+                note = f"{self.name}: worker {w} was lost at version {self.version} ({why}); continuing with {live} workers"
+                self.notices.append(note)
+                log.warning("%s", note)
+            self._cond.notify_all()
+
+    def _talk(self, w: int, ch: P.Channel) -> None:
+        head = ch.recv_header(self.cfg.timeout)
+        if head.kind != P.HELLO:
+            raise ProtocolError(f"worker {w} sent {head.name} before HELLO")
+        hello = ch.recv_json(head)
+        if hello.get("worker") != w:
+            raise ProtocolError(f"worker {w} authenticated as ps rank {w + self.cfg.servers} but says worker {hello.get('worker')}")
+        with self._cond:
+            self._configure(hello)
+            welcome = {"version": self.version, "clock": self._clock[w],
+                       "needs_init": not self._initialized and w == 0}
+        ch.send(P.WELCOME, body=P.encode_json(welcome))
+        while True:
+            head = ch.recv_header(None)
+            self._check_failed()
+            if head.kind == P.PUSH:
+                self._on_push(w, ch, head)
+            elif head.kind == P.PULL:
+                self._on_pull(w, ch, head)
+            elif head.kind == P.INIT:
+                self._on_init(w, ch, head)
+            elif head.kind == P.SAVE:
+                self._on_save(w, ch, head)
+            elif head.kind == P.BYE:
+                if head.body:
+                    raise ProtocolError(f"worker {w} sent a BYE with a body")
+                with self._cond:
+                    self._status[w] = "bye"
+                    self._cond.notify_all()
+                ch.send(P.BYE, body=P.encode_json(self.stats()))
+                return
+            else:
+                raise ProtocolError(f"worker {w} sent {head.name}, which workers do not send")
+
+    def _check_failed(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+
+    # --- messages -------------------------------------------------------------------------------
+    def _read_partitions(self, ch: P.Channel, head, into: torch.Tensor, exact_all: bool) -> list[int]:
+        """Read ``count`` ids and their values into ``into`` at the shard offsets; validate both."""
+        ids = ch.recv_ids(head, len(self.shard_ids))
+        if exact_all and not np.array_equal(ids, self.shard_ids):
+            raise ProtocolError(f"{P.KIND_NAMES[head.kind]} must carry every partition of this shard in order")
+        if len(set(ids.tolist())) != len(ids) or any(int(i) not in self.offsets for i in ids):
+            raise ProtocolError(f"{head.name} names partitions this server does not own (or twice)")
+        expected = 4 * sum(self.numel_of[int(i)] for i in ids)
+        if head.body != 4 * len(ids) + expected:
+            raise ProtocolError(f"{head.name} carries {head.body - 4 * len(ids)} value bytes, expected {expected}")
+        flat = into.numpy()
+        for i in ids.tolist():
+            ch.recv_into(flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]])
+        return ids.tolist()
+
+    def _on_init(self, w: int, ch: P.Channel, head) -> None:
+        with self._cond:
+            if w != 0 or self._initialized:
+                raise ProtocolError(f"worker {w} sent INIT, but {'only worker 0 may' if w else 'the shard is set'}")
+        self._read_partitions(ch, head, self.params, exact_all=True)
+        with self._cond:
+            self._initialized = True
+            self._cond.notify_all()
+
+    def _on_push(self, w: int, ch: P.Channel, head) -> None:
+        with self._cond:
+            if not self._initialized:
+                raise ProtocolError(f"worker {w} pushed before the shard was initialized")
+            want = self.version if self.cfg.synchronous else self._clock[w]
+            if head.step != want:
+                raise MismatchError(f"worker {w} pushed step {head.step}, this server expects step {want}")
+        got = self._got[w]
+        ids = self._read_partitions(ch, head, self._grads[w], exact_all=False)
+        if got.intersection(ids):
+            raise ProtocolError(f"worker {w} pushed a partition twice for step {head.step}")
+        got.update(ids)
+        if len(got) < len(self.shard_ids):
+            return
+        with self._cond:
+            got.clear()
+            self._clock[w] += 1
+            if self.cfg.synchronous:
+                self._complete[w] = True
+                if all(self._complete):
+                    self._apply(sum_in_order(self._grads).div_(self.cfg.workers))
+                    self._complete = [False] * self.cfg.workers
+            else:
+                self.staleness[self.version - head.version] += 1
+                self._apply(self._grads[w] / self.cfg.workers)
+            self._cond.notify_all()
+
+    def _apply(self, grad: torch.Tensor) -> None:
+        """One optimizer step on the whole shard with gradient ``grad`` (caller holds the lock)."""
+        self.params.grad = grad
+        self.opt.step()
+        self.params.grad = None
+        self.version += 1
+        self.updates += 1
+
+    def _on_pull(self, w: int, ch: P.Channel, head) -> None:
+        if head.body:
+            raise ProtocolError(f"worker {w} sent a PULL with a body")
+        deadline = time.monotonic() + self.cfg.timeout
+        with self._cond:
+            while True:
+                self._check_failed()
+                why = self._pull_blocker(w, head.step)
+                if why is None:
+                    break
+                if self.cfg.synchronous:
+                    gone = [u for u in self._missing() if self._status[u] in ("bye", "lost")]
+                    if gone:
+                        self.failed = PeerLost(f"{self.name}: step {self.version} cannot complete: worker(s) "
+                                               f"{gone} left the job before pushing it")
+                        self._cond.notify_all()
+                        continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    err = CommTimeout(f"{self.name}: {why} after {self.cfg.timeout:g} s")
+                    if self.cfg.synchronous:
+                        self.failed = err
+                        self._cond.notify_all()
+                    raise err
+                self._cond.wait(min(left, 1.0))
+            version = self.version
+            live = sum(s != "lost" for s in self._status)
+            values = self.params if self.cfg.synchronous else self.params.clone()  # async: a snapshot
+        # Synchronous: nothing changes the shard until this worker pushes again, so send in place.
+        flat = values.numpy()
+        views = [flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]] for i in self.shard_ids.tolist()]
+        ch.send(P.PARAMS, worker=w, step=head.step, version=version, extra=live, ids=self.shard_ids, values=views)
+
+    def _missing(self) -> list[int]:
+        return [u for u in range(self.cfg.workers) if not self._complete[u]]
+
+    def _pull_blocker(self, w: int, step: int) -> Optional[str]:
+        """Why worker w's pull at its step ``step`` cannot be answered yet (None: it can)."""
+        if not self._initialized:
+            return "the shard was never initialized by worker 0"
+        if self.cfg.synchronous:
+            if self.version >= step:
+                return None
+            return f"step {self.version} has no complete gradient from worker(s) {self._missing()}"
+        if self.cfg.max_staleness is None:
+            return None
+        live = [self._clock[u] for u, s in enumerate(self._status) if s in ("connected", "waiting") and u != w]
+        slowest = min(live, default=step)
+        if step - slowest <= self.cfg.max_staleness:
+            return None
+        return f"worker {w} is {step - slowest} steps ahead of the slowest worker (max_staleness {self.cfg.max_staleness})"
+
+    def _on_save(self, w: int, ch: P.Channel, head) -> None:
+        if head.body:
+            raise ProtocolError(f"worker {w} sent a SAVE with a body")
+        if self.cfg.shard_dir is None:
+            raise ProtocolError(f"{self.name} was started without a checkpoint directory")
+        deadline = time.monotonic() + self.cfg.timeout
+        with self._cond:
+            while self.cfg.synchronous and self.version < head.step:
+                self._check_failed()
+                if time.monotonic() > deadline:
+                    raise CommTimeout(f"{self.name}: step {head.step} was not reached for a checkpoint")
+                self._cond.wait(0.5)
+            momentum = self.opt.state.get(self.params, {}).get("momentum_buffer")
+            payload = {
+                "server": self.cfg.index,
+                "servers": self.cfg.servers,
+                "layout": self.layout.digest(),
+                "version": self.version,
+                "clocks": list(self._clock),
+                "params": self.params.clone(),
+                "momentum": None if momentum is None else momentum.clone(),
+                "staleness": {str(k): v for k, v in self.staleness.items()},
+            }
+            version = self.version
+        checkpoint.save(self.cfg.shard_dir, head.step, payload)
+        ch.send(P.SAVED, worker=w, step=head.step, version=version)
+
+
+def _tell_all(channels: list, error: CommError) -> None:
+    for ch in channels:
+        ch.send_abort(error)
+
+
+def sum_in_order(grads: list[torch.Tensor]) -> torch.Tensor:
+    """grads[0] + grads[1] + ... in that order (the reduction order the contract names)."""
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total.add_(g)
+    return total
+
+
+def run_server(cfg: ServerConfig, ready=None) -> dict:
+    """Make a server, report its endpoint through ``ready(endpoint)``, serve; return its stats.
+
+    Raises the server's failure (a CommError) after serving if the job failed.
+    """
+    server = ParameterServer(cfg)
+    if ready is not None:
+        ready(server.endpoint)
+    stats = server.serve()
+    if server.failed is not None:
+        raise server.failed
+    return stats

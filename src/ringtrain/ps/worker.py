@@ -1,0 +1,472 @@
+"""The worker side: wrap a module so that its gradients go to parameter servers and its
+parameters come back from them, with the feel of DistributedDataParallel.
+
+    ps = ParameterServerTraining(model, servers=endpoints, worker=w, workers=W,
+                                 strategy="sync", lr=0.05, momentum=0.9)
+    for x, y in batches:
+        loss = model.loss(ps(x), y)
+        loss.backward()       # gradients are pushed group by group while backward runs
+        ps.step()             # push what is left, ask every server for the next parameters
+    ps.close()                # BYE to every server; ps.stats() has bytes and staleness
+
+Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
+
+- *group*: consecutive parameters in backward order whose gradients go out together, as the
+  merge planner (``ringtrain.plan.merge``, the same as the allreduce path) decides from the
+  backward timings measured in the first step (which pushes every parameter on its own). When a
+  group's last gradient is accumulated (a post-accumulate-grad hook), its partitions are queued
+  for each server that owns some of them; one *sender* thread per server writes them, so
+  backward never waits for the network and every server is written to at once.
+- *pull*: after ``step()`` every server is asked for its shard; one *receiver* thread per server
+  writes the values straight into the parameters' memory as they arrive, first layers first.
+  A forward pre-hook on each module waits only for that module's own parameters, so the next
+  forward starts as soon as its first layers are in (``overlap_pull``).
+- The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
+  the gradients (set to None). A parameter that got no gradient is pushed as zeros.
+
+Every wait ends by ``timeout``. A lost server is a PeerLost naming it, raised by the next
+forward, ``step()``, ``wait()`` or ``close()``; an error a server reports (a lost worker in a
+synchronous job) comes back with the server's text.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import plan as planner
+from ..errors import CommError, CommTimeout, PeerLost, ProtocolError
+from . import protocol as P
+from .server import STRATEGIES
+from .sharding import make_layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class PSOptions:
+    """Settings of one worker's side of parameter-server training (servers get theirs at launch)."""
+
+    strategy: str = "sync"
+    """'sync', 'sharded' (sync over several servers) or 'async'; must match the servers'."""
+    lr: float = 0.05
+    """SGD learning rate (applied on the servers)."""
+    momentum: float = 0.9
+    """SGD momentum (its buffer lives on the servers)."""
+    weight_decay: float = 0.0
+    """SGD weight decay."""
+    schedule: str = "optimal"
+    """How gradients are merged into pushes during backward (ringtrain.plan.METHODS)."""
+    alpha: float = 1e-4
+    """Start-up cost of one push, seconds (the planner's alpha)."""
+    beta: float = 8e-9
+    """Seconds per byte of a push (the planner's beta; 8e-9 = 1 Gbit/s)."""
+    partition_mb: float = 4.0
+    """Largest partition of one parameter, MiB."""
+    overlap_pull: bool = True
+    """Let the next forward start as soon as its own layers' parameters arrived."""
+    timeout: float = 60.0
+    """Seconds any wait may last."""
+    job: str = "ps"
+    """Job name (the servers' must be the same)."""
+    secret: Optional[bytes] = field(default=None, repr=False)
+    """The job's shared secret, as the servers'."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.schedule not in planner.METHODS:
+            raise ValueError(f"schedule must be one of {planner.METHODS}, got {self.schedule!r}")
+        for name in ("lr", "timeout", "partition_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("momentum", "weight_decay", "alpha", "beta"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def partition_bytes(self) -> int:
+        return max(4, int(self.partition_mb * (1 << 20)) // 4 * 4)
+
+
+class _Link:
+    """One server: its channel, sender queue and threads, and what came back."""
+
+    def __init__(self, k: int, ch: P.Channel):
+        self.k = k
+        self.ch = ch
+        self.jobs: queue.Queue = queue.Queue()
+        self.received = 0  # partitions received over all pulls (monotone)
+        self.version = 0  # of the last parameters pulled
+        self.saved = -1
+        self.bye: Optional[dict] = None
+        self.threads: list[threading.Thread] = []
+
+
+class ParameterServerTraining:
+    """Train ``module`` against parameter servers; see the module docstring for the loop."""
+
+    def __init__(self, module: nn.Module, *, servers: Sequence[Sequence], worker: int, workers: int,
+                 options: Optional[PSOptions] = None, **settings: Any):
+        opts = options or PSOptions(**settings)
+        if options is not None and settings:
+            raise ValueError(f"pass either options or keyword settings, not both (got {sorted(settings)})")
+        if len(servers) < 1:
+            raise ValueError("servers must list at least one (host, port) endpoint")
+        if not 0 <= worker < workers:
+            raise ValueError(f"worker must be in [0, workers={workers}), got {worker}")
+        self.module, self.opts, self.worker, self.workers = module, opts, worker, workers
+        self.num_servers = K = len(servers)
+        self.params = _unique_params(module)
+        self.layout = make_layout([p.numel() for p in self.params], K, opts.partition_bytes)
+        self._shards = [self.layout.shard(k) for k in range(K)]
+        self._ids = [np.array([p.id for p in s], dtype=np.int64) for s in self._shards]
+        # Param i is in once, for every server k holding part of it, received[k] passes need[i][k].
+        self._need = [dict() for _ in self.params]
+        for k, shard in enumerate(self._shards):
+            for pos, part in enumerate(shard):
+                self._need[part.param][k] = pos + 1
+        self._cond = threading.Condition()
+        self._error: Optional[CommError] = None
+        self._closed = False
+        self.notices: list[str] = []
+        self._live = workers
+        self._pulls = 0  # pulls issued to every server
+        self._groups: list[list[int]] = [[i] for i in range(len(self.params))]  # until calibrated
+        self._calibrated = False
+        self._stamps: dict[int, float] = {}
+        self._handles: list = []
+        self._links = self._connect(servers)
+        self.step_count = self._agreed_clock()
+        for link in self._links:
+            for target in (self._sender, self._receiver):
+                t = threading.Thread(target=target, args=(link,), daemon=True, name=f"ps-w{worker}-s{link.k}-{target.__name__}")
+                t.start()
+                link.threads.append(t)
+        self._reset_groups()
+        self._install_hooks()
+        self._issue_pulls()
+        if not opts.overlap_pull:
+            self.wait()
+
+    # --- set-up ---------------------------------------------------------------------------------
+    def _connect(self, servers: Sequence[Sequence]) -> list[_Link]:
+        K, W, opts = self.num_servers, self.workers, self.opts
+        me = P.ps_identity(K + self.worker, K + W, opts.job, opts.secret)
+        hello = {"worker": self.worker, "numels": list(self.layout.numels), "partition_bytes": opts.partition_bytes,
+                 "digest": self.layout.digest(), "strategy": opts.strategy, "lr": opts.lr,
+                 "momentum": opts.momentum, "weight_decay": opts.weight_decay}
+        links = []
+        try:
+            for k, endpoint in enumerate(servers):
+                sock = P.dial(endpoint, me, k, opts.timeout)
+                ch = P.Channel(sock, f"parameter server {k} at {endpoint[0]}:{endpoint[1]}", opts.timeout)
+                links.append(_Link(k, ch))
+                ch.send(P.HELLO, worker=self.worker, body=P.encode_json(hello))
+            for link in links:
+                head = link.ch.recv_header(opts.timeout)
+                if head.kind != P.WELCOME:
+                    raise ProtocolError(f"{link.ch.peer} answered HELLO with {head.name}")
+                welcome = link.ch.recv_json(head)
+                link.version = int(welcome["version"])
+                link.clock = int(welcome["clock"])
+                if welcome.get("needs_init"):
+                    self._send_values(link, P.INIT)
+        except BaseException:
+            for link in links:
+                link.ch.close()
+            raise
+        return links
+
+    def _agreed_clock(self) -> int:
+        clocks = {link.clock for link in self._links}
+        if len(clocks) != 1:
+            raise ProtocolError(f"the servers disagree about this worker's step: {sorted(clocks)} "
+                                "(their checkpoints are of different steps)")
+        return clocks.pop()
+
+    def _send_values(self, link: _Link, kind: int) -> None:
+        views = [self._flat(self.params[p.param])[p.start: p.stop].numpy() for p in self._shards[link.k]]
+        link.ch.send(kind, worker=self.worker, ids=self._ids[link.k], values=views)
+
+    @staticmethod
+    def _flat(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().view(-1)
+
+    def _install_hooks(self) -> None:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for i, p in enumerate(self.params):
+            self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i)))
+        for m in self.module.modules():
+            own = sorted({index[id(p)] for p in m.parameters(recurse=False) if id(p) in index})
+            if own:
+                self._handles.append(m.register_forward_pre_hook(lambda _m, _args, own=own: self._wait_params(own)))
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, i: int) -> None:
+        if not self._calibrated:
+            self._stamps.setdefault(i, time.perf_counter())
+        if self._ready[i]:
+            self._double_backward = True
+            return
+        self._ready[i] = True
+        g = self._group_of[i]
+        self._left[g] -= 1
+        if self._left[g] == 0:
+            self._push_group(g)
+
+    def _push_group(self, g: int) -> None:
+        self._pushed[g] = True
+        members = set(self._groups[g])
+        for link in self._links:
+            parts = [p for p in self._shards[link.k] if p.param in members]
+            if not parts:
+                continue
+            views = []
+            for p in parts:
+                grad = self.params[p.param].grad
+                flat = torch.zeros(self.params[p.param].numel()) if grad is None else grad.detach().reshape(-1)
+                views.append(flat[p.start: p.stop].numpy())
+            ids = np.array([p.id for p in parts], dtype=np.int64)
+            link.jobs.put(("push", self.step_count, link.version, ids, views))
+
+    def step(self) -> None:
+        """Push the gradients not pushed yet, clear them, and ask every server for the next parameters."""
+        self._raise_if_failed()
+        if self._double_backward:
+            raise RuntimeError("backward ran twice before step(): gradient accumulation is not supported "
+                               "with parameter servers; call ps.step() after every backward")
+        for g, pushed in enumerate(self._pushed):
+            if not pushed:
+                self._push_group(g)
+        if not self._calibrated:
+            self._plan()
+        for p in self.params:
+            p.grad = None  # the sender threads keep the tensors they still have to send
+        self.step_count += 1
+        self._issue_pulls()
+        self._reset_groups()
+        if not self.opts.overlap_pull:
+            self.wait()
+
+    def _plan(self) -> None:
+        """Group parameters for pushes from the first step's backward timings."""
+        self._calibrated = True
+        order = sorted(self._stamps, key=self._stamps.get) + [i for i in range(len(self.params)) if i not in self._stamps]
+        t = [self._stamps.get(i, 0.0) for i in order]
+        gaps = [0.0] + [max(0.0, b - a) for a, b in zip(t, t[1:])]
+        sizes = [4.0 * self.params[i].numel() for i in order]
+        plan = planner.merge(gaps, sizes, self.opts.alpha, self.opts.beta, method=self.opts.schedule)
+        self._groups = [order[a: b + 1] for a, b in plan.groups]
+
+    def _reset_groups(self) -> None:
+        self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
+        self._left = [len(m) for m in self._groups]
+        self._pushed = [False] * len(self._groups)
+        self._ready = [False] * len(self.params)
+        self._double_backward = False
+
+    def _issue_pulls(self) -> None:
+        with self._cond:
+            self._pulls += 1
+        for link in self._links:
+            link.jobs.put(("pull", self.step_count))
+
+    def _param_in(self, i: int) -> bool:
+        return all(self._links[k].received >= (self._pulls - 1) * len(self._shards[k]) + pos
+                   for k, pos in self._need[i].items())
+
+    def _wait_params(self, indices: Sequence[int]) -> None:
+        deadline = time.monotonic() + self.opts.timeout
+        with self._cond:
+            while not all(self._param_in(i) for i in indices):
+                self._raise_if_failed()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    slow = sorted({k for i in indices for k in self._need[i] if not self._param_in(i)})
+                    raise CommTimeout(f"worker {self.worker}: parameters from parameter server(s) {slow} "
+                                      f"did not arrive within {self.opts.timeout:g} s")
+                self._cond.wait(min(left, 0.5))
+
+    def wait(self) -> None:
+        """Block until the parameters of the last pull are all in (e.g. before evaluating)."""
+        self._wait_params(range(len(self.params)))
+
+    def save_checkpoint(self) -> None:
+        """Have every server checkpoint its shard at this worker's step (call from one worker)."""
+        step = self.step_count
+        for link in self._links:
+            link.jobs.put(("save", step))
+        deadline = time.monotonic() + self.opts.timeout
+        with self._cond:
+            while any(link.saved < step for link in self._links):
+                self._raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise CommTimeout(f"worker {self.worker}: servers did not save step {step} in time")
+                self._cond.wait(0.5)
+
+    def close(self) -> dict:
+        """Say BYE to every server, wait for their answers, release everything; return stats()."""
+        if self._closed:
+            return self.stats()
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        try:
+            if self._error is None:
+                for link in self._links:
+                    link.jobs.put(("bye",))
+                deadline = time.monotonic() + self.opts.timeout
+                with self._cond:
+                    while any(link.bye is None for link in self._links) and self._error is None:
+                        if time.monotonic() > deadline:
+                            raise CommTimeout(f"worker {self.worker}: servers did not answer BYE in time")
+                        self._cond.wait(0.5)
+            self._raise_if_failed()
+        finally:
+            for link in self._links:
+                link.jobs.put(None)
+                link.ch.close()
+            for link in self._links:
+                for t in link.threads:
+                    t.join(1.0)
+        return self.stats()
+
+    def __enter__(self) -> "ParameterServerTraining":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except CommError:
+                pass
+
+    # --- threads --------------------------------------------------------------------------------
+    def _sender(self, link: _Link) -> None:
+        try:
+            while True:
+                job = link.jobs.get()
+                if job is None:
+                    return
+                kind = job[0]
+                if kind == "push":
+                    _, step, version, ids, views = job
+                    link.ch.send(P.PUSH, worker=self.worker, step=step, version=version, ids=ids, values=views)
+                elif kind == "pull":
+                    link.ch.send(P.PULL, worker=self.worker, step=job[1])
+                elif kind == "save":
+                    link.ch.send(P.SAVE, worker=self.worker, step=job[1])
+                elif kind == "bye":
+                    link.ch.send(P.BYE, worker=self.worker)
+        except CommError as exc:
+            self._fail(exc, link)
+        except OSError as exc:
+            self._fail(PeerLost(f"{link.ch.peer} is gone ({exc})"), link)
+
+    def _receiver(self, link: _Link) -> None:
+        shard = self._shards[link.k]
+        try:
+            while True:
+                try:
+                    head = link.ch.recv_header(None)
+                except EOFError:
+                    if link.bye is not None or self._closed:
+                        return
+                    raise PeerLost(f"{link.ch.peer} closed the connection (the server died or was stopped)") from None
+                if head.kind == P.PARAMS:
+                    ids = link.ch.recv_ids(head, len(shard))
+                    if not np.array_equal(ids, self._ids[link.k]) or head.body != 4 * len(ids) + 4 * sum(p.numel for p in shard):
+                        raise ProtocolError(f"{link.ch.peer} sent PARAMS that do not match its shard")
+                    for p in shard:
+                        link.ch.recv_into(self._flat(self.params[p.param])[p.start: p.stop].numpy())
+                        with self._cond:
+                            link.received += 1
+                            self._cond.notify_all()
+                    link.version = head.version
+                    self._note_live(head.extra, link)
+                elif head.kind == P.SAVED:
+                    with self._cond:
+                        link.saved = head.step
+                        self._cond.notify_all()
+                elif head.kind == P.BYE:
+                    stats = link.ch.recv_json(head)
+                    with self._cond:
+                        link.bye = stats
+                        self._cond.notify_all()
+                    return
+                else:
+                    raise ProtocolError(f"{link.ch.peer} sent {head.name}, which servers do not send")
+        except CommError as exc:
+            self._fail(exc, link)
+        except OSError as exc:
+            self._fail(PeerLost(f"{link.ch.peer} is gone ({exc})"), link)
+
+    def _note_live(self, live: int, link: _Link) -> None:
+        if live < self._live:
+            note = (f"worker {self.worker}: {link.ch.peer} reports {live} of {self.workers} workers left; "
+                    "asynchronous training goes on with them")
+            self._live = live
+            self.notices.append(note)
+            log.warning("%s", note)
+            warnings.warn(note, RuntimeWarning, stacklevel=1)
+
+    def _fail(self, exc: CommError, link: _Link) -> None:
+        with self._cond:
+            if self._error is None and not (self._closed and link.bye is not None):
+                self._error = exc
+            self._cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # --- reporting --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Bytes each way per server, steps, groups, and what the servers reported at BYE."""
+        per_server = {str(l.k): {"sent": l.ch.bytes_sent, "received": l.ch.bytes_received} for l in self._links}
+        hist: Counter[int] = Counter()
+        for link in self._links:
+            for s, n in ((link.bye or {}).get("staleness_histogram") or {}).items():
+                hist[int(s)] += n
+        return {
+            "worker": self.worker,
+            "strategy": self.opts.strategy,
+            "servers": self.num_servers,
+            "steps": self.step_count,
+            "push_groups": len(self._groups),
+            "bytes_sent": sum(v["sent"] for v in per_server.values()),
+            "bytes_received": sum(v["received"] for v in per_server.values()),
+            "bytes_per_server": per_server,
+            "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+            "server_stats": [link.bye for link in self._links],
+            "notices": list(self.notices),
+        }
+
+
+def _unique_params(module: nn.Module) -> list[nn.Parameter]:
+    out, seen = [], set()
+    for p in module.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.dtype != torch.float32 or not p.is_contiguous() or p.device.type != "cpu":
+            raise ValueError(f"parameter servers serve contiguous float32 CPU parameters; got {p.dtype} "
+                             f"on {p.device} (contiguous={p.is_contiguous()})")
+        out.append(p)
+    return out

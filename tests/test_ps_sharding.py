@@ -1,0 +1,72 @@
+"""Parameter-server layout: partitions cover every element once, are capped, and balance by bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.ps.sharding import ITEMSIZE, cut, make_layout
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 3, 4, 5, 7, 100, 101, 1000])
+@pytest.mark.parametrize("cap_elems", [1, 2, 3, 10, 1000])
+def test_cut_covers_exactly_and_respects_the_cap(numel, cap_elems):
+    pieces = cut(numel, cap_elems * ITEMSIZE)
+    covered = [i for s, e in pieces for i in range(s, e)]
+    assert covered == list(range(numel))
+    assert all(0 < e - s <= cap_elems for s, e in pieces) or numel == 0
+    sizes = [e - s for s, e in pieces]
+    assert max(sizes) - min(sizes) <= 1 or len(sizes) == 1 or sizes[-1] < sizes[0]
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3, 4, 7])
+def test_layout_covers_every_parameter_once(servers):
+    numels = [5, 1000, 3, 0, 4096, 17, 250]
+    layout = make_layout(numels, servers, partition_bytes=64 * ITEMSIZE)
+    for param, n in enumerate(numels):
+        parts = sorted(layout.of_param(param), key=lambda p: p.start)
+        assert [i for p in parts for i in range(p.start, p.stop)] == list(range(n)), param
+    assert [p.id for p in layout.partitions] == list(range(len(layout.partitions)))
+    assert all(p.numel <= 64 for p in layout.partitions)
+    # every partition in exactly one shard; shard order is id order; offsets are running sums
+    shards = [layout.shard(k) for k in range(servers)]
+    assert sorted(p.id for s in shards for p in s) == list(range(len(layout.partitions)))
+    for k, shard in enumerate(shards):
+        assert [p.id for p in shard] == sorted(p.id for p in shard)
+        offsets = layout.offsets(k)
+        at = 0
+        for p in shard:
+            assert offsets[p.id] == at
+            at += p.numel
+        assert layout.shard_numel(k) == at
+
+
+@pytest.mark.parametrize("servers", [2, 3, 4])
+def test_a_large_tensor_is_spread_so_no_server_is_the_hot_spot(servers):
+    # one 10 MB tensor and some small ones, 1 MB partitions: LPT keeps every server within
+    # one partition of the others.
+    numels = [10 * (1 << 20) // 4, 1000, 2000, 300]
+    layout = make_layout(numels, servers, partition_bytes=1 << 20)
+    loads = layout.bytes_per_server()
+    biggest = max(p.numel for p in layout.partitions) * ITEMSIZE
+    assert max(loads) - min(loads) <= biggest
+    assert sum(loads) == ITEMSIZE * sum(numels)
+    assert len({p.server for p in layout.of_param(0)}) == servers
+
+
+def test_layout_is_deterministic_and_its_digest_tells_layouts_apart():
+    a = make_layout([10, 20, 30], 2, 32)
+    assert a == make_layout([10, 20, 30], 2, 32)
+    digests = {a.digest(), make_layout([10, 20, 31], 2, 32).digest(), make_layout([10, 20, 30], 3, 32).digest(),
+               make_layout([10, 20, 30], 2, 64).digest()}
+    assert len(digests) == 4
+
+
+@pytest.mark.parametrize("kwargs,word", [({"servers": 0}, "servers"), ({"servers": 1.5}, "servers"),
+                                         ({"servers": 1, "partition_bytes": 2}, "partition_bytes")])
+def test_bad_arguments_name_the_option(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        make_layout([4, 4], **kwargs)
+    with pytest.raises(ValueError, match="sizes"):
+        make_layout([-1], 1)
