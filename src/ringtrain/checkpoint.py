@@ -99,7 +99,8 @@ def _feed(h: "hashlib._Hash", obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
     elif isinstance(obj, dict):
         h.update(f"D{len(obj)};".encode())
         for key, value in obj.items():
