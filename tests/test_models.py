@@ -190,3 +190,11 @@ def test_dataset_for_matches_the_model(name):
     assert loss.dim() == 0 and torch.isfinite(loss)
     if name == "charlm-transformer":
         assert x.shape == (2, 16)  # capped at the model's max_seq_len
+
+
+def test_buffers_are_few_and_of_wire_friendly_dtypes():
+    """DDP broadcasts buffers from rank 0: only BatchNorm's statistics, float32 and int64."""
+    for name in ("charlm-transformer", "charlm-lstm", "mlp"):
+        assert list(models.build(name, **SMALL[name]).buffers()) == []
+    dtypes = {b.dtype for b in models.build("resnet", norm="batch", widths=(4,), blocks_per_stage=1).buffers()}
+    assert dtypes == {torch.float32, torch.int64}

@@ -49,7 +49,7 @@ class _Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
-        scores = scores.masked_fill(mask[:t, :t], float("-inf"))
+        scores = scores.masked_fill(mask, float("-inf"))
         y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
@@ -73,16 +73,16 @@ class CharTransformer(ReferenceModel):
         self.blocks = nn.ModuleList(_Block(d_model, n_heads) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB)
-        mask = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool).triu(1)
-        self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.max_seq_len}")
         x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        # Built per call rather than kept as a buffer: the model has no buffers to broadcast.
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(1)
         for block in self.blocks:
-            x = block(x, self.causal_mask)
+            x = block(x, mask)
         return self.head(self.ln_f(x))
 
     def make_batch(self, batch_size: int, seed: int = 0, seq_len: int = 64):
