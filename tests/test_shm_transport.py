@@ -46,7 +46,7 @@ def _my_segments() -> list[str]:
 
 
 class DirStore:
-    """The three Store calls the transport uses, over files (picklable, needs no torch)."""
+    """The Store calls the transport uses, over files (picklable, needs no torch)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -67,6 +67,11 @@ class DirStore:
 
     def check(self, keys) -> bool:
         return all(os.path.exists(self._file(k)) for k in keys)
+
+    def add(self, key: str, amount: int) -> int:  # only ever called by one rank per key
+        value = int(self.get(key)) + amount if self.check([key]) else amount
+        self.set(key, str(value))
+        return value
 
 
 # --- threads -------------------------------------------------------------------------------
@@ -202,6 +207,69 @@ def test_message_to_itself():
     (got, acc), = _raise_first(run_ranks(1, fn))
     np.testing.assert_array_equal(got, np.arange(4))
     np.testing.assert_array_equal(acc, np.arange(4) + 1)
+
+
+@pytest.mark.timeout(30)
+def test_random_sequence_of_sizes_directions_and_reductions():
+    """One seed drives both ranks: sizes around slot boundaries, one- and two-way, reduce or copy."""
+    plan = np.random.default_rng(1234)
+    steps = [
+        (int(plan.choice([0, 8, SLOT - 8, SLOT, SLOT + 8, 3 * SLOT, int(plan.integers(0, 6 * SLOT // 8)) * 8])),
+         int(plan.integers(0, 3)), bool(plan.integers(0, 2)))
+        for _ in range(60)
+    ]  # (nbytes, who sends: 0, 1 or both=2, reduce?)
+
+    def fn(rank, t):
+        peer, out = 1 - rank, []
+        for k, (size, who, red) in enumerate(steps):
+            sends = [Send(peer, _data(rank, peer, size, k))] if who in (rank, 2) else []
+            got = _data(rank, rank, size, k + 100)
+            recvs = [Recv(peer, got, _add if red else None)] if who in (peer, 2) else []
+            t.exchange(sends, recvs, HEADER, time.monotonic() + 10)
+            out.append(got)
+        return out
+
+    got = _raise_first(run_ranks(2, fn, slot_bytes=SLOT, slots=3))
+    for rank in range(2):
+        for k, (size, who, red) in enumerate(steps):
+            mine = _data(rank, rank, size, k + 100)
+            if who in (1 - rank, 2):
+                theirs = _data(1 - rank, rank, size, k)
+                mine = mine + theirs if red else theirs
+            np.testing.assert_array_equal(got[rank][k], mine, err_msg=f"rank {rank} step {k}")
+
+
+@pytest.mark.timeout(30)
+def test_connect_again_on_the_same_store_and_prefix():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    results: list = [None, None]
+
+    def body(rank):
+        try:
+            got = []
+            for round_ in range(3):
+                t = ShmTransport.connect(rank, 2, store, timeout=10, prefix="same")
+                try:
+                    buf = np.zeros(3, np.int64)
+                    t.sendrecv(1 - rank, np.arange(3, dtype=np.int64) + 10 * rank + round_, 1 - rank, buf, HEADER,
+                               time.monotonic() + 10)
+                    got.append(buf.tolist())
+                finally:
+                    t.close()
+            results[rank] = got
+        except BaseException as exc:  # noqa: BLE001
+            results[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    for rank in range(2):
+        assert results[rank] == [[10 * (1 - rank) + k, 10 * (1 - rank) + k + 1, 10 * (1 - rank) + k + 2] for k in range(3)]
+    assert _my_segments() == []
 
 
 # --- failures on threads -------------------------------------------------------------------
@@ -395,18 +463,26 @@ def _scenario_ring_sums(rank, world, t):
     return sums
 
 
-def _scenario_wait_forever(rank, world, t):
+def _scenario_wait(rank, world, t, sending: bool):
+    """Rank 1 sleeps; rank 0 waits to receive from it, or to send it more than the ring holds."""
     if rank == 1:
         time.sleep(60)
     t0 = time.monotonic()
     try:
-        t.sendrecv(None, None, 1, np.zeros(4, np.int64), HEADER, time.monotonic() + 30)
+        if sending:
+            t.sendrecv(1, np.zeros(5 * SLOT // 8, np.int64), None, None, HEADER, time.monotonic() + 30)
+        else:
+            t.sendrecv(None, None, 1, np.zeros(4, np.int64), HEADER, time.monotonic() + 30)
     except PeerLost as exc:
         return ("PeerLost", str(exc), time.monotonic() - t0)
     return ("nothing", "", time.monotonic() - t0)
 
 
-_SCENARIOS = {"ring": _scenario_ring_sums, "wait": _scenario_wait_forever}
+_SCENARIOS = {
+    "ring": _scenario_ring_sums,
+    "wait_recv": lambda *a: _scenario_wait(*a, sending=False),
+    "wait_send": lambda *a: _scenario_wait(*a, sending=True),
+}
 
 
 def _start(world: int, scenario: str, store):
@@ -440,7 +516,7 @@ def _stop(procs) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_processes_ring_exchange_exact(world, tmp_path):
     if world == 2:
         import torch.distributed as dist  # one case through a real TCPStore, as in a job
@@ -490,13 +566,17 @@ class _TcpStoreRef:
     def check(self, keys):
         return self._get().check(keys)
 
+    def add(self, key, amount):
+        return self._get().add(key, amount)
+
     def __getstate__(self):
         return {"port": self.port, "_store": None}
 
 
 @pytest.mark.timeout(90)
-def test_killed_peer_is_peer_lost_within_seconds(tmp_path):
-    procs, out = _start(2, "wait", DirStore(str(tmp_path)))
+@pytest.mark.parametrize("scenario", ["wait_recv", "wait_send"])
+def test_killed_peer_is_peer_lost_within_seconds(scenario, tmp_path):
+    procs, out = _start(2, scenario, DirStore(str(tmp_path)))
     try:
         _collect(procs, out, 2)  # both connected
         time.sleep(0.2)

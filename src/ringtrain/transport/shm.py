@@ -49,7 +49,8 @@ from .shm_sync import (
     W_CLOSED,
     W_HEAD,
     W_TAIL,
-    Backoff,
+    Doorbell,
+    Idle,
     Mailbox,
     ProcessId,
     remove_stale_segments,
@@ -69,11 +70,12 @@ _serial_lock = threading.Lock()
 class _Outgoing:
     """One send in progress: ``pos`` bytes of ``src`` are in the outbox so far."""
 
-    __slots__ = ("peer", "box", "src", "nbytes", "pos", "done")
+    __slots__ = ("peer", "box", "bell", "src", "nbytes", "pos", "done")
 
-    def __init__(self, peer: int, box: Mailbox, buf: np.ndarray):
+    def __init__(self, peer: int, box: Mailbox, bell: Doorbell, buf: np.ndarray):
         self.peer = peer
         self.box = box
+        self.bell = bell
         self.src = _bytes_of(buf)
         self.nbytes = self.src.nbytes
         self.pos = 0
@@ -96,6 +98,7 @@ class _Outgoing:
         self.pos = pos + n
         box.count += 1
         box.ctl[W_HEAD] = box.count  # publish after the data (x86 TSO; see shm_sync)
+        self.bell.ring()
         self.done = self.pos >= self.nbytes
         return True
 
@@ -103,12 +106,13 @@ class _Outgoing:
 class _Incoming:
     """One receive in progress: ``pos`` bytes of the message have been applied to ``dst``."""
 
-    __slots__ = ("peer", "box", "buf", "dst", "reduce", "nbytes", "pos", "done", "me")
+    __slots__ = ("peer", "box", "bell", "buf", "dst", "reduce", "nbytes", "pos", "done", "me")
 
-    def __init__(self, me: int, peer: int, box: Mailbox, r: Recv):
+    def __init__(self, me: int, peer: int, box: Mailbox, bell: Doorbell, r: Recv):
         self.me = me
         self.peer = peer
         self.box = box
+        self.bell = bell
         self.buf = r.buf
         self.dst = _bytes_of(r.buf)
         self.reduce = r.reduce
@@ -145,6 +149,7 @@ class _Incoming:
         self.pos = pos + n
         box.count += 1
         box.ctl[W_TAIL] = box.count  # the slot is free once we are done reading it
+        self.bell.ring()
         self.done = self.pos >= self.nbytes
         return True
 
@@ -169,16 +174,20 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, rank: int, world_size: int, outboxes: dict, inboxes: dict, procs: dict):
+    def __init__(self, rank: int, world_size: int, outboxes: dict, inboxes: dict, bells: dict, procs: dict):
+        """Use :meth:`connect`. ``bells[rank]`` is our own doorbell, the others the peers'."""
         self.rank = rank
         self.world_size = world_size
         self.host_id = os.uname().nodename
         self._out: dict[int, Mailbox] = outboxes
         self._in: dict[int, Mailbox] = inboxes
+        self._bells: dict[int, Doorbell] = bells
         self._procs: dict[int, ProcessId] = procs
         self._self_queue: deque = deque()  # messages to ourselves: (header bytes, payload copy)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_boxes, list(outboxes.values()) + list(inboxes.values()))
+        self._finalizer = weakref.finalize(
+            self, _close_all, list(outboxes.values()) + list(inboxes.values()) + list(bells.values())
+        )
 
     # -- construction ---------------------------------------------------------------------
 
@@ -197,8 +206,10 @@ class ShmTransport(Transport):
     ) -> "ShmTransport":
         """Connect ``rank`` with ``peers`` (default: every other rank) through ``store``.
 
-        ``peers`` must be symmetric (if a lists b, b lists a). Every rank of a job must use
-        the same ``prefix``; a new job (or a second communicator) needs a new one.
+        ``peers`` must be symmetric (if a lists b, b lists a). Every rank of a job uses the
+        same ``prefix``; ranks that connect several times under one prefix (one communicator
+        after another) are paired by how many times each has connected. ``store`` needs
+        ``set``, ``get``, ``check`` and ``add`` (any torch.distributed Store).
         """
         if not ORDERING_OK:
             raise CommError("the shm transport needs x86 memory ordering; use transport='tcp' on this machine")
@@ -222,35 +233,46 @@ class ShmTransport(Transport):
         tag = f"{zlib.crc32(prefix.encode()):08x}"
         directory = segment_dir()
 
+        # the n-th connect of every rank under this prefix meets the others' n-th connect,
+        # so one store can serve communicators made one after another
+        generation = store.add(f"{prefix}/shm/generation/{rank}", 1)
+
         def key(suffix: str) -> str:
-            return f"{prefix}/shm{suffix}"
+            return f"{prefix}/shm/{generation}{suffix}"
 
         outboxes: dict[int, Mailbox] = {}
         inboxes: dict[int, Mailbox] = {}
+        bells: dict[int, Doorbell] = {}
+
+        def path(src: int, dst: int) -> str:  # the bell of rank r is "r-r"
+            return os.path.join(directory, f"ringtrain-{me.pidns}-{me.pid}-{tag}-{serial}-{src}-{dst}")
+
         try:
             store.set(key(f"/pid/{rank}"), me.encode())
+            bells[rank] = Doorbell.create(path(rank, rank))
+            store.set(key(f"/bell/{rank}"), bells[rank].path.encode())
             for p in peers:
-                name = f"ringtrain-{me.pidns}-{me.pid}-{tag}-{serial}-{rank}-{p}"
-                outboxes[p] = Mailbox.create(os.path.join(directory, name), slots, slot_bytes)
-                store.set(key(f"/seg/{rank}/{p}"), os.path.join(directory, name).encode())
+                outboxes[p] = Mailbox.create(path(rank, p), slots, slot_bytes)
+                store.set(key(f"/seg/{rank}/{p}"), outboxes[p].path.encode())
             procs = {}
             for p in peers:
-                _store_wait(store, [key(f"/pid/{p}"), key(f"/seg/{p}/{rank}")], deadline, rank, p, "publish its segment")
-                procs[p] = ProcessId.decode(store.get(key(f"/pid/{p}")))
-                path = store.get(key(f"/seg/{p}/{rank}")).decode()
+                keys = [key(f"/pid/{p}"), key(f"/bell/{p}"), key(f"/seg/{p}/{rank}")]
+                _store_wait(store, keys, deadline, rank, p, "publish its segment")
+                procs[p] = ProcessId.decode(store.get(keys[0]))
                 try:
-                    inboxes[p] = Mailbox.open(path)
+                    bells[p] = Doorbell.open(store.get(keys[1]).decode())
+                    inboxes[p] = Mailbox.open(store.get(keys[2]).decode())
                 except OSError as exc:
-                    raise PeerLost(f"rank {rank}: cannot map rank {p}'s segment {path}: {exc}") from None
+                    raise PeerLost(f"rank {rank}: cannot map rank {p}'s segment: {exc}") from None
             store.set(key(f"/ready/{rank}"), b"1")
             for p in peers:
                 _store_wait(store, [key(f"/ready/{p}")], deadline, rank, p, "map its segments", procs.get(p))
         except BaseException:
-            _close_boxes(list(outboxes.values()) + list(inboxes.values()))
+            _close_all(list(outboxes.values()) + list(inboxes.values()) + list(bells.values()))
             raise
-        for box in outboxes.values():  # every peer has mapped it: the name is no longer needed
-            box.unlink()
-        return cls(rank, world_size, outboxes, inboxes, procs)
+        for ours in list(outboxes.values()) + [bells[rank]]:  # every peer has opened them
+            ours.unlink()
+        return cls(rank, world_size, outboxes, inboxes, bells, procs)
 
     # -- data path ------------------------------------------------------------------------
 
@@ -263,14 +285,15 @@ class ShmTransport(Transport):
             if s.peer == self.rank:
                 self._self_queue.append((hdr, _bytes_of(s.buf).copy()))
             else:
-                outs.append(_Outgoing(s.peer, self._box(self._out, s.peer), s.buf))
+                outs.append(_Outgoing(s.peer, self._box(self._out, s.peer), self._bells[s.peer], s.buf))
         ins = []
         for r in recvs:
             if r.peer == self.rank:
                 self._recv_self(r, header, hdr)
             else:
-                ins.append(_Incoming(self.rank, r.peer, self._box(self._in, r.peer), r))
-        backoff = Backoff()
+                ins.append(_Incoming(self.rank, r.peer, self._box(self._in, r.peer), self._bells[r.peer], r))
+        idle = Idle()
+        bell = self._bells[self.rank]
         while outs or ins:
             progressed = False
             for o in outs:
@@ -282,9 +305,9 @@ class ShmTransport(Transport):
                     outs = [o for o in outs if not o.done]
                 if any(i.done for i in ins):
                     ins = [i for i in ins if not i.done]
-                backoff.reset()
-            elif backoff.pause():
-                self._check_waiting(outs, ins, header, deadline)
+                idle.progressed()
+            else:
+                idle.step(bell, lambda: self._check_waiting(outs, ins, header, deadline), deadline)
 
     def _box(self, boxes: dict, peer: int) -> Mailbox:
         try:
@@ -349,21 +372,24 @@ class ShmTransport(Transport):
         if self._closed:
             return
         code = ERROR_CODES.get(type(error), 0)
-        for box in self._out.values():
+        for peer, box in self._out.items():
             box.set_abort(code, str(error))
+            self._bells[peer].ring()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for box in self._out.values():
+        for peer, box in self._out.items():
             box.ctl[W_CLOSED] = 1
+            self._bells[peer].ring()
         self._finalizer()
 
 
-def _close_boxes(boxes: list) -> None:
-    for box in boxes:
-        box.close()
+def _close_all(things: list) -> None:
+    """Close mailboxes and doorbells (unlinking those we created)."""
+    for thing in things:
+        thing.close()
 
 
 def _store_wait(store, keys: list, deadline: float, rank: int, peer: int, what: str, proc: Optional[ProcessId] = None) -> None:

@@ -34,10 +34,11 @@ the interpreter, so the compiler cannot reorder them either. Weaker machines (AR
 would need fences that Python cannot issue; :data:`ORDERING_OK` is False there and the
 transport refuses to start.
 
-Waiting. A rank that can make no progress *backs off*: it spins a few rounds, then yields
-the CPU (``sched_yield``), then sleeps for growing intervals up to 1 ms, so that 4 ranks on
-2 cores do not starve each other. While waiting it checks its deadline and, every few
-milliseconds, whether the peer's process is still alive.
+Waiting. A rank that can make no progress spins a few rounds, then sleeps in the kernel on
+its *doorbell* (a FIFO its peers write a byte into after they publish a counter), so that 4
+ranks on 2 cores do not burn each other's time and a sleeper wakes as soon as there is work.
+Before it sleeps, and every few milliseconds while it sleeps, it checks its deadline, the
+peers' abort and closed flags, and whether the peers' processes are still alive.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import mmap
 import os
 import platform
 import re
+import select
 import tempfile
 import time
 from dataclasses import dataclass
@@ -297,41 +299,106 @@ class Mailbox:
 # --- waiting -------------------------------------------------------------------------------
 
 
-class Backoff:
-    """Spin, then yield, then sleep for growing intervals; call ``reset`` after progress."""
+class Doorbell:
+    """A named FIFO that one rank sleeps on and its peers write a byte into to wake it.
 
-    SPINS = 64  # idle rounds that only re-check (microseconds each)
-    YIELD_FOR = 0.002  # then sched_yield until this long idle
-    MAX_SLEEP = 0.001
-    CHECK_EVERY = 0.005  # how often (idle time) the slower checks are due
+    The owner drains it, re-checks its mailboxes, then polls it: a peer that publishes a
+    counter rings *after* the store, and the pipe's kernel lock orders the two, so a change
+    made before the drain is seen by the re-check and one made after it wakes the poll. No
+    wake-up is lost. Both ends are opened O_RDWR | O_NONBLOCK (Linux: never blocks, needs no
+    reader); a full pipe (nobody asleep for a long time) just drops the extra rings.
+    """
 
-    __slots__ = ("idle", "since", "sleep", "next_check")
+    def __init__(self, path: str, fd: int, owner: bool):
+        self.path = path
+        self.fd = fd
+        self.owner = owner
+        self.linked = owner
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    @classmethod
+    def create(cls, path: str) -> "Doorbell":
+        os.mkfifo(path, 0o600)
+        try:
+            return cls(path, os.open(path, os.O_RDWR | os.O_NONBLOCK), owner=True)
+        except BaseException:
+            unlink_quietly(path)
+            raise
+
+    @classmethod
+    def open(cls, path: str) -> "Doorbell":
+        return cls(path, os.open(path, os.O_RDWR | os.O_NONBLOCK), owner=False)
+
+    def ring(self) -> None:
+        try:
+            os.write(self.fd, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def drain(self) -> None:
+        try:
+            while len(os.read(self.fd, 4096)) == 4096:
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def wait(self, seconds: float) -> None:
+        self._poll.poll(max(0, int(seconds * 1000 + 0.999)))
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            unlink_quietly(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Idle:
+    """What a rank does when a round of its exchange made no progress.
+
+    It spins ``SPINS`` rounds (a peer on another core usually answers within microseconds),
+    then it *arms*: drains its doorbell and runs one more round; if that round makes no
+    progress either it sleeps on the doorbell until a peer rings or ``CHECK_EVERY`` passes.
+    Before it sleeps, and at most every ``CHECK_EVERY`` seconds, the slow checks (deadline,
+    peer flags, peer process alive) are due.
+    """
+
+    SPINS = 40
+    CHECK_EVERY = 0.005
+
+    __slots__ = ("rounds", "armed", "next_check")
 
     def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.idle = 0
-        self.since = 0.0
-        self.sleep = 20e-6
+        self.rounds = 0
+        self.armed = False
         self.next_check = 0.0
 
-    def pause(self) -> bool:
-        """Wait a little; return True when the slow checks (deadline, liveness) are due."""
-        self.idle += 1
-        if self.idle <= self.SPINS:
-            return False
+    def progressed(self) -> None:
+        self.rounds = 0
+        self.armed = False
+
+    def step(self, bell: Optional[Doorbell], checks, deadline: float) -> None:
+        """One idle round: spin, arm, or run the checks and sleep."""
+        self.rounds += 1
+        if self.rounds <= self.SPINS:
+            return
+        if not self.armed:
+            self.armed = True
+            if bell is not None:
+                bell.drain()
+            return
+        self.armed = False
         now = time.monotonic()
-        if self.since == 0.0:
-            self.since = now
-            self.next_check = now + self.CHECK_EVERY
-            return True
-        if now - self.since < self.YIELD_FOR:
-            os.sched_yield()
-        else:
-            time.sleep(self.sleep)
-            self.sleep = min(self.sleep * 2, self.MAX_SLEEP)
         if now >= self.next_check:
+            checks()
             self.next_check = now + self.CHECK_EVERY
-            return True
-        return False
+        nap = max(0.0, min(self.next_check, deadline) - now)
+        if bell is not None:
+            bell.wait(nap)
+        else:
+            time.sleep(min(nap, 0.001))
