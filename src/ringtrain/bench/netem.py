@@ -27,14 +27,32 @@ Words used below:
   (a rendezvous that hangs); processes also get ``GLOO_SOCKET_IFNAME=eth0`` unless the
   caller sets it.
 
-Shaping (tbf) and what was measured on the development machine (scripts/netem_check.py,
-one TCP stream of 256 MiB from plain Python sockets, MTU 1500): the goodput of a fully used
-link is 1448/1514 = 95.6% of the line rate (TCP payload per Ethernet frame; tbf counts whole
-frames). With a burst of 32 kbit a 1 Gbit/s link gave only 0.59 Gbit/s; from 256 kbit up
-it gives 0.958 Gbit/s, i.e. the line rate. The defaults here are one millisecond of line
-rate, rounded up to 64 KiB (128 KiB = 1 mbit at 1 Gbit/s, 1.25 MiB = 10 mbit at 10 Gbit/s),
-and a queue of 5 ms of line rate (tbf ``latency``); the queue length did not change the
-throughput between 1 and 50 ms. Unshaped ("none") veth carries about 15 Gbit/s there.
+Shaping (tbf) as measured on the development machine (2 cores shared with other sessions;
+``scripts/netem_check.py``: one TCP stream of plain Python sockets, MTU 1500, medians of 3).
+A saturated link carries TCP payload at 1448/1514 = 95.6% of its line rate (tbf counts whole
+Ethernet frames), so 0.956 Gbit/s of goodput is a full 1 Gbit/s link.
+
+=========  ===========  ==================  ==================
+rate       burst        goodput, idle box   goodput, load ~7
+=========  ===========  ==================  ==================
+1gbit      4 KiB        0.59                0.54
+1gbit      32 KiB       0.83 - 0.95         0.76
+1gbit      128 KiB *    0.955 - 0.958       0.934
+1gbit      512 KiB      0.96                0.958
+10gbit     1.25 MiB *   9.6                 8.1 (CPU-bound)
+none       -            15 - 22             10 - 12
+=========  ===========  ==================  ==================
+
+(* the defaults: one millisecond of line rate, rounded up to 64 KiB, i.e. 1 mbit at
+1 Gbit/s and 10 mbit at 10 Gbit/s.) Too small a burst under-delivers; a larger one is more
+robust when the CPU is busy, but lets that many bytes through at once after an idle
+moment, which makes small messages look cheaper than the line allows, so the default stays
+at 1 ms (pass ``burst_bytes`` to change it). The queue (tbf ``latency``, 5 ms) did not change
+throughput between 1 and 50 ms. With both directions busy at once a 1 Gbit/s link still
+carries 0.948 Gbit/s each way; torch's gloo all_reduce of 25 MiB on 2 ranks reaches a busbw
+of 0.936 - 0.955 Gbit/s at 1gbit. At 10gbit this machine is CPU-bound, not link-bound. Round
+trips (1-byte TCP ping-pong): 16-18 us over loopback inside a host, 20-22 us host to host;
+shaping adds no delay (this kernel cannot emulate latency).
 
 Example: two ranks of a torchrun-style job, each on its own host at 1 Gbit/s::
 
