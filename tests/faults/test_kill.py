@@ -21,10 +21,10 @@ TIMEOUT = 4.0
 N = 1 << 20
 
 
-def allreduce_loop(rank, world_size, port, fault, transport, algorithm):
+def allreduce_loop(rank, world_size, port, fault, transport, algorithm, timeout=TIMEOUT):
     import ringtrain
 
-    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport=transport, timeout=TIMEOUT)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport=transport, timeout=timeout)
     base = np.arange(N, dtype=np.float32) % 4096
     mine = base + rank
     expect = base * world_size + world_size * (world_size - 1) // 2
