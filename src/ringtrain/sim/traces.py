@@ -223,7 +223,10 @@ def profile_module(
     sample_unit: str = "samples",
     batch_size: int | None = None,
 ) -> Trace:
-    """Measure a torch ``nn.Module`` on this machine's CPU, layer by layer.
+    """Measure a torch ``nn.Module`` on this machine, layer by layer.
+
+    On CPU as it is; on a CUDA device every timestamp first waits for the device
+    (``torch.cuda.synchronize``), which serializes the work a little but times each layer.
 
     ``make_batch()`` returns the model's inputs followed by the target; ``loss_fn(output,
     target)`` gives a scalar. A layer is each leaf module (and each module that holds
@@ -240,13 +243,23 @@ def profile_module(
     * gradient bytes: numel x element size of each trainable parameter, counted once for
       shared parameters (at the first module that holds them).
 
-    Each time is the median over ``repeats`` iterations after ``warmup`` unmeasured ones.
+    Each time is the median over ``repeats`` iterations after ``warmup`` unmeasured ones. The
+    hooks cost time themselves, so ``repeats`` more iterations run without hooks and every
+    layer's forward (backward) time is scaled so that their sum is the median hook-free
+    forward (backward) time; the split between layers is the hooked run's.
     ``batch_size`` defaults to the first input's leading dimension.
     """
     import torch
 
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
+    on_cuda = any(p.is_cuda for p in module.parameters())
+
+    def now() -> float:
+        # GPU work is asynchronous: wait for it, so each timestamp is when the work was done
+        if on_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
     owners: dict[str, Any] = {}
     for mod_name, mod in module.named_modules():
         has_own = any(p.requires_grad for p in mod.parameters(recurse=False))
@@ -274,19 +287,19 @@ def profile_module(
 
     def pre(mod_name: str) -> Callable[..., None]:
         def hook(_mod: Any, _inp: Any) -> None:
-            starts[mod_name] = time.perf_counter()
+            starts[mod_name] = now()
         return hook
 
     def post(mod_name: str) -> Callable[..., None]:
         def hook(_mod: Any, _inp: Any, _out: Any) -> None:
             if mod_name not in order:
                 order.append(mod_name)
-            timings.forward[mod_name] = timings.forward.get(mod_name, 0.0) + time.perf_counter() - starts[mod_name]
+            timings.forward[mod_name] = timings.forward.get(mod_name, 0.0) + now() - starts[mod_name]
         return hook
 
     def ready(mod_name: str) -> Callable[..., None]:
         def hook(_p: Any) -> None:
-            timings.ready[mod_name] = time.perf_counter()
+            timings.ready[mod_name] = now()
         return hook
 
     for mod_name, mod in owners.items():
@@ -297,45 +310,66 @@ def profile_module(
             if p.requires_grad and param_owner[id(p)] == mod_name:
                 handles.append(p.register_post_accumulate_grad_hook(ready(mod_name)))
 
+    def iteration() -> tuple[float, float, float, float]:
+        """One training step: the times forward starts, forward ends, backward ends, and the
+        optimizer step's duration."""
+        nonlocal batch_size
+        *inputs, target = make_batch()
+        if batch_size is None:
+            batch_size = int(inputs[0].shape[0]) if getattr(inputs[0], "ndim", 0) else 1
+        module.zero_grad(set_to_none=True)
+        t0 = now()
+        loss = loss_fn(module(*inputs), target)
+        t1 = now()
+        loss.backward()
+        t2 = now()
+        if optimizer is None:
+            return t0, t1, t2, 0.0
+        optimizer.step()
+        return t0, t1, t2, now() - t2
+
     samples: list[dict[str, float]] = []
     try:
         for i in range(warmup + repeats):
             timings.forward.clear()
             timings.ready.clear()
-            *inputs, target = make_batch()
-            if batch_size is None:
-                batch_size = int(inputs[0].shape[0]) if getattr(inputs[0], "ndim", 0) else 1
-            module.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            loss = loss_fn(module(*inputs), target)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt_s = 0.0
-            if optimizer is not None:
-                optimizer.step()
-                opt_s = time.perf_counter() - t2
+            t0, t1, t2, opt_s = iteration()
             if i >= warmup:
                 samples.append(_one_iteration(timings, owners, order, t0, t1, t2, opt_s))
     finally:
         for h in handles:
             h.remove()
+    # The hooks themselves cost time (on a GPU each one waits for the device): time the same
+    # steps without hooks and scale the layers' times to those totals.
+    plain = [iteration() for _ in range(repeats)]
+    plain_f = statistics.median(t1 - t0 for t0, t1, _, _ in plain)
+    plain_b = statistics.median(t2 - t1 for _, t1, t2, _ in plain)
 
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    hooked_f = sum(v for k, v in med.items() if k.startswith("f:"))
+    hooked_b = sum(v for k, v in med.items() if k.startswith("b:"))
+    fs = plain_f / hooked_f if hooked_f > 0 else 1.0
+    bs = plain_b / hooked_b if hooked_b > 0 else 1.0
     names = order + [n for n in owners if n not in order and grad_bytes[n]]
     layers = [
-        Layer(n, med.get(f"f:{n}", 0.0), med.get(f"b:{n}", 0.0), grad_bytes[n], params[n]) for n in names
+        Layer(n, fs * med.get(f"f:{n}", 0.0), bs * med.get(f"b:{n}", 0.0), grad_bytes[n], params[n]) for n in names
     ]
     if med["f:(other)"] > 0:
-        layers.append(Layer("(other)", med["f:(other)"], 0.0, 0, 0))
+        layers.append(Layer("(other)", fs * med["f:(other)"], 0.0, 0, 0))
     return Trace(
         model=name or type(module).__name__,
         layers=tuple(layers),
         batch_size=batch_size,
         sample_unit=sample_unit,
         optimizer_s=med["optimizer"],
-        source=f"profiled on this machine's CPU (torch {torch.__version__}), median of {repeats}",
+        source=f"profiled on {_device_name(on_cuda)} (torch {torch.__version__}), median of {repeats}",
     )
+
+
+def _device_name(on_cuda: bool) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if on_cuda else "this machine's CPU"
 
 
 def _one_iteration(
