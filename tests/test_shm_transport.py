@@ -402,6 +402,21 @@ def test_connect_validates_options_and_times_out_without_leftovers():
 
 
 @pytest.mark.timeout(30)
+def test_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch):
+    import errno
+
+    import torch.distributed as dist
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(CommError, match="No space left.*transport='tcp'"):
+        ShmTransport.connect(0, 2, dist.HashStore(), timeout=1, prefix="full")
+    assert _my_segments() == []
+
+
+@pytest.mark.timeout(30)
 def test_stale_segments_of_dead_processes_are_removed():
     ctx = mp.get_context("spawn")
     child = ctx.Process(target=os.getpid)

@@ -252,7 +252,14 @@ class ShmTransport(Transport):
             bells[rank] = Doorbell.create(path(rank, rank))
             store.set(key(f"/bell/{rank}"), bells[rank].path.encode())
             for p in peers:
-                outboxes[p] = Mailbox.create(path(rank, p), slots, slot_bytes)
+                try:
+                    outboxes[p] = Mailbox.create(path(rank, p), slots, slot_bytes)
+                except OSError as exc:
+                    raise CommError(
+                        f"rank {rank}: cannot create a shared-memory mailbox of {slots} x {slot_bytes} bytes "
+                        f"in {directory} ({exc}); free space there: {_free_bytes(directory)} bytes. "
+                        "Pass smaller slot_bytes/slots or use transport='tcp'"
+                    ) from None
                 store.set(key(f"/seg/{rank}/{p}"), outboxes[p].path.encode())
             procs = {}
             for p in peers:
@@ -294,6 +301,10 @@ class ShmTransport(Transport):
                 ins.append(_Incoming(self.rank, r.peer, self._box(self._in, r.peer), self._bells[r.peer], r))
         idle = Idle()
         bell = self._bells[self.rank]
+
+        def checks() -> None:  # sees the current outs and ins (closure cells)
+            self._check_waiting(outs, ins, header, deadline)
+
         while outs or ins:
             progressed = False
             for o in outs:
@@ -307,7 +318,7 @@ class ShmTransport(Transport):
                     ins = [i for i in ins if not i.done]
                 idle.progressed()
             else:
-                idle.step(bell, lambda: self._check_waiting(outs, ins, header, deadline), deadline)
+                idle.step(bell, checks, deadline)
 
     def _box(self, boxes: dict, peer: int) -> Mailbox:
         try:
@@ -384,6 +395,11 @@ class ShmTransport(Transport):
             box.ctl[W_CLOSED] = 1
             self._bells[peer].ring()
         self._finalizer()
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 def _close_all(things: list) -> None:

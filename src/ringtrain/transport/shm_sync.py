@@ -163,10 +163,16 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
     try:
         if create:
             os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):  # reserve the pages now: a full /dev/shm is an
+                os.posix_fallocate(fd, 0, size)  # error here, not a SIGBUS in mid-exchange
         elif os.fstat(fd).st_size != size:
             raise OSError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {size}")
         populate = getattr(mmap, "MAP_POPULATE", 0)  # fault every page in now, not mid-exchange
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        if create:
+            unlink_quietly(path)
+        raise
     finally:
         os.close(fd)
 
