@@ -196,7 +196,7 @@ def until_error(step, fault: Fault, check=None, limit_s: float = 60.0) -> dict:
 
     ``check(i)`` (optional) verifies call i's result, raising AssertionError on a wrong one.
     Returns the error's type name and text, ``t_error`` (monotonic), the calls completed, and
-    what a further call raised (a broken communicator must refuse it).
+    what a further call raised, as ``Type: text`` (a broken communicator must refuse it).
     """
     from ringtrain import CommError
 
@@ -210,8 +210,8 @@ def until_error(step, fault: Fault, check=None, limit_s: float = 60.0) -> dict:
             try:
                 step()
                 again = None
-            except CommError as exc2:
-                again = type(exc2).__name__
+            except Exception as exc2:  # noqa: BLE001 - the test judges what a broken job raises
+                again = f"{type(exc2).__name__}: {exc2}"
             return {"error": type(exc).__name__, "message": str(exc), "t_error": t_error, "done": done,
                     "again": again}
         if check is not None:

@@ -43,11 +43,16 @@ def allreduce_loop(rank, world_size, port, fault, transport, algorithm, timeout=
     return out
 
 
-def judge(out, fault_log, name, timeout=TIMEOUT, allowed=("PeerLost", "CommTimeout")):
-    """Record the fault, then assert what issue 6 asks of every survivor."""
+BROKEN = ("CommError", "CommTimeout", "PeerLost")
+
+
+def judge(out, fault_log, name, timeout=TIMEOUT, allowed=("PeerLost", "CommTimeout"), again=BROKEN):
+    """Record the fault, then assert what issue 6 asks of every survivor: the first error is one
+    of ``allowed``, in time; a further call raises one of ``again`` (None: anything but success)."""
     late, wrong = {}, {}
     for r, res in out.results.items():
-        if isinstance(res, RankError) or res["error"] not in allowed or res["again"] is None:
+        if (isinstance(res, RankError) or res["error"] not in allowed or res["again"] is None
+                or (again is not None and res["again"].split(":")[0] not in again)):
             wrong[r] = res
         elif res["t_error"] - out.fault_at > timeout + GRACE:
             late[r] = res["t_error"] - out.fault_at
