@@ -104,8 +104,10 @@ def deadline(s=10.0):
     [(1, None), (2, None), (2, ["a", "b"]), (3, ["a", "a", "b"]), (4, ["a", "b", "a", "b"])],
 )
 @pytest.mark.parametrize("n", [0, 1, 1023, 70_001])
-def test_ring_shift_and_reduce_exact(mesh, world, hosts, n):
-    ts = mesh(world, host_ids=hosts, segment_bytes=4096)  # small segments: many per message
+@pytest.mark.parametrize("thread_send_bytes", [None, 64], ids=["inline", "sender-threads"])
+def test_ring_shift_and_reduce_exact(mesh, world, hosts, n, thread_send_bytes):
+    # small segments: many per message; tiny thread_send_bytes: the sender threads carry most frames
+    ts = mesh(world, host_ids=hosts, segment_bytes=4096, thread_send_bytes=thread_send_bytes)
 
     def step(r):
         t = ts[r]
@@ -139,9 +141,10 @@ def test_dtypes_and_unaligned_segments(mesh, dtype):
         np.testing.assert_array_equal(res[r], (values(0, n, dtype, 0) + 1) + (values(1, n, dtype, 0) + 1))
 
 
-def test_all_to_all_with_every_peer_at_once(mesh):
+@pytest.mark.parametrize("thread_send_bytes", [None, 64], ids=["inline", "sender-threads"])
+def test_all_to_all_with_every_peer_at_once(mesh, thread_send_bytes):
     world, n = 4, 50_000
-    ts = mesh(world, host_ids=["a", "a", "b", "b"], segment_bytes=8192)
+    ts = mesh(world, host_ids=["a", "a", "b", "b"], segment_bytes=8192, thread_send_bytes=thread_send_bytes)
 
     def step(r):
         acc = values(r, n, np.int64)
@@ -157,7 +160,7 @@ def test_all_to_all_with_every_peer_at_once(mesh):
 
 
 def test_many_exchanges_keep_order_and_headers(mesh):
-    ts = mesh(2)
+    ts = mesh(2, thread_send_bytes=24)  # some frames inline, some in the sender threads
 
     def step(r):
         out = []
@@ -268,8 +271,10 @@ def test_abort_reaches_a_waiting_peer_with_the_same_type(mesh, error):
         assert str(res[r]).startswith("rank 0 aborted: ") and str(error) in str(res[r])
 
 
-def test_abort_reaches_a_peer_blocked_sending(mesh):
-    ts = mesh(2, host_ids=["a", "b"])
+@pytest.mark.parametrize("thread_send_bytes", [None, 1], ids=["inline", "sender-threads"])
+@pytest.mark.parametrize("hosts", [["a", "b"], ["a", "a"]], ids=["tcp", "unix"])
+def test_abort_reaches_a_peer_blocked_sending(mesh, thread_send_bytes, hosts):
+    ts = mesh(2, host_ids=hosts, thread_send_bytes=thread_send_bytes)
     big = np.zeros(32 << 20, np.uint8)  # far more than the socket buffers hold
 
     def step(r):
@@ -306,14 +311,46 @@ def test_silent_peer_times_out_naming_it(mesh):
     assert time.monotonic() - t0 < 2
 
 
-def test_close_is_idempotent_and_closes_sockets(mesh):
-    ts = mesh(2)
-    fds = [c.sock for c in ts[0]._conns.values()]
-    ts[0].close()
-    ts[0].close()
-    assert all(s.fileno() == -1 for s in fds)
+def sender_threads():
+    return [th for th in threading.enumerate() if th.name.startswith("ringtrain-tcp-send")]
+
+
+def test_close_is_idempotent_and_ends_sockets_and_threads(mesh):
+    before = len(sender_threads())
+    ts = mesh(3, thread_send_bytes=1)
+    on_threads(3, lambda r: ts[r].exchange(
+        [Send(p, np.zeros(1 << 19)) for p in range(3) if p != r],
+        [Recv(p, np.zeros(1 << 19)) for p in range(3) if p != r], CALL, deadline()))
+    assert len(sender_threads()) == before + 6
+    socks = [c.sock for t in ts for c in t._conns.values()]
+    for t in ts:
+        t.close()
+        t.close()
+    assert all(s.fileno() == -1 for s in socks)
+    assert len(sender_threads()) == before
     with pytest.raises(CommError, match="closed"):
         ts[0].exchange([], [], CALL, deadline())
+
+
+def test_failed_exchange_with_a_sender_thread_mid_frame_then_abort(mesh):
+    """Rank 0's big send is in its sender thread when its receive fails; abort must not
+    interleave an ABORT frame into that DATA frame: rank 1 sees PeerLost, not garbage."""
+    ts = mesh(2, thread_send_bytes=1)
+    big = np.zeros(16 << 20, np.uint8)
+
+    def step(r):
+        if r == 0:
+            try:
+                ts[0].exchange([Send(1, big)], [Recv(1, np.zeros(4, np.float32))], CALL, deadline(0.5))
+            except CommTimeout as exc:
+                ts[0].abort(exc)
+                return "timeout"
+        time.sleep(1.0)  # rank 1 reads nothing until rank 0 gave up
+        ts[1].exchange([], [Recv(0, np.zeros(big.size, np.uint8))], CALL, deadline(5))
+
+    res = on_threads(2, step)
+    assert res[0] == "timeout"
+    assert isinstance(res[1], PeerLost), res[1]
 
 
 # --- set-up: authentication and refusals -------------------------------------------------------
@@ -433,9 +470,12 @@ def test_listener_survives_garbage_and_keeps_serving(payload):
     lt = ListenerThread()
     for kind in ("tcp", "unix"):
         s = lt.raw(kind)
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
-        read_until_closed(s)
+        try:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            read_until_closed(s)
+        except OSError:  # the listener may have refused and closed already
+            pass
         s.close()
     lt.legit().close()
     res = lt.finish()
