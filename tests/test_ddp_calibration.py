@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import raise_first, run_comms
+from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 from ringtrain.ddp import calibration as cal
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import raise_first, run_comms
+from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 from test_ddp_support import (PER_RANK, STEPS, make_model, perturbed, rank_batch, reference, train)
 

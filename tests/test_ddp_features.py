@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import raise_first, run_comms
+from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 from test_ddp_support import global_batch, make_model, perturbed, rank_batch
 

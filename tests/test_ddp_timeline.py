@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import raise_first, run_comms
+from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel, draw_timeline, trace_path
 from ringtrain.ddp.timeline import TraceRecorder, hidden_fraction, overlap
 from test_ddp_support import make_model, rank_batch

@@ -57,6 +57,7 @@ from .comm_thread import CommThread
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
 
 logger = logging.getLogger("ringtrain.ddp")
+_NAN = float("nan")
 
 SCHEDULES = planner.METHODS
 
@@ -161,14 +162,10 @@ class DistributedDataParallel(nn.Module):
         first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
         self._install(first, planner.merge([0.0] * n, self._sizes[first], self.alpha, self.beta, method="single"))
 
-        self.iteration = 0
         self.stats: deque[IterationStats] = deque(maxlen=1000)
         self._lock = threading.Lock()
-        self._sync = True
-        self._armed = False
-        self._expected = n
-        self._unused: list[int] = []
-        self._forward_span: Optional[tuple[float, float]] = None
+        # Mutable state lives in one plain object: nn.Module.__setattr__ is too slow for hooks.
+        self._s = _State(n)
         self._reset_iteration()
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, pid))
                        for pid, p in enumerate(self._params)]
@@ -196,6 +193,11 @@ class DistributedDataParallel(nn.Module):
         return list(self._order)
 
     @property
+    def iteration(self) -> int:
+        """Synchronizing backward passes completed."""
+        return self._s.iteration
+
+    @property
     def last_stats(self) -> Optional[IterationStats]:
         return self.stats[-1] if self.stats else None
 
@@ -204,33 +206,33 @@ class DistributedDataParallel(nn.Module):
         return None if self._recorder is None else self._recorder.path
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._active:
+        if self._s.active:
             raise self._missing_gradients_error()
         t0 = time.perf_counter()
         if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers:
             self._broadcast_tensors(self._module_buffers, "broadcast buffers")
         out = self.module(*inputs, **kwargs)
-        self._armed = self._sync and torch.is_grad_enabled()
-        if self._armed:
+        self._s.armed = self._s.sync and torch.is_grad_enabled()
+        if self._s.armed:
             outputs = [t for t in _tensors(out) if t.grad_fn is not None]
             for t in outputs:
                 t.register_hook(self._on_backward_start)
             if self.options.find_unused_parameters:
                 used = _reachable_params(outputs, self._pid_of)
-                self._expected = len(used)
-                self._unused = [pid for pid in range(len(self._params)) if pid not in used]
-        self._forward_span = (t0, time.perf_counter())
+                self._s.expected = len(used)
+                self._s.unused = [pid for pid in range(len(self._params)) if pid not in used]
+        self._s.forward_span = (t0, time.perf_counter())
         return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Forward and backward passes inside accumulate local gradients without communicating;
         the first synchronizing backward after it averages the accumulated gradients."""
-        old, self._sync = self._sync, False
+        old, self._s.sync = self._s.sync, False
         try:
             yield
         finally:
-            self._sync = old
+            self._s.sync = old
 
     def close(self) -> None:
         """Write the trace file, remove the hooks, stop the communication thread (idempotent).
@@ -243,22 +245,25 @@ class DistributedDataParallel(nn.Module):
     # --- hooks -------------------------------------------------------------------------------
 
     def _on_backward_start(self, grad: torch.Tensor) -> None:
-        if self._armed and not np.isfinite(self._bwd_start):
-            self._bwd_start = time.perf_counter()
+        st = self._s
+        if st.armed and st.bwd_start is None:
+            st.bwd_start = time.perf_counter()
 
     def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
-        if not self._armed:
+        st = self._s
+        if not st.armed:
             return
         now = time.perf_counter()
         with self._lock:
-            if not self._active:
-                self._begin_backward()
-            if self._got[pid]:
+            if not st.active:
+                self._begin_backward(now)
+            if st.got[pid]:
                 # A second gradient before the first backward ended: that one lacked some.
                 raise self._missing_gradients_error()
-            self._got[pid] = 1
-            self._stamps[pid] = now
-            self._ready += 1
+            st.got[pid] = 1
+            st.stamps[pid] = now
+            st.last = now
+            st.ready += 1
             if self.world_size > 1:
                 grad = param.grad
                 if grad.is_sparse:
@@ -266,66 +271,77 @@ class DistributedDataParallel(nn.Module):
                                      "ringtrain.DistributedDataParallel reduces dense gradients only")
                 self._slots[pid].copy_(grad)
                 self._mark_ready(self._bucket_index[pid])
-            if self._ready == self._expected:
+            if st.ready == st.expected:
                 self._end_backward()
 
-    def _begin_backward(self) -> None:
-        self._active = True
+    def _begin_backward(self, now: float) -> None:
+        st = self._s
+        st.active = True
+        st.first = now
         if self.world_size > 1:
-            for pid in self._unused:  # find_unused_parameters: they contribute zeros
+            for pid in st.unused:  # find_unused_parameters: they contribute zeros
                 self._slots[pid].zero_()
                 self._mark_ready(self._bucket_index[pid])
 
     def _mark_ready(self, bucket: int) -> None:
-        self._pending[bucket] -= 1
-        while self._launched < len(self._specs) and self._pending[self._launched] == 0:
-            k = self._launched
+        st = self._s
+        st.pending[bucket] -= 1
+        while st.launched < len(self._specs) and st.pending[st.launched] == 0:
+            k = st.launched
             job = self._thread.submit(
                 f"allreduce bucket {k}",
                 partial(self.comm.allreduce, self._bufs[k], "mean", self.options.algorithm),
                 self._specs[k].nbytes,
             )
-            self._jobs.append(job)
-            self._launched += 1
+            st.jobs.append(job)
+            st.launched += 1
 
     def _end_backward(self) -> None:
-        t_last = time.perf_counter()
-        if self.world_size > 1 and self._launched != len(self._specs):
-            raise RuntimeError(f"internal error: {self._launched} of {len(self._specs)} buckets launched at the "
-                               "end of backward")
-        for job in self._jobs:
-            job.wait(self._timeout)
-        t_waited = time.perf_counter()
+        st = self._s
+        t_last = st.last
         if self.world_size > 1:
+            if st.launched != len(self._specs):
+                raise RuntimeError(f"internal error: {st.launched} of {len(self._specs)} buckets launched at the "
+                                   "end of backward")
+            try:
+                for job in st.jobs:
+                    job.wait(self._timeout)
+            except BaseException:
+                self._reset_iteration()  # the communication error is the news, not missing gradients
+                raise
+            t_waited = time.perf_counter()
             with torch.no_grad():
                 for pid, p in enumerate(self._params):
                     if p.grad is None:
                         p.grad = self._slots[pid].clone()
                     else:
                         p.grad.copy_(self._slots[pid])
-        t_done = time.perf_counter()
+            t_done = time.perf_counter()
+        else:
+            t_waited = t_done = time.perf_counter()
         self._record(t_last, t_waited, t_done)
         self._profile()
-        self.iteration += 1
+        st.iteration += 1
         self._reset_iteration()
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
     def _reset_iteration(self) -> None:
+        st = self._s
         n = len(self._params)
-        self._active = False
-        self._pending = list(self._counts)
-        self._launched = 0
-        self._jobs: list = []
-        self._ready = 0
-        self._got = bytearray(n)
-        self._stamps = np.full(n, np.nan)
-        self._bwd_start = float("nan")
+        st.active = False
+        st.pending = list(self._counts)
+        st.launched = 0
+        st.jobs = []
+        st.ready = 0
+        st.got = bytearray(n)
+        st.stamps = [_NAN] * n
+        st.bwd_start = None
         if not self.options.find_unused_parameters:
-            self._expected = n
+            st.expected = n
 
     def _missing_gradients_error(self) -> RuntimeError:
-        missing = [self._names[pid] for pid in range(len(self._params)) if not self._got[pid]]
+        missing = [self._names[pid] for pid in range(len(self._params)) if not self._s.got[pid]]
         self._reset_iteration()
         hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
                 "autograd graph) but did not" if self.options.find_unused_parameters else
@@ -336,31 +352,33 @@ class DistributedDataParallel(nn.Module):
             f"{len(missing)} of {len(self._params)} parameters, so their allreduce never ran: {missing}. {hint}.")
 
     def _record(self, t_last: float, t_waited: float, t_done: float) -> None:
-        finite = self._stamps[np.isfinite(self._stamps)]
-        start = self._bwd_start if np.isfinite(self._bwd_start) else float(finite.min()) if finite.size else t_last
-        end = float(finite.max()) if finite.size else t_last
-        spans = [(j.started, j.ended) for j in self._jobs]
+        st = self._s
+        start = st.first if st.bwd_start is None else st.bwd_start
+        end = t_last
+        spans = [(j.started, j.ended) for j in st.jobs]
         last_comm = max((b for _, b in spans), default=end)
-        fwd = self._forward_span or (start, start)
+        fwd = st.forward_span or (start, start)
         self.stats.append(IterationStats(
-            iteration=self.iteration, forward_s=fwd[1] - fwd[0], backward_s=end - start,
+            iteration=st.iteration, forward_s=fwd[1] - fwd[0], backward_s=end - start,
             comm_s=sum(b - a for a, b in spans), exposed_s=max(0.0, last_comm - end), wait_s=t_done - t_last,
             hidden_fraction=hidden_fraction(spans, start, end), buckets=len(spans),
             predicted_end_s=self._plan.end_time, measured_end_s=max(last_comm, end) - start))
         rec = self._recorder
-        planned = self.iteration >= self.options.warmup_iterations + self.options.profile_iterations
-        if rec is None or not rec.recording or not planned:
+        if rec is None or not rec.recording:
             return
-        it = self.iteration
+        it = st.iteration
+        if it < self.options.warmup_iterations + self.options.profile_iterations:
+            return
         rec.span("forward", "forward", "compute", fwd[0], fwd[1], iteration=it)
         prev = start
-        for pid in calibration.observed_order(self._stamps):
-            t = self._stamps[pid]
+        stamps = np.array(st.stamps)
+        for pid in calibration.observed_order(stamps):
+            t = stamps[pid]
             if not np.isfinite(t):
                 break
             rec.span(f"backward {self._names[pid]}", "backward", "compute", prev, t, iteration=it)
             prev = t
-        for k, job in enumerate(self._jobs):
+        for k, job in enumerate(st.jobs):
             rec.span(f"allreduce bucket {k}", "allreduce", "communication", job.started, job.ended, iteration=it,
                      bytes=job.nbytes, params=len(self._specs[k].pids))
         rec.span("wait for allreduce", "wait", "compute", t_last, t_waited, iteration=it)
@@ -369,10 +387,11 @@ class DistributedDataParallel(nn.Module):
 
     def _profile(self) -> None:
         opts = self.options
-        it = self.iteration
+        it = self._s.iteration
         if it < opts.warmup_iterations:
             return
-        self._profile_rows.append(calibration.gaps(self._stamps, self._bwd_start))
+        # Raw stamps are kept; gaps are computed only when a plan is (re-)made.
+        self._profile_rows.append((self._s.stamps, self._s.bwd_start))
         planned_at = opts.warmup_iterations + opts.profile_iterations - 1
         if it == planned_at:
             self._replan(first=True)
@@ -380,14 +399,15 @@ class DistributedDataParallel(nn.Module):
             self._replan(first=False)
 
     def _replan(self, first: bool) -> None:
-        local = calibration.local_profile(list(self._profile_rows))
-        mine = calibration.observed_order(self._stamps)
+        local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
+                                           for stamps, start in self._profile_rows])
+        mine = calibration.observed_order(np.array(self._s.stamps))
         t0 = time.perf_counter()
         times, order = self._thread.run("profile exchange", partial(calibration.exchange_profile, self.comm, local, mine),
                                         self._timeout)
         if self._recorder is not None:
             self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
-                                iteration=self.iteration)
+                                iteration=self._s.iteration)
         order = bucketing.check_order(order, len(self._params))
         if not first:
             moved = calibration.drift(self._plan_times, times[self._order])
@@ -441,6 +461,22 @@ class DistributedDataParallel(nn.Module):
 
     def _log(self, message: str) -> None:
         logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d: %s", self.rank, message)
+
+
+class _State:
+    """The wrapper's mutable run-time state (see the module docstring for the words)."""
+
+    __slots__ = ("sync", "armed", "expected", "unused", "forward_span", "iteration", "active", "pending",
+                 "launched", "jobs", "ready", "got", "stamps", "bwd_start", "first", "last")
+
+    def __init__(self, n: int):
+        self.sync = True  # False inside no_sync()
+        self.armed = False  # the last forward asked for a synchronizing backward
+        self.expected = n  # gradients that end the backward pass
+        self.unused: list[int] = []  # find_unused_parameters: ids outside the graph
+        self.forward_span: Optional[tuple[float, float]] = None
+        self.iteration = 0
+        self.first = self.last = float("nan")  # first and last gradient stamps
 
 
 def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder]) -> None:
