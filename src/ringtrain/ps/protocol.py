@@ -224,6 +224,11 @@ class Channel:
         return buf.tobytes()
 
     def close(self) -> None:
+        """Shut down both directions first: that wakes a thread blocked in a receive on it."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:

@@ -313,10 +313,10 @@ class ParameterServer:
             elif head.kind == P.BYE:
                 if head.body:
                     raise ProtocolError(f"worker {w} sent a BYE with a body")
-                with self._cond:
+                ch.send(P.BYE, body=P.encode_json(self.stats()))
+                with self._cond:  # only now: serve() may return (and the process exit) after this
                     self._status[w] = "bye"
                     self._cond.notify_all()
-                ch.send(P.BYE, body=P.encode_json(self.stats()))
                 return
             else:
                 raise ProtocolError(f"worker {w} sent {head.name}, which workers do not send")

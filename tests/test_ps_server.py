@@ -1,0 +1,179 @@
+"""A parameter server in this process (threads): refusing strangers, message checks, options.
+
+The server runs in a thread; workers are ParameterServerTraining objects in threads, so
+these tests are fast. Real processes are in test_ps_training.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ringtrain.errors import AuthError, ProtocolError
+from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
+from ringtrain.ps import protocol as P
+from ringtrain.transport import wire
+
+pytestmark = pytest.mark.timeout(30)
+SECRET = b"test-secret"
+
+
+def tiny(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def start_server(**kw) -> tuple[ParameterServer, threading.Thread, dict]:
+    cfg = ServerConfig(**{"index": 0, "servers": 1, "workers": 1, "secret": SECRET, "timeout": 10.0, **kw})
+    server = ParameterServer(cfg)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("stats", server.serve()), daemon=True)
+    t.start()
+    return server, t, out
+
+
+def train_one(endpoint, steps: int = 3, **kw) -> dict:
+    model = tiny()
+    ps = ParameterServerTraining(model, servers=[endpoint], worker=0, workers=1, secret=SECRET, lr=0.1, **kw)
+    for s in range(steps):
+        x = torch.full((2, 4), float(s + 1))
+        model(x).sum().backward()
+        ps.step()
+    ps.wait()
+    return ps.close()
+
+
+def wait_refused(server: ParameterServer, n: int) -> None:
+    end = time.monotonic() + 10
+    while server.refused < n:
+        assert time.monotonic() < end, f"server refused {server.refused} connections, expected {n}"
+        time.sleep(0.02)
+
+
+def test_header_round_trip_and_garbage_is_a_protocol_error():
+    raw = P.pack_header(P.PUSH, worker=3, count=2, step=7, version=5, extra=1)
+    head = P.unpack_header(raw, P.HEADER_SIZE + 16)
+    assert (head.kind, head.worker, head.count, head.step, head.version, head.extra, head.body) == (
+        P.PUSH, 3, 2, 7, 5, 1, 16)
+    with pytest.raises(ProtocolError, match="magic"):
+        P.unpack_header(b"XXXX" + raw[4:], P.HEADER_SIZE)
+    with pytest.raises(ProtocolError, match="kind"):
+        P.unpack_header(raw[:4] + bytes([99]) + raw[5:], P.HEADER_SIZE)
+
+
+def test_strangers_are_refused_and_the_server_keeps_serving():
+    server, thread, out = start_server()
+    host, port = server.endpoint
+    # 1. garbage bytes instead of a hello
+    with socket.create_connection((host, port)) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(100))
+        s.settimeout(5)
+        try:
+            s.recv(1000)
+        except OSError:
+            pass
+    wait_refused(server, 1)
+    # 2. a hello that claims an absurd size/rank (malformed), then silence
+    with socket.create_connection((host, port)) as s:
+        s.sendall(struct.pack("<4sBBH", b"RTHS", 1, 1, 0) + bytes(64))
+    wait_refused(server, 2)
+    # 3. a correct handshake with the wrong secret
+    wrong = P.ps_identity(1, 2, "ps", b"not-the-secret")
+    with pytest.raises(AuthError):
+        P.dial(server.endpoint, wrong, 0, 5.0)
+    wait_refused(server, 3)
+    # 4. no secret at all against a server that requires one
+    with pytest.raises(AuthError):
+        P.dial(server.endpoint, P.ps_identity(1, 2, "ps", None), 0, 5.0)
+    wait_refused(server, 4)
+    # ... and the real worker still trains.
+    stats = train_one(server.endpoint)
+    thread.join(10)
+    assert stats["steps"] == 3
+    assert out["stats"]["refused_connections"] >= 4
+    assert out["stats"]["version"] == 3
+
+
+def test_an_authenticated_worker_sending_garbage_is_dropped_not_obeyed():
+    server, thread, out = start_server(strategy="async", workers=2)
+    me = P.ps_identity(2, 3, "ps", SECRET)  # worker 1 of 2
+    sock = P.dial(server.endpoint, me, 0, 5.0)
+    # a frame that claims a 1 TiB message: must be refused without allocating it
+    call = wire.CallHeader(1, "send", numel=0)
+    sock.sendall(wire.encode_data_header(call, 1 << 40)[:-8] + struct.pack("<Q", (1 << 40) + 1))
+    sock.settimeout(5)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    sock.close()
+    end = time.monotonic() + 5
+    while server.stats()["notices"] == [] and time.monotonic() < end:
+        time.sleep(0.02)
+    assert "worker 1 was lost" in server.stats()["notices"][0]
+    assert server.version == 0 and server.updates == 0
+    server.failed = None  # let the thread end
+    with server._cond:
+        server._status[0] = "bye"
+        server._cond.notify_all()
+    thread.join(5)
+
+
+def test_options_are_validated_with_the_option_named():
+    with pytest.raises(ValueError, match="strategy"):
+        PSOptions(strategy="hogwild")
+    with pytest.raises(ValueError, match="schedule"):
+        PSOptions(schedule="eager")
+    with pytest.raises(ValueError, match="lr"):
+        PSOptions(lr=0)
+    with pytest.raises(ValueError, match="max_staleness"):
+        ServerConfig(index=0, servers=1, workers=1, max_staleness=-1)
+    with pytest.raises(ValueError, match="index"):
+        ServerConfig(index=2, servers=2, workers=1)
+    with pytest.raises(ValueError, match="float32"):
+        ParameterServerTraining(nn.Linear(2, 2).double(), servers=[("127.0.0.1", 1)], worker=0, workers=1)
+
+
+def test_gradient_accumulation_is_refused_clearly():
+    server, thread, _ = start_server()
+    model = tiny()
+    ps = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=1, secret=SECRET)
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="accumulation"):
+        ps.step()
+    for link in ps._links:
+        link.ch.close()
+    thread.join(10)
+
+
+def test_single_worker_sync_equals_torch_sgd_bitwise():
+    server, thread, _ = start_server()
+    model, ref = tiny(), tiny()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ps = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=1, secret=SECRET,
+                                 lr=0.1, momentum=0.9, partition_mb=4 / (1 << 20))  # 1-element partitions
+    for s in range(5):
+        x = torch.arange(8, dtype=torch.float32).reshape(2, 4) / (s + 1)
+        model(x).pow(2).sum().backward()
+        ps.step()
+        opt.zero_grad()
+        ref(x).pow(2).sum().backward()
+        opt.step()
+    ps.wait()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    ps.close()
+    thread.join(10)
