@@ -272,13 +272,17 @@ def _transfer_seconds(rate: str | None, nbytes: int) -> float:
 @pytest.mark.timeout(30)
 def test_one_gbit_link_takes_about_the_line_time():
     # A functional check, not a speed test: shaping must make the transfer no faster than
-    # ~line time; the upper bound adds the unshaped time of the same transfer, so a loaded
-    # CPU slows both alike.
+    # ~line time (unshaped it is ~10x faster). The upper bound (a far too small burst gives
+    # ~1.8x) adds the unshaped time of the same transfer, and the shaped one is the better
+    # of two, so that a busy CPU does not fail it.
     nbytes = 30 * 2**20
     line_s = nbytes * 8 / 1e9
     unshaped = _transfer_seconds(None, nbytes)
-    shaped = _transfer_seconds("1gbit", nbytes)
-    assert 0.6 * line_s <= shaped <= 1.5 * line_s + unshaped, (shaped, line_s, unshaped)
+    shaped = [_transfer_seconds("1gbit", nbytes)]
+    if shaped[0] > 1.5 * line_s + unshaped:
+        shaped.append(_transfer_seconds("1gbit", nbytes))
+    assert 0.6 * line_s <= shaped[0], (shaped, line_s, unshaped)
+    assert min(shaped) <= 1.5 * line_s + unshaped, (shaped, line_s, unshaped)
 
 
 @needs_root
