@@ -11,11 +11,12 @@ import struct
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from ringtrain.errors import AuthError, ProtocolError
+from ringtrain.errors import AuthError, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
 from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
@@ -177,3 +178,32 @@ def test_single_worker_sync_equals_torch_sgd_bitwise():
         assert torch.equal(a, b)
     ps.close()
     thread.join(10)
+
+
+def test_a_worker_lost_half_way_through_a_push_leaves_the_shard_untouched():
+    """Worker 1 (raw protocol) pushes half its partitions of step 0 and vanishes: nothing applied."""
+    server, thread, out = start_server(workers=2)
+    model = tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    ps = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=2, secret=SECRET,
+                                 partition_mb=4 / (1 << 20))
+    ps.wait()
+    ch = P.Channel(P.dial(server.endpoint, P.ps_identity(2, 3, "ps", SECRET), 0, 5.0), "server", 5.0)
+    hello = {"worker": 1, "numels": list(ps.layout.numels), "partition_bytes": ps.opts.partition_bytes,
+             "digest": ps.layout.digest(), "strategy": "sync", "lr": ps.opts.lr, "momentum": ps.opts.momentum,
+             "weight_decay": 0.0}
+    ch.send(P.HELLO, worker=1, body=P.encode_json(hello))
+    assert ch.recv_header(5.0).kind == P.WELCOME
+    ids = ps._ids[0]
+    half = ids[: len(ids) // 2]
+    ch.send(P.PUSH, worker=1, step=0, ids=half, values=[np.ones(len(half), dtype=np.float32)])
+    model(torch.ones(2, 4)).sum().backward()
+    ps.step()  # worker 0's whole push of step 0 arrives
+    time.sleep(0.3)
+    ch.close()  # worker 1 is gone mid-step
+    with pytest.raises(PeerLost, match="worker 1 was lost at step 0"):
+        ps.wait()
+    thread.join(10)
+    assert server.version == 0 and server.updates == 0
+    # one server: its shard is every partition in id order, i.e. the parameters concatenated
+    assert torch.equal(server.params, torch.cat([b.reshape(-1) for b in before]))
