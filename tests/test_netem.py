@@ -371,3 +371,15 @@ def test_cleanup_stale_removes_only_dead_harnesses_leftovers():
     finally:
         subprocess.run(["ip", "netns", "delete", foreign], timeout=10)
     _assert_left_as_found(before, prefix)
+
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_read_only_etc_warns_and_still_builds(monkeypatch):
+    monkeypatch.setattr(netem, "ETC_NETNS", "/proc/ringtrain-no-such-dir")  # cannot be created
+    prefix = _prefix()
+    with pytest.warns(RuntimeWarning, match="no per-host /etc/hosts"):
+        with EmulatedNetwork(2, prefix=prefix) as net:
+            out = net.run(0, ["printenv", "GLOO_SOCKET_IFNAME"], capture_output=True, text=True).stdout
+            assert out.strip() == "eth0" and len(_ours(prefix)) == 3
+    assert _ours(prefix) == []

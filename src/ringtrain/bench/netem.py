@@ -94,6 +94,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -555,14 +556,17 @@ class EmulatedNetwork:
             raise ValueError(f"host index must be in [0, {self.n_hosts}), got {i!r}")
 
     def _take_lock(self) -> None:
-        for attempt in range(3):  # another network may remove the empty directory in between
-            os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
-            try:
-                fd = os.open(_lock_path(self.tag), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                break
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
+        try:
+            for attempt in range(3):  # another network may remove the empty directory in between
+                os.makedirs(LOCK_DIR, mode=0o700, exist_ok=True)
+                try:
+                    fd = os.open(_lock_path(self.tag), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
+        except OSError as exc:
+            raise NetemUnavailable(f"cannot create the liveness lock in {LOCK_DIR}: {exc}") from exc
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock_fd = fd
 
@@ -601,15 +605,21 @@ class EmulatedNetwork:
                 _command(["tc", "-n", host_ns, "-batch", "-"], stdin=self.shape.tbf_command("eth0") + "\n")
 
     def _write_hosts_files(self) -> None:
-        if not os.path.isdir(ETC_NETNS):
-            os.makedirs(ETC_NETNS, exist_ok=True)
-            self._made_etc_netns = True
+        """Write each host's /etc/hosts override; where /etc is read-only, warn and go on without."""
         identities = {self.host_id(i): self.addr(i) for i in range(self.n_hosts)}
         hostname = socket.gethostname()
-        for i, ns in enumerate(self.host_namespaces):
-            os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
-            with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
-                f.write(hosts_file(hostname, self.addr(i), identities))
+        try:
+            if not os.path.isdir(ETC_NETNS):
+                os.makedirs(ETC_NETNS, exist_ok=True)
+                self._made_etc_netns = True
+            for i, ns in enumerate(self.host_namespaces):
+                os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
+                with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
+                    f.write(hosts_file(hostname, self.addr(i), identities))
+        except OSError as exc:
+            warnings.warn(f"no per-host /etc/hosts ({exc}); the hostname resolves as on the machine, "
+                          "so set GLOO_SOCKET_IFNAME=eth0 (popen does) or bind to net.addr(i)",
+                          RuntimeWarning, stacklevel=3)
 
     @staticmethod
     def _stop(procs: Sequence[subprocess.Popen]) -> None:
