@@ -383,3 +383,20 @@ def test_read_only_etc_warns_and_still_builds(monkeypatch):
             out = net.run(0, ["printenv", "GLOO_SOCKET_IFNAME"], capture_output=True, text=True).stdout
             assert out.strip() == "eth0" and len(_ours(prefix)) == 3
     assert _ours(prefix) == []
+
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_a_forked_child_exiting_does_not_tear_the_network_down():
+    prefix = _prefix()
+    with EmulatedNetwork(2, prefix=prefix) as net:
+        pid = os.fork()
+        if pid == 0:  # what its atexit would do on exit (a forked multiprocessing worker, say)
+            try:
+                net.close()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert len(_ours(prefix)) == 3
+        assert net.run(1, ["true"]).returncode == 0
+    assert _ours(prefix) == []

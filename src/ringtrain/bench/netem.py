@@ -388,7 +388,8 @@ class EmulatedNetwork:
         self.n_hosts = n_hosts
         self.prefix = prefix
         self.shape = LinkShape.for_rate(rate, burst_bytes=burst_bytes, queue_ms=queue_ms)
-        self.tag = f"{prefix}-{os.getpid()}-{next(_NETWORK_SEQ)}"
+        self._owner_pid = os.getpid()  # a forked child inherits atexit and handlers, not the network
+        self.tag = f"{prefix}-{self._owner_pid}-{next(_NETWORK_SEQ)}"
         self.switch_namespace, self.host_namespaces = namespace_names(self.tag, n_hosts)
         self._made: list[str] = []              # namespaces created so far, in order
         self._processes: list[subprocess.Popen] = []
@@ -520,8 +521,11 @@ class EmulatedNetwork:
         self.close()
 
     def close(self) -> None:
-        """Kill the processes started here and remove every namespace this network made. Idempotent."""
-        if not self._open:
+        """Kill the processes started here and remove every namespace this network made. Idempotent.
+
+        Does nothing in a forked child of the process that opened the network.
+        """
+        if not self._open or os.getpid() != self._owner_pid:
             return
         masked = threading.current_thread() is threading.main_thread()
         if masked:  # a second Ctrl-C must not cut the clean-up short; it is delivered afterwards
@@ -660,7 +664,7 @@ class EmulatedNetwork:
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
         if previous == signal.SIG_IGN:
             return
-        self.close()
+        self.close()  # (a no-op in a forked child, which then just gets the old behaviour)
         if callable(previous):
             previous(signum, frame)
             return
