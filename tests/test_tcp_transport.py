@@ -219,6 +219,32 @@ def test_bad_arguments(mesh):
         ts[0].exchange([Send(1, np.zeros(10)[::2])], [], CALL, deadline())
     with pytest.raises(ValueError, match="no connection"):
         ts[0].exchange([Send(5, np.zeros(1))], [], CALL, deadline())
+    frozen = np.zeros(4)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ts[0].exchange([], [Recv(1, frozen)], CALL, deadline())
+
+
+def test_a_stale_endpoint_in_the_store_is_read_again(mesh):
+    """A store reused by a second communicator may still hold the first one's endpoints."""
+    store = dist.HashStore()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    store.set("re/tcp/0", '{"tcp": ["127.0.0.1", %d]}' % dead.getsockname()[1])
+    dead.close()  # nothing listens there now
+
+    def connect(r):
+        if r == 0:
+            time.sleep(0.3)  # rank 1 finds the stale endpoint first
+        return TcpTransport.connect(r, 2, store, secret=SECRET, timeout=10, host_ids=["a", "b"], prefix="re")
+
+    ts = on_threads(2, connect)
+    try:
+        assert all(isinstance(t, TcpTransport) for t in ts), ts
+    finally:
+        for t in ts:
+            if isinstance(t, TcpTransport):
+                t.close()
 
 
 # --- errors on threads -----------------------------------------------------------------------
@@ -359,7 +385,7 @@ def test_failed_exchange_with_a_sender_thread_mid_frame_then_abort(mesh):
 def test_wrong_secret_is_refused_before_data(caplog):
     caplog.set_level(logging.WARNING)
     wrong = b"wrong-secret-9999"
-    res = build_mesh(2, secrets_=[SECRET, wrong], timeout=2.0)
+    res = build_mesh(2, secrets_=[SECRET, wrong], timeout=1.0)
     assert isinstance(res[1], AuthError), res[1]  # the connecting side
     assert isinstance(res[0], CommTimeout), res[0]  # the listener refused it and waited on
     for text in [str(res[0]), str(res[1]), caplog.text]:
@@ -369,7 +395,7 @@ def test_wrong_secret_is_refused_before_data(caplog):
 
 @pytest.mark.parametrize("secrets_", [[SECRET, None], [None, SECRET]])
 def test_missing_secret_is_refused(secrets_):
-    res = build_mesh(2, secrets_=secrets_, timeout=2.0)
+    res = build_mesh(2, secrets_=secrets_, timeout=1.0)
     assert isinstance(res[1], AuthError), res[1]
     assert isinstance(res[0], CommTimeout), res[0]
 
@@ -388,7 +414,7 @@ def test_peer_of_another_job_is_a_protocol_error():
             while not store.check(["jobA/tcp/0"]):
                 time.sleep(0.01)
             store.set("jobB/tcp/0", store.get("jobA/tcp/0"))
-        return TcpTransport.connect(r, 2, store, secret=None, timeout=2.0, host_ids=["h", "h"], prefix=prefixes[r])
+        return TcpTransport.connect(r, 2, store, secret=None, timeout=1.0, host_ids=["h", "h"], prefix=prefixes[r])
 
     res = on_threads(2, connect)
     assert isinstance(res[1], ProtocolError) and "another job" in str(res[1])
@@ -626,15 +652,16 @@ def _proc_main(rank, world, port, hosts, scenario, q):
                 t.exchange([Send(right, cur)], [Recv(left, acc, add)], call, deadline(20))
                 cur = nxt
             q.put((rank, "ok", int(acc.sum()), int(acc[n // 2])))
-        elif scenario == "killed":
+        else:  # "killed" or "stopped": the last rank gets SIGKILL or SIGSTOP once connected
             if rank == world - 1:
                 q.put((rank, "ready", 0, 0))
                 time.sleep(60)
             got = np.empty(n, np.int64)
             t0 = time.monotonic()
+            wait = 8 if scenario == "killed" else 2
             try:
-                t.exchange([Send(right, values(rank, n, np.int64))], [Recv(left, got)], CALL, deadline(8))
-                t.exchange([Send(right, got)], [Recv(left, got)], CALL, deadline(8))
+                t.exchange([Send(right, values(rank, n, np.int64))], [Recv(left, got)], CALL, deadline(wait))
+                t.exchange([Send(right, got)], [Recv(left, got)], CALL, deadline(wait))
                 q.put((rank, "no error", 0, 0))
             except CommError as exc:
                 q.put((rank, type(exc).__name__, time.monotonic() - t0, str(exc)))
@@ -643,7 +670,7 @@ def _proc_main(rank, world, port, hosts, scenario, q):
         q.put((rank, "crash", 0, repr(exc)))
 
 
-def run_procs(world, hosts, scenario, kill_last_after_ready=False, timeout=40):
+def run_procs(world, hosts, scenario, signal_last=None, timeout=40):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=20), wait_for_workers=False)
@@ -656,10 +683,10 @@ def run_procs(world, hosts, scenario, kill_last_after_ready=False, timeout=40):
         expected = world
         while len(out) < expected:
             rank, status, a, b = q.get(timeout=max(0.1, end - time.monotonic()))
-            if status == "ready" and kill_last_after_ready:
+            if status == "ready" and signal_last is not None:
                 time.sleep(0.2)
-                os.kill(procs[rank].pid, signal.SIGKILL)
-                out[rank] = ("killed", 0, 0)
+                os.kill(procs[rank].pid, signal_last)
+                out[rank] = ("signalled", 0, 0)
                 continue
             out[rank] = (status, a, b)
     finally:
@@ -681,13 +708,22 @@ def test_processes_ring_allreduce_exact(world, hosts):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("hosts", [["h", "h", "h"], ["a", "b", "c"]])
-def test_processes_peer_killed(hosts):
-    out = run_procs(3, hosts, "killed", kill_last_after_ready=True)
-    assert out[2][0] == "killed"
+def test_processes_peer_killed():
+    # rank 2 reaches rank 0 over TCP and rank 1 over a Unix socket
+    out = run_procs(3, ["a", "b", "b"], "killed", signal_last=signal.SIGKILL)
+    assert out[2][0] == "signalled"
     for r in (0, 1):
         status, took, text = out[r]
         assert status in ("PeerLost", "CommTimeout"), out[r]
         assert took < 8 + 2
     # rank 0 receives from rank 2 (the killed one) and must name it
     assert "rank 2" in out[0][2]
+
+
+@pytest.mark.multiprocess
+def test_processes_peer_stopped_times_out_naming_it():
+    out = run_procs(3, ["a", "a", "b"], "stopped", signal_last=signal.SIGSTOP)
+    status, took, text = out[0]  # rank 0 receives from the stopped rank 2
+    assert status == "CommTimeout" and "receiving from rank 2" in text, out[0]
+    assert took < 2 + 2
+    assert out[1][0] in ("CommTimeout", "PeerLost"), out[1]

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -170,6 +170,10 @@ class _Identity:
         return wire.handshake_mac(self._secret, role, connect_hello, accept_hello)
 
 
+#: The public name of a handshake identity (the parameter server's channels use it too).
+Identity = _Identity
+
+
 def connect_handshake(sock: socket.socket, me: _Identity, peer: int, deadline: float) -> None:
     """Run the connector's side on a connected socket; AuthError/ProtocolError/CommTimeout."""
     mine = wire.Hello.fresh(wire.CONNECT, me.has_secret, me.rank, peer, me.world_size, me.job)
@@ -249,7 +253,7 @@ class Listener:
                 s.listen(max(128, me.world_size))
                 self.endpoints["unix"] = name
             if tcp:
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
                 self._socks.append(s)
                 _tune(s)
                 s.bind((bind_host, 0))
@@ -313,16 +317,25 @@ class Listener:
             self._unix_path = None
 
 
-def dial(endpoints: dict, same_host: bool, me: _Identity, peer: int, deadline: float) -> socket.socket:
-    """Connect to ``peer``'s listener (Unix socket if on the same host) and authenticate."""
+def _address(endpoints: dict, same_host: bool, peer: int) -> tuple[int, object]:
     if same_host and "unix" in endpoints:
-        family, address = socket.AF_UNIX, _unix_address(str(endpoints["unix"]))
-    elif "tcp" in endpoints:
+        return socket.AF_UNIX, _unix_address(str(endpoints["unix"]))
+    if "tcp" in endpoints:
         host, port = endpoints["tcp"]
-        family, address = socket.AF_INET, (str(host), int(port))
-    else:
-        raise ProtocolError(f"rank {peer} published no endpoint this rank can use: {sorted(endpoints)}")
+        family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+        return family, (str(host), int(port))
+    raise ProtocolError(f"rank {peer} published no endpoint this rank can use: {sorted(endpoints)}")
+
+
+def dial(endpoints: dict, same_host: bool, me: _Identity, peer: int, deadline: float,
+         refresh: Optional[Callable[[], dict]] = None) -> socket.socket:
+    """Connect to ``peer``'s listener (Unix socket if on the same host) and authenticate.
+
+    A refused connection is retried until the deadline, asking ``refresh`` (if given) for
+    the peer's endpoints again each time, in case a stale one was read.
+    """
     while True:
+        family, address = _address(endpoints, same_host, peer)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             _tune(sock)
@@ -336,6 +349,8 @@ def dial(endpoints: dict, same_host: bool, me: _Identity, peer: int, deadline: f
         except (ConnectionRefusedError, FileNotFoundError):
             sock.close()
             time.sleep(min(0.05, max(0.0, _remaining(deadline))))
+            if refresh is not None:
+                endpoints = refresh()
         except socket.timeout:
             sock.close()
             raise CommTimeout(f"rank {me.rank}: could not reach rank {peer} before the deadline") from None
@@ -549,8 +564,10 @@ class TcpTransport(Transport):
         try:
             store.set(f"{prefix}/tcp/{rank}", json.dumps(listener.endpoints))
             for peer in range(rank):
-                endpoints = _fetch_endpoints(store, f"{prefix}/tcp/{peer}", rank, peer, deadline)
-                socks[peer] = dial(endpoints, host_ids[peer] == mine, me, peer, deadline)
+                key = f"{prefix}/tcp/{peer}"
+                endpoints = _fetch_endpoints(store, key, rank, peer, deadline)
+                socks[peer] = dial(endpoints, host_ids[peer] == mine, me, peer, deadline,
+                                   refresh=lambda: _fetch_endpoints(store, key, rank, peer, deadline))
             socks.update(listener.accept(set(range(rank + 1, world_size)), deadline))
         except BaseException:
             for s in socks.values():
@@ -580,6 +597,8 @@ class TcpTransport(Transport):
             send_states[conn.fd] = _SendState(conn, wire.encode_data_header(header, payload.nbytes), memoryview(payload))
         for r in recvs:
             _as_bytes(r.buf, "receive")
+            if not r.buf.flags.writeable:
+                raise ValueError(f"receive buffer from rank {r.peer} is read-only")
             if r.peer == self.rank:
                 self._recv_loopback(r, loopback, header)
                 continue
