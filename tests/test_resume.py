@@ -1,0 +1,172 @@
+"""Exact resume: `ringtrain train` killed at a random step and run again ends bitwise equal.
+
+Two runs of ``ringtrain train --workers 2 --model charlm --steps 12 --checkpoint-every 4``
+start side by side in directories of their own: the *reference* runs to the end; the
+*victim* is killed with SIGKILL — its launcher's process group and every worker process —
+at a random moment after its first or second checkpoint, then run again with the same
+command, which resumes from its newest valid checkpoint. The final checkpoints' model and
+optimizer tensors must be bitwise equal: with 2 workers each gradient element is the sum of
+two floats, which does not depend on the order, so nothing but a wrong resume (data order,
+RNG state, optimizer state) can make them differ.
+
+The random draw is printed (and shown on failure) so that a failing moment can be replayed
+with ``RINGTRAIN_RESUME_SEED``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+STEPS, EVERY = 12, 4
+
+
+def command(directory: Path) -> list[str]:
+    return [sys.executable, "-m", "ringtrain.cli", "train", "--workers", "2", "--model", "charlm",
+            "--batch-size", "4", "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+            "--checkpoint-dir", str(directory), "--no-progress", "--timeout", "30"]
+
+
+def start(directory: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(command(directory), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 90.0) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc, job_pids(proc.pid))
+        raise
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def job_pids(launcher: int) -> set[int]:
+    from faults.harness import descendants
+
+    return {launcher} | descendants(launcher)
+
+
+def kill_job(proc: subprocess.Popen, pids: set[int]) -> None:
+    """SIGKILL the launcher's process group, then any process of the job outside it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=10)
+
+
+def checkpoints(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("ckpt-*.pt")) if directory.is_dir() else []
+
+
+def final_tensors(directory: Path) -> dict:
+    from ringtrain import checkpoint
+
+    found = checkpoint.latest(directory)
+    assert found is not None and found.step == STEPS, checkpoints(directory)
+    return found.payload
+
+
+def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+    import torch
+
+    seed = int(os.environ.get("RINGTRAIN_RESUME_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    wait_for, delay = rng.choice([1, 2]), rng.uniform(0.0, 0.3)
+    why = f"RINGTRAIN_RESUME_SEED={seed}: kill {delay:.2f} s after checkpoint {wait_for}"
+    print(why)
+
+    ref_dir, victim_dir = tmp_path / "reference", tmp_path / "victim"
+    reference = start(ref_dir)
+    victim = start(victim_dir)
+    try:
+        deadline = time.monotonic() + 60
+        while len(checkpoints(victim_dir)) < wait_for:
+            assert victim.poll() is None, f"{why}: the run ended before the kill\n{victim.communicate()[0][-3000:]}"
+            assert time.monotonic() < deadline, f"{why}: no checkpoint {wait_for} within 60 s"
+            time.sleep(0.02)
+        time.sleep(delay)
+        pids = job_pids(victim.pid)
+        kill_job(victim, pids)
+        killed_at = checkpoints(victim_dir)
+        assert f"ckpt-{STEPS:09d}.pt" not in killed_at, f"{why}: the run finished before the kill"
+        resumed = start(victim_dir)
+        out = finish(resumed)
+        assert "resumed from" in out and f"to step {STEPS}" in out, out[-3000:]
+        finish(reference)
+    finally:
+        for proc in (reference, victim):
+            if proc.poll() is None:
+                kill_job(proc, job_pids(proc.pid))
+
+    want, got = final_tensors(ref_dir), final_tensors(victim_dir)
+    for part in ("model", "optimizer"):
+        a, b = flatten(want[part]), flatten(got[part])
+        assert a.keys() == b.keys(), part
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert torch.equal(a[key], b[key]), f"{why}: {part} {key} differs after the resume"
+            else:
+                assert a[key] == b[key], f"{why}: {part} {key} differs after the resume"
+    assert flatten(want["data"]) == flatten(got["data"])
+    print(f"{why}: checkpoints at the kill {killed_at}; resumed run bitwise equal "
+          f"({len(flatten(want['model']))} model tensors, optimizer state and data position)")
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    """Nested dicts and lists as one ``{path: leaf}`` dict."""
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return {prefix: obj}
+    out = {}
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}/{k}"))
+    return out
+
+
+def test_killing_the_launchers_process_group_leaves_no_worker_behind(tmp_path):
+    """`kill -9 -<pgid>` of `ringtrain train` (what a shell's job control or a scheduler does)
+    must not leave workers running: orphans would keep training and writing checkpoints."""
+    from faults.harness import alive
+
+    proc = start(tmp_path / "run")
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not checkpoints(tmp_path / "run"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.02)
+        pids = job_pids(proc.pid)
+        assert len(pids) >= 3, f"expected the launcher and 2 workers, found {sorted(pids)}"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+        time.sleep(3.0)
+        orphans = sorted(pid for pid in pids if alive(pid))
+    finally:
+        if proc.poll() is None:
+            kill_job(proc, job_pids(proc.pid))
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not orphans, f"workers still running 3 s after their launcher's group was killed: {orphans}"
+    print(f"launcher's group killed: {len(pids)} processes of the job, none left 3 s later")
