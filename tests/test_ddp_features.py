@@ -249,3 +249,37 @@ def test_bad_options_raise_value_error_naming_them(kw, word):
     message, = raise_first(run_comms(1, body))
     if word in ("schedule", "algorithm"):
         assert "optimal" in message or "ring" in message  # the accepted values are listed
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_peer_surfaces_from_backward_within_the_deadline():
+    """Rank 1 fails after two steps (the harness aborts its transport): rank 0's next backward
+    raises a CommError from the bucket allreduce instead of hanging, and the wrapper is left
+    ready for a clear error rather than a bogus unused-parameter one."""
+    from ringtrain import CommError
+
+    class Boom(Exception):
+        pass
+
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("mlp"), comm, schedule="wfbp", **FAST)
+        for step in range(2):
+            x, y = rank_batch("mlp", step, 2, comm.rank)
+            nn.functional.mse_loss(ddp(x), y).backward()
+        if comm.rank == 1:
+            ddp.close()
+            raise Boom("rank 1 stops")
+        x, y = rank_batch("mlp", 2, 2, 0)
+        try:
+            nn.functional.mse_loss(ddp(x), y).backward()
+        except CommError as exc:
+            return "comm error", str(exc), ddp._s.active
+        finally:
+            ddp.close()
+        return "no error", "", None
+
+    results = run_comms(2, body, timeout=5.0, thread_timeout=50.0)
+    assert isinstance(results[1], Boom)
+    outcome, message, active = results[0]
+    assert outcome == "comm error", "rank 0 must see its peer's failure"
+    assert active is False

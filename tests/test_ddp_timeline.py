@@ -96,3 +96,53 @@ def test_world_size_one_stats_have_no_communication():
     stats, = raise_first(run_comms(1, body))
     assert [s.buckets for s in stats] == [0, 0, 0]
     assert all(s.comm_s == 0 and s.hidden_fraction == 1.0 and s.forward_s > 0 for s in stats)
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose backward sleeps: a slow layer between two fast ones."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+
+        time.sleep(0.05)
+        return g
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(_Sleep.apply(self.a(x)))
+
+
+@pytest.mark.timeout(60)
+def test_allreduce_of_early_gradients_runs_during_backward(tmp_path):
+    """WFBP: layer b's gradients are ready 50 ms before a's; b's bucket must be reduced inside
+    that window, i.e. end before the training thread starts waiting at the end of backward."""
+
+    def body(comm):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(_TwoLayers(), comm, schedule="wfbp", timeline=tmp_path / "t.json",
+                                      timeline_iterations=2, alpha=1e-5, beta=1e-9, warmup_iterations=0,
+                                      profile_iterations=1)
+        for _ in range(3):
+            ddp(torch.ones(2, 4)).sum().backward()
+        ddp.close()
+        return ddp.timeline_path, list(ddp.stats)
+
+    for path, stats in raise_first(run_comms(2, body)):
+        spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        for it in (1, 2):
+            mine = [e for e in spans if e.get("args", {}).get("iteration") == it]
+            first = next(e for e in mine if e["name"] == "allreduce bucket 0")
+            wait = next(e for e in mine if e["cat"] == "wait")
+            assert first["ts"] + first["dur"] <= wait["ts"], "bucket 0 was not reduced during backward"
+        assert all(s.buckets == 4 and s.hidden_fraction > 0.0 for s in stats[1:])

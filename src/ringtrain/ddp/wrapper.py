@@ -342,6 +342,9 @@ class DistributedDataParallel(nn.Module):
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = [self._names[pid] for pid in range(len(self._params)) if not self._s.got[pid]]
+        for job in self._s.jobs:  # let launched buckets finish before their buffers are reused
+            with contextlib.suppress(Exception):
+                job.wait(self._timeout)
         self._reset_iteration()
         hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
                 "autograd graph) but did not" if self.options.find_unused_parameters else
