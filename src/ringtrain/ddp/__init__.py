@@ -1,10 +1,20 @@
 """Data-parallel training with gradient allreduce overlapped with backprop (WFBP) and merged
 into buckets by the planner (MG-WFBP; by default the exact optimum of ``ringtrain.plan``).
 
+    import ringtrain
+    comm = ringtrain.init()                        # torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    model = ringtrain.DistributedDataParallel(net, schedule="optimal", timeline="trace.json")
+    for x, y in batches:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()            # .grad = mean over ranks when this returns
+        opt.step()
+    print(model.last_stats)                        # forward, backward, communication, hidden share
+    ringtrain.ddp.draw_timeline(["trace.rank0.json", "trace.rank1.json"], "timeline.png")
+
 Modules: ``wrapper`` (DistributedDataParallel: hooks, launch, wait, planning), ``buckets``
 (pure layout of gradients in flat buffers), ``comm_thread`` (the one thread that runs the
 collectives), ``calibration`` (allreduce sweep, backward profile, drift), ``timeline``
-(Chrome trace, PNG drawing, per-iteration stats).
+(Chrome trace, PNG drawing, per-iteration stats), ``overhead`` (one-rank cost measurement).
 """
 
 from .timeline import IterationStats, draw_timeline, trace_path

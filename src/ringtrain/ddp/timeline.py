@@ -35,6 +35,8 @@ class IterationStats:
     """The wrapped module's forward."""
     backward_s: float
     """Backward start (gradient of the output) to the last gradient ready."""
+    first_ready_s: float
+    """Backward start to the first gradient ready."""
     comm_s: float
     """Sum of the buckets' allreduce times on the communication thread."""
     exposed_s: float
@@ -49,9 +51,17 @@ class IterationStats:
     """The plan's predicted end of the last allreduce, from backward start."""
     measured_end_s: float
     """Measured end of the last allreduce (or of backward when none), from backward start."""
+    forward_backward_s: float
+    """Forward start to the end of the copy into ``.grad`` (the step without the optimizer)."""
+
+    @property
+    def overlap_bound_s(self) -> float:
+        """The best forward + backward + communication time overlap allows:
+        forward + max(backward, first gradient ready + all communication)."""
+        return self.forward_s + max(self.backward_s, self.first_ready_s + self.comm_s)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "overlap_bound_s": self.overlap_bound_s}
 
 
 def overlap(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:

@@ -362,10 +362,11 @@ class DistributedDataParallel(nn.Module):
         last_comm = max((b for _, b in spans), default=end)
         fwd = st.forward_span or (start, start)
         self.stats.append(IterationStats(
-            iteration=st.iteration, forward_s=fwd[1] - fwd[0], backward_s=end - start,
+            iteration=st.iteration, forward_s=fwd[1] - fwd[0], backward_s=end - start, first_ready_s=st.first - start,
             comm_s=sum(b - a for a, b in spans), exposed_s=max(0.0, last_comm - end), wait_s=t_done - t_last,
             hidden_fraction=hidden_fraction(spans, start, end), buckets=len(spans),
-            predicted_end_s=self._plan.end_time, measured_end_s=max(last_comm, end) - start))
+            predicted_end_s=self._plan.end_time, measured_end_s=max(last_comm, end) - start,
+            forward_backward_s=t_done - fwd[0]))
         rec = self._recorder
         if rec is None or not rec.recording:
             return
