@@ -183,6 +183,7 @@ class ShmTransport(Transport):
         self._in: dict[int, Mailbox] = inboxes
         self._bells: dict[int, Doorbell] = bells
         self._procs: dict[int, ProcessId] = procs
+        self._idle = Idle()
         self._self_queue: deque = deque()  # messages to ourselves: (header bytes, payload copy)
         self._closed = False
         self._finalizer = weakref.finalize(
@@ -299,7 +300,8 @@ class ShmTransport(Transport):
                 self._recv_self(r, header, hdr)
             else:
                 ins.append(_Incoming(self.rank, r.peer, self._box(self._in, r.peer), self._bells[r.peer], r))
-        idle = Idle()
+        idle = self._idle
+        idle.progressed()
         bell = self._bells[self.rank]
 
         def checks() -> None:  # sees the current outs and ins (closure cells)

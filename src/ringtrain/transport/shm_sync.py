@@ -364,25 +364,42 @@ class Doorbell:
             self.fd = -1
 
 
+def spinning_pays() -> bool:
+    """Whether the CPUs are not oversubscribed (1-minute load below the CPU count + 1/2).
+
+    Spinning catches a peer that answers within microseconds, but on an oversubscribed
+    machine (4 ranks on 2 cores, or other jobs) it takes the CPU from the very peer it waits
+    for, so there a waiting rank goes straight to sleep on its doorbell.
+    """
+    try:
+        return os.getloadavg()[0] < (os.cpu_count() or 1) + 0.5
+    except OSError:
+        return True
+
+
 class Idle:
     """What a rank does when a round of its exchange made no progress.
 
-    It spins ``SPINS`` rounds (a peer on another core usually answers within microseconds),
-    then it *arms*: drains its doorbell and runs one more round; if that round makes no
+    It spins ``SPINS`` rounds (a peer on another core usually answers within microseconds;
+    none while the machine is oversubscribed, see :func:`spinning_pays`), then it *arms*: drains its doorbell and runs one more round; if that round makes no
     progress either it sleeps on the doorbell until a peer rings or ``CHECK_EVERY`` passes.
-    Before it sleeps, and at most every ``CHECK_EVERY`` seconds, the slow checks (deadline,
-    peer flags, peer process alive) are due.
+    The slow checks (peer flags, peer process alive, deadline) run before such a sleep when
+    ``CHECK_EVERY`` has passed since the last ones or the deadline has; one Idle serves all
+    the exchanges of a transport, so short waits do not each pay for a look at /proc.
     """
 
     SPINS = 40
     CHECK_EVERY = 0.005
+    LOAD_EVERY = 1.0  # how often the machine's load is looked at again
 
-    __slots__ = ("rounds", "armed", "next_check")
+    __slots__ = ("rounds", "armed", "next_check", "spins", "next_load")
 
     def __init__(self) -> None:
         self.rounds = 0
         self.armed = False
         self.next_check = 0.0
+        self.spins = self.SPINS
+        self.next_load = 0.0
 
     def progressed(self) -> None:
         self.rounds = 0
@@ -391,7 +408,7 @@ class Idle:
     def step(self, bell: Optional[Doorbell], checks, deadline: float) -> None:
         """One idle round: spin, arm, or run the checks and sleep."""
         self.rounds += 1
-        if self.rounds <= self.SPINS:
+        if self.rounds <= self.spins:
             return
         if not self.armed:
             self.armed = True
@@ -400,9 +417,12 @@ class Idle:
             return
         self.armed = False
         now = time.monotonic()
-        if now >= self.next_check:
+        if now >= self.next_check or now >= deadline:
             checks()
             self.next_check = now + self.CHECK_EVERY
+        if now >= self.next_load:
+            self.next_load = now + self.LOAD_EVERY
+            self.spins = self.SPINS if spinning_pays() else 0
         nap = max(0.0, min(self.next_check, deadline) - now)
         if bell is not None:
             bell.wait(nap)
