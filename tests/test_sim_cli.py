@@ -96,3 +96,13 @@ def test_plan_json_with_alpha_beta(capsys):
 def test_plan_bad_options(argv, match, capsys):
     assert main(["plan", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_two_traces_of_the_same_model_stay_apart(tmp_path, capsys):
+    path = tmp_path / "h100.json"
+    save(build_trace("resnet50", DEVICES["h100"]), path)
+    rc = main(["simulate", "--model", f"resnet50,{path}", "--cluster", "10GbE", "--gpus", "8", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [m["model"] for m in doc["models"]] == ["resnet50", "resnet50@h100"]
+    assert len({r["model"] for r in doc["rows"]}) == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import sys
@@ -86,14 +87,20 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
     profiled on this machine's CPU)."""
     names = list(MODELS) if value.strip().lower() == "all" else split(value, "--model")
     device = get_device(device_name)
-    out = []
+    out: list[Trace] = []
     for n in names:
         if n.lower().endswith((".json", ".csv")):
-            out.append(load(n))
+            trace = load(n)
+            tag = Path(n).stem
         elif n.startswith("profile:"):
-            out.append(profile_reference(n[len("profile:"):]))
+            trace = profile_reference(n[len("profile:"):])
+            tag = "profiled"
         else:
-            out.append(build_trace(n, device))
+            trace = build_trace(n, device)
+            tag = device_name
+        if any(t.model == trace.model for t in out):  # rows are keyed by model name
+            trace = dataclasses.replace(trace, model=f"{trace.model}@{tag}")
+        out.append(trace)
     return out
 
 
@@ -161,13 +168,15 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
     cells: dict[tuple, dict[str, Prediction]] = {}
     for p in predictions:
         cells.setdefault((p.model, p.cluster, p.algorithm, p.world_size), {})[p.schedule] = p
-    head = f"{'model':<12} {'cluster':<16} {'algorithm':<10} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
+    mw = max([12] + [len(p.model) for p in predictions])
+    cw = max([16] + [len(p.cluster) for p in predictions])
+    head = f"{'model':<{mw}} {'cluster':<{cw}} {'algorithm':<10} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
     lines = [
         f"iteration time in ms (scaling efficiency) per schedule; zoo models timed on {device}",
         head + f"  {'best':<8} {'samples/s':>10}",
     ]
     for (model, cluster, algorithm, p), by_schedule in cells.items():
-        row = f"{model:<12} {cluster:<16} {algorithm:<10} {p:>5}"
+        row = f"{model:<{mw}} {cluster:<{cw}} {algorithm:<10} {p:>5}"
         for s in schedules:
             pr = by_schedule[s]
             row += f"{pr.iteration_s * 1e3:>10.1f} ({pr.efficiency:>4.0%})"

@@ -310,23 +310,24 @@ def profile_module(
             if p.requires_grad and param_owner[id(p)] == mod_name:
                 handles.append(p.register_post_accumulate_grad_hook(ready(mod_name)))
 
-    def iteration() -> tuple[float, float, float, float]:
-        """One training step: the times forward starts, forward ends, backward ends, and the
-        optimizer step's duration."""
+    def iteration(mark: Callable[[], Any] = now) -> tuple[Any, Any, Any, float]:
+        """One training step: ``mark()`` when forward starts, forward ends and backward ends,
+        and the optimizer step's seconds."""
         nonlocal batch_size
         *inputs, target = make_batch()
         if batch_size is None:
             batch_size = int(inputs[0].shape[0]) if getattr(inputs[0], "ndim", 0) else 1
         module.zero_grad(set_to_none=True)
-        t0 = now()
+        t0 = mark()
         loss = loss_fn(module(*inputs), target)
-        t1 = now()
+        t1 = mark()
         loss.backward()
-        t2 = now()
+        t2 = mark()
         if optimizer is None:
             return t0, t1, t2, 0.0
+        start = now()
         optimizer.step()
-        return t0, t1, t2, now() - t2
+        return t0, t1, t2, now() - start
 
     samples: list[dict[str, float]] = []
     try:
@@ -340,16 +341,25 @@ def profile_module(
         for h in handles:
             h.remove()
     # The hooks themselves cost time (on a GPU each one waits for the device): time the same
-    # steps without hooks and scale the layers' times to those totals.
-    plain = [iteration() for _ in range(repeats)]
-    plain_f = statistics.median(t1 - t0 for t0, t1, _, _ in plain)
-    plain_b = statistics.median(t2 - t1 for _, t1, t2, _ in plain)
+    # steps without hooks — on a GPU with CUDA events, so the CPU may run ahead as usual —
+    # and scale the layers' times to those totals.
+    plain_f, plain_b = [], []
+    for _ in range(repeats):
+        if on_cuda:
+            e0, e1, e2, _ = iteration(_cuda_event)
+            torch.cuda.synchronize()
+            plain_f.append(e0.elapsed_time(e1) / 1e3)
+            plain_b.append(e1.elapsed_time(e2) / 1e3)
+        else:
+            t0, t1, t2, _ = iteration()
+            plain_f.append(t1 - t0)
+            plain_b.append(t2 - t1)
 
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     hooked_f = sum(v for k, v in med.items() if k.startswith("f:"))
     hooked_b = sum(v for k, v in med.items() if k.startswith("b:"))
-    fs = plain_f / hooked_f if hooked_f > 0 else 1.0
-    bs = plain_b / hooked_b if hooked_b > 0 else 1.0
+    fs = statistics.median(plain_f) / hooked_f if hooked_f > 0 else 1.0
+    bs = statistics.median(plain_b) / hooked_b if hooked_b > 0 else 1.0
     names = order + [n for n in owners if n not in order and grad_bytes[n]]
     layers = [
         Layer(n, fs * med.get(f"f:{n}", 0.0), bs * med.get(f"b:{n}", 0.0), grad_bytes[n], params[n]) for n in names
@@ -364,6 +374,14 @@ def profile_module(
         optimizer_s=med["optimizer"],
         source=f"profiled on {_device_name(on_cuda)} (torch {torch.__version__}), median of {repeats}",
     )
+
+
+def _cuda_event() -> Any:
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _device_name(on_cuda: bool) -> str:
