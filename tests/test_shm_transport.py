@@ -308,6 +308,50 @@ def test_length_mismatch_raises_before_touching_the_buffer():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("field", ["length", "chunk"])
+def test_corrupt_slot_table_is_a_protocol_error_and_nothing_is_written(field):
+    import struct
+
+    from ringtrain.errors import ProtocolError
+    from ringtrain.transport.shm_sync import SLOT_TABLE
+
+    sent = threading.Event()
+
+    def fn(rank, t):
+        if rank == 0:
+            t.sendrecv(1, np.arange(2 * SLOT // 8, dtype=np.int64), None, None, HEADER, time.monotonic() + 5)
+            sent.set()
+            return None
+        sent.wait(5)
+        box = t._in[0]
+        if field == "length":  # the second chunk claims another message length
+            struct.pack_into("<q", box.mm, SLOT_TABLE + 64 + CallHeader.SIZE, 3 * SLOT)
+        else:  # the first chunk claims more bytes than a slot holds
+            struct.pack_into("<q", box.mm, SLOT_TABLE + CallHeader.SIZE + 16, SLOT + 8)
+        buf = np.full(2 * SLOT // 8, -1, np.int64)
+        with pytest.raises(ProtocolError):
+            t.sendrecv(None, None, 0, buf, HEADER, time.monotonic() + 5)
+        return buf
+
+    buf = _raise_first(run_ranks(2, fn, slot_bytes=SLOT, slots=2))[1]
+    if field == "chunk":
+        assert (buf == -1).all()
+    else:
+        np.testing.assert_array_equal(buf[: SLOT // 8], np.arange(SLOT // 8))  # first chunk was fine
+        assert (buf[SLOT // 8 :] == -1).all()
+
+
+@pytest.mark.timeout(30)
+def test_one_send_and_one_receive_per_peer():
+    def fn(rank, t):
+        with pytest.raises(ValueError, match="at most one"):
+            t.exchange([Send(1 - rank, np.zeros(1)), Send(1 - rank, np.zeros(1))], [], HEADER, time.monotonic() + 1)
+        return "ok"
+
+    assert _raise_first(run_ranks(2, fn)) == ["ok", "ok"]
+
+
+@pytest.mark.timeout(30)
 def test_abort_reaches_the_waiting_peer_with_the_same_type():
     def fn(rank, t):
         if rank == 0:

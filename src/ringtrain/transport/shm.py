@@ -18,12 +18,19 @@ Every slot carries the message's CallHeader and length; the receiver checks both
 its own call and buffer on the first chunk (MismatchError) and that later chunks continue the
 same message (ProtocolError otherwise).
 
+A sender rings the receiver's *doorbell* (shm_sync.Doorbell) after it fills a slot, a
+receiver rings the sender's after it frees one, so a rank with nothing to do sleeps in the
+kernel and wakes as soon as a peer has made progress.
+
 Set-up (``connect``): each rank publishes its process identity in the store, creates its
-outboxes, publishes their names, maps the peers' segments, says it is ready, and once every
-peer is ready unlinks its own segments: from then on nothing is left in /dev/shm even if the
-job is killed. Failures: a peer's abort flag becomes the same error type here ("rank X
-aborted: ..."), a peer that closed or whose process died becomes PeerLost, and a deadline
-that passes becomes CommTimeout naming the peer and the call.
+doorbell and outboxes, publishes their names, opens the peers' ones, says it is ready, and
+once every peer is ready unlinks the files it created: from then on nothing is left in
+/dev/shm even if the job is killed.
+
+Failures: a peer's abort flag becomes the same error type here ("rank X aborted: ..."), a
+peer that closed or whose process died becomes PeerLost (noticed within milliseconds, see
+shm_sync.Idle), and a deadline that passes becomes CommTimeout naming the peer and the call.
+Data a peer published before it stopped is still delivered first.
 """
 
 from __future__ import annotations
@@ -287,6 +294,8 @@ class ShmTransport(Transport):
     def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], header: CallHeader, deadline: float) -> None:
         if self._closed:
             raise CommError(f"rank {self.rank}: transport is closed")
+        if len({s.peer for s in sends}) < len(sends) or len({r.peer for r in recvs}) < len(recvs):
+            raise ValueError("an exchange carries at most one send and one receive per peer")
         hdr = header.pack()
         outs = []
         for s in sends:
