@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .. import checkpoint
-from ..errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
 from ..transport import tcp
 from . import protocol as P
 from .sharding import make_layout
@@ -186,12 +186,18 @@ class ParameterServer:
         acceptor = threading.Thread(target=self._accept_loop, name=f"ps{self.cfg.index}-accept", daemon=True)
         acceptor.start()
         first_deadline = time.monotonic() + self.cfg.timeout
+        failed_at: Optional[float] = None
         with self._cond:
             while not self._finished():
-                if all(s == "waiting" for s in self._status) and time.monotonic() > first_deadline:
+                now = time.monotonic()
+                if all(s == "waiting" for s in self._status) and now > first_deadline:
                     self.failed = self.failed or CommTimeout(
                         f"{self.name}: no worker connected within {self.cfg.timeout:g} s")
                     break
+                if self.failed is not None:
+                    failed_at = failed_at or now
+                    if now - failed_at > self.cfg.timeout:  # workers told; do not wait for ever
+                        break
                 self._cond.wait(0.2)
         self._listener.close()
         return self.stats()
@@ -357,6 +363,8 @@ class ParameterServer:
             want = self.version if self.cfg.synchronous else self._clock[w]
             if head.step != want:
                 raise MismatchError(f"worker {w} pushed step {head.step}, this server expects step {want}")
+            if head.version > self.version:
+                raise ProtocolError(f"worker {w} claims parameters of version {head.version}, newer than {self.version}")
         got = self._got[w]
         ids = self._read_partitions(ch, head, self._grads[w], exact_all=False)
         if got.intersection(ids):

@@ -108,6 +108,7 @@ class _Link:
         self.jobs: queue.Queue = queue.Queue()
         self.received = 0  # partitions received over all pulls (monotone)
         self.version = 0  # of the last parameters pulled
+        self.clock = 0  # this worker's steps as the server counts them (from WELCOME)
         self.saved = -1
         self.bye: Optional[dict] = None
         self.threads: list[threading.Thread] = []
@@ -146,6 +147,7 @@ class ParameterServerTraining:
         self._calibrated = False
         self._stamps: dict[int, float] = {}
         self._handles: list = []
+        self.pull_wait_s = 0.0  # time forward (or wait()) spent blocked on pulled parameters
         self._links = self._connect(servers)
         self.step_count = self._agreed_clock()
         for link in self._links:
@@ -290,7 +292,14 @@ class ParameterServerTraining:
                    for k, pos in self._need[i].items())
 
     def _wait_params(self, indices: Sequence[int]) -> None:
-        deadline = time.monotonic() + self.opts.timeout
+        t0 = time.monotonic()
+        deadline = t0 + self.opts.timeout
+        try:
+            self._wait_params_until(indices, deadline)
+        finally:
+            self.pull_wait_s += time.monotonic() - t0
+
+    def _wait_params_until(self, indices: Sequence[int], deadline: float) -> None:
         with self._cond:
             while not all(self._param_in(i) for i in indices):
                 self._raise_if_failed()
@@ -450,6 +459,7 @@ class ParameterServerTraining:
             "servers": self.num_servers,
             "steps": self.step_count,
             "push_groups": len(self._groups),
+            "pull_wait_s": self.pull_wait_s,
             "bytes_sent": sum(v["sent"] for v in per_server.values()),
             "bytes_received": sum(v["received"] for v in per_server.values()),
             "bytes_per_server": per_server,
