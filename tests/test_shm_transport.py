@@ -493,7 +493,12 @@ def test_process_identity_liveness():
 # --- real processes ------------------------------------------------------------------------
 
 
-def _proc_main(rank: int, world: int, store, prefix: str, scenario: str, out) -> None:
+def _proc_main(rank: int, world: int, store, prefix: str, scenario: str, out, logdir: str) -> None:
+    import faulthandler
+
+    log = open(os.path.join(logdir, f"rank{rank}.log"), "w")  # noqa: SIM115 - lives as long as the child
+    faulthandler.enable(log)
+    faulthandler.dump_traceback_later(45, exit=True, file=log)  # a hung child says where it hung
     t = None
     try:
         t = ShmTransport.connect(rank, world, store, timeout=20, prefix=prefix, slot_bytes=SLOT, slots=2)
@@ -544,24 +549,28 @@ _SCENARIOS = {
 }
 
 
-def _start(world: int, scenario: str, store):
+def _start(world: int, scenario: str, store, logdir):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     prefix = f"p{os.getpid()}-{time.monotonic_ns()}"
-    procs = [ctx.Process(target=_proc_main, args=(r, world, store, prefix, scenario, out), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_proc_main, args=(r, world, store, prefix, scenario, out, str(logdir)), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     return procs, out
 
 
-def _collect(procs, out, want: int, timeout: float = 60) -> list:
+def _logs(logdir) -> str:
+    return "\n".join(f"--- {n}\n{open(os.path.join(logdir, n)).read()}" for n in sorted(os.listdir(logdir)) if n.endswith(".log"))
+
+
+def _collect(procs, out, want: int, logdir, timeout: float = 60) -> list:
     got = []
     end = time.monotonic() + timeout
     while len(got) < want:
         try:
             got.append(out.get(timeout=max(0.1, end - time.monotonic())))
         except queue.Empty:
-            raise AssertionError(f"children gave {got} before the timeout") from None
+            raise AssertionError(f"children gave {got} before the timeout; their logs:\n{_logs(logdir)}") from None
         if got[-1][1] == "error":
             raise AssertionError(f"rank {got[-1][0]} failed:\n{got[-1][2][2]}")
     return got
@@ -584,9 +593,9 @@ def test_processes_ring_exchange_exact(world, tmp_path):
         store = ("tcp", server.port)
     else:
         store = DirStore(str(tmp_path))
-    procs, out = _start(world, "ring", _store_arg(store))
+    procs, out = _start(world, "ring", _store_arg(store), tmp_path)
     try:
-        results = {r: v for r, kind, v in _collect(procs, out, 2 * world) if kind == "ok"}
+        results = {r: v for r, kind, v in _collect(procs, out, 2 * world, tmp_path) if kind == "ok"}
     finally:
         _stop(procs)
     for rank in range(world):
@@ -635,12 +644,12 @@ class _TcpStoreRef:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("scenario", ["wait_recv", "wait_send"])
 def test_killed_peer_is_peer_lost_within_seconds(scenario, tmp_path):
-    procs, out = _start(2, scenario, DirStore(str(tmp_path)))
+    procs, out = _start(2, scenario, DirStore(str(tmp_path)), tmp_path)
     try:
-        _collect(procs, out, 2)  # both connected
+        _collect(procs, out, 2, tmp_path)  # both connected
         time.sleep(0.2)
         procs[1].kill()  # not joined: the child stays a zombie, which must count as dead
-        (rank, kind, value), = _collect(procs, out, 1)
+        (rank, kind, value), = _collect(procs, out, 1, tmp_path)
     finally:
         _stop(procs)
     assert (rank, kind) == (0, "ok")
