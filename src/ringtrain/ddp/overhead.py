@@ -34,7 +34,13 @@ def mlp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
 
 
-MODELS = {"conv": (conv_model, (16, 3, 32, 32)), "mlp": (mlp_model, (64, 1024))}
+def tiny_model() -> nn.Module:
+    """32 tiny layers (64 parameters) that compute almost nothing: the difference in step time
+    is the wrapper's own cost per step, in absolute terms."""
+    return nn.Sequential(*[nn.Linear(10, 10) for _ in range(32)])
+
+
+MODELS = {"conv": (conv_model, (16, 3, 32, 32)), "mlp": (mlp_model, (64, 1024)), "tiny": (tiny_model, (4, 10))}
 
 
 def measure(model_name: str = "conv", steps: int = 40, rounds: int = 7) -> dict:
@@ -78,6 +84,7 @@ def measure(model_name: str = "conv", steps: int = 40, rounds: int = 7) -> dict:
         "model": model_name, "steps": steps, "rounds": rounds, "torch_threads": torch.get_num_threads(),
         "plain_step_ms": 1e3 * statistics.median(plain_s), "ddp_step_ms": 1e3 * statistics.median(ddp_s),
         "overhead_percent": 100.0 * (statistics.median(ddp_s) / statistics.median(plain_s) - 1.0),
+        "overhead_us_per_step": 1e6 * (statistics.median(ddp_s) - statistics.median(plain_s)),
     }
 
 
@@ -93,7 +100,7 @@ def main(argv=None) -> None:
         print(json.dumps(result))
     else:
         print(f"{result['model']}: plain {result['plain_step_ms']:.2f} ms/step, wrapped {result['ddp_step_ms']:.2f} "
-              f"ms/step, overhead {result['overhead_percent']:+.2f}% (medians of {result['steps'] * result['rounds']} paired steps)")
+              f"ms/step, overhead {result['overhead_percent']:+.2f}% ({result['overhead_us_per_step']:+.0f} us/step) (medians of {result['steps'] * result['rounds']} paired steps)")
 
 
 if __name__ == "__main__":
