@@ -19,9 +19,9 @@ Words (used by ``shm.py`` too):
   32-34   *abort* flag, error code, text length; text (<= ABORT_TEXT bytes) at byte 512
   ====== ==================================================================================
 
-  followed by the *slot table*: 64 bytes per slot = the CallHeader (36 bytes packed) of the message
-  the slot belongs to, the message length, this slot's offset in the message and the number
-  of payload bytes in the slot. Slot ``k`` of the ring holds filled slot number ``n`` when
+  followed by the *slot table* (from byte 1536): 64 bytes per slot = the packed CallHeader
+  of the message the slot belongs to, the message length, this slot's offset in the message
+  and the number of payload bytes in the slot. Slot ``k`` of the ring holds filled slot number ``n`` when
   ``n % slots == k``; it is free for the sender while ``head - tail < slots``.
 
 Memory ordering. The sender writes a slot (table entry and payload), then stores ``head``;
@@ -55,8 +55,9 @@ from typing import Optional
 
 import numpy as np
 
-#: x86 total store order makes the plain stores above safe (see the module text).
-ORDERING_OK = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+#: x86-64 total store order makes the plain stores above safe (see the module text); 32-bit
+#: x86 is left out because an 8-byte store may be split in two there.
+ORDERING_OK = platform.machine().lower() in ("x86_64", "amd64")
 
 MAGIC = 0x31304D4853545200  # "\0RTSHM01" little-endian
 PAGE = 4096
