@@ -283,3 +283,33 @@ def test_a_failed_peer_surfaces_from_backward_within_the_deadline():
     outcome, message, active = results[0]
     assert outcome == "comm error", "rank 0 must see its peer's failure"
     assert active is False
+
+
+def test_find_unused_walks_dataclass_outputs():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        note: str
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(3, 3)
+            self.unused = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Out(self.used(x), "hi")
+
+    def body(comm):
+        ddp = DistributedDataParallel(Wrapped(), comm, find_unused_parameters=True, **FAST)
+        for _ in range(3):
+            ddp.zero_grad()
+            ddp(torch.ones(2, 3)).logits.sum().backward()
+        grads = ddp.module.used.weight.grad.clone(), ddp.module.unused.weight.grad
+        ddp.close()
+        return grads
+
+    for used, unused in raise_first(run_comms(2, body)):
+        assert torch.equal(used, torch.full((3, 3), 2.0)) and torch.equal(unused, torch.zeros(3, 3))

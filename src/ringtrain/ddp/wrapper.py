@@ -35,6 +35,7 @@ the unused-parameter check) and nothing is copied or sent.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -218,7 +219,8 @@ class DistributedDataParallel(nn.Module):
             for t in outputs:
                 t.register_hook(self._on_backward_start)
             if self.options.find_unused_parameters:
-                used = _reachable_params(outputs, self._pid_of)
+                # No tensor with a graph found in the output: nothing to walk, all are expected.
+                used = _reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
                 self._s.expected = len(used)
                 self._s.unused = [pid for pid in range(len(self._params)) if pid not in used]
         self._s.forward_span = (t0, time.perf_counter())
@@ -492,13 +494,15 @@ def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder]) -> None:
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors in a module's output (nested tuples, lists and dicts)."""
+    """The tensors in a module's output (nested tuples, lists, dicts and dataclasses)."""
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
         return [t for item in out for t in _tensors(item)]
     if isinstance(out, dict):
         return [t for item in out.values() for t in _tensors(item)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in _tensors(getattr(out, f.name))]
     return []
 
 
