@@ -445,6 +445,16 @@ def test_connect_validates_options_and_times_out_without_leftovers():
     assert _my_segments() == []
 
 
+def test_refuses_to_start_without_x86_ordering(monkeypatch):
+    import torch.distributed as dist
+
+    from ringtrain.transport import shm
+
+    monkeypatch.setattr(shm, "ORDERING_OK", False)
+    with pytest.raises(CommError, match="x86.*transport='tcp'"):
+        ShmTransport.connect(0, 2, dist.HashStore(), timeout=1, prefix="arm")
+
+
 @pytest.mark.timeout(30)
 def test_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch):
     import errno
