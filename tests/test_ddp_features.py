@@ -313,3 +313,31 @@ def test_find_unused_walks_dataclass_outputs():
 
     for used, unused in raise_first(run_comms(2, body)):
         assert torch.equal(used, torch.full((3, 3), 2.0)) and torch.equal(unused, torch.zeros(3, 3))
+
+
+def test_mixed_dtype_parameters_get_one_bucket_per_dtype():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3).double()
+
+        def forward(self, x):
+            return self.b(self.a(x).double())
+
+    def body(comm):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Mixed(), comm, schedule="single", **FAST)
+        x = torch.full((2, 3), float(comm.rank + 1))
+        for _ in range(2):
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+        dtypes = [b.dtype for b in ddp.buckets]
+        grads = [p.grad.clone() for p in ddp.module.parameters()]
+        ddp.close()
+        return dtypes, grads
+
+    results = raise_first(run_comms(2, body))
+    assert results[0][0] == [torch.float64, torch.float32]  # b's gradients are ready first
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b) and a.dtype in (torch.float32, torch.float64)

@@ -100,7 +100,8 @@ def main(argv=None) -> None:
         print(json.dumps(result))
     else:
         print(f"{result['model']}: plain {result['plain_step_ms']:.2f} ms/step, wrapped {result['ddp_step_ms']:.2f} "
-              f"ms/step, overhead {result['overhead_percent']:+.2f}% ({result['overhead_us_per_step']:+.0f} us/step) (medians of {result['steps'] * result['rounds']} paired steps)")
+              f"ms/step, overhead {result['overhead_percent']:+.2f}% ({result['overhead_us_per_step']:+.0f} us/step; "
+              f"medians of {result['steps'] * result['rounds']} paired steps)")
 
 
 if __name__ == "__main__":

@@ -409,8 +409,8 @@ class DistributedDataParallel(nn.Module):
                                            for stamps, start in self._profile_rows])
         mine = calibration.observed_order(np.array(self._s.stamps))
         t0 = time.perf_counter()
-        times, order = self._thread.run("profile exchange", partial(calibration.exchange_profile, self.comm, local, mine),
-                                        self._timeout)
+        exchange = partial(calibration.exchange_profile, self.comm, local, mine)
+        times, order = self._thread.run("profile exchange", exchange, self._timeout)
         if self._recorder is not None:
             self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
                                 iteration=self._s.iteration)
