@@ -66,9 +66,20 @@ SOCKET_BUFFER_BYTES = 4 << 20
 DEFAULT_SEGMENT_BYTES = 512 << 10
 #: Frames with at least this many bytes still to send go to the connection's sender thread,
 #: so the kernel copies them out while this thread receives and reduces (None: never).
-#: Measured (16-core host, 2 ranks, 64 MiB, Unix sockets): bidirectional 2.4-2.6 -> 4.5-5.5
-#: GB/s per direction, with a reduce 1.9-2.1 -> 3.2-3.3; no change over loopback TCP.
+#: Measured (16-core host, 2 ranks, 64 MiB, Unix sockets): bidirectional 1.8-2.2 -> 3.4-4.6
+#: GB/s per direction, with a reduce 1.4-1.7 -> 2.4-3.1; no change over loopback TCP. On a
+#: 2-core host running 2 ranks they cost a little (2.7 -> 2.3 GB/s), so connect() turns them
+#: on only when this host has at least 2 cores per local rank.
 DEFAULT_THREAD_SEND_BYTES: Optional[int] = 1 << 20
+
+
+def auto_thread_send_bytes(local_ranks: int) -> Optional[int]:
+    """DEFAULT_THREAD_SEND_BYTES when there are >= 2 cores per rank on this host, else None."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        cores = os.cpu_count() or 1
+    return DEFAULT_THREAD_SEND_BYTES if cores >= 2 * max(1, local_ranks) else None
 #: A listener gives any one incoming handshake at most this long.
 HANDSHAKE_TIMEOUT = 5.0
 #: abort() spends at most this long telling peers.
@@ -527,7 +538,7 @@ class TcpTransport(Transport):
     def connect(cls, rank: int, world_size: int, store, *, secret: Optional[bytes], timeout: float,
                 host_ids: Sequence[str], bind_host: Optional[str] = None, prefix: str = "ringtrain",
                 segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                thread_send_bytes: Optional[int] = DEFAULT_THREAD_SEND_BYTES) -> "TcpTransport":
+                thread_send_bytes: Optional[int] | str = "auto") -> "TcpTransport":
         """Build the full mesh through ``store`` (a torch.distributed Store) by ``timeout`` seconds.
 
         Rank r publishes its endpoints, connects to every lower rank, then admits every
@@ -544,6 +555,12 @@ class TcpTransport(Transport):
             raise ValueError("secret must be None or non-empty bytes")
         if len(host_ids) != world_size:
             raise ValueError(f"host_ids must have world_size={world_size} entries, got {len(host_ids)}")
+        if isinstance(thread_send_bytes, str):
+            if thread_send_bytes != "auto":
+                raise ValueError(f"thread_send_bytes must be 'auto', None or an int >= 1, got {thread_send_bytes!r}")
+            thread_send_bytes = auto_thread_send_bytes(list(host_ids).count(host_ids[rank]))
+        elif thread_send_bytes is not None and thread_send_bytes < 1:
+            raise ValueError(f"thread_send_bytes must be 'auto', None or an int >= 1, got {thread_send_bytes!r}")
         deadline = time.monotonic() + timeout
         me = _Identity(rank, world_size, prefix, bytes(secret) if secret is not None else None)
         mine = host_ids[rank]
