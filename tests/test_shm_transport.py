@@ -480,15 +480,17 @@ def test_stale_segments_of_dead_processes_are_removed():
     directory = segment_dir()
     stale = f"{NAME_PREFIX}{pid_namespace()}-{dead}-abcd1234-0-0-1"
     live = f"{NAME_PREFIX}{pid_namespace()}-{os.getpid()}-abcd1234-999-0-1"
-    for name in (stale, live):
+    reused = f"{NAME_PREFIX}{pid_namespace()}-{os.getpid()}-abcd1234-998-0-1"  # made before we started
+    for name in (stale, live, reused):
         open(os.path.join(directory, name), "wb").close()
+    os.utime(os.path.join(directory, reused), (time.time() - 10**6, time.time() - 10**6))
     try:
         removed = remove_stale_segments()
-        assert stale in removed and live not in removed
+        assert stale in removed and reused in removed and live not in removed
         assert not os.path.exists(os.path.join(directory, stale))
         assert os.path.exists(os.path.join(directory, live))
     finally:
-        for name in (stale, live):
+        for name in (stale, live, reused):
             if os.path.exists(os.path.join(directory, name)):
                 os.unlink(os.path.join(directory, name))
 

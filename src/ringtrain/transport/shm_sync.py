@@ -185,11 +185,28 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+def _started_after(pid: int, path: str) -> bool:
+    """Whether process ``pid`` started after ``path`` was created: then the pid was reused
+    and the segment's creator is gone. False when /proc cannot tell."""
+    try:
+        stat = _proc_stat(pid)
+        if stat is None:
+            return False
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        started = boot + stat[1] / os.sysconf("SC_CLK_TCK")
+        return started > os.stat(path).st_mtime + 1.0  # btime has whole seconds only
+    except (OSError, ValueError, StopIteration):
+        return False
+
+
 def remove_stale_segments(directory: Optional[str] = None) -> list[str]:
     """Unlink ringtrain segments whose creating process is dead; return their names.
 
-    Best effort: only segments created in our pid namespace are judged, and errors are
-    ignored (another process may be removing the same files).
+    A creator is dead when its pid is gone, a zombie, or now belongs to a process that
+    started after the segment was made. Best effort: only segments created in our pid
+    namespace are judged, and errors are ignored (another process may be removing the same
+    files).
     """
     directory = directory or segment_dir()
     ns = pid_namespace()
@@ -203,10 +220,11 @@ def remove_stale_segments(directory: Optional[str] = None) -> list[str]:
         if m is None or int(m.group(1)) != ns:
             continue
         pid = int(m.group(2))
-        if ProcessId(pid, 0, ns).alive():
+        path = os.path.join(directory, name)
+        if ProcessId(pid, 0, ns).alive() and not _started_after(pid, path):
             continue
         try:
-            os.unlink(os.path.join(directory, name))
+            os.unlink(path)
             removed.append(name)
         except OSError:
             pass
