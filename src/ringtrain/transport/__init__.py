@@ -4,7 +4,8 @@
 - ``shm``: shared-memory mailboxes between ranks on one host;
 - ``torch``: point-to-point over a torch.distributed process group (gloo, or nccl on GPU);
 - ``local``: threads of one process (tests);
-- ``auto``: shm between ranks on the same host, tcp between hosts (a composite of both).
+- ``auto``: shm between ranks on the same host, tcp between hosts (a composite of both);
+  tcp everywhere on machines whose memory ordering shm cannot rely on (non-x86-64).
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ def make_transport(
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
     if kind == "auto":
+        from .shm_sync import ORDERING_OK
+
         same = [r for r in range(world_size) if host_ids[r] == host_ids[rank]]
-        if len(set(host_ids)) == 1:
+        if not ORDERING_OK:  # shared memory relies on x86-64 store ordering (see shm_sync)
+            kind = "tcp"
+        elif len(set(host_ids)) == 1:
             kind = "shm"
         elif len(same) == 1:
             kind = "tcp"
