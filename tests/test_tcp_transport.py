@@ -225,6 +225,28 @@ def test_bad_arguments(mesh):
         ts[0].exchange([], [Recv(1, frozen)], CALL, deadline())
 
 
+def test_default_listener_binds_the_interface_toward_the_store(monkeypatch):
+    """Not every interface: the one that reaches the store's host (MASTER_ADDR)."""
+    bound = []
+    real = tcp.Listener.__init__
+
+    def spy(self, me, **kw):
+        real(self, me, **kw)
+        bound.append([s.getsockname()[0] for s in self._socks if s.family != socket.AF_UNIX])
+
+    monkeypatch.setattr(tcp.Listener, "__init__", spy)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+    def connect(r):
+        return TcpTransport.connect(r, 2, store, secret=SECRET, timeout=10, host_ids=["a", "b"], prefix="bind")
+
+    ts = on_threads(2, connect)
+    for t in ts:
+        assert isinstance(t, TcpTransport), t
+        t.close()
+    assert bound == [["127.0.0.1"], ["127.0.0.1"]]
+
+
 def test_a_stale_endpoint_in_the_store_is_read_again(mesh):
     """A store reused by a second communicator may still hold the first one's endpoints."""
     store = dist.HashStore()
@@ -262,6 +284,27 @@ def test_mismatched_headers_raise_on_both_ranks(mesh):
         assert isinstance(res[r], MismatchError), res[r]
         assert f"rank {r} called" in str(res[r]) and f"rank {1 - r} called" in str(res[r])
         assert "op=sum" in str(res[r]) and "op=max" in str(res[r])
+
+
+def test_a_connection_left_mid_frame_is_not_reused(mesh):
+    """After a MismatchError the payload is still unread: a later call must not parse it as a frame."""
+    ts = mesh(2)
+    other = CallHeader(9, "broadcast", dtype="float32", numel=3, root=1)
+    ts[1].exchange([Send(0, np.arange(3, dtype=np.float32))], [], other, deadline())
+    with pytest.raises(MismatchError):
+        ts[0].exchange([], [Recv(1, np.zeros(3, np.float32))], CALL, deadline())
+    with pytest.raises(CommError, match="half-read"):
+        ts[0].exchange([], [Recv(1, np.zeros(3, np.float32))], other, deadline())
+
+
+def test_one_send_and_one_receive_per_peer(mesh):
+    ts = mesh(2)
+    with pytest.raises(ValueError, match="more than one Send"):
+        ts[0].exchange([Send(1, np.zeros(2)), Send(1, np.zeros(2))], [], CALL, deadline())
+    with pytest.raises(ValueError, match="more than one Recv"):
+        ts[0].exchange([], [Recv(1, np.zeros(2)), Recv(1, np.zeros(2))], CALL, deadline())
+    # nothing was sent or armed by the refused calls: the pair still works
+    on_threads(2, lambda r: ts[r].exchange([Send(1 - r, np.ones(2))], [Recv(1 - r, np.zeros(2))], CALL, deadline()))
 
 
 def test_payload_size_mismatch(mesh):

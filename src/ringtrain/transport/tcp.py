@@ -376,7 +376,7 @@ def dial(endpoints: dict, same_host: bool, me: _Identity, peer: int, deadline: f
 class _Conn:
     """One peer's socket and the per-connection state that outlives an exchange."""
 
-    __slots__ = ("peer", "sock", "fd", "hdr", "midframe", "dead", "_scratch", "_sender")
+    __slots__ = ("peer", "sock", "fd", "hdr", "midframe", "reading", "dead", "_scratch", "_sender")
 
     def __init__(self, peer: int, sock: socket.socket):
         sock.setblocking(False)
@@ -384,7 +384,8 @@ class _Conn:
         self.sock = sock
         self.fd = sock.fileno()
         self.hdr = bytearray(wire.FRAME_HEADER_SIZE)
-        self.midframe = False  # a DATA frame is partly sent
+        self.midframe = False  # a DATA frame is partly sent (or queued for the sender thread)
+        self.reading = False  # a frame from the peer is partly received
         self.dead: Optional[str] = None  # why it can no longer be used
         self._scratch: Optional[np.ndarray] = None
         self._sender: Optional[_Sender] = None
@@ -440,7 +441,7 @@ class _Sender:
                 self._send(st, deadline)
             finally:
                 st.done = True
-                self.conn.midframe = st.off not in (0, st.total) or (st.error is not None and st.off != st.total)
+                self.conn.midframe = 0 < st.off < st.total
                 try:
                     os.write(self.wake_fd, b"x")
                 except OSError:  # the transport is closing
@@ -488,6 +489,7 @@ class _RecvState:
     __slots__ = ("conn", "recv", "nbytes", "dest", "elems", "got_head", "off", "seg_start", "seg", "scratch")
 
     def __init__(self, conn: _Conn, recv: Recv, segment_bytes: int):
+        conn.reading = True
         self.conn = conn
         self.recv = recv
         self.elems = recv.buf.reshape(-1)
@@ -567,15 +569,13 @@ class TcpTransport(Transport):
         peers = [p for p in range(world_size) if p != rank]
         need_unix = any(host_ids[p] == mine for p in peers)
         need_tcp = any(host_ids[p] != mine for p in peers)
-        publish = None
+        # By default listen only on the interface that reaches the store's host (MASTER_ADDR
+        # under torchrun), never on every interface; a store without a host (HashStore) means
+        # all ranks share this process, so loopback.
+        toward = getattr(store, "host", None) or "127.0.0.1"
         if bind_host is None:
-            if need_tcp:
-                toward = getattr(store, "host", None)
-                bind_host = route_address(toward) if toward else "0.0.0.0"
-            else:
-                bind_host = "127.0.0.1"
-        if bind_host in ("0.0.0.0", ""):
-            publish = route_address(getattr(store, "host", None) or "8.8.8.8")
+            bind_host = route_address(toward) if need_tcp else "127.0.0.1"
+        publish = route_address(toward) if bind_host in ("0.0.0.0", "::", "") else None
         listener = Listener(me, unix=need_unix, tcp=need_tcp, bind_host=bind_host, publish_host=publish)
         socks: dict[int, socket.socket] = {}
         try:
@@ -600,31 +600,48 @@ class TcpTransport(Transport):
     def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], header: CallHeader, deadline: float) -> None:
         if self._closed:
             raise CommError(f"rank {self.rank}: transport is closed")
-        send_states: dict[int, _SendState] = {}
-        recv_states: dict[int, _RecvState] = {}
         loopback: Optional[np.ndarray] = None
-        for s in sends:
+        outgoing: list[tuple[_Conn, np.ndarray]] = []
+        incoming: list[tuple[_Conn, Recv]] = []
+        for s in sends:  # check everything before touching any connection's state
             payload = _as_bytes(s.buf, "send")
             if s.peer == self.rank:
                 loopback = payload
                 continue
             conn = self._conn(s.peer, header)
-            if conn.fd in send_states:
-                raise ValueError(f"more than one Send to rank {s.peer} in one exchange")
-            send_states[conn.fd] = _SendState(conn, wire.encode_data_header(header, payload.nbytes), memoryview(payload))
+            if conn.midframe:
+                raise CommError(
+                    f"rank {self.rank}: an earlier failed call left a frame to rank {s.peer} half-sent; "
+                    "this transport cannot be used any more"
+                )
+            outgoing.append((conn, payload))
         for r in recvs:
             _as_bytes(r.buf, "receive")
             if not r.buf.flags.writeable:
                 raise ValueError(f"receive buffer from rank {r.peer} is read-only")
             if r.peer == self.rank:
-                self._recv_loopback(r, loopback, header)
                 continue
             conn = self._conn(r.peer, header)
-            if conn.fd in recv_states:
-                raise ValueError(f"more than one Recv from rank {r.peer} in one exchange")
-            recv_states[conn.fd] = _RecvState(conn, r, self.segment_bytes)
-        if not send_states and not recv_states:
+            if conn.reading:
+                raise CommError(
+                    f"rank {self.rank}: an earlier failed call left a frame from rank {r.peer} half-read; "
+                    "this transport cannot be used any more"
+                )
+            incoming.append((conn, r))
+        for what, pairs in (("Send to", outgoing), ("Recv from", incoming)):
+            peers = [conn.peer for conn, _ in pairs]
+            if len(set(peers)) != len(peers):
+                raise ValueError(f"more than one {what} the same rank in one exchange: {sorted(peers)}")
+        for r in recvs:
+            if r.peer == self.rank:
+                self._recv_loopback(r, loopback, header)
+        if not outgoing and not incoming:
             return
+        send_states = {
+            conn.fd: _SendState(conn, wire.encode_data_header(header, payload.nbytes), memoryview(payload))
+            for conn, payload in outgoing
+        }
+        recv_states = {conn.fd: _RecvState(conn, r, self.segment_bytes) for conn, r in incoming}
         threaded: dict[int, _SendState] = {}
         for fd, st in list(send_states.items()):  # small messages usually leave right here
             if self._pump_send(st, header, deadline):
@@ -680,8 +697,8 @@ class TcpTransport(Transport):
                 before = interest(fd)
                 if fd in recvs and ev & (_IN | _BAD):
                     if self._pump_recv(recvs[fd], header, deadline):
-                        del recvs[fd]
-                elif fd in watch_abort and ev & _IN:
+                        recvs.pop(fd).conn.reading = False
+                elif fd in watch_abort and ev & (_IN | _BAD):
                     self._peek_abort((sends.get(fd) or threaded[fd]).conn, header, deadline)
                     watch_abort.discard(fd)
                 if fd in sends and ev & (_OUT | _BAD):
@@ -751,6 +768,8 @@ class TcpTransport(Transport):
 
         A DATA frame (the peer is ahead of us) is left unread for the exchange that wants it.
         """
+        if conn.reading:  # not at a frame boundary: nothing to learn here
+            return
         head = b""
         while True:
             try:
@@ -772,6 +791,7 @@ class TcpTransport(Transport):
         fh = self._decode(conn, head)
         if fh.kind == wire.ABORT:
             conn.sock.recv(wire.FRAME_HEADER_SIZE)
+            conn.reading = True
             raise self._read_abort(conn, fh, deadline)
 
     def _decode(self, conn: _Conn, head: bytes | bytearray) -> wire.FrameHeader:
