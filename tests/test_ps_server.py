@@ -207,3 +207,17 @@ def test_a_worker_lost_half_way_through_a_push_leaves_the_shard_untouched():
     assert server.version == 0 and server.updates == 0
     # one server: its shard is every partition in id order, i.e. the parameters concatenated
     assert torch.equal(server.params, torch.cat([b.reshape(-1) for b in before]))
+
+
+@pytest.mark.parametrize("schedule,groups", [("single", 1), ("wfbp", 4), ("optimal", None)])
+def test_pushes_follow_the_merge_plan_after_the_first_step(schedule, groups):
+    server, thread, out = start_server()
+    stats = train_one(server.endpoint, steps=3, schedule=schedule)
+    thread.join(10)
+    members = stats["push_groups"]
+    if groups is not None:
+        assert members == groups
+    assert 1 <= members <= 4  # 4 parameter tensors
+    # every byte a worker sent, the server received, and the other way round
+    assert stats["bytes_sent"] == out["stats"]["bytes_received"]
+    assert stats["bytes_received"] == out["stats"]["bytes_sent"]
