@@ -1,0 +1,58 @@
+"""Hostile wire input in CI, through ringtrain.bench.fuzz: the parameter server's port (whose
+own tests have no fuzz run) gets 500 cases, the tcp listener and frames a short run beside
+the tcp engineer's 500-case hypothesis tests (tests/test_tcp_transport.py).
+
+Every target runs in its own process: it must not die, must close every hostile connection
+(no hang), must log a refusal for every stranger, must still serve a genuine peer, and its
+peak memory must not move by more than a few MiB whatever the frames claim (up to 2^64 - 1).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ringtrain.bench import fuzz
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+def check(report: dict) -> None:
+    assert report["crashes"] == 0, report["crash_reasons"]
+    assert report["hangs"] == 0
+    assert report["still_serving"]
+    grew = report["memory_after_mb"]["VmHWM"] - report["memory_before_mb"]["VmHWM"]
+    assert grew < 16, f"peak memory grew by {grew} MiB"
+
+
+def test_parameter_server_port_500_cases():
+    report = fuzz.fuzz_target("ps", 500, seed=6)
+    print(report["families"], report["target_report"]["logged"])
+    check(report)
+    strangers = report["cases"] - report["authenticated_cases"]
+    stats = report["target_report"]["stats"]
+    assert stats["refused_connections"] == strangers  # every stranger refused in the handshake ...
+    assert sum(report["target_report"]["logged"].values()) >= strangers  # ... and logged
+    assert report["target_report"]["notices"] == report["authenticated_cases"]  # each bad worker dropped
+
+
+@pytest.mark.parametrize("target", ["listener", "frames"])
+def test_tcp_listener_and_frames_short_run(target):
+    report = fuzz.fuzz_target(target, 300, seed=6)
+    check(report)
+    rep = report["target_report"]
+    if target == "listener":
+        assert rep["refused"] == report["cases"] and rep["admitted"] == [1]
+    else:  # every frame ended in data (a frame that happens to be valid) or a CommError, never a hang
+        assert sum(rep["outcomes"].values()) == report["cases"] + 1  # + the genuine stop frame
+        assert rep["outcomes"].get("ProtocolError", 0) > 0
+
+
+def test_cases_are_reproducible_and_cover_every_family():
+    a = [fuzz.frame_case(random.Random(f"1/{i}")) for i in range(400)]
+    b = [fuzz.frame_case(random.Random(f"1/{i}")) for i in range(400)]
+    assert a == b
+    assert {f for f, _ in a} == {"random", "magic", "fields", "truncated", "claims", "abort", "flip", "oversized"}
+    hs = {fuzz.handshake_case(random.Random(i))[0] for i in range(400)}
+    assert hs == {"random", "magic", "fields", "truncated", "mac", "flip", "oversized"}
