@@ -301,30 +301,36 @@ class DistributedDataParallel(nn.Module):
     def _end_backward(self) -> None:
         st = self._s
         t_last = st.last
+        copies: list[tuple[float, float]] = []  # (start, end) of each bucket's copy into .grad
         if self.world_size > 1:
             if st.launched != len(self._specs):
                 raise RuntimeError(f"internal error: {st.launched} of {len(self._specs)} buckets launched at the "
                                    "end of backward")
             try:
-                for job in st.jobs:
+                for k, job in enumerate(st.jobs):
                     job.wait(self._timeout)
+                    # Copy bucket k back while the communication thread reduces the next ones.
+                    t0 = time.perf_counter()
+                    self._copy_back(self._specs[k])
+                    copies.append((t0, time.perf_counter()))
             except BaseException:
                 self._reset_iteration()  # the communication error is the news, not missing gradients
                 raise
-            t_waited = time.perf_counter()
-            with torch.no_grad():
-                for pid, p in enumerate(self._params):
-                    if p.grad is None:
-                        p.grad = self._slots[pid].clone()
-                    else:
-                        p.grad.copy_(self._slots[pid])
-            t_done = time.perf_counter()
-        else:
-            t_waited = t_done = time.perf_counter()
-        self._record(t_last, t_waited, t_done)
+        t_done = time.perf_counter()
+        self._record(t_last, copies, t_done)
         self._profile()
         st.iteration += 1
         self._reset_iteration()
+
+    def _copy_back(self, spec: bucketing.BucketSpec) -> None:
+        """Every parameter of the bucket gets the mean over ranks as its ``.grad``."""
+        with torch.no_grad():
+            for pid in spec.pids:
+                p = self._params[pid]
+                if p.grad is None:  # find_unused_parameters: unused here, maybe used elsewhere
+                    p.grad = self._slots[pid].clone()
+                else:
+                    p.grad.copy_(self._slots[pid])
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -356,7 +362,7 @@ class DistributedDataParallel(nn.Module):
             f"ringtrain.DistributedDataParallel: the previous backward pass ended without a gradient for "
             f"{len(missing)} of {len(self._params)} parameters, so their allreduce never ran: {missing}. {hint}.")
 
-    def _record(self, t_last: float, t_waited: float, t_done: float) -> None:
+    def _record(self, t_last: float, copies: list[tuple[float, float]], t_done: float) -> None:
         st = self._s
         start = st.first if st.bwd_start is None else st.bwd_start
         end = t_last
@@ -387,8 +393,12 @@ class DistributedDataParallel(nn.Module):
         for k, job in enumerate(st.jobs):
             rec.span(f"allreduce bucket {k}", "allreduce", "communication", job.started, job.ended, iteration=it,
                      bytes=job.nbytes, params=len(self._specs[k].pids))
-        rec.span("wait for allreduce", "wait", "compute", t_last, t_waited, iteration=it)
-        rec.span("copy into .grad", "copy", "compute", t_waited, t_done, iteration=it)
+        prev = t_last
+        for k, (a, b) in enumerate(copies):
+            if a > prev:
+                rec.span(f"wait for bucket {k}", "wait", "compute", prev, a, iteration=it)
+            rec.span(f"copy bucket {k} into .grad", "copy", "compute", a, b, iteration=it)
+            prev = b
         rec.end_iteration()
 
     def _profile(self) -> None:
