@@ -10,7 +10,6 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import secrets
 import signal
 import socket
 import threading

@@ -34,7 +34,6 @@ type as the one that made the peer abort.
 from __future__ import annotations
 
 import datetime
-import errno
 import json
 import logging
 import math
@@ -71,6 +70,14 @@ DEFAULT_SEGMENT_BYTES = 512 << 10
 #: 2-core host running 2 ranks they cost a little (2.7 -> 2.3 GB/s), so connect() turns them
 #: on only when this host has at least 2 cores per local rank.
 DEFAULT_THREAD_SEND_BYTES: Optional[int] = 1 << 20
+#: A listener gives any one incoming handshake at most this long.
+HANDSHAKE_TIMEOUT = 5.0
+#: abort() spends at most this long telling peers.
+ABORT_BUDGET = 1.0
+
+_IN = select.POLLIN | select.POLLPRI
+_OUT = select.POLLOUT
+_BAD = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 def auto_thread_send_bytes(local_ranks: int) -> Optional[int]:
@@ -80,14 +87,6 @@ def auto_thread_send_bytes(local_ranks: int) -> Optional[int]:
     except AttributeError:  # pragma: no cover - not on Linux
         cores = os.cpu_count() or 1
     return DEFAULT_THREAD_SEND_BYTES if cores >= 2 * max(1, local_ranks) else None
-#: A listener gives any one incoming handshake at most this long.
-HANDSHAKE_TIMEOUT = 5.0
-#: abort() spends at most this long telling peers.
-ABORT_BUDGET = 1.0
-
-_IN = select.POLLIN | select.POLLPRI
-_OUT = select.POLLOUT
-_BAD = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 # --- small blocking helpers used during set-up -------------------------------------------------
@@ -390,9 +389,9 @@ class _Conn:
         self._scratch: Optional[np.ndarray] = None
         self._sender: Optional[_Sender] = None
 
-    def send_in_thread(self, st: "_SendState", deadline: float, wake_fd: int) -> None:
+    def send_in_thread(self, st: "_SendState", deadline: float, wake: "_Wake") -> None:
         if self._sender is None:
-            self._sender = _Sender(self, wake_fd)
+            self._sender = _Sender(self, wake)
         self.midframe = True  # from now until the thread finishes, no ABORT may interleave
         self._sender.jobs.put((st, deadline))
 
@@ -417,16 +416,53 @@ class _Conn:
             pass
 
 
+class _Wake:
+    """A self-pipe: sender threads ring it, the exchange's poll watches ``fd``.
+
+    Ringing after close() does nothing (the lock keeps a late thread from writing into a
+    descriptor number the process has since reused).
+    """
+
+    def __init__(self):
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def ring(self) -> None:
+        with self._lock:
+            if not self._closed:
+                try:
+                    os.write(self._w, b"x")
+                except BlockingIOError:  # already full of wake-ups
+                    pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.fd)
+                os.close(self._w)
+
+
 class _Sender:
     """A connection's sender thread: writes whole frames handed over by exchanges.
 
-    It sets ``state.error`` (an OSError, or "timeout") or completes the frame, then writes
-    one byte to the transport's wake pipe so that the exchange's poll notices.
+    It sets ``state.error`` (an OSError, or "timeout") or completes the frame, then rings
+    the transport's wake pipe so that the exchange's poll notices.
     """
 
-    def __init__(self, conn: _Conn, wake_fd: int):
+    def __init__(self, conn: _Conn, wake: _Wake):
         self.conn = conn
-        self.wake_fd = wake_fd
+        self.wake = wake
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"ringtrain-tcp-send-{conn.peer}", daemon=True)
         self.thread.start()
@@ -442,10 +478,7 @@ class _Sender:
             finally:
                 st.done = True
                 self.conn.midframe = 0 < st.off < st.total
-                try:
-                    os.write(self.wake_fd, b"x")
-                except OSError:  # the transport is closing
-                    pass
+                self.wake.ring()
 
     def _send(self, st: "_SendState", deadline: float) -> None:
         sock = self.conn.sock
@@ -529,9 +562,7 @@ class TcpTransport(Transport):
         self.segment_bytes = segment_bytes
         self.thread_send_bytes = thread_send_bytes
         self._conns = {peer: _Conn(peer, s) for peer, s in socks.items()}
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = _Wake()
         self._closed = False
 
     # ---- construction -------------------------------------------------------------------------
@@ -649,7 +680,7 @@ class TcpTransport(Transport):
             elif self.thread_send_bytes is not None and st.total - st.off >= self.thread_send_bytes:
                 del send_states[fd]
                 threaded[fd] = st
-                st.conn.send_in_thread(st, deadline, self._wake_w)
+                st.conn.send_in_thread(st, deadline, self._wake)
         self._run(send_states, recv_states, threaded, header, deadline)
 
     def _conn(self, peer: int, header: CallHeader) -> _Conn:
@@ -684,14 +715,14 @@ class TcpTransport(Transport):
         for fd in set(sends) | set(recvs) | watch_abort:
             poller.register(fd, interest(fd))
         if threaded:
-            poller.register(self._wake_r, _IN)
+            poller.register(self._wake.fd, _IN)
         while sends or recvs or threaded:
             left = _remaining(deadline)
             events = poller.poll(max(0, math.ceil(left * 1000))) if left > 0 else poller.poll(0)
             if not events and _remaining(deadline) <= 0:
                 raise self._timeout({**sends, **threaded}, recvs, header)
             for fd, ev in events:
-                if fd == self._wake_r:
+                if fd == self._wake.fd:
                     self._collect(threaded, watch_abort, poller, header, deadline)
                     continue
                 before = interest(fd)
@@ -714,11 +745,7 @@ class TcpTransport(Transport):
     def _collect(self, threaded: dict[int, _SendState], watch_abort: set[int], poller, header: CallHeader,
                  deadline: float) -> None:
         """Take the finished sends of sender threads; raise what one of them met."""
-        try:
-            while os.read(self._wake_r, 64):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        self._wake.drain()
         for fd, st in list(threaded.items()):
             if not st.done:
                 continue
@@ -926,8 +953,7 @@ class TcpTransport(Transport):
         self._closed = True
         for conn in self._conns.values():
             conn.kill("closed by this rank")
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
 
     def __del__(self) -> None:  # pragma: no cover - safety net
         try:
