@@ -3,7 +3,7 @@
 Words used here:
 
 - *span*: an interval of work on one *lane*: ``compute`` (the training thread: forward, each
-  parameter's backward, the wait for communication, the copy back into ``.grad``) or
+  parameter's backward, then per bucket the wait for its allreduce and its copy into ``.grad``) or
   ``communication`` (the wrapper's communication thread: each bucket's allreduce, and the
   calibration exchanges). Spans are Chrome trace "complete" events (``ph: "X"``, times in
   microseconds from the wrapper's creation); ``pid`` is the rank, ``tid`` the lane.
@@ -38,7 +38,8 @@ class IterationStats:
     first_ready_s: float
     """Backward start to the first gradient ready."""
     comm_s: float
-    """Sum of the buckets' allreduce times on the communication thread."""
+    """Sum of the buckets' allreduce times on the communication thread (an allreduce started
+    before a slower rank was ready includes the wait for it)."""
     exposed_s: float
     """Communication left after backward: last allreduce end minus last gradient ready (>= 0)."""
     wait_s: float
