@@ -574,9 +574,20 @@ class TcpTransport(Transport):
                 thread_send_bytes: Optional[int] | str = "auto") -> "TcpTransport":
         """Build the full mesh through ``store`` (a torch.distributed Store) by ``timeout`` seconds.
 
-        Rank r publishes its endpoints, connects to every lower rank, then admits every
-        higher rank: rank 0 only admits, so each rank's connects finish (induction) and
-        nothing waits in a cycle.
+        Rank r publishes its endpoints under ``{prefix}/tcp/{r}``, connects to every lower
+        rank, then admits every higher rank: rank 0 only admits, so each rank's connects
+        finish (induction) and nothing waits in a cycle.
+
+        - ``secret``: the job's shared secret (None: no authentication, but the handshake
+          still refuses strangers and other jobs). Never logged.
+        - ``host_ids[r]``: rank r's host identity; equal ids talk over Unix sockets.
+        - ``bind_host``: the TCP listening address; default, the local address of the
+          interface that reaches the store's host (loopback for a HashStore).
+        - ``prefix``: must be unique per job and per communicator: it names the store keys
+          and its digest is the job identity checked in every handshake.
+        - ``segment_bytes``: reduce granularity (tests make it tiny to cover many segments).
+        - ``thread_send_bytes``: frames at least this large go to sender threads; "auto" turns
+          them on when the host has >= 2 cores per local rank; None: never.
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
