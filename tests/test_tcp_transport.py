@@ -58,16 +58,18 @@ def on_threads(n, fn, timeout=30.0):
 
 
 def build_mesh(world, host_ids=None, secrets_=None, timeout=10.0, prefix="t", **kw):
+    """Connect ``world`` ranks on threads; ``timeout`` may be one value or one per rank."""
     store = dist.HashStore()
     host_ids = host_ids or ["h"] * world
     secrets_ = secrets_ or [SECRET] * world
+    timeouts = timeout if isinstance(timeout, list) else [timeout] * world
 
     def connect(r):
         return TcpTransport.connect(
-            r, world, store, secret=secrets_[r], timeout=timeout, host_ids=host_ids, prefix=prefix, **kw
+            r, world, store, secret=secrets_[r], timeout=timeouts[r], host_ids=host_ids, prefix=prefix, **kw
         )
 
-    return on_threads(world, connect, timeout + 10)
+    return on_threads(world, connect, max(timeouts) + 10)
 
 
 @pytest.fixture
@@ -429,7 +431,7 @@ def test_failed_exchange_with_a_sender_thread_mid_frame_then_abort(mesh):
 def test_wrong_secret_is_refused_before_data(caplog):
     caplog.set_level(logging.WARNING)
     wrong = b"wrong-secret-9999"
-    res = build_mesh(2, secrets_=[SECRET, wrong], timeout=1.0)
+    res = build_mesh(2, secrets_=[SECRET, wrong], timeout=[1.0, 10.0])
     assert isinstance(res[1], AuthError), res[1]  # the connecting side
     assert isinstance(res[0], CommTimeout), res[0]  # the listener refused it and waited on
     for text in [str(res[0]), str(res[1]), caplog.text]:
@@ -439,7 +441,7 @@ def test_wrong_secret_is_refused_before_data(caplog):
 
 @pytest.mark.parametrize("secrets_", [[SECRET, None], [None, SECRET]])
 def test_missing_secret_is_refused(secrets_):
-    res = build_mesh(2, secrets_=secrets_, timeout=1.0)
+    res = build_mesh(2, secrets_=secrets_, timeout=[1.0, 10.0])
     assert isinstance(res[1], AuthError), res[1]
     assert isinstance(res[0], CommTimeout), res[0]
 
@@ -458,7 +460,8 @@ def test_peer_of_another_job_is_a_protocol_error():
             while not store.check(["jobA/tcp/0"]):
                 time.sleep(0.01)
             store.set("jobB/tcp/0", store.get("jobA/tcp/0"))
-        return TcpTransport.connect(r, 2, store, secret=None, timeout=1.0, host_ids=["h", "h"], prefix=prefixes[r])
+        return TcpTransport.connect(r, 2, store, secret=None, timeout=[1.0, 10.0][r], host_ids=["h", "h"],
+                                    prefix=prefixes[r])
 
     res = on_threads(2, connect)
     assert isinstance(res[1], ProtocolError) and "another job" in str(res[1])
