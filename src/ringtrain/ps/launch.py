@@ -115,7 +115,7 @@ class LocalServers:
         self.kill()
 
 
-def launch_local(servers: int, workers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 2,
+def launch_local(servers: int, workers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 0,
                  timeout: float = 60.0, job: str = "ps", secret: Optional[bytes] = None,
                  checkpoint_dir: str = "", resume: bool = False, host: str = "127.0.0.1") -> LocalServers:
     """Start ``servers`` parameter-server processes for ``workers`` workers; return when all listen."""
@@ -134,7 +134,7 @@ def _store(info: rendezvous.JobInfo, timeout: float):
     return rendezvous._stores.get((info.master_addr, info.master_port), prefixed)
 
 
-def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 2, timeout: float = 60.0,
+def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 0, timeout: float = 60.0,
                     job: str = "ps", checkpoint_dir: str = "", resume: bool = False) -> dict:
     """Be server RANK (< servers) of a torchrun job of servers + workers ranks; return its counters."""
     info = rendezvous.job_info()
@@ -195,7 +195,7 @@ def _bench_worker(w: int, workers: int, endpoints, model_name: str, steps: int, 
 
 
 def benchmark(model: str = "mlp", strategy: str = "sync", servers: int = 1, workers: int = 2, steps: int = 10,
-              *, batch_size: int = 0, seed: int = 0, max_staleness: Optional[int] = 2, timeout: float = 120.0,
+              *, batch_size: int = 0, seed: int = 0, max_staleness: Optional[int] = 0, timeout: float = 120.0,
               **settings: Any) -> dict:
     """Train ``model`` for ``steps`` steps with local servers and worker processes; timings and bytes.
 

@@ -58,8 +58,13 @@ class ServerConfig:
     """W, the number of workers of the job."""
     strategy: str = "sync"
     """'sync' (alias 'sharded') or 'async'."""
-    max_staleness: Optional[int] = 2
-    """async only: how many steps a worker may run ahead of the slowest (None: unbounded)."""
+    max_staleness: Optional[int] = 0
+    """async only: how many steps a worker may run ahead of the slowest (None: unbounded).
+
+    0 still applies every gradient on arrival (no aggregation) but no worker pulls for step c+1
+    before every live worker has pushed step c. Measured on the character
+    LM (40 steps, lr 0.05, momentum 0.9): within 2% of synchronous loss at 0, 12-16% worse at 1-2.
+    """
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = 0
