@@ -207,7 +207,7 @@ def _role(rank, world_size, port, servers, steps):
     from ringtrain import ps
 
     torch.set_num_threads(1)
-    if rank < servers:
+    if ps.is_server_rank(servers):
         return {"server": ps.run_server_role(servers, strategy="sharded", timeout=30)}
     m = model()
     pst = ps.worker_from_env(m, servers, strategy="sharded", lr=0.1, momentum=0.9, partition_mb=PARTITION_MB)
@@ -216,14 +216,15 @@ def _role(rank, world_size, port, servers, steps):
         pst.step()
     pst.wait()
     params = [p.detach().clone().numpy() for p in m.parameters()]
-    return {"params": params, "stats": pst.close()}
+    return {"params": params, "stats": pst.close(), "worker": pst.worker}
 
 
-def test_roles_in_one_job_servers_first_then_workers():
-    """Ranks [0, K) serve, ranks [K, K+W) train, endpoints through the job's TCPStore."""
-    servers, steps = 1, 4
-    results = ok(run_ranks(_role, servers + W, servers, steps, timeout=80))
-    assert results[0]["server"]["version"] == steps
-    for r in results[servers:]:
+def test_roles_in_one_job_workers_first_then_servers():
+    """Ranks [0, W) train, ranks [W, W+K) serve, endpoints through the job's TCPStore."""
+    servers, steps = 2, 4
+    results = ok(run_ranks(_role, W + servers, servers, steps, timeout=80))
+    assert [r["worker"] for r in results[:W]] == list(range(W))
+    assert [r["server"]["version"] for r in results[W:]] == [steps] * servers
+    for r in results[:W]:
         for got, want in zip(r["params"], reference(steps)):
             assert np.array_equal(got, want)

@@ -5,13 +5,13 @@ backward and pull parameters before forward, over ringtrain's framed, authentica
 See docs/ps.md for the loop, the launch roles and the guarantees.
 """
 
-from .launch import LocalServers, benchmark, launch_local, run_server_role, worker_from_env
+from .launch import LocalServers, benchmark, is_server_rank, launch_local, run_server_role, worker_from_env
 from .server import STRATEGIES, ParameterServer, ServerConfig, run_server
 from .sharding import Layout, Partition, make_layout
 from .worker import ParameterServerTraining, PSOptions
 
 __all__ = [
     "STRATEGIES", "Layout", "LocalServers", "ParameterServer", "ParameterServerTraining", "PSOptions", "Partition",
-    "ServerConfig", "benchmark", "launch_local", "make_layout", "run_server", "run_server_role",
+    "ServerConfig", "benchmark", "is_server_rank", "launch_local", "make_layout", "run_server", "run_server_role",
     "worker_from_env",
 ]

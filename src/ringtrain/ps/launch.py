@@ -6,12 +6,13 @@ Two ways to run a parameter-server job:
   (multiprocessing, spawn) on this host and gets their endpoints; the workers are whatever
   processes the caller runs, each given those endpoints. ``LocalServers.join()`` returns
   every server's counters; leaving the ``with`` block kills servers still running.
-- *roles in one torchrun job* (:func:`run_server_role`, :func:`worker_from_env`): the job
-  has K + W ranks; ranks [0, K) are servers, ranks [K, K+W) are workers (worker index =
-  rank - K). Each server publishes its endpoint in the job's c10d TCPStore under
-  ``ringtrain-ps/<job>/server/<k>``; workers read them from there. ``ringtrain launch`` /
-  torch.distributed.run starts all of them with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-  and RINGTRAIN_SECRET, as for any ringtrain job.
+- *roles in one torchrun job* (:func:`is_server_rank`, :func:`run_server_role`,
+  :func:`worker_from_env`): the job has W + K ranks; ranks [0, W) are workers (worker index =
+  rank, so rank 0 is worker 0: the one that prints, checkpoints and reports, as in every other
+  ringtrain job), ranks [W, W+K) are servers (server index = rank - W). Each server publishes
+  its endpoint in the job's c10d TCPStore under ``ringtrain-ps/<job>/server/<k>``; workers read
+  them from there. ``ringtrain launch`` / torch.distributed.run (or ``bench.procs``) starts all
+  of them with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and RINGTRAIN_SECRET.
 
 :func:`benchmark` runs N steps of a reference model with local servers and workers and
 returns step times and byte counts (for ``ringtrain bench train``).
@@ -134,33 +135,58 @@ def _store(info: rendezvous.JobInfo, timeout: float):
     return rendezvous._stores.get((info.master_addr, info.master_port), prefixed)
 
 
+def is_server_rank(servers: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:
+    """Whether torchrun rank ``rank`` (default: RANK) is one of the job's ``servers`` last ranks."""
+    info = rendezvous.job_info(rank, world_size)
+    if not 1 <= servers < info.world_size:
+        raise ValueError(f"servers must be in [1, world_size={info.world_size}), got {servers}")
+    return info.rank >= info.world_size - servers
+
+
 def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 0, timeout: float = 60.0,
                     job: str = "ps", checkpoint_dir: str = "", resume: bool = False) -> dict:
-    """Be server RANK (< servers) of a torchrun job of servers + workers ranks; return its counters."""
+    """Be server RANK - W of a torchrun job whose last ``servers`` ranks serve; return its counters."""
     info = rendezvous.job_info()
-    if not 0 <= info.rank < servers < info.world_size:
-        raise ValueError(f"servers must be in [rank+1, world_size) = [{info.rank + 1}, {info.world_size}), got {servers}")
+    if not is_server_rank(servers):
+        raise ValueError(f"rank {info.rank} is a worker rank (the last {servers} of {info.world_size} ranks serve)")
+    workers = info.world_size - servers
+    index = info.rank - workers
     host = rendezvous.local_address_towards(info.master_addr)
-    cfg = ServerConfig(index=info.rank, servers=servers, workers=info.world_size - servers, strategy=strategy,
+    cfg = ServerConfig(index=index, servers=servers, workers=workers, strategy=strategy,
                        max_staleness=max_staleness, host=host, job=job, secret=info.secret, timeout=timeout,
                        checkpoint_dir=checkpoint_dir, resume=resume)
     store = _store(info, timeout)
-    return run_server(cfg, ready=lambda ep: store.set(_STORE_KEY.format(job=job, k=info.rank), json.dumps(list(ep))))
+    return run_server(cfg, ready=lambda ep: store.set(_STORE_KEY.format(job=job, k=index), json.dumps(list(ep))))
 
 
 def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTraining:
-    """Wrap ``module`` as worker RANK - servers of a torchrun job whose first ``servers`` ranks serve."""
+    """Wrap ``module`` as worker RANK of a torchrun job whose last ``servers`` ranks serve."""
     info = rendezvous.job_info()
-    if not servers <= info.rank < info.world_size:
-        raise ValueError(f"rank {info.rank} is a server rank (servers={servers}); only ranks >= servers are workers")
+    if is_server_rank(servers):
+        raise ValueError(f"rank {info.rank} is a server rank (the last {servers} of {info.world_size} ranks serve)")
     opts = PSOptions(secret=info.secret, **settings)
     store = _store(info, opts.timeout)
     endpoints = [json.loads(store.get(_STORE_KEY.format(job=opts.job, k=k)).decode()) for k in range(servers)]
-    return ParameterServerTraining(module, servers=endpoints, worker=info.rank - servers,
+    return ParameterServerTraining(module, servers=endpoints, worker=info.rank,
                                    workers=info.world_size - servers, options=opts)
 
 
 # --- benchmark ------------------------------------------------------------------------------------
+
+
+def train_steps(ps: ParameterServerTraining, model, loader, steps: int) -> dict:
+    """Run ``steps`` steps of a reference model's loop, close ``ps``; step times, losses, stats."""
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        x, y = loader.next_batch()
+        loss = model.loss(ps(x), y)
+        loss.backward()
+        ps.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    ps.wait()
+    return {"step_s": times, "losses": losses, "stats": ps.close()}
 
 
 def _bench_worker(w: int, workers: int, endpoints, model_name: str, steps: int, batch_size: int,
@@ -178,18 +204,7 @@ def _bench_worker(w: int, workers: int, endpoints, model_name: str, steps: int, 
         dataset = data.dataset(spec.dataset, seed=seed, **spec.batch_kwargs)
         loader = data.ShardedLoader(dataset, batch_size or spec.batch_size, rank=w, world_size=workers, seed=seed)
         ps = ParameterServerTraining(model, servers=endpoints, worker=w, workers=workers, options=opts)
-        times, losses = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            x, y = loader.next_batch()
-            loss = model.loss(ps(x), y)
-            loss.backward()
-            ps.step()
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-        ps.wait()
-        stats = ps.close()
-        results.put((w, "ok", {"step_s": times, "losses": losses, "stats": stats}))
+        results.put((w, "ok", train_steps(ps, model, loader, steps)))
     except BaseException as exc:  # noqa: BLE001
         results.put((w, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
