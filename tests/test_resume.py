@@ -30,15 +30,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 STEPS, EVERY = 12, 4
 
 
-def command(directory: Path) -> list[str]:
+def command(directory: Path, steps: int = STEPS) -> list[str]:
     return [sys.executable, "-m", "ringtrain.cli", "train", "--workers", "2", "--model", "charlm",
-            "--batch-size", "4", "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+            "--batch-size", "4", "--steps", str(steps), "--checkpoint-every", str(EVERY),
             "--checkpoint-dir", str(directory), "--no-progress", "--timeout", "30"]
 
 
-def start(directory: Path) -> subprocess.Popen:
+def start(directory: Path, steps: int = STEPS) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(command(directory), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(command(directory, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
 
 
@@ -144,12 +144,15 @@ def flatten(obj, prefix: str = "") -> dict:
     return out
 
 
+@pytest.mark.xfail(strict=True, reason="torchrun starts each worker in a session of its own (start_new_session), so "
+                   "`kill -9 -PGID` of `ringtrain train` leaves both workers training and writing checkpoints; "
+                   "reported to the owner of train.py (fix: the worker asks for PR_SET_PDEATHSIG or watches getppid)")
 def test_killing_the_launchers_process_group_leaves_no_worker_behind(tmp_path):
     """`kill -9 -<pgid>` of `ringtrain train` (what a shell's job control or a scheduler does)
     must not leave workers running: orphans would keep training and writing checkpoints."""
     from faults.harness import alive
 
-    proc = start(tmp_path / "run")
+    proc = start(tmp_path / "run", steps=400)  # would train for far longer than the 3 s watched
     pids: set[int] = set()
     try:
         deadline = time.monotonic() + 60
@@ -159,14 +162,18 @@ def test_killing_the_launchers_process_group_leaves_no_worker_behind(tmp_path):
         pids = job_pids(proc.pid)
         assert len(pids) >= 3, f"expected the launcher and 2 workers, found {sorted(pids)}"
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=10)
+        proc.wait(timeout=10)
+        at_kill = checkpoints(tmp_path / "run")
         time.sleep(3.0)
         orphans = sorted(pid for pid in pids if alive(pid))
+        after = checkpoints(tmp_path / "run")
     finally:
         if proc.poll() is None:
             kill_job(proc, job_pids(proc.pid))
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert not orphans, f"workers still running 3 s after their launcher's group was killed: {orphans}"
+    assert not orphans and after == at_kill, (
+        f"workers {orphans} still running 3 s after their launcher's group was killed; "
+        f"checkpoints written since: {sorted(set(after) - set(at_kill))}")
     print(f"launcher's group killed: {len(pids)} processes of the job, none left 3 s later")
