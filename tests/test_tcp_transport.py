@@ -181,6 +181,27 @@ def test_many_exchanges_keep_order_and_headers(mesh):
                 np.testing.assert_array_equal(buf, np.arange(seq % 7) + 1000 * seq + (1 - r))
 
 
+def test_ping_pong_while_sender_threads_finish(mesh):
+    """The peer's next frame and the sender thread's wake-up often arrive in one poll."""
+    ts = mesh(2, thread_send_bytes=1)
+    big = np.arange(1 << 18, dtype=np.int64)
+
+    def step(r):
+        got = np.empty_like(big)
+        small = np.empty(3, np.int64)
+        for k in range(15):
+            if r == 0:
+                ts[0].exchange([Send(1, big + k)], [], CALL, deadline())
+                ts[0].exchange([], [Recv(1, small)], CALL, deadline())
+                assert small.tolist() == [k, k, k]
+            else:
+                ts[1].exchange([], [Recv(0, got)], CALL, deadline())
+                assert got[-1] == big[-1] + k
+                ts[1].exchange([Send(0, np.full(3, k, np.int64))], [], CALL, deadline())
+
+    assert on_threads(2, step) == [None, None]
+
+
 def test_self_send_and_receive(mesh):
     (t,) = mesh(1)
     acc = np.arange(5, dtype=np.int32)

@@ -747,11 +747,12 @@ class TcpTransport(Transport):
                     if self._pump_send(sends[fd], header, deadline):
                         del sends[fd]
                         watch_abort.discard(fd)
-                after = interest(fd)
-                if after == 0:
-                    poller.unregister(fd)
-                elif after != before:
-                    poller.modify(fd, after)
+                after = interest(fd)  # registered exactly while interest(fd) != 0
+                if after != before:
+                    if after == 0:
+                        poller.unregister(fd)
+                    else:
+                        poller.modify(fd, after)
 
     def _collect(self, threaded: dict[int, _SendState], watch_abort: set[int], poller, header: CallHeader,
                  deadline: float) -> None:
