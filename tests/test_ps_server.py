@@ -221,3 +221,18 @@ def test_pushes_follow_the_merge_plan_after_the_first_step(schedule, groups):
     # every byte a worker sent, the server received, and the other way round
     assert stats["bytes_sent"] == out["stats"]["bytes_received"]
     assert stats["bytes_received"] == out["stats"]["bytes_sent"]
+
+
+def test_roles_and_rank_entry_arguments():
+    from ringtrain.ps import is_server_rank
+    from ringtrain.ps.__main__ import parse
+
+    assert [is_server_rank(2, r, 5) for r in range(5)] == [False, False, False, True, True]
+    with pytest.raises(ValueError, match="servers"):
+        is_server_rank(5, 0, 5)  # no worker left
+    args = parse(["--servers", "2", "--strategy", "async", "--max-staleness", "-1"])
+    assert (args.servers, args.strategy, args.max_staleness) == (2, "async", -1)
+    with pytest.raises(SystemExit):
+        parse(["--strategy", "hogwild"])
+    with pytest.raises(SystemExit):
+        parse(["--steps", "0"])
