@@ -137,10 +137,14 @@ def _store(info: rendezvous.JobInfo, timeout: float):
 
 def is_server_rank(servers: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:
     """Whether torchrun rank ``rank`` (default: RANK) is one of the job's ``servers`` last ranks."""
-    info = rendezvous.job_info(rank, world_size)
-    if not 1 <= servers < info.world_size:
-        raise ValueError(f"servers must be in [1, world_size={info.world_size}), got {servers}")
-    return info.rank >= info.world_size - servers
+    if rank is None or world_size is None:
+        info = rendezvous.job_info(rank, world_size)
+        rank, world_size = info.rank, info.world_size
+    if not 1 <= servers < world_size:
+        raise ValueError(f"servers must be in [1, world_size={world_size}), got {servers}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    return rank >= world_size - servers
 
 
 def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 0, timeout: float = 60.0,
