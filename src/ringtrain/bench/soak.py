@@ -254,7 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(SoakConfig(**{**json.loads(args.worker), "algorithms": tuple(json.loads(args.worker)["algorithms"])}))
+        return worker(SoakConfig(**json.loads(args.worker)))  # __post_init__ makes algorithms a tuple again
     try:
         cfgs = [SoakConfig(ops=args.ops, world_size=args.world_size, transport=t.strip(), max_elems=args.max_elems,
                            seed=args.seed, every=min(args.every, args.ops))
