@@ -1,9 +1,9 @@
 """Exact resume: `ringtrain train` killed at a random step and run again ends bitwise equal.
 
-Two runs of ``ringtrain train --workers 2 --model charlm --steps 12 --checkpoint-every 4``
+Two runs of ``ringtrain train --workers 2 --model charlm --steps 24 --checkpoint-every 4``
 start side by side in directories of their own: the *reference* runs to the end; the
 *victim* is killed with SIGKILL — its launcher's process group and every worker process —
-at a random moment after its first or second checkpoint, then run again with the same
+at a random moment after its second or third checkpoint, then run again with the same
 command, which resumes from its newest valid checkpoint. The final checkpoints' model and
 optimizer tensors must be bitwise equal: with 2 workers each gradient element is the sum of
 two floats, which does not depend on the order, so nothing but a wrong resume (data order,
@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
-STEPS, EVERY = 12, 4
+STEPS, EVERY = 24, 4
 
 
 def command(directory: Path, steps: int = STEPS) -> list[str]:
@@ -89,20 +89,24 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
 
     seed = int(os.environ.get("RINGTRAIN_RESUME_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
-    wait_for, delay = rng.choice([1, 2]), rng.uniform(0.0, 0.3)
-    why = f"RINGTRAIN_RESUME_SEED={seed}: kill {delay:.2f} s after checkpoint {wait_for}"
-    print(why)
+    # Kill 0 to 1.5 checkpoint periods after checkpoint 2 or 3 (of 6): somewhere in steps 8..18
+    # whatever the machine's speed, since the period is measured on the run itself.
+    wait_for, fraction = rng.choice([2, 3]), rng.uniform(0.0, 1.5)
+    why = f"RINGTRAIN_RESUME_SEED={seed}: kill {fraction:.2f} checkpoint periods after checkpoint {wait_for}"
 
     ref_dir, victim_dir = tmp_path / "reference", tmp_path / "victim"
     reference = start(ref_dir)
     victim = start(victim_dir)
     try:
+        seen_at = {}
         deadline = time.monotonic() + 60
         while len(checkpoints(victim_dir)) < wait_for:
             assert victim.poll() is None, f"{why}: the run ended before the kill\n{victim.communicate()[0][-3000:]}"
             assert time.monotonic() < deadline, f"{why}: no checkpoint {wait_for} within 60 s"
-            time.sleep(0.02)
-        time.sleep(delay)
+            seen_at.setdefault(len(checkpoints(victim_dir)), time.monotonic())
+            time.sleep(0.01)
+        period = time.monotonic() - seen_at.get(wait_for - 1, seen_at.get(0, deadline - 60))
+        time.sleep(fraction * period)
         pids = job_pids(victim.pid)
         kill_job(victim, pids)
         killed_at = checkpoints(victim_dir)
@@ -126,7 +130,7 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
             else:
                 assert a[key] == b[key], f"{why}: {part} {key} differs after the resume"
     assert flatten(want["data"]) == flatten(got["data"])
-    print(f"{why}: checkpoints at the kill {killed_at}; resumed run bitwise equal "
+    print(f"{why} ({period:.2f} s): checkpoints at the kill {killed_at}; resumed run bitwise equal "
           f"({len(flatten(want['model']))} model tensors, optimizer state and data position)")
 
 
