@@ -71,25 +71,34 @@ def _int_arg(name: str, value, env_value, default=None) -> int:
 
 
 def connect_store(info: JobInfo, timeout: float) -> dist.Store:
-    """A store shared by all ranks of the job, prefixed for one communicator.
+    """A store shared by all ranks of the job, prefixed for one new communicator.
 
-    Rank 0 serves a TCPStore at MASTER_ADDR:MASTER_PORT unless someone already does: torchrun's
-    agent (TORCHELASTIC_USE_AGENT_STORE) or the user's own init_process_group. Everyone else
-    connects as a client.
+    Every rank must call it the same number of times (the prefix counts the calls).
     """
     global _generation
     _generation += 1
-    serve = (
-        info.rank == 0
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
-        and not (dist.is_available() and dist.is_initialized())
-    )
+    return dist.PrefixStore(f"ringtrain/{_generation}/", job_store(info, timeout))
+
+
+def job_store(info: JobInfo, timeout: float) -> dist.Store:
+    """The job's own store, without a communicator prefix (made once per endpoint, then reused).
+
+    Rank 0 serves a TCPStore at MASTER_ADDR:MASTER_PORT unless someone already does: torchrun's
+    agent (TORCHELASTIC_USE_AGENT_STORE) or the user's own init_process_group. Everyone else
+    connects as a client. Roles that meet outside a communicator (parameter servers) use it
+    with keys of their own.
+    """
     key = (info.master_addr, info.master_port)
     if info.world_size == 1:
-        store: dist.Store = dist.HashStore()
+        store: dist.Store = _stores.setdefault(key, dist.HashStore())
     elif key in _stores:
         store = _stores[key]
     else:
+        serve = (
+            info.rank == 0
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+            and not (dist.is_available() and dist.is_initialized())
+        )
         try:
             store = _stores[key] = dist.TCPStore(
                 info.master_addr,
@@ -106,7 +115,7 @@ def connect_store(info: JobInfo, timeout: float) -> dist.Store:
                 f"{info.master_addr}:{info.master_port}: {exc}"
             ) from exc
     store.set_timeout(timedelta(seconds=timeout))
-    return dist.PrefixStore(f"ringtrain/{_generation}/", store)
+    return store
 
 
 def exchange_host_ids(store: dist.Store, info: JobInfo) -> list[str]:

@@ -130,9 +130,8 @@ def launch_local(servers: int, workers: int, *, strategy: str = "sync", max_stal
 
 
 def _store(info: rendezvous.JobInfo, timeout: float):
-    prefixed = rendezvous.connect_store(info, timeout)
-    # The raw store, so that servers and workers agree on keys whatever else each has opened.
-    return rendezvous._stores.get((info.master_addr, info.master_port), prefixed)
+    # The job's own store, so that servers and workers agree on keys whatever else each has opened.
+    return rendezvous.job_store(info, timeout)
 
 
 def is_server_rank(servers: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:
