@@ -62,6 +62,10 @@ class TrainConfig:
     """Seconds any communication may wait before it fails."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    strategy: str = "ring"
+    """ring (allreduce, DistributedDataParallel) or parameter servers: ps-sync, ps-async, ps-sharded."""
+    servers: int = 0
+    """Parameter-server processes beside the workers; 0 = 2 for ps-sharded, 1 otherwise."""
 
     def __post_init__(self) -> None:
         from . import models
@@ -70,7 +74,7 @@ class TrainConfig:
 
         models.spec(self.model)  # ValueError naming the models
         for name, value, allowed in (("schedule", self.schedule, SCHEDULES), ("algorithm", self.algorithm, ALGORITHMS),
-                                     ("transport", self.transport, TRANSPORTS)):
+                                     ("transport", self.transport, TRANSPORTS), ("strategy", self.strategy, STRATEGIES)):
             if value not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {value!r}")
         for name in ("steps", "checkpoint_every", "batch_size"):
@@ -84,8 +88,14 @@ class TrainConfig:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
+        if self.servers < 0:
+            raise ValueError(f"--servers must be >= 0, got {self.servers}")
+        if self.strategy == "ring" and self.servers:
+            raise ValueError("--servers is for the parameter-server strategies (--strategy ps-sync|ps-async|ps-sharded)")
+        if self.strategy != "ring" and not self.servers:
+            self.servers = 2 if self.strategy == "ps-sharded" else 1
         if not self.checkpoint_dir:
-            self.checkpoint_dir = str(Path("runs") / self.model)
+            self.checkpoint_dir = str(Path("runs") / (self.model if self.strategy == "ring" else f"{self.model}-{self.strategy}"))
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -93,9 +103,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    defaults = TrainConfig()
-    for name in TrainConfig.__dataclass_fields__:
-        value = getattr(defaults, name)
+    for name, field in TrainConfig.__dataclass_fields__.items():
+        value = field.default  # the declared default, before __post_init__ derives anything
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
@@ -118,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     port = args.master_port or free_port()
     os.environ["RINGTRAIN_SECRET"] = job_secret(argparse.Namespace(secret_file=None, nnodes=1))
-    argv = [f"--nproc-per-node={args.workers}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+    argv = [f"--nproc-per-node={args.workers + cfg.servers}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
             "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker", json.dumps(asdict(cfg))]
     if args.json:
         argv.append("--json")
@@ -132,19 +141,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compute_only_rate(model, loss_fn, batch, steps: int = 3) -> float:
-    """Samples per second of forward + backward alone, on a private copy of the model."""
+def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
+    """Samples per second of forward + backward alone (median step), on a private copy of the model."""
     twin = copy.deepcopy(model)
     x, y = batch
     loss_fn(twin(x), y).backward()  # warm-up
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         twin.zero_grad(set_to_none=True)
         loss_fn(twin(x), y).backward()
-    return steps * len(x) / (time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    return len(x) / sorted(times)[len(times) // 2]
 
 
 def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
+    if cfg.strategy != "ring":
+        return ps_worker(cfg, json_summary)
     import numpy as np
     import torch
 
@@ -232,6 +245,78 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         if json_summary:
             print(json.dumps(summary))
         else:
+            _print_summary(summary)
+    return 0
+
+
+def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
+    """One rank of a parameter-server job: ranks [0, W) train, the last ``servers`` ranks serve."""
+    import numpy as np
+    import torch
+
+    from . import checkpoint, data, models, ps, rendezvous
+
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    strategy = {"ps-sync": "sync", "ps-async": "async", "ps-sharded": "sharded"}[cfg.strategy]
+    if ps.is_server_rank(cfg.servers):
+        ps.run_server_role(cfg.servers, strategy=strategy, timeout=cfg.timeout,
+                           checkpoint_dir=str(Path(cfg.checkpoint_dir) / "servers"), resume=cfg.resume)
+        return 0
+    info = rendezvous.job_info()
+    rank, p = info.rank, info.world_size - cfg.servers
+    spec = models.spec(cfg.model)
+    batch_size = cfg.batch_size or spec.batch_size
+    model = models.build(cfg.model, seed=cfg.seed)
+    dataset = data.dataset(spec.dataset, seed=cfg.seed, **spec.batch_kwargs)
+    loader = data.ShardedLoader(dataset, batch_size, rank=rank, world_size=p, seed=cfg.seed)
+    if cfg.resume:
+        found = checkpoint.latest(cfg.checkpoint_dir)
+        if found is not None:  # the data position and RNG; the servers resume the parameters
+            checkpoint.restore_training_state(found.payload, model, None, loader)
+    one_rate = _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size)))
+    pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
+                             schedule=cfg.schedule, timeout=cfg.timeout)
+    start = pst.step_count
+    bar = None
+    if rank == 0 and cfg.progress and start < cfg.steps:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.model} {cfg.strategy} x{p}", unit="step", file=sys.stderr)
+    times, losses = [], []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        x, y = loader.next_batch()
+        loss = model.loss(pst(x), y)
+        loss.backward()
+        pst.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * batch_size / times[-1]:.0f}")
+        if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            pst.save_checkpoint()
+            checkpoint.save(cfg.checkpoint_dir, step + 1, checkpoint.training_state(step + 1, model, None, loader))
+    if bar is not None:
+        bar.close()
+    pst.wait()
+    stats = pst.close()
+    steady = times[2:] if len(times) > 4 else times
+    summary = {
+        "model": cfg.model, "workers": p, "transport": f"{cfg.strategy}, {cfg.servers} server(s)",
+        "schedule": cfg.schedule, "steps_run": len(times), "final_step": cfg.steps,
+        "last_loss": losses[-1] if losses else None,
+        "median_step_s": float(np.median(steady)) if steady else None,
+        "samples_per_s": p * batch_size / float(np.median(steady)) if steady else None,
+        "one_worker_samples_per_s": one_rate,
+        "parameter_servers": stats,
+    }
+    if summary["samples_per_s"]:
+        summary["scaling_efficiency"] = summary["samples_per_s"] / (p * one_rate)
+    if rank == 0:
+        print(json.dumps(summary, default=str) if json_summary else "", end="\n" if json_summary else "")
+        if not json_summary:
             _print_summary(summary)
     return 0
 
