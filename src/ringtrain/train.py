@@ -98,18 +98,33 @@ class TrainConfig:
             self.checkpoint_dir = str(Path("runs") / (self.model if self.strategy == "ring" else f"{self.model}-{self.strategy}"))
 
 
+def _field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass (STYLE.md), for --help."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
     p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    docs = _field_docs(TrainConfig)
     for name, field in TrainConfig.__dataclass_fields__.items():
         value = field.default  # the declared default, before __post_init__ derives anything
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=docs.get(name))
         else:
-            p.add_argument(flag, type=type(value), default=value)
+            p.add_argument(flag, type=type(value), default=value, help=f"{docs.get(name, '')} (default {value!r})")
 
 
 def run(args: argparse.Namespace) -> int:
