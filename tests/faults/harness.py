@@ -140,7 +140,14 @@ def inject(fn, world_size: int, victim: int, sig: int | None, *args, timeout: fl
     out = Outcome(victim, signal.Signals(sig).name if sig else "SIGKILL (self)", 0.0)
     family: set[int] = set()
     try:
-        fault.wait_ready(world_size, time.monotonic() + ready_timeout)
+        try:
+            fault.wait_ready(world_size, time.monotonic() + ready_timeout)
+        except TimeoutError:
+            early = []
+            while not results.empty():
+                rank, status, value = results.get()
+                early.append(f"rank {rank}: {value if status == 'ok' else value[2]}")
+            raise TimeoutError("the ranks did not warm up in time\n" + "\n".join(early)) from None
         for p in procs:
             family |= {p.pid} | descendants(p.pid)
         if sig is not None:
