@@ -32,6 +32,8 @@ NETS = ("none", "1gbit", "10gbit")
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="charlm,resnet,mlp", help="reference models (ringtrain.models)")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="ringtrain schedules to time")
+    p.add_argument("--strategies", default="ring", help="ring (every --schedules entry) and parameter servers: "
+                   "ps-sync, ps-async, ps-sharded:K (e.g. ring,ps-sync,ps-sharded:2,ps-async)")
     p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf")
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{opt} must be >= 1")
         if args.batch_size < 0:
             raise ValueError("--batch-size must be >= 0")
+        strategies = parse_strategies(args.strategies)
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench train: {exc}")
     out_dir = Path(args.out) if args.out else None
@@ -82,14 +85,18 @@ def run(args: argparse.Namespace) -> int:
         "timeline_dir": str(out_dir / "timelines") if out_dir else "",
     }
     worker_args = ["bench", "train", "--worker", json.dumps(cfg)]
-    if args.net == "none":
-        docs = run_ranks("ringtrain.cli", worker_args, args.world_size, timeout=args.timeout)
-    else:
-        from .netem import EmulatedNetwork
-
-        with EmulatedNetwork(args.world_size, rate=args.net) as net:
-            docs = run_ranks("ringtrain.cli", worker_args, args.world_size, timeout=args.timeout, net=net)
-    rows = [dict(r, net=args.net, world_size=args.world_size) for d in docs for r in d["rows"]]
+    rows = []
+    if "ring" in strategies:
+        docs = _launch("ringtrain.cli", worker_args, args.world_size, args)
+        rows += [dict(r, net=args.net, world_size=args.world_size) for d in docs for r in d["rows"]]
+    for strategy, servers in strategies.get("ps", []):
+        for name in names:
+            ps_args = ["--servers", str(servers), "--strategy", strategy, "--model", name,
+                       "--steps", str(args.steps * args.rounds + 2)]
+            if args.batch_size:
+                ps_args += ["--batch-size", str(args.batch_size)]
+            for d in _launch("ringtrain.ps", ps_args, args.world_size + servers, args):
+                rows.append(_ps_row(d, args))
     doc = {"net": args.net, "world_size": args.world_size, "rows": rows}
     if out_dir:
         from .machine import save_result
@@ -104,6 +111,52 @@ def run(args: argparse.Namespace) -> int:
         if out_dir:
             print(f"saved {doc['saved_to']}" + "".join(f"\nchart {c}" for c in doc["charts"]))
     return 0
+
+
+def parse_strategies(text: str) -> dict:
+    """'ring,ps-sync,ps-sharded:2' -> {'ring': True, 'ps': [('sync', 1), ('sharded', 2)]}."""
+    out: dict = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, _, k = item.partition(":")
+        if name == "ring" and not k:
+            out["ring"] = True
+            continue
+        if name not in ("ps-sync", "ps-async", "ps-sharded"):
+            raise ValueError(f"--strategies: {item!r} is not one of ring, ps-sync, ps-async, ps-sharded:K")
+        try:
+            servers = int(k) if k else (2 if name == "ps-sharded" else 1)
+        except ValueError:
+            raise ValueError(f"--strategies: the server count in {item!r} must be an integer") from None
+        if servers < 1:
+            raise ValueError(f"--strategies: {item!r} needs at least one server")
+        out.setdefault("ps", []).append((name.removeprefix("ps-"), servers))
+    if not out:
+        raise ValueError("--strategies: give at least one of ring, ps-sync, ps-async, ps-sharded:K")
+    return out
+
+
+def _launch(module: str, module_args: list[str], nprocs: int, args) -> list[dict]:
+    if args.net == "none":
+        return run_ranks(module, module_args, nprocs, timeout=args.timeout)
+    from .netem import EmulatedNetwork
+
+    with EmulatedNetwork(nprocs, rate=args.net) as net:
+        return run_ranks(module, module_args, nprocs, timeout=args.timeout, net=net)
+
+
+def _ps_row(d: dict, args) -> dict:
+    """A parameter-server run as a row of the table (bytes: rank 0's and each server's counts)."""
+    stats = d.get("stats") or {}
+    steady = d["step_s"][2:] if len(d["step_s"]) > 4 else d["step_s"]
+    med = float(np.median(steady))
+    return {
+        "model": d["model"], "impl": "ps", "schedule": f"ps-{d['strategy']}:{d['servers']}",
+        "batch_size": d["batch_size"], "median_iter_s": med, "iter_s": d["step_s"],
+        "samples_per_s": d["workers"] * d["batch_size"] / med, "net": args.net, "world_size": d["workers"],
+        "servers": d["servers"], "worker_bytes_sent": stats.get("bytes_sent"),
+        "worker_bytes_received": stats.get("bytes_received"), "bytes_per_server": stats.get("bytes_per_server"),
+        "staleness_histogram": stats.get("staleness_histogram"), "losses": d.get("losses"),
+    }
 
 
 # --- worker ------------------------------------------------------------------------------------
@@ -218,7 +271,7 @@ def _worker(cfg: dict) -> int:
 
 
 def _label(r: dict) -> str:
-    return r["schedule"] if r["impl"] == "ringtrain" else "torch DDP"
+    return {"ringtrain": r["schedule"], "ps": r["schedule"]}.get(r["impl"], "torch DDP")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -226,20 +279,27 @@ def format_table(rows: list[dict]) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         mrows = [r for r in rows if r["model"] == model]
         torch_ddp = next((r for r in mrows if r["impl"] == "torch-ddp"), None)
-        r0 = mrows[0]
-        out.append(f"\n{model} ({r0['params'] / 1e6:.2f}M params, batch {r0['batch_size']}/rank, "
-                   f"{r0['world_size']} ranks, net {r0['net']}): compute alone {r0['compute_only_s'] * 1e3:.1f} ms")
+        r0 = next((r for r in mrows if "params" in r), None)
+        if r0 is not None:
+            out.append(f"\n{model} ({r0['params'] / 1e6:.2f}M params, batch {r0['batch_size']}/rank, "
+                       f"{r0['world_size']} ranks, net {r0['net']}): compute alone {r0['compute_only_s'] * 1e3:.1f} ms")
+        else:
+            out.append(f"\n{model} ({mrows[0]['world_size']} workers, net {mrows[0]['net']})")
         out.append(f"{'config':<12}{'iter ms':>9}{'samples/s':>11}{'scaling':>9}{'vs DDP':>8}{'hidden':>8}"
                    f"{'planner':>9}{'sim':>9}{'sim err':>9}{'bound':>8}{'/bound':>8}")
         for r in mrows:
             vs = f"{torch_ddp['median_iter_s'] / r['median_iter_s']:.2f}x" if torch_ddp else "-"
-            line = (f"{_label(r):<12}{r['median_iter_s'] * 1e3:>9.1f}{r['samples_per_s']:>11.0f}"
-                    f"{100 * r['scaling_efficiency']:>8.0f}%{vs:>8}")
+            scaling = f"{100 * r['scaling_efficiency']:.0f}%" if "scaling_efficiency" in r else "-"
+            line = f"{_label(r):<12}{r['median_iter_s'] * 1e3:>9.1f}{r['samples_per_s']:>11.0f}{scaling:>9}{vs:>8}"
             if r["impl"] == "ringtrain":
                 hid = r.get("hidden_fraction")
                 line += (f"{(100 * hid if hid is not None else 0):>7.0f}%{r['planner_iter_s'] * 1e3:>9.1f}"
                          f"{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%{r['overlap_bound_s'] * 1e3:>8.1f}"
                          f"{r['vs_bound']:>8.2f}")
+            if r["impl"] == "ps" and r.get("worker_bytes_sent") is not None:
+                steps = len(r["iter_s"])
+                line += (f"   worker sends {r['worker_bytes_sent'] / steps / 1e6:.1f} MB/step, "
+                         f"receives {r['worker_bytes_received'] / steps / 1e6:.1f} MB/step")
             out.append(line)
     return "\n".join(out)
 
@@ -260,7 +320,7 @@ def _charts(rows: list[dict], stem: Path) -> list[str]:
         mrows = [r for r in rows if r["model"] == model]
         labels = [_label(r) for r in mrows]
         vals = [r["median_iter_s"] * 1e3 for r in mrows]
-        colors = ["tab:gray" if r["impl"] != "ringtrain" else "tab:blue" for r in mrows]
+        colors = [{"ringtrain": "tab:blue", "ps": "tab:green"}.get(r["impl"], "tab:gray") for r in mrows]
         ax.bar(labels, vals, color=colors)
         bound = next((r["overlap_bound_s"] for r in mrows if r["impl"] == "ringtrain"), None)
         if bound:
