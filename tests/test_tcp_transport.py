@@ -257,9 +257,11 @@ def test_default_listener_binds_the_interface_toward_the_store(monkeypatch):
         bound.append([s.getsockname()[0] for s in self._socks if s.family != socket.AF_UNIX])
 
     monkeypatch.setattr(tcp.Listener, "__init__", spy)
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
 
     def connect(r):
+        # one client per rank: a TCPStore client blocked in wait() holds its connection
+        store = dist.TCPStore("127.0.0.1", master.port, 1, False, timeout=datetime.timedelta(seconds=10))
         return TcpTransport.connect(r, 2, store, secret=SECRET, timeout=10, host_ids=["a", "b"], prefix="bind")
 
     ts = on_threads(2, connect)
