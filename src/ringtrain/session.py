@@ -6,6 +6,7 @@ stores and can be built over any transport (tests build it over threads).
 
 from __future__ import annotations
 
+import secrets
 from datetime import timedelta
 from typing import Optional
 
@@ -32,6 +33,9 @@ def create_communicator(
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
     store = rendezvous.connect_store(info, timeout)
     host_ids = rendezvous.exchange_host_ids(store, info)
+    if info.rank == 0:  # a random job identity, published through this communicator's keys
+        store.set("job", secrets.token_hex(8))
+    job = store.get("job").decode()
 
     groups: list = []
 
@@ -62,6 +66,7 @@ def create_communicator(
                 secret=info.secret,
                 bind_host=rendezvous.local_address_towards(info.master_addr),
                 process_group_factory=native_group,
+                job=job,
             )
         except CommError:
             raise

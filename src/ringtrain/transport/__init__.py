@@ -30,8 +30,13 @@ def make_transport(
     secret: Optional[bytes],
     bind_host: str,
     process_group_factory=None,
+    job: str = "",
 ) -> Transport:
-    """Build the transport ``kind`` for this rank (collective: every rank calls it together)."""
+    """Build the transport ``kind`` for this rank (collective: every rank calls it together).
+
+    ``job``: an identifier all ranks of this job share and no other job has; it enters the tcp
+    handshake, so that without a secret a peer of another job is still refused.
+    """
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
     if kind == "auto":
@@ -52,7 +57,7 @@ def make_transport(
             shm = ShmTransport.connect(rank, world_size, store, timeout=timeout, prefix="shm/", peers=same)
             tcp = TcpTransport.connect(
                 rank, world_size, store, secret=secret, timeout=timeout, host_ids=list(host_ids),
-                bind_host=bind_host, prefix="tcp/",
+                bind_host=bind_host, prefix=f"tcp/{job}/" if job else "tcp/",
             )
             return CompositeTransport(rank, world_size, {r: shm for r in same}, tcp)
     if kind == "shm":
@@ -66,7 +71,7 @@ def make_transport(
 
         return TcpTransport.connect(
             rank, world_size, store, secret=secret, timeout=timeout, host_ids=list(host_ids),
-            bind_host=bind_host, prefix="tcp/",
+            bind_host=bind_host, prefix=f"tcp/{job}/" if job else "tcp/",
         )
     from .torchdist import TorchTransport
 

@@ -6,7 +6,7 @@ Words used by all transports:
   the receiver allocated beforehand (never a buffer sized by what the sender claims).
 - *exchange*: a set of sends and receives that a collective step issues at once; the
   transport moves them concurrently (full duplex) and returns when all are done.
-- *call header*: a fixed 40-byte description of the collective the sender is in (sequence
+- *call header*: a fixed 36-byte description of the collective the sender is in (sequence
   number, kind, op, algorithm, dtype, element count, shape digest, root). It rides on every
   message; the receiver compares it with its own before it reads the payload, so ranks that
   disagree about a call raise MismatchError naming both sides, without an extra round trip.
