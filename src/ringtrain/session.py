@@ -6,6 +6,8 @@ stores and can be built over any transport (tests build it over threads).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from datetime import timedelta
 from typing import Optional
@@ -14,8 +16,35 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .comm import Communicator
-from .errors import CommError
+from .errors import AuthError, CommError
 from .transport import TRANSPORTS, make_transport
+
+
+def _proof(secret: Optional[bytes], job: str, rank: int) -> str:
+    if secret is None:
+        return "no secret"
+    return hmac.new(secret, f"ringtrain-member/{job}/{rank}".encode(), hashlib.sha256).hexdigest()
+
+
+def authenticate(store, info: rendezvous.JobInfo, job: str) -> None:
+    """Every rank proves it holds the job's secret before any transport is set up.
+
+    Rank r publishes HMAC-SHA256(secret, job id, r) and checks every other rank's. The proof is
+    bound to this communicator's random job id and to the rank, so it is worth nothing to anyone
+    who reads it from the store. This covers the transports without a handshake of their own
+    (shared memory, gloo); tcp checks again, per connection, with fresh nonces.
+    """
+    store.set(f"member/{info.rank}", _proof(info.secret, job, info.rank))
+    refused = [
+        r for r in range(info.world_size)
+        if not hmac.compare_digest(store.get(f"member/{r}").decode(), _proof(info.secret, job, r))
+    ]
+    if refused:
+        raise AuthError(
+            f"rank {info.rank}: rank(s) {refused} could not prove they hold this job's secret "
+            f"(RINGTRAIN_SECRET differs or is missing{' here' if info.secret is None else ''}); "
+            "refusing to communicate with them"
+        )
 
 
 def create_communicator(
@@ -36,6 +65,7 @@ def create_communicator(
     if info.rank == 0:  # a random job identity, published through this communicator's keys
         store.set("job", secrets.token_hex(8))
     job = store.get("job").decode()
+    authenticate(store, info, job)
 
     groups: list = []
 

@@ -36,15 +36,7 @@ def join_and_reduce(rank, world_size, port, transport, secrets_):
 
 
 @pytest.mark.parametrize("secrets_", [SECRETS, [SECRETS[0], None]], ids=["wrong", "missing"])
-@pytest.mark.parametrize("transport", [
-    "tcp",
-    pytest.param("shm", marks=pytest.mark.xfail(strict=True, reason="the shm transport does not authenticate peers: "
-                                                 "a rank with another secret joins and its data is summed in")),
-    pytest.param("auto", marks=pytest.mark.xfail(strict=True, reason="auto picks shm on one host, and shm does not "
-                                                 "authenticate peers")),
-    pytest.param("torch", marks=pytest.mark.xfail(strict=True, reason="gloo has no authentication: a rank with another "
-                                                  "secret joins the torch transport and its data is summed in")),
-])
+@pytest.mark.parametrize("transport", ["tcp", "shm", "auto", "torch"])
 def test_a_rank_with_another_secret_is_refused_before_data_moves(transport, secrets_):
     results = run_ranks(join_and_reduce, 2, transport, secrets_, timeout=60)
     for r in results:
