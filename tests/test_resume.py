@@ -148,9 +148,6 @@ def flatten(obj, prefix: str = "") -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="torchrun starts each worker in a session of its own (start_new_session), so "
-                   "`kill -9 -PGID` of `ringtrain train` leaves both workers training and writing checkpoints; "
-                   "reported to the owner of train.py (fix: the worker asks for PR_SET_PDEATHSIG or watches getppid)")
 def test_killing_the_launchers_process_group_leaves_no_worker_behind(tmp_path):
     """`kill -9 -<pgid>` of `ringtrain train` (what a shell's job control or a scheduler does)
     must not leave workers running: orphans would keep training and writing checkpoints."""

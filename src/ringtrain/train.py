@@ -171,6 +171,9 @@ def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
 
 
 def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
+    from .lifecycle import die_with_parent
+
+    die_with_parent()
     if cfg.strategy != "ring":
         return ps_worker(cfg, json_summary)
     import numpy as np

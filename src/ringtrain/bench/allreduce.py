@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc))
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise SystemExit(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
     repeats = 5 if args.quick and args.repeats == 7 else args.repeats
     if args.net != "none" and "shm" in transports:
         transports = [t for t in transports if t != "shm"]  # ranks are separate hosts: no shared memory
@@ -195,6 +198,9 @@ def _time_configs(configs, sizes, repeats, rank, p, sync, slowest) -> list[dict]
 
 
 def _worker(cfg: dict) -> int:
+    from ..lifecycle import die_with_parent
+
+    die_with_parent()
     import torch
     import torch.distributed as dist
 

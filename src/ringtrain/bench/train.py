@@ -163,6 +163,9 @@ def _ps_row(d: dict, args) -> dict:
 
 
 def _worker(cfg: dict) -> int:
+    from ..lifecycle import die_with_parent
+
+    die_with_parent()
     import datetime
 
     import torch
