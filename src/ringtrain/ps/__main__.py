@@ -42,6 +42,9 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    from ..lifecycle import die_with_parent
+
+    die_with_parent()
     import numpy as np
     import torch
 
