@@ -189,11 +189,12 @@ def _worker(cfg: dict) -> int:
         loader = data.ShardedLoader(ds, batch, rank=rank, world_size=p, seed=0)
         batches = [loader.next_batch() for _ in range(4)]
 
-        # Layer trace and compute-only step time, on every rank at once (same CPU load as training).
+        # Layer proportions from a profile; the absolute compute time comes from the "alone"
+        # configuration timed in the same interleaved rounds as training (same CPU load).
         twin = copy.deepcopy(base)
-        trace = profile_module(twin, lambda: batches[0], twin.loss, name=name, repeats=3,
-                               optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9), batch_size=batch)
-        compute_only = trace.forward_s + trace.backward_s + trace.optimizer_s
+        profiled = profile_module(twin, lambda: batches[0], twin.loss, name=name, repeats=3,
+                                  optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9),
+                                  batch_size=batch)
 
         configs = []
         for sched in cfg["schedules"]:
@@ -205,6 +206,9 @@ def _worker(cfg: dict) -> int:
                                                     timeline=timeline or None)
             configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
                             "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+        alone = copy.deepcopy(base)
+        configs.append({"impl": "alone", "schedule": "no communication", "model": alone, "wrapped": alone,
+                        "opt": torch.optim.SGD(alone.parameters(), lr=0.01, momentum=0.9)})
         if cfg["torch_ddp"]:
             model = copy.deepcopy(base)
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
@@ -229,9 +233,16 @@ def _worker(cfg: dict) -> int:
                     t0 = time.perf_counter()
                     step(c, k)
                     c["times"].append(time.perf_counter() - t0)
+        medians = {}
         for c in configs:
             t = torch.tensor(c["times"], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
+            c["times_max"] = t
+            medians[c["impl"], c["schedule"]] = float(t.median())
+        compute_only = medians["alone", "no communication"]
+        trace = _scaled(profiled, compute_only)
+        for c in configs:
+            t = c["times_max"]
             med = float(t.median())
             row = {"model": name, "impl": c["impl"], "schedule": c["schedule"], "batch_size": batch,
                    "median_iter_s": med, "iter_s": t.tolist(), "samples_per_s": p * batch / med,
@@ -270,11 +281,20 @@ def _worker(cfg: dict) -> int:
     return 0
 
 
+def _scaled(trace, total_s: float):
+    """``trace`` with every time scaled so that forward + backward + step equals ``total_s``."""
+    from dataclasses import replace
+
+    k = total_s / (trace.forward_s + trace.backward_s + trace.optimizer_s)
+    layers = [replace(l, forward_s=l.forward_s * k, backward_s=l.backward_s * k) for l in trace.layers]
+    return replace(trace, layers=layers, optimizer_s=trace.optimizer_s * k)
+
+
 # --- output ------------------------------------------------------------------------------------
 
 
 def _label(r: dict) -> str:
-    return {"ringtrain": r["schedule"], "ps": r["schedule"]}.get(r["impl"], "torch DDP")
+    return {"ringtrain": r["schedule"], "ps": r["schedule"], "alone": "alone"}.get(r["impl"], "torch DDP")
 
 
 def format_table(rows: list[dict]) -> str:
