@@ -107,10 +107,9 @@ CLI_CASES = [
     (["bench", "allreduce", "--transports", "udp"], ["--transports", "tcp", "shm"]),
     (["bench", "allreduce", "--repeats", "0"], ["--repeats"]),
     (["bench", "allreduce", "--net", "5gbit"], ["--net", "none", "1gbit", "10gbit"]),
-    pytest.param(["bench", "allreduce", "--timeout", "0"], ["--timeout"],
-                 marks=gap("bench/allreduce.py run(): --timeout is not checked (> 0); the ranks start")),
-    pytest.param(["bench", "allreduce", "--timeout", "-1"], ["--timeout"],
-                 marks=gap("bench/allreduce.py run(): --timeout is not checked (> 0); the ranks start")),
+    (["bench", "allreduce", "--timeout", "0"], ["--timeout"]),
+    (["bench", "allreduce", "--timeout", "-1"], ["--timeout"]),
+    (["bench", "allreduce", "--timeout", "nan"], ["--timeout"]),
     (["bench", "train", "--models", "gpt5"], ["model", "charlm", "mlp"]),
     (["bench", "train", "--schedules", "fast"], ["--schedules", "optimal", "mgwfbp"]),
     (["bench", "train", "--world-size", "1"], ["--world-size"]),
@@ -133,8 +132,8 @@ CLI_CASES = [
     (["simulate", "--gpus", "4,x"], ["--gpus"]),
     (["simulate", "--schedules", "fast"], ["--schedules", "optimal", "mgwfbp"]),
     (["simulate", "--algorithms", "fast"], ["--algorithms", "ring", "halving_doubling"]),
-    pytest.param(["simulate", "--bucket-mb", "0"], ["--bucket-mb"],
-                 marks=gap("sim CLI: the message names bucket_cap_mb, not the option --bucket-mb")),
+    (["simulate", "--bucket-mb", "0"], ["--bucket-mb"]),
+    (["simulate", "--bucket-mb", "nan"], ["--bucket-mb"]),
     (["plan", "--model", "gpt5"], ["--model", "resnet50"]),
     (["plan", "--model", "resnet50", "--device", "z80"], ["--device", "v100"]),
     (["plan", "--model", "resnet50", "--cluster", "5GbE"], ["--cluster", "10GbE"]),
@@ -144,21 +143,17 @@ CLI_CASES = [
     (["plan", "--model", "resnet50", "--alpha", "1e-4"], ["--alpha", "--beta"]),
     (["plan", "--model", "resnet50", "--alpha", "0", "--beta", "-1"], ["beta"]),
     (["plan", "--model", "resnet50", "--methods", "fast"], ["--methods", "optimal", "mgwfbp", "wfbp"]),
-    pytest.param(["plan", "--model", "resnet50", "--gpus", "0"], ["--gpus"],
-                 marks=gap("sim/plan_cli.py: the message names world_size, not the option --gpus")),
+    (["plan", "--model", "resnet50", "--gpus", "0"], ["--gpus"]),
     (["plan", "--model", "resnet50", "--algorithm", "fast"], ["--algorithm", "ring"]),
-    pytest.param(["plan", "--model", "resnet50", "--bucket-mb", "-1"], ["--bucket-mb"],
-                 marks=gap("sim/plan_cli.py: the message names bucket_cap_mb, not the option --bucket-mb")),
-    pytest.param(["plan", "--model", "resnet50", "--max-groups", "-1"], ["--max-groups"],
-                 marks=gap("sim/plan_cli.py: --max-groups is not checked (>= 0)")),
+    (["plan", "--model", "resnet50", "--bucket-mb", "-1"], ["--bucket-mb"]),
+    (["plan", "--model", "resnet50", "--max-groups", "-1"], ["--max-groups"]),
     (["launch", "--nproc-per-node", "0", "x.py"], ["--nproc-per-node"]),
     (["launch", "--nnodes", "0", "x.py"], ["--nnodes"]),
     (["launch", "--nnodes", "2", "--node-rank", "5", "--master-addr", "10.0.0.1", "x.py"], ["--node-rank"]),
     (["launch", "--node-rank", "-1", "x.py"], ["--node-rank"]),
     (["launch", "--master-port", "70000", "x.py"], ["--master-port"]),
     (["launch", "--nnodes", "2", "x.py"], ["--secret-file", "RINGTRAIN_SECRET"]),
-    pytest.param(["launch", "--secret-file", "/nonexistent/secret", "x.py"], ["--secret-file"],
-                 marks=gap("launch.py job_secret(): a missing --secret-file raises FileNotFoundError (traceback)")),
+    (["launch", "--secret-file", "/nonexistent/secret", "x.py"], ["--secret-file"]),
 ]
 
 
@@ -201,12 +196,10 @@ def _init(**kw):
     ({"master_port": "x"}, ["master_port"]),
     pytest.param({"timeout": math.nan}, ["timeout"],
                  marks=gap("session.create_communicator: `timeout <= 0` lets nan through (CommTimeout from the store)")),
-    pytest.param({"rank": 1.5}, ["rank"],
-                 marks=gap("rendezvous.job_info: a float rank is not refused (CommTimeout reaching the store)")),
-    pytest.param({"master_addr": ""}, ["master_addr"],
-                 marks=gap("rendezvous.job_info: an empty master_addr is not refused (DistStoreError after timeout)")),
-    pytest.param({"master_addr": 5}, ["master_addr"],
-                 marks=gap("rendezvous.job_info: a non-string master_addr ends as CommTimeout with a TypeError text")),
+    ({"rank": 1.5}, ["rank"]),
+    ({"rank": True}, ["rank"]),
+    ({"master_addr": ""}, ["master_addr"]),
+    ({"master_addr": 5}, ["master_addr"]),
 ])
 def test_init_rejects_bad_arguments(kw, words):
     value_error(_init(**kw), *words)
@@ -219,16 +212,16 @@ def _transport():
 @pytest.mark.parametrize("kw, words", [
     ({"timeout": 0}, ["timeout"]),
     ({"timeout": -3}, ["timeout"]),
-    pytest.param({"timeout": math.nan}, ["timeout"], marks=gap("Communicator.__init__: `timeout <= 0` lets nan through")),
-    pytest.param({"timeout": "5"}, ["timeout"], marks=gap("Communicator.__init__: a str timeout is a TypeError")),
-    pytest.param({"host_ids": ["a", "b"]}, ["host_ids"],
-                 marks=gap("Communicator.__init__: host_ids of the wrong length are accepted")),
+    ({"timeout": math.nan}, ["timeout"]),
+    ({"timeout": math.inf}, ["timeout"]),
+    ({"timeout": "5"}, ["timeout"]),
+    ({"host_ids": ["a", "b"]}, ["host_ids"]),
+    ({"host_ids": "a"}, ["host_ids"]),
 ])
 def test_communicator_rejects_bad_arguments(kw, words):
     value_error(lambda: Communicator(_transport(), **kw), *words)
 
 
-@gap("Communicator.__init__: a transport that is not a Transport fails with AttributeError")
 def test_communicator_rejects_a_non_transport():
     value_error(lambda: Communicator(None), "transport")
 
@@ -267,13 +260,11 @@ def _ddp(**kw):
     ({"drift_threshold": 0}, ["drift_threshold"]),
     ({"alpha": -1.0}, ["alpha"]),
     ({"beta": None}, ["alpha", "beta"]),
-    pytest.param({"timeline": 5}, ["timeline"], marks=gap("DDPOptions: timeline=5 is a TypeError from pathlib")),
-    pytest.param({"find_unused_parameters": "yes"}, ["find_unused_parameters"],
-                 marks=gap("DDPOptions: find_unused_parameters is not checked to be a bool")),
-    pytest.param({"broadcast_buffers": "no"}, ["broadcast_buffers"],
-                 marks=gap("DDPOptions: broadcast_buffers is not checked to be a bool ('no' is true)")),
-    pytest.param({"comm": "x"}, ["comm"], marks=gap("DistributedDataParallel: comm='x' is an AttributeError")),
-    pytest.param({"module": "x"}, ["module"], marks=gap("DistributedDataParallel: a non-Module is an AttributeError")),
+    ({"timeline": 5}, ["timeline"]),
+    ({"find_unused_parameters": "yes"}, ["find_unused_parameters"]),
+    ({"broadcast_buffers": "no"}, ["broadcast_buffers"]),
+    ({"comm": "x"}, ["comm"]),
+    ({"module": "x"}, ["module"]),
 ])
 def test_ddp_rejects_bad_arguments(kw, words):
     value_error(_ddp(**kw), *words)

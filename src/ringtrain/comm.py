@@ -21,6 +21,7 @@ The thresholds come from ``ringtrain bench allreduce`` on the development machin
 from __future__ import annotations
 
 import importlib
+import numbers
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -32,6 +33,25 @@ from .transport.base import CallHeader, Transport, shape_digest
 ALGORITHMS = ("ring", "naive", "central", "halving_doubling", "hierarchical", "native", "auto")
 AUTO_SMALL_BYTES = 64 * 1024
 AUTO_HIER_BYTES = 1 << 20
+
+
+def check_timeout(timeout: Any) -> float:
+    """``timeout``: seconds each call may wait, a finite number > 0 (not a bool or a str)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    return float(timeout)
+
+
+def check_host_ids(host_ids: Optional[Sequence[str]], world_size: int) -> list[str]:
+    """``host_ids``: each rank's host identity (str), one per rank; None: all on one host."""
+    if host_ids is None:
+        return ["local"] * world_size
+    if isinstance(host_ids, str):
+        raise ValueError(f"host_ids must be a sequence of {world_size} str (one per rank), not one str {host_ids!r}")
+    ids = list(host_ids)
+    if len(ids) != world_size or not all(isinstance(h, str) for h in ids):
+        raise ValueError(f"host_ids must be {world_size} str, one per rank (world_size={world_size}), got {ids!r}")
+    return ids
 
 
 class Communicator:
@@ -46,13 +66,13 @@ class Communicator:
         store: Any = None,
         native_group_factory: Optional[Callable[[], Any]] = None,
     ):
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not isinstance(transport, Transport):
+            raise ValueError(f"transport must be a ringtrain Transport (tcp, shm, torch or local), got {transport!r}")
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
-        self.timeout = float(timeout)
-        self.host_ids = list(host_ids) if host_ids is not None else ["local"] * self.world_size
+        self.timeout = check_timeout(timeout)
+        self.host_ids = check_host_ids(host_ids, self.world_size)
         self.store = store
         self._native_factory = native_group_factory
         self._native_group = None

@@ -46,7 +46,12 @@ def validate(args: argparse.Namespace) -> None:
 
 def job_secret(args: argparse.Namespace) -> str:
     if args.secret_file:
-        text = Path(args.secret_file).read_text().strip()
+        try:
+            text = Path(args.secret_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise ValueError(f"--secret-file {args.secret_file}: cannot read it ({reason}); give a readable "
+                             "text file holding the job's secret, or set RINGTRAIN_SECRET") from None
         if not text:
             raise ValueError(f"--secret-file {args.secret_file} is empty")
         return text

@@ -14,6 +14,7 @@ communicator, so that it never collides with the user's own use of the store.
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 from dataclasses import dataclass
@@ -47,7 +48,10 @@ def job_info(rank=None, world_size=None, master_addr=None, master_port=None) -> 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-    master_addr = master_addr or env.get("MASTER_ADDR") or "127.0.0.1"
+    if master_addr is None:
+        master_addr = env.get("MASTER_ADDR") or "127.0.0.1"
+    if not isinstance(master_addr, str) or not master_addr.strip():
+        raise ValueError(f"master_addr must be a non-empty host name or IP address (str), got {master_addr!r}")
     port = _int_arg("master_port", master_port, env.get("MASTER_PORT"), default=29500 if world_size == 1 else None)
     if not 0 < port < 65536:
         raise ValueError(f"master_port must be in 1..65535, got {port}")
@@ -65,7 +69,11 @@ def _int_arg(name: str, value, env_value, default=None) -> int:
             "pass it to ringtrain.init() or start the job with torchrun / ringtrain launch"
         )
     try:
-        return int(value)
+        if isinstance(value, str):  # from the environment
+            return int(value)
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # an int or a numpy integer, never a float that would be truncated
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .. import plan as planner
-from ..comm import ALGORITHMS
+from ..comm import ALGORITHMS, Communicator
 from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread
@@ -108,6 +108,12 @@ class DDPOptions:
                 raise ValueError(f"{name}={value!r}: it must be an integer >= {low}")
         if not isinstance(self.drift_threshold, (int, float)) or not self.drift_threshold > 0:
             raise ValueError(f"drift_threshold={self.drift_threshold!r}: it must be a number > 0")
+        if self.timeline is not None and not isinstance(self.timeline, (str, os.PathLike)):
+            raise ValueError(f"timeline={self.timeline!r}: it must be a file name (str or os.PathLike) or None")
+        for name in ("find_unused_parameters", "broadcast_buffers"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: it must be True or False")
         if (self.alpha is None) != (self.beta is None):
             raise ValueError("give both alpha and beta (to skip the calibration sweep) or neither")
         for name in ("alpha", "beta"):
@@ -130,10 +136,15 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         opts = DDPOptions(schedule=schedule, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeline=timeline,
                           find_unused_parameters=find_unused_parameters, **options)
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if comm is None:
             from .. import get_communicator
 
             comm = get_communicator()
+        if not isinstance(comm, Communicator):
+            raise ValueError(f"comm must be a ringtrain.Communicator (or None: the one made by ringtrain.init), "
+                             f"got {comm!r}")
         self.module = module
         self.options = opts
         self.comm = comm

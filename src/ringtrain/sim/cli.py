@@ -18,6 +18,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,13 @@ def parse_gpus(value: str) -> list[int]:
     return out
 
 
+def check_bucket_mb(value: float) -> float:
+    """``--bucket-mb``, the fixed schedule's bucket cap in MiB: a finite number > 0."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"--bucket-mb: {value!r} must be a finite number of MiB > 0")
+    return value
+
+
 def load_traces(value: str, device_name: str) -> list[Trace]:
     """Zoo models on ``device_name``, trace files, or ``profile:NAME`` (a ringtrain.models model
     profiled on this machine's CPU)."""
@@ -111,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         gpus = parse_gpus(args.gpus)
         schedules = split(args.schedules, "--schedules", SCHEDULES)
         algorithms = split(args.algorithms, "--algorithms", costs.ALGORITHMS)
-        predictions = sweep(traces, clusters, gpus, schedules, algorithms, args.bucket_mb)
+        bucket_mb = check_bucket_mb(args.bucket_mb)
+        predictions = sweep(traces, clusters, gpus, schedules, algorithms, bucket_mb)
     except ValueError as e:
         print(f"ringtrain simulate: {e}", file=sys.stderr)
         return 2

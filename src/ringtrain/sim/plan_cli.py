@@ -16,7 +16,7 @@ import json
 import sys
 from . import clusters as clusters_mod
 from . import costs
-from .cli import add_common, emit, load_traces, split
+from .cli import add_common, check_bucket_mb, emit, load_traces, split
 from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
 
@@ -38,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.model or args.model.lower() == "all" or "," in args.model:
             raise ValueError("--model: give exactly one zoo model or trace file")
+        if args.gpus < 1:
+            raise ValueError(f"--gpus: the GPU count must be an integer >= 1, got {args.gpus}")
+        if args.max_groups < 0:
+            raise ValueError(f"--max-groups: the groups listed per method must be >= 0, got {args.max_groups}")
+        check_bucket_mb(args.bucket_mb)
         trace = load_traces(args.model, args.device)[0]
         cluster = _cluster(args)
         methods = split(args.methods, "--methods", SCHEDULES)
