@@ -158,3 +158,15 @@ def test_plan_is_remade_when_backward_times_drift(caplog):
     planned, replanned = results[0]
     assert replanned > planned + 0.02
     assert any("drifted" in r.getMessage() for r in caplog.records)
+
+
+def test_start_up_first_fit_keeps_the_small_message_latency():
+    # Large messages with noise whose least-squares line would cross zero: alpha must stay the
+    # measured small-message time, beta the slope above it.
+    sizes = np.array([4096, 65536, 524288, 2097152, 8388608], dtype=np.float64)
+    times = np.array([5e-4, 1.0e-3, 4.6e-3, 1.7e-2, 6.6e-2])
+    alpha, beta = cal.fit_start_up_first(sizes, times)
+    assert alpha == 5e-4
+    expect = np.dot(sizes[1:] - 4096, times[1:] - 5e-4) / np.dot(sizes[1:] - 4096, sizes[1:] - 4096)
+    assert beta == pytest.approx(expect, rel=1e-12)
+    assert cal.fit_start_up_first(np.array([4096.0, 8192.0]), np.array([1e-3, 1e-3])) == (1e-3, 0.0)
