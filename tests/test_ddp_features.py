@@ -285,6 +285,74 @@ def test_a_failed_peer_surfaces_from_backward_within_the_deadline():
     assert active is False
 
 
+def _fail_then_forward_again(fail_rank_1, step_before_failure):
+    """Two ranks train the mlp; rank 1 runs ``fail_rank_1(ddp)`` after ``step_before_failure``
+    steps and then raises (the harness aborts its transport). Rank 0 returns what its failing
+    backward raised and what its next forward raises, as (type name, text) pairs."""
+    class Boom(Exception):
+        pass
+
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("mlp"), comm, schedule="wfbp", **FAST)
+        try:
+            for step in range(step_before_failure):
+                x, y = rank_batch("mlp", step, 2, comm.rank)
+                nn.functional.mse_loss(ddp(x), y).backward()
+            if comm.rank == 1:
+                fail_rank_1(ddp, Boom)
+            x, y = rank_batch("mlp", step_before_failure, 2, comm.rank)
+            outcomes = []
+            for _ in range(2):  # the failing step, then the next forward
+                try:
+                    nn.functional.mse_loss(ddp(x), y).backward()
+                    outcomes.append(("no error", ""))
+                except Boom:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - judged below
+                    outcomes.append((type(exc).__name__, str(exc), exc))
+            return outcomes
+        finally:
+            ddp.close()
+
+    results = run_comms(2, body, timeout=5.0, thread_timeout=50.0)
+    assert isinstance(results[1], Boom), results[1]
+    return results[0]
+
+
+def _judge_next_forward(outcomes):
+    from ringtrain import CommError
+
+    (kind, first, first_exc), (again_kind, again, again_exc) = outcomes
+    assert isinstance(first_exc, CommError), f"the failing backward raised {kind}: {first}"
+    assert isinstance(again_exc, CommError), f"the next forward raised {again_kind}: {again}"
+    assert "previous backward" in again and "communication failed" in again, again
+    assert first in again, "the next forward's error must carry the original one"
+    assert again_exc.__cause__ is first_exc
+    assert "without a gradient" not in again
+
+
+@pytest.mark.timeout(60)
+def test_after_a_failed_bucket_allreduce_the_next_forward_names_the_comm_error():
+    def stop(ddp, boom):
+        raise boom("rank 1 stops before the third step")
+
+    _judge_next_forward(_fail_then_forward_again(stop, 2))
+
+
+@pytest.mark.timeout(60)
+def test_after_a_failed_profile_exchange_the_next_forward_names_the_comm_error():
+    """The profile exchange at the end of the first planned backward fails (rank 1 dies just
+    before it): rank 0's backward raises the CommError and its next forward says so, instead
+    of "the previous backward pass ended without a gradient for 0 of N parameters: []"."""
+    def die_before_profile_exchange(ddp, boom):
+        def profile():
+            raise boom("rank 1 dies before the profile exchange")
+
+        ddp._profile = profile  # only this rank's wrapper; its bucket allreduces still run
+
+    _judge_next_forward(_fail_then_forward_again(die_before_profile_exchange, 0))
+
+
 def test_find_unused_walks_dataclass_outputs():
     import dataclasses
 

@@ -18,7 +18,9 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    deadline) and copies each bucket back into ``.grad``. So when ``loss.backward()`` returns,
    every ``.grad`` holds the mean over ranks. A backward that ends without some expected
    gradient (an unused parameter, ``find_unused_parameters=False``) is reported by the next
-   ``forward`` with the names of the parameters that got none, as torch's DDP does.
+   ``forward`` with the names of the parameters that got none, as torch's DDP does. A backward
+   whose communication failed raises that CommError, and every later ``forward`` raises a
+   CommError that names it (the communicator is broken; nothing more can be averaged).
 4. *Planning*: the first ``warmup_iterations + profile_iterations`` iterations use one bucket
    (reduced after backward, so the hooks time backward undisturbed), laid out in reverse
    registration order. Then the profile (per-parameter backward times, mean over ranks, rank
@@ -52,6 +54,7 @@ from torch import nn
 
 from .. import plan as planner
 from ..comm import ALGORITHMS, Communicator
+from ..errors import CommError
 from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread
@@ -218,6 +221,8 @@ class DistributedDataParallel(nn.Module):
         return None if self._recorder is None else self._recorder.path
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._s.failed is not None:
+            raise self._failed_backward_error()
         if self._s.active:
             raise self._missing_gradients_error()
         t0 = time.perf_counter()
@@ -310,6 +315,17 @@ class DistributedDataParallel(nn.Module):
             st.launched += 1
 
     def _end_backward(self) -> None:
+        """Finish the iteration; on any error reset it (the error is the news, not missing
+        gradients) and, for a CommError, remember it for the next forward to report."""
+        try:
+            self._finish_backward()
+        except BaseException as exc:
+            self._reset_iteration()
+            if isinstance(exc, CommError):
+                self._s.failed = exc
+            raise
+
+    def _finish_backward(self) -> None:
         st = self._s
         t_last = st.last
         copies: list[tuple[float, float]] = []  # (start, end) of each bucket's copy into .grad
@@ -317,16 +333,12 @@ class DistributedDataParallel(nn.Module):
             if st.launched != len(self._specs):
                 raise RuntimeError(f"internal error: {st.launched} of {len(self._specs)} buckets launched at the "
                                    "end of backward")
-            try:
-                for k, job in enumerate(st.jobs):
-                    job.wait(self._timeout)
-                    # Copy bucket k back while the communication thread reduces the next ones.
-                    t0 = time.perf_counter()
-                    self._copy_back(self._specs[k])
-                    copies.append((t0, time.perf_counter()))
-            except BaseException:
-                self._reset_iteration()  # the communication error is the news, not missing gradients
-                raise
+            for k, job in enumerate(st.jobs):
+                job.wait(self._timeout)
+                # Copy bucket k back while the communication thread reduces the next ones.
+                t0 = time.perf_counter()
+                self._copy_back(self._specs[k])
+                copies.append((t0, time.perf_counter()))
         t_done = time.perf_counter()
         self._record(t_last, copies, t_done)
         self._profile()
@@ -358,6 +370,16 @@ class DistributedDataParallel(nn.Module):
         st.bwd_start = None
         if not self.options.find_unused_parameters:
             st.expected = n
+
+    def _failed_backward_error(self) -> CommError:
+        failed = self._s.failed
+        error = CommError(
+            f"ringtrain.DistributedDataParallel (rank {self.rank}): the previous backward pass's communication "
+            f"failed, so its gradients were not averaged and this wrapper cannot go on: "
+            f"{type(failed).__name__}: {failed}. The communicator is broken: create a new one (ringtrain.init) "
+            "and a new wrapper, or restart from the last checkpoint.")
+        error.__cause__ = failed
+        return error
 
     def _missing_gradients_error(self) -> RuntimeError:
         missing = [self._names[pid] for pid in range(len(self._params)) if not self._s.got[pid]]
@@ -493,7 +515,7 @@ class DistributedDataParallel(nn.Module):
 class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
-    __slots__ = ("sync", "armed", "expected", "unused", "forward_span", "iteration", "active", "pending",
+    __slots__ = ("sync", "armed", "expected", "unused", "forward_span", "iteration", "failed", "active", "pending",
                  "launched", "jobs", "ready", "got", "stamps", "bwd_start", "first", "last")
 
     def __init__(self, n: int):
@@ -503,6 +525,7 @@ class _State:
         self.unused: list[int] = []  # find_unused_parameters: ids outside the graph
         self.forward_span: Optional[tuple[float, float]] = None
         self.iteration = 0
+        self.failed: Optional[BaseException] = None  # the CommError a backward pass ended with
         self.first = self.last = float("nan")  # first and last gradient stamps
 
 
