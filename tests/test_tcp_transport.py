@@ -561,6 +561,89 @@ def test_replayed_handshake_is_refused():
     assert lt.listener.refused == 2
 
 
+@pytest.mark.timeout(30)
+def test_strangers_failed_handshakes_do_not_grow_the_nonce_set():
+    """Only a handshake whose MAC verified records its nonce: strangers (a wrong secret, a
+    random MAC, a hello and no MAC) leave the listener's set as it was, however many come."""
+    lt = ListenerThread()
+    job = tcp._Identity(1, 2, "fuzz", SECRET).job
+    rounds = 10
+    for _ in range(rounds):
+        with pytest.raises(AuthError):  # a connector with another secret: refused by its own check
+            lt.legit(secret=b"some other secret").close()
+        for mac in (os.urandom(wire.MAC_SIZE), b""):  # a random MAC; none at all
+            s = lt.raw()
+            s.sendall(wire.Hello.fresh(wire.CONNECT, True, 1, 0, 2, job).pack())
+            s.recv(wire.HELLO_SIZE + wire.MAC_SIZE, socket.MSG_WAITALL)
+            s.sendall(mac)
+            if not mac:
+                s.shutdown(socket.SHUT_WR)
+            assert read_until_closed(s) == b""  # no ACK, closed
+            s.close()
+    # Every stranger's handshake was answered (read above), so the listener is past each.
+    assert lt.listener._seen == set()
+    lt.legit().close()
+    res = lt.finish()
+    assert set(res["socks"]) == {1}
+    assert lt.listener.refused == 3 * rounds
+    assert len(lt.listener._seen) == 1  # the genuine peer's nonce
+
+
+@pytest.mark.timeout(30)
+def test_a_genuine_handshake_replayed_after_it_succeeded_is_refused_by_its_nonce():
+    me, peer = tcp._Identity(0, 2, "fuzz", SECRET), tcp._Identity(1, 2, "fuzz", SECRET)
+    seen: set[bytes] = set()
+    sent: list[bytes] = []
+
+    def accept_on_pair(connect_side):
+        a, b = socket.socketpair()
+        with a, b:
+            out: dict = {}
+            th = threading.Thread(target=lambda: out.update(r=_catch(tcp.accept_handshake, a, me, {1}, seen,
+                                                                     deadline(5))), daemon=True)
+            th.start()
+            connect_side(b)
+            b.shutdown(socket.SHUT_WR)
+            th.join(10)
+            assert not th.is_alive()
+            return out["r"]
+
+    def genuine(sock):
+        real_send = sock.sendall
+
+        class Recording:  # a socket that records what the connector sends
+            def __getattr__(self, name):
+                return getattr(sock, name)
+
+            def sendall(self, data):
+                sent.append(bytes(data))
+                return real_send(data)
+
+            def send(self, data):
+                sent.append(bytes(data))
+                return sock.send(data)
+
+        tcp.connect_handshake(Recording(), peer, 0, deadline(5))
+
+    assert accept_on_pair(genuine) == 1
+    assert len(seen) == 1
+    hello = b"".join(sent)[: wire.HELLO_SIZE]
+
+    def replay(sock):
+        sock.sendall(hello + bytes(wire.MAC_SIZE))
+
+    refused = accept_on_pair(replay)
+    assert isinstance(refused, AuthError) and "replayed" in str(refused), refused
+    assert len(seen) == 1
+
+
+def _catch(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return exc
+
+
 @pytest.mark.parametrize("payload", [b"", b"GET / HTTP/1.1\r\n\r\n", b"RTHS" + bytes(200), os.urandom(68)])
 def test_listener_survives_garbage_and_keeps_serving(payload):
     lt = ListenerThread()

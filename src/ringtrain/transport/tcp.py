@@ -212,7 +212,11 @@ def connect_handshake(sock: socket.socket, me: _Identity, peer: int, deadline: f
 
 
 def accept_handshake(sock: socket.socket, me: _Identity, expected: set[int], seen_nonces: set[bytes], deadline: float) -> int:
-    """Run the acceptor's side; return the peer's rank. Raises CommError/OSError on refusal."""
+    """Run the acceptor's side; return the peer's rank. Raises CommError/OSError on refusal.
+
+    ``seen_nonces``: the connector nonces of the handshakes this listener admitted; one seen
+    again is a replay. A nonce is added only once its MAC verified.
+    """
     data = _recv_exact(sock, wire.HELLO_SIZE, deadline)
     if data is None:
         raise ProtocolError("connection closed before a complete hello")
@@ -227,12 +231,13 @@ def accept_handshake(sock: socket.socket, me: _Identity, expected: set[int], see
         raise ProtocolError(f"rank {theirs.rank} is not expected to connect to rank {me.rank} (now)")
     if theirs.nonce in seen_nonces:
         raise AuthError(f"replayed handshake claiming rank {theirs.rank}")
-    seen_nonces.add(theirs.nonce)
     mac = _recv_exact(sock, wire.MAC_SIZE, deadline)
     if mac is None:
         raise AuthError(f"peer claiming rank {theirs.rank} left before proving it holds the secret")
     if not wire.mac_ok(me.mac(wire.CONNECT, data, mine_bytes), mac):
         raise AuthError(f"peer claiming rank {theirs.rank} failed authentication")
+    # Recorded only now that the MAC (over both nonces) verified: a stranger cannot grow the set.
+    seen_nonces.add(theirs.nonce)
     _send_all(sock, wire.ACK, deadline)
     return theirs.rank
 
