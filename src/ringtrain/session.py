@@ -15,7 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from . import rendezvous
-from .comm import Communicator
+from .comm import Communicator, check_timeout
 from .errors import AuthError, CommError
 from .transport import TRANSPORTS, make_transport
 
@@ -57,8 +57,7 @@ def create_communicator(
 ) -> Communicator:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = check_timeout(timeout)  # a finite number of seconds > 0 (nan and str refused)
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
     store = rendezvous.connect_store(info, timeout)
     host_ids = rendezvous.exchange_host_ids(store, info)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -84,10 +85,12 @@ class TrainConfig:
             raise ValueError("--steps must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if not self.timeout > 0:
-            raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if self.strategy == "ring" and self.servers:
@@ -135,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**fields)
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        if not 0 <= args.master_port <= 65535:
+            raise ValueError(f"--master-port must be in 1..65535 (0: a free one), got {args.master_port}")
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
     from .bench.procs import free_port

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{opt} must be >= 1")
         if args.batch_size < 0:
             raise ValueError("--batch-size must be >= 0")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
         strategies = parse_strategies(args.strategies)
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench train: {exc}")
