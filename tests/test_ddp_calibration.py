@@ -170,3 +170,46 @@ def test_start_up_first_fit_keeps_the_small_message_latency():
     expect = np.dot(sizes[1:] - 4096, times[1:] - 5e-4) / np.dot(sizes[1:] - 4096, sizes[1:] - 4096)
     assert beta == pytest.approx(expect, rel=1e-12)
     assert cal.fit_start_up_first(np.array([4096.0, 8192.0]), np.array([1e-3, 1e-3])) == (1e-3, 0.0)
+
+
+@pytest.mark.parametrize("slow_overlap", [False, True])
+def test_optimal_plan_is_verified_against_one_allreduce(caplog, slow_overlap, monkeypatch):
+    """After the first plan, schedule="optimal" times it against a single allreduce after
+    backward and keeps the faster, the same choice on every rank. ``slow_overlap`` makes every
+    iteration with several buckets measurably slower, as communication that competes with
+    the computation for the CPU does: then the single allreduce must win; otherwise the single
+    allreduce is made the slow one and the plan must stay."""
+    from ringtrain.ddp import wrapper
+
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    real_mark = wrapper.DistributedDataParallel._mark_ready
+
+    def mark_ready(self, bucket):
+        if slow_overlap and len(self._specs) > 1:
+            time.sleep(0.004)  # per ready bucket, during backward
+        if not slow_overlap and len(self._specs) == 1:
+            time.sleep(0.03)  # the single allreduce is the slow one
+        return real_mark(self, bucket)
+
+    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        # alpha and beta given: a plan of several buckets, whatever this machine measures
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2)
+        x = torch.randn(8, 64)
+        for _ in range(12):
+            ddp(x).sum().backward()
+        groups = len(ddp.plan.groups)
+        ddp.close()
+        return groups, ddp._trial is None
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1] and results[0][1], results
+    messages = [r.getMessage() for r in caplog.records if "plan verified" in r.getMessage()]
+    assert messages, "no verification logged"
+    if slow_overlap:
+        assert results[0][0] == 1 and "keeping the single allreduce" in messages[0]
+    else:
+        assert results[0][0] > 1 and "keeping the plan" in messages[0]

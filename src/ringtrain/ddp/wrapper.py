@@ -91,6 +91,11 @@ class DDPOptions:
     replan_interval: int = 50
     """Re-check the profile every so many iterations after the first plan (0: never)."""
     drift_threshold: float = 0.2
+    verify_iterations: int = 3
+    """schedule="optimal" only: after the first plan, time this many iterations with it and as
+    many with one allreduce after backward, and keep the faster (0: trust the model). The
+    model takes overlapped communication as free; where it slows the computation down (CPU
+    transports on few cores), the measured choice falls back to a single allreduce."""
     """Re-plan when the ready curve moved by more than this share of the backward time."""
     alpha: Optional[float] = None
     """Allreduce start-up time in seconds; None: measured by a sweep at construction."""
@@ -105,7 +110,7 @@ class DDPOptions:
         if not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: it must be a number > 0")
         for name, low in (("timeline_iterations", 1), ("warmup_iterations", 0), ("profile_iterations", 1),
-                          ("replan_interval", 0)):
+                          ("replan_interval", 0), ("verify_iterations", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r}: it must be an integer >= {low}")
@@ -174,6 +179,8 @@ class DistributedDataParallel(nn.Module):
         n = len(self._params)
         self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
         self._plan_times = np.zeros(n)
+        self._trial: Optional[dict] = None  # verify_iterations: the plan against one allreduce
+        self._fell_back = False
         first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
         self._install(first, planner.merge([0.0] * n, self._sizes[first], self.alpha, self.beta, method="single"))
 
@@ -444,8 +451,38 @@ class DistributedDataParallel(nn.Module):
         planned_at = opts.warmup_iterations + opts.profile_iterations - 1
         if it == planned_at:
             self._replan(first=True)
+            if opts.verify_iterations and opts.schedule == "optimal" and self.world_size > 1:
+                self._trial = {"phase": "plan", "plan": [], "single": []}
+        elif self._trial is not None:
+            self._verify_step()
         elif opts.replan_interval and it > planned_at and (it - planned_at) % opts.replan_interval == 0:
             self._replan(first=False)
+
+    def _verify_step(self) -> None:
+        """One trial iteration done: time it; switch plans or decide when a phase is full."""
+        trial = self._trial
+        trial[trial["phase"]].append(self.stats[-1].forward_backward_s)
+        if len(trial[trial["phase"]]) < self.options.verify_iterations:
+            return
+        if trial["phase"] == "plan":
+            trial["phase"], trial["saved"] = "single", (self._order, self._plan)
+            single = planner.merge(self._plan_times, self._sizes[self._order], self.alpha, self.beta, method="single")
+            self._install(self._order, single)
+            return
+        # Both phases timed: agree on the slowest rank's medians, so every rank decides alike.
+        medians = np.array([np.median(trial["plan"]), np.median(trial["single"])], dtype=np.float64)
+        self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
+        self._trial = None
+        order, plan = trial["saved"]
+        if medians[1] < 0.98 * medians[0]:
+            self._fell_back = True
+            self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
+                      f"{medians[1] * 1e3:.1f} ms per forward+backward; overlapping does not pay here "
+                      "(communication slows the computation down), keeping the single allreduce")
+        else:
+            self._install(order, plan)
+            self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
+                      f"{medians[1] * 1e3:.1f} ms per forward+backward; keeping the plan")
 
     def _replan(self, first: bool) -> None:
         local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
@@ -458,6 +495,8 @@ class DistributedDataParallel(nn.Module):
             self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
                                 iteration=self._s.iteration)
         order = bucketing.check_order(order, len(self._params))
+        if not first and self._fell_back:  # measured: one allreduce after backward is faster here
+            return
         if not first:
             moved = calibration.drift(self._plan_times, times[self._order])
             if moved <= self.options.drift_threshold and order == self._order:
