@@ -258,12 +258,13 @@ def _worker(cfg: dict) -> int:
                 stats = [s for s in list(ddp.stats)[-len(c["times"]):]]
                 plan = ddp.plan
                 cost = lambda n, a=ddp.alpha, b=ddp.beta: a + b * n  # noqa: E731 - the measured fit
-                pred = predict_with_cost(trace, cost, p, c["schedule"], algorithm=cfg["algorithm"], cluster="measured")
+                # The plan in force: "optimal" may have measured that a single allreduce is faster here.
+                pred = predict_with_cost(trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured")
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
                 one_allreduce = ddp.alpha + ddp.beta * float(sum(plan.group_bytes))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
                 row.update(
-                    alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups),
+                    alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups), plan_in_force=plan.method,
                     planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
                     sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
                     overlap_bound_s=bound, vs_bound=med / bound,
