@@ -175,6 +175,59 @@ def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
     return len(x) / sorted(times)[len(times) // 2]
 
 
+def _workload(cfg: TrainConfig, rank: int, p: int):
+    """The model (weights from cfg.seed), this rank's loader of each global batch, the batch size."""
+    from . import data, models
+
+    spec = models.spec(cfg.model)
+    batch_size = cfg.batch_size or spec.batch_size
+    model = models.build(cfg.model, seed=cfg.seed)
+    dataset = data.dataset(spec.dataset, seed=cfg.seed, **spec.batch_kwargs)
+    return model, data.ShardedLoader(dataset, batch_size, rank=rank, world_size=p, seed=cfg.seed), batch_size
+
+
+def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, losses, one_rate: float) -> dict:
+    """The end-of-run figures (steady state: the first two steps are left out when there are more than 4)."""
+    import numpy as np
+
+    steady = times[2:] if len(times) > 4 else times
+    median = float(np.median(steady)) if steady else None
+    summary = {
+        "model": cfg.model, "workers": p, "transport": transport, "schedule": cfg.schedule,
+        "steps_run": len(times), "final_step": cfg.steps, "last_loss": losses[-1] if losses else None,
+        "median_step_s": median, "samples_per_s": p * batch_size / median if median else None,
+        "one_worker_samples_per_s": one_rate,
+    }
+    if summary["samples_per_s"]:
+        summary["scaling_efficiency"] = summary["samples_per_s"] / (p * one_rate)
+    return summary
+
+
+def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
+    """Steps ``start`` .. cfg.steps: ``step_fn(x, y) -> loss`` on each batch, a progress bar and
+    ``save(step)`` every cfg.checkpoint_every steps on rank 0. Returns step times and losses."""
+    bar = None
+    if rank == 0 and cfg.progress and start < cfg.steps:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", file=sys.stderr)
+    times, losses = [], []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        x, y = loader.next_batch()
+        loss = step_fn(x, y)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}")
+        if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save(step + 1)
+    if bar is not None:
+        bar.close()
+    return times, losses
+
+
 def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     from .lifecycle import die_with_parent
 
@@ -185,17 +238,13 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import torch
 
     import ringtrain
-    from . import checkpoint, data, models
+    from . import checkpoint
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     comm = ringtrain.init(transport=cfg.transport, timeout=cfg.timeout)
     rank, p = comm.rank, comm.world_size
-    spec = models.spec(cfg.model)
-    batch_size = cfg.batch_size or spec.batch_size
-    model = models.build(cfg.model, seed=cfg.seed)
-    dataset = data.dataset(spec.dataset, seed=cfg.seed, **spec.batch_kwargs)
-    loader = data.ShardedLoader(dataset, batch_size, rank=rank, world_size=p, seed=cfg.seed)
+    model, loader, batch_size = _workload(cfg, rank, p)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
 
     start = 0
@@ -211,46 +260,23 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         model, comm=comm, schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, algorithm=cfg.algorithm,
         timeline=cfg.timeline or None,
     )
-    bar = None
-    if rank == 0 and cfg.progress and start < cfg.steps:
-        from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.model} x{p}", unit="step", file=sys.stderr)
-    times, losses = [], []
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        x, y = loader.next_batch()
+    def step_fn(x, y):
         opt.zero_grad(set_to_none=True)
         loss = model.loss(ddp(x), y)
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * batch_size / times[-1]:.0f}")
-        if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            checkpoint.save(cfg.checkpoint_dir, step + 1, checkpoint.training_state(step + 1, model, opt, loader))
-    if bar is not None:
-        bar.close()
+        return loss
+
+    def save(step):
+        checkpoint.save(cfg.checkpoint_dir, step, checkpoint.training_state(step, model, opt, loader))
+
+    times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} x{p}")
 
     rate_buf = np.array([one_rate], dtype=np.float64)
     comm.allreduce(rate_buf, op="mean")
+    summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]))
     steady = times[2:] if len(times) > 4 else times
-    summary = {
-        "model": cfg.model,
-        "workers": p,
-        "transport": comm.transport.name,
-        "schedule": cfg.schedule,
-        "steps_run": len(times),
-        "final_step": cfg.steps,
-        "last_loss": losses[-1] if losses else None,
-        "median_step_s": float(np.median(steady)) if steady else None,
-        "samples_per_s": p * batch_size / float(np.median(steady)) if steady else None,
-        "one_worker_samples_per_s": float(rate_buf[0]),
-    }
-    if summary["samples_per_s"]:
-        summary["scaling_efficiency"] = summary["samples_per_s"] / (p * summary["one_worker_samples_per_s"])
     planned = [st for st in list(ddp.stats)[-len(steady):] if st.buckets]
     if planned:
         summary["communication"] = {
@@ -265,10 +291,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     ddp.close()
     comm.close()
     if rank == 0:
-        if json_summary:
-            print(json.dumps(summary))
-        else:
-            _print_summary(summary)
+        _report(summary, json_summary)
     return 0
 
 
@@ -277,7 +300,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import numpy as np
     import torch
 
-    from . import checkpoint, data, models, ps, rendezvous
+    from . import checkpoint, ps, rendezvous
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -288,11 +311,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         return 0
     info = rendezvous.job_info()
     rank, p = info.rank, info.world_size - cfg.servers
-    spec = models.spec(cfg.model)
-    batch_size = cfg.batch_size or spec.batch_size
-    model = models.build(cfg.model, seed=cfg.seed)
-    dataset = data.dataset(spec.dataset, seed=cfg.seed, **spec.batch_kwargs)
-    loader = data.ShardedLoader(dataset, batch_size, rank=rank, world_size=p, seed=cfg.seed)
+    model, loader, batch_size = _workload(cfg, rank, p)
     if cfg.resume:
         found = checkpoint.latest(cfg.checkpoint_dir)
         if found is not None:  # the data position and RNG; the servers resume the parameters
@@ -301,47 +320,32 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
                              schedule=cfg.schedule, timeout=cfg.timeout)
     start = pst.step_count
-    bar = None
-    if rank == 0 and cfg.progress and start < cfg.steps:
-        from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"{cfg.model} {cfg.strategy} x{p}", unit="step", file=sys.stderr)
-    times, losses = [], []
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        x, y = loader.next_batch()
+    def step_fn(x, y):
         loss = model.loss(pst(x), y)
         loss.backward()
         pst.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * batch_size / times[-1]:.0f}")
-        if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            pst.save_checkpoint()
-            checkpoint.save(cfg.checkpoint_dir, step + 1, checkpoint.training_state(step + 1, model, None, loader))
-    if bar is not None:
-        bar.close()
+        return loss
+
+    def save(step):
+        pst.save_checkpoint()  # every server saves its shard at this step
+        checkpoint.save(cfg.checkpoint_dir, step, checkpoint.training_state(step, model, None, loader))
+
+    times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} {cfg.strategy} x{p}")
     pst.wait()
     stats = pst.close()
-    steady = times[2:] if len(times) > 4 else times
-    summary = {
-        "model": cfg.model, "workers": p, "transport": f"{cfg.strategy}, {cfg.servers} server(s)",
-        "schedule": cfg.schedule, "steps_run": len(times), "final_step": cfg.steps,
-        "last_loss": losses[-1] if losses else None,
-        "median_step_s": float(np.median(steady)) if steady else None,
-        "samples_per_s": p * batch_size / float(np.median(steady)) if steady else None,
-        "one_worker_samples_per_s": one_rate,
-        "parameter_servers": stats,
-    }
-    if summary["samples_per_s"]:
-        summary["scaling_efficiency"] = summary["samples_per_s"] / (p * one_rate)
+    summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate)
+    summary["parameter_servers"] = stats
     if rank == 0:
-        print(json.dumps(summary, default=str) if json_summary else "", end="\n" if json_summary else "")
-        if not json_summary:
-            _print_summary(summary)
+        _report(summary, json_summary)
     return 0
+
+
+def _report(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, default=str))
+    else:
+        _print_summary(summary)
 
 
 def _print_summary(s: dict) -> None:
