@@ -70,3 +70,12 @@ def _check(results, p, user_group=False):
         np.testing.assert_array_equal(out["broadcast"], np.full(7, p - 1, dtype=np.float32))
         if user_group:
             np.testing.assert_array_equal(out["user_group"], np.full(3, p, dtype=np.float32))
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_that_never_arrives_is_a_comm_timeout():
+    import ringtrain
+    from mp_harness import free_port
+
+    with pytest.raises(ringtrain.CommTimeout, match="not every one of the 2 ranks reached the rendezvous"):
+        ringtrain.init(0, 2, "127.0.0.1", free_port(), transport="tcp", timeout=1.0)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .comm import Communicator, check_timeout
-from .errors import AuthError, CommError
+from .errors import AuthError, CommError, CommTimeout
 from .transport import TRANSPORTS, make_transport
 
 
@@ -60,11 +60,19 @@ def create_communicator(
     timeout = check_timeout(timeout)  # a finite number of seconds > 0 (nan and str refused)
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
     store = rendezvous.connect_store(info, timeout)
-    host_ids = rendezvous.exchange_host_ids(store, info)
-    if info.rank == 0:  # a random job identity, published through this communicator's keys
-        store.set("job", secrets.token_hex(8))
-    job = store.get("job").decode()
-    authenticate(store, info, job)
+    try:
+        host_ids = rendezvous.exchange_host_ids(store, info)
+        if info.rank == 0:  # a random job identity, published through this communicator's keys
+            store.set("job", secrets.token_hex(8))
+        job = store.get("job").decode()
+        authenticate(store, info, job)
+    except CommError:
+        raise
+    except RuntimeError as exc:  # torch's store wait ran out: some rank never arrived
+        raise CommTimeout(
+            f"rank {info.rank}: not every one of the {info.world_size} ranks reached the rendezvous at "
+            f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}"
+        ) from exc
 
     groups: list = []
 
