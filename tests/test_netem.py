@@ -290,6 +290,7 @@ def test_one_gbit_link_takes_about_the_line_time():
 def test_exception_inside_the_block_cleans_up_and_kills_processes():
     prefix = _prefix()
     before = _root_state()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     with pytest.raises(ZeroDivisionError):
         with EmulatedNetwork(2, rate="1gbit", prefix=prefix) as net:
             sleeper = net.popen(1, ["sleep", "60"])
@@ -297,12 +298,20 @@ def test_exception_inside_the_block_cleans_up_and_kills_processes():
             1 / 0
     assert sleeper.returncode is not None
     _assert_left_as_found(before, prefix)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    # handlers restored to what they were (a runner started in the background or under nohup
+    # has SIGINT/SIGHUP ignored, not Python's default handler)
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
 
 
 HARNESS = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     sys.path.insert(0, sys.argv[2])
+    # Start as a program in a terminal does: a test runner started in the background or under
+    # nohup passes SIGINT/SIGHUP on as ignored (ignored signals survive exec), and the network
+    # rightly leaves an ignored signal ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     from ringtrain.bench.netem import EmulatedNetwork
     with EmulatedNetwork(2, rate="1gbit", prefix=sys.argv[1]) as net:
         sleeper = net.popen(0, ["sleep", "60"])
