@@ -59,6 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .lifecycle import pid_alive
+
 log = logging.getLogger(__name__)
 
 FORMAT_KEY = "ringtrain_checkpoint"
@@ -217,22 +219,13 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
 
 def _remove_stale_temporaries(directory: Path) -> None:
     """Delete temporary files of dead writers on this host (a writer killed mid-save)."""
     host = _host()
     for entry in directory.iterdir():
         m = _TMP.match(entry.name)
-        if m and m.group("host") == host and not _pid_alive(int(m.group("pid"))):
+        if m and m.group("host") == host and not pid_alive(int(m.group("pid"))):
             entry.unlink(missing_ok=True)
 
 

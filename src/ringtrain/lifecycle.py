@@ -1,4 +1,4 @@
-"""Worker processes end with the process that started them.
+"""Process lifetimes: workers end with the process that started them; is a pid alive.
 
 torch's launcher starts each worker in a session of its own, so killing the launcher's
 process group (Ctrl-C in a terminal, a scheduler's kill) would leave the workers training
@@ -14,6 +14,17 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (a zombie counts; one of another user does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def die_with_parent() -> bool:

@@ -377,8 +377,8 @@ def _resolve_cost(alpha: float | None, beta: float | None, gamma: float, cost: C
 
 
 def _check_layers(backward_times: Sequence[float], sizes_bytes: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    times = _check_vector("backward_times", backward_times)
-    sizes = _check_vector("sizes_bytes", sizes_bytes)
+    times = check_vector("backward_times", backward_times)
+    sizes = check_vector("sizes_bytes", sizes_bytes)
     if len(times) != len(sizes):
         raise ValueError(
             f"backward_times has {len(times)} entries and sizes_bytes {len(sizes)}; they must be equal"
@@ -386,7 +386,8 @@ def _check_layers(backward_times: Sequence[float], sizes_bytes: Sequence[float])
     return times, sizes
 
 
-def _check_vector(name: str, values: Sequence[float]) -> np.ndarray:
+def check_vector(name: str, values: Sequence[float]) -> np.ndarray:
+    """``values`` as a 1-D float64 array, or a ValueError naming ``name`` and the bad entry."""
     try:
         array = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as exc:

@@ -98,6 +98,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ..lifecycle import pid_alive
+
 __all__ = [
     "EmulatedNetwork",
     "HOST_ID_ENV",
@@ -247,15 +249,6 @@ def _list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _lock_path(tag: str) -> str:
     return os.path.join(LOCK_DIR, f"{tag}.lock")
@@ -292,7 +285,7 @@ def _kill_namespace_processes(namespaces: Sequence[str], deadline_s: float = KIL
             pass
     deadline = time.monotonic() + deadline_s
     while pids and time.monotonic() < deadline:
-        pids = {p for p in pids if _pid_alive(p) and not _is_zombie(p)}
+        pids = {p for p in pids if pid_alive(p) and not _is_zombie(p)}
         if pids:
             time.sleep(0.01)
 
@@ -342,7 +335,7 @@ def cleanup_stale(prefix: str = "ringtrain") -> list[str]:
     removed: list[str] = []
     for tag, names in by_tag.items():
         pid = int(tag.rsplit("-", 2)[1])
-        if _pid_alive(pid) or not _lock_is_free(tag):
+        if pid_alive(pid) or not _lock_is_free(tag):
             continue
         namespaces = [ns for ns in names if ns in existing]
         _kill_namespace_processes(namespaces)

@@ -11,10 +11,11 @@ used by the trainer (a short allreduce sweep on the live communicator) and the s
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
+
+from ..plan import check_vector
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -22,8 +23,8 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times: Sequence[float]) -> tupl
 
     Needs at least two distinct sizes. Sizes and times must be finite and >= 0.
     """
-    x = _check("sizes_bytes", sizes_bytes)
-    y = _check("times", times)
+    x = check_vector("sizes_bytes", sizes_bytes)
+    y = check_vector("times", times)
     if len(x) != len(y):
         raise ValueError(f"sizes_bytes has {len(x)} entries and times {len(y)}; they must be equal")
     if len(np.unique(x)) < 2:
@@ -39,16 +40,3 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times: Sequence[float]) -> tupl
     through_origin = (0.0, max(0.0, float(np.dot(x, y) / np.dot(x, x))))
     flat = (max(0.0, float(my)), 0.0)
     return min(through_origin, flat, key=lambda ab: float(np.sum((ab[0] + ab[1] * x - y) ** 2)))
-
-
-def _check(name: str, values: Sequence[float]) -> np.ndarray:
-    try:
-        array = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name} must be a sequence of numbers: {exc}") from None
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
-    for i, v in enumerate(array):
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name}[{i}] = {v!r}; every entry must be finite and >= 0")
-    return array
