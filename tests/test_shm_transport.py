@@ -21,6 +21,7 @@ import pytest
 
 from ringtrain.errors import CommError, CommTimeout, MismatchError, PeerLost
 from ringtrain.transport.base import CallHeader, Recv, Send
+from ringtrain.transport.local import on_threads
 from ringtrain.transport.shm import ShmTransport
 from ringtrain.transport.shm_sync import NAME_PREFIX, ProcessId, pid_namespace, remove_stale_segments, segment_dir
 
@@ -86,29 +87,22 @@ def run_ranks(world: int, fn, *, timeout: float = 20.0, peers=None, **kw):
     import torch.distributed as dist
 
     store = dist.HashStore()
-    results: list = [None] * world
     prefix = f"t{time.monotonic_ns()}"
 
-    def body(rank: int) -> None:
+    def body(rank: int):
         t = None
         try:
             t = ShmTransport.connect(rank, world, store, timeout=10, prefix=prefix, peers=None if peers is None else peers(rank), **kw)
-            results[rank] = fn(rank, t)
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            results[rank] = exc
+            return fn(rank, t)
+        except BaseException as exc:
             if t is not None:
                 t.abort(exc)
+            raise
         finally:
             if t is not None:
                 t.close()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for th in threads:
-        th.start()
-    end = time.monotonic() + timeout
-    for th in threads:
-        th.join(max(0.0, end - time.monotonic()))
-    assert not any(th.is_alive() for th in threads), "a rank hung"
+    results = on_threads(world, body, timeout)
     assert _my_segments() == []
     return results
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringtrain.errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
-from ringtrain.transport import tcp, wire
+from ringtrain.transport import local, tcp, wire
 from ringtrain.transport.base import CallHeader, Recv, Send
 from ringtrain.transport.tcp import Listener, TcpTransport
 
@@ -38,23 +38,8 @@ def add(out, incoming):
 
 
 def on_threads(n, fn, timeout=30.0):
-    """Run fn(rank) on n threads; return each rank's result or exception."""
-    results: list = [None] * n
-
-    def body(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            results[r] = exc
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
-    for th in threads:
-        th.start()
-    end = time.monotonic() + timeout
-    for th in threads:
-        th.join(max(0.0, end - time.monotonic()))
-    assert not any(th.is_alive() for th in threads), "a rank hung"
-    return results
+    """Run fn(rank) on n threads; return each rank's result or exception (a hang fails the test)."""
+    return local.on_threads(n, fn, timeout)
 
 
 def build_mesh(world, host_ids=None, secrets_=None, timeout=10.0, prefix="t", **kw):

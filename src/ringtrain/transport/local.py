@@ -96,26 +96,18 @@ class LocalTransport(Transport):
                 self.hub.queues[(self.rank, peer)].put((_CLOSED, None, None))
 
 
-def run_threads(world_size: int, fn, timeout: float = 60.0):
-    """Run ``fn(transport)`` on one thread per rank; return the results in rank order.
-
-    The first exception raised by any rank is re-raised (after all threads ended); every
-    other rank's outcome is in ``results`` as the exception object.
-    """
-    hub = LocalHub(world_size)
-    results: list = [None] * world_size
+def on_threads(n: int, fn, timeout: float = 60.0) -> list:
+    """Run ``fn(rank)`` on one thread per rank; return each rank's result, or the exception it
+    raised, in rank order. TimeoutError if any thread is still running after ``timeout``."""
+    results: list = [None] * n
 
     def body(rank: int) -> None:
-        t = hub.transport(rank)
         try:
-            results[rank] = fn(t)
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller
             results[rank] = exc
-            t.abort(exc)
-        finally:
-            t.close()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
     for th in threads:
         th.start()
     end = time.monotonic() + timeout
@@ -124,3 +116,21 @@ def run_threads(world_size: int, fn, timeout: float = 60.0):
     if any(th.is_alive() for th in threads):
         raise TimeoutError(f"threads still running after {timeout}s")
     return results
+
+
+def run_threads(world_size: int, fn, timeout: float = 60.0):
+    """Run ``fn(transport)`` on one thread per rank of an in-process job; return the results in
+    rank order, with the exception object where a rank raised (its transport aborted first)."""
+    hub = LocalHub(world_size)
+
+    def body(rank: int):
+        t = hub.transport(rank)
+        try:
+            return fn(t)
+        except BaseException as exc:
+            t.abort(exc)
+            raise
+        finally:
+            t.close()
+
+    return on_threads(world_size, body, timeout)
