@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from ringtrain.plan import METHODS, LinearCost, Plan, evaluate, merge
+from ringtrain.plan import METHODS, Interference, LinearCost, Plan, evaluate, merge
 from ringtrain.sim.calibrate import fit_alpha_beta
 
 pytestmark = pytest.mark.timeout(60)
@@ -375,3 +375,94 @@ def test_fit_alpha_beta_invalid():
         fit_alpha_beta([1.0, 2.0], [1.0, float("nan")])
     with pytest.raises(ValueError, match=r"sizes_bytes\[0\]"):
         fit_alpha_beta([-1.0, 2.0], [1.0, 1.0])
+
+
+# --- interference: backward slowed by overlapped allreduces ----------------------------------
+
+
+def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte):
+    """The same exhaustive search with the interference model written out from scratch: the
+    layers of group g are ready later by the sum, over groups 0..g-1, of
+    per_message + per_byte * bytes."""
+    n = len(sizes)
+    best = math.inf
+    for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
+        groups, first = [], 0
+        for k, cut in enumerate(cuts):
+            if cut:
+                groups.append((first, k))
+                first = k + 1
+        groups.append((first, n - 1))
+        end, delay = 0.0, 0.0
+        for a, b in groups:
+            group_bytes = float(sum(sizes[a : b + 1]))
+            end = max(sum(backward_times[: b + 1]) + delay, end) + cost(group_bytes)
+            delay += per_message + per_byte * group_bytes
+        best = min(best, end)
+    return best
+
+
+@pytest.mark.timeout(120)
+def test_optimal_with_interference_equals_brute_force():
+    rng = np.random.default_rng(7)
+    for n in range(1, 11):
+        for _ in range(25 if n <= 8 else 8):
+            times, sizes = random_instance(rng, n)
+            alpha = float(rng.choice([0.0, 1e-5, 2.5e-4, 1e-3]))
+            beta = float(rng.choice([0.0, 8e-10, 8e-9]))
+            per_message = float(rng.choice([0.0, 1e-5, 3e-4, 2e-3]))
+            per_byte = float(rng.choice([0.0, 1e-10, 2e-9]))
+            slow = Interference(per_message, per_byte)
+            plan = merge(times, sizes, alpha, beta, interference=slow)
+            best = brute_force_interfered(times, sizes, LinearCost(alpha, beta), per_message, per_byte)
+            assert math.isclose(plan.end_time, best, rel_tol=1e-12, abs_tol=1e-15), (n, times, sizes, slow)
+            # and the optimum's own timing is evaluate's, to the bit
+            again = evaluate(times, sizes, plan.groups, alpha, beta, interference=slow)
+            assert again.end_time == plan.end_time
+
+
+def test_interference_hand_computed():
+    # T3 = 1,1,1 s; 4 bytes each; cost 1 + 0.25 b. wfbp with 0.5 s per launch:
+    # group 0 ready 1, [1,3]; group 1 ready 2 + 0.5, [3,5]; group 2 ready 3 + 1.0, [5,7].
+    plan = merge(T3, S3, A3, B3, method="wfbp", interference=Interference(0.5, 0.0))
+    assert plan.ready == [1.0, 2.5, 4.0] and plan.backward_time == 4.0
+    assert plan.starts == [1.0, 3.0, 5.0] and plan.end_time == 7.0
+    # 1 s per launch: group 2 is ready at 5, its allreduce [5,7]; one per byte adds 4 s per group
+    plan = merge(T3, S3, A3, B3, method="wfbp", interference=Interference(0.0, 1.0))
+    assert plan.ready == [1.0, 6.0, 11.0] and plan.end_time == 13.0
+    # a single allreduce launches after backward: nothing to slow down
+    plan = merge(T3, S3, A3, B3, method="single", interference=Interference(5.0, 5.0))
+    assert plan.ready == [1.0, 2.0, 3.0] and plan.end_time == 7.0
+
+
+def test_interference_makes_optimal_merge_more():
+    rng = np.random.default_rng(3)
+    times = rng.uniform(1e-3, 3e-3, 60).tolist()
+    sizes = rng.uniform(1e4, 2e5, 60).tolist()
+    free = merge(times, sizes, 1e-4, 1e-9)
+    costly = merge(times, sizes, 1e-4, 1e-9, interference=Interference(1e-3, 0.0))
+    assert len(costly.groups) < len(free.groups)
+    # each method's timing charges the interference; optimal stays the best of them
+    slow = Interference(1e-3, 1e-10)
+    ends = {m: merge(times, sizes, 1e-4, 1e-9, method=m, interference=slow).end_time for m in METHODS}
+    assert ends["optimal"] == min(ends.values())
+
+
+def test_interference_validated():
+    with pytest.raises(ValueError, match="per_message"):
+        Interference(-1.0, 0.0)
+    with pytest.raises(ValueError, match="per_byte"):
+        Interference(0.0, float("nan"))
+    with pytest.raises(ValueError, match="interference must be"):
+        merge([1.0], [4.0], 1.0, 1.0, interference=(0.1, 0.0))
+
+
+def test_thousand_layers_with_interference_plan_in_seconds():
+    rng = np.random.default_rng(11)
+    times, sizes = rng.uniform(0, 1e-4, 1000), rng.uniform(0, 1e5, 1000)
+    t0 = time.perf_counter()
+    plan = merge(times, sizes, 3e-4, 8e-9, interference=Interference(3e-4, 2e-9))
+    elapsed = time.perf_counter() - t0
+    print(f"1,000 layers with interference: {elapsed * 1e3:.0f} ms, {len(plan.groups)} groups")
+    assert plan.end_time <= merge(times, sizes, 3e-4, 8e-9, method="single",
+                                  interference=Interference(3e-4, 2e-9)).end_time

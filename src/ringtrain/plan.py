@@ -19,6 +19,14 @@ Words used here:
   ``max(ready[last of g], end of group g-1)`` and ends ``cost(bytes of g)`` later. The
   plan's ``end_time`` is the end of its last allreduce. :func:`evaluate` is the only place
   this model is written down; every method builds a grouping and asks evaluate for its timing.
+- *interference* (optional, :class:`Interference`): compute time that each allreduce launched
+  while backward still runs takes from the rest of backward, ``per_message + per_byte * b``
+  seconds. Where the transport shares cores with the computation (CPU training on a few cores),
+  every launch costs a wake-up, copies and protocol work, and the layers after it become ready
+  later: group g's layers are ready at ``ready + delay[g]``, ``delay[g]`` the sum of the
+  interference of groups 0..g-1. The last group is launched when backward has ended and slows
+  nothing. Without it (the default) overlapped communication is free, as on a GPU with its own
+  copy engines.
 
 Methods (``METHODS``):
 
@@ -28,6 +36,12 @@ Methods (``METHODS``):
   plan of a prefix extends to the best plan of the whole (DESIGN.md). Floating-point rounding
   is monotone too, so the optimum is exact in floats as well, not only in real numbers.
   O(n^2) arithmetic, vectorized over i with numpy: about 10 ms for 1,000 layers.
+  With interference the delay of a group depends on the bytes before it (a function of i, so
+  the same program stays exact) and on how many groups precede it; with a per-message cost the
+  program runs once per group count g, F_g[j] = min over i < j of max(ready[j-1] + delay, F_{g-1}[i])
+  + cost(bytes of layers i..j-1), delay = per_message * (g-1) + per_byte * bytes before i, and
+  stops at the first g whose smallest possible end, ready[n-1] + per_message * (g-1) + the
+  cheapest allreduce, cannot beat the best plan found (exact, O(G n^2)).
 - ``mgwfbp``: the greedy rule of Shi, Chu and Li (MG-WFBP, IEEE TPDS 32(8), 2021), as in the
   authors' published code (HKBU-HPML/MG-WFBP, ``_generate_groups_mgwfbp``): walking layers in
   backward order, the open group (ending at layer k) is merged with layer k+1 when layer k+1
@@ -80,6 +94,28 @@ class LinearCost:
 
 
 @dataclass(frozen=True, slots=True)
+class Interference:
+    """Compute time an allreduce launched during backward takes from the rest of backward:
+    ``per_message + per_byte * nbytes`` seconds (see the module docstring)."""
+
+    per_message: float = 0.0
+    """Seconds of backward lost per overlapped allreduce (wake-ups, hooks, protocol)."""
+    per_byte: float = 0.0
+    """Seconds of backward lost per overlapped byte (copies, kernel network work)."""
+
+    def __post_init__(self) -> None:
+        for name in ("per_message", "per_byte"):
+            _check_scalar(name, getattr(self, name))
+
+    @property
+    def is_zero(self) -> bool:
+        return self.per_message == 0.0 and self.per_byte == 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"per_message": self.per_message, "per_byte": self.per_byte}
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A grouping of layers and its predicted timing (all times from the start of backward)."""
 
@@ -94,7 +130,7 @@ class Plan:
     group_bytes: list[float]
     """Bytes of each group's allreduce."""
     ready: list[float]
-    """Ready time of each layer's gradient, seconds."""
+    """Ready time of each layer's gradient, seconds (delayed by interference, if any)."""
     end_time: float
     """End of the last allreduce (0 for a model without layers), seconds."""
 
@@ -184,6 +220,7 @@ def evaluate(
     *,
     cost: CostFn | None = None,
     method: str = "custom",
+    interference: Interference | None = None,
 ) -> Plan:
     """The timing of any grouping under the one-stream model (see the module docstring).
 
@@ -193,7 +230,7 @@ def evaluate(
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
     pairs = [tuple(g) for g in groups]
     _check_groups(pairs, len(times))
-    return _evaluate(times, sizes, pairs, cost_fn, method)
+    return _evaluate(times, sizes, pairs, cost_fn, method, _check_interference(interference))
 
 
 def merge(
@@ -207,10 +244,13 @@ def merge(
     *,
     cost: CostFn | None = None,
     first_bucket_mb: float | None = None,
+    interference: Interference | None = None,
 ) -> Plan:
     """Group the layers' gradients into allreduces with ``method`` (one of ``METHODS``).
 
     ``bucket_cap_mb`` and ``first_bucket_mb`` (MiB) are used by ``fixed`` only.
+    ``interference`` is charged by every method's timing; only ``optimal`` plans around it
+    (the other methods' rules are as their authors wrote them).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}: accepted values are {', '.join(METHODS)}")
@@ -219,10 +259,12 @@ def merge(
         _check_positive("first_bucket_mb", first_bucket_mb)
     times, sizes = _check_layers(backward_times, sizes_bytes)
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
+    slow = _check_interference(interference)
     n = len(times)
     ready = np.cumsum(times)
     if method == "optimal":
-        groups = _optimal_groups(ready, sizes, cost_fn)
+        groups = (_optimal_groups(ready, sizes, cost_fn, slow.per_byte) if slow.per_message == 0.0
+                  else _optimal_groups_counted(ready, sizes, cost_fn, slow))
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
     elif method == "wfbp":
@@ -231,16 +273,19 @@ def merge(
         groups = _fixed_groups(sizes, bucket_cap_mb, first_bucket_mb)
     else:  # single
         groups = [(0, n - 1)] if n else []
-    return _evaluate(times, sizes, groups, cost_fn, method)
+    return _evaluate(times, sizes, groups, cost_fn, method, slow)
 
 
 # --- the methods -------------------------------------------------------------------------
 
 
-def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[tuple[int, int]]:
-    """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1."""
+def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
+                    per_byte: float = 0.0) -> list[tuple[int, int]]:
+    """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1 (a per-byte
+    interference delays a group's layers by per_byte * the bytes before it: a function of i)."""
     n = len(sizes)
     prefix = _prefix(sizes)
+    delay = per_byte * prefix  # the same expression as _evaluate's
     best = np.zeros(n + 1)
     split = np.zeros(n + 1, dtype=np.int64)  # the last group of best[j] is split[j]..j-1
     # The cost of every candidate group, row j holding the groups i..j-1 for i < j, in one call
@@ -257,7 +302,7 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[
         else:
             costs = table[j * (j - 1) // 2 : j * (j + 1) // 2]
         # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
-        ends = np.maximum(ready[j - 1], best[:j]) + costs
+        ends = np.maximum(ready[j - 1] + delay[:j], best[:j]) + costs
         i = int(np.argmin(ends))
         best[j] = ends[i]
         split[j] = i
@@ -266,6 +311,53 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[
     while j > 0:
         groups.append((int(split[j]), j - 1))
         j = int(split[j])
+    return groups[::-1]
+
+
+def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
+                            slow: Interference) -> list[tuple[int, int]]:
+    """The prefix DP once per group count (a per-message interference; module docstring)."""
+    n = len(sizes)
+    if n == 0:
+        return []
+    prefix = _prefix(sizes)
+    rows, cols = np.tril_indices(n + 1, -1)  # candidate group cols..rows-1, row-major: row j is contiguous
+    costs = _cost_array(cost, prefix[rows] - prefix[cols])
+    js = np.arange(1, n + 1)
+    row_start = js * (js - 1) // 2  # offset of row j's first candidate, j = 1..n
+    ready_rows = ready[rows - 1]
+    bytes_delay = slow.per_byte * prefix[cols]
+    cheapest = float(costs.min())
+    prev = np.full(n + 1, np.inf)
+    prev[0] = 0.0  # zero groups cover the empty prefix
+    splits: list[np.ndarray] = []
+    best_end, best_count = np.inf, 0
+    g = 1
+    while g <= n:
+        # Same expression as _evaluate: ready + (per_message * groups before + per_byte * bytes before).
+        delay = slow.per_message * (g - 1) + bytes_delay
+        ends = np.maximum(ready_rows + delay, prev[cols]) + costs
+        cur = np.full(n + 1, np.inf)
+        cur[1:] = np.minimum.reduceat(ends, row_start)
+        # The first i reaching the row's minimum (as the 1-D program's argmin).
+        first_hit = np.full(n + 1, -1, dtype=np.int64)
+        first_hit[1:] = np.minimum.reduceat(np.where(ends == cur[rows], cols, n + 1), row_start)
+        splits.append(first_hit)
+        if cur[n] < best_end:
+            best_end, best_count = float(cur[n]), g
+        prev = cur
+        g += 1
+        # Lower bounds on the end of any plan with g or more groups: its last group cannot start
+        # before backward, delayed by g-1 launches, ends; and the stream carries g allreduces.
+        chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
+        if max(ready[-1] + slow.per_message * (g - 1) + cheapest, chain) >= best_end:
+            break
+    groups = []
+    j = n
+    for g in range(best_count, 0, -1):
+        i = int(splits[g - 1][j])
+        groups.append((i, j - 1))
+        j = i
     return groups[::-1]
 
 
@@ -316,8 +408,10 @@ def _fixed_groups(
 
 
 def _evaluate(
-    times: np.ndarray, sizes: np.ndarray, groups: list[tuple[int, int]], cost: CostFn, method: str
+    times: np.ndarray, sizes: np.ndarray, groups: list[tuple[int, int]], cost: CostFn, method: str,
+    slow: Interference | None = None,
 ) -> Plan:
+    slow = slow or NO_INTERFERENCE
     ready = np.cumsum(times)
     prefix = _prefix(sizes)
     firsts = np.array([g[0] for g in groups], dtype=np.int64)
@@ -326,7 +420,9 @@ def _evaluate(
     costs = _cost_array(cost, nbytes)
     starts, ends = [], []
     prev_end = 0.0
-    for g, last in enumerate(lasts):
+    for g, (first, last) in enumerate(zip(firsts, lasts)):
+        if not slow.is_zero:  # the interference of groups 0..g-1 (module docstring)
+            ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
         start = max(ready[last], prev_end)
         prev_end = start + costs[g]
         starts.append(float(start))
@@ -374,6 +470,14 @@ def _resolve_cost(alpha: float | None, beta: float | None, gamma: float, cost: C
     if alpha is None or beta is None:
         raise ValueError("alpha and beta are required (or give cost=)")
     return LinearCost(alpha, beta, gamma)
+
+
+def _check_interference(value: Interference | None) -> Interference:
+    if value is None:
+        return NO_INTERFERENCE
+    if not isinstance(value, Interference):
+        raise ValueError(f"interference must be a ringtrain.plan.Interference or None, got {value!r}")
+    return value
 
 
 def _check_layers(backward_times: Sequence[float], sizes_bytes: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -431,3 +535,6 @@ def _check_groups(groups: Sequence[tuple[int, int]], n: int) -> None:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
+
+
+NO_INTERFERENCE = Interference()

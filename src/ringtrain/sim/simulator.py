@@ -12,13 +12,18 @@ Words used here:
   ``iteration = forward + max(backward, end of the last allreduce) + optimizer``
   (the allreduce end is counted from the start of backward). On one GPU nothing is
   communicated: ``forward + backward + optimizer``.
+* **interference** (optional, ``ringtrain.plan.Interference``): backward time lost to each
+  allreduce launched while backward runs, as the planner charges it; ``backward`` above is
+  then the slowed backward. Measured on the live job by ``ringtrain.DistributedDataParallel``
+  (its ``interference``); 0 by default, as for a GPU.
 * **throughput** ``p * batch / iteration`` samples/s; **speedup** is throughput over the
   one-GPU throughput; **scaling efficiency** is speedup / p.
 
 Modelled: start-up and per-byte cost of each allreduce (per algorithm and world size),
 overlap of communication with backward on one communication stream, the order in which
-gradients become ready, the optimizer step. Not modelled: compute slowed down by concurrent
-communication (memory bandwidth, SMs or CPU cores taken by the collective), stragglers and
+gradients become ready, the optimizer step, and (when given) compute slowed down by concurrent
+communication as a cost per overlapped allreduce and byte. Not modelled: how that slowdown
+arises (memory bandwidth, SMs or CPU cores taken by the collective), stragglers and
 run-to-run jitter, contention at parameter servers or in the network core beyond what the
 cost formula charges, forward-pass prefetching of parameters, and data loading.
 """
@@ -96,15 +101,18 @@ def affine_or_none(cost: CostFn, probe: Sequence[float] = (1.0, 1e3, 1e5, 1e6, 3
     return a, b
 
 
-def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 25.0) -> planner.Plan:
+def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 25.0,
+              interference: planner.Interference | None = None) -> planner.Plan:
     """The planner's grouping and timing of ``trace``'s gradients under ``cost``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--schedules: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     _, times, sizes = trace.gradient_layers()
     ab = affine_or_none(cost)
     if ab is not None:
-        return planner.merge(times, sizes, ab[0], ab[1], method=schedule, bucket_cap_mb=bucket_cap_mb)
-    return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, cost=cost)
+        return planner.merge(times, sizes, ab[0], ab[1], method=schedule, bucket_cap_mb=bucket_cap_mb,
+                             interference=interference)
+    return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, cost=cost,
+                         interference=interference)
 
 
 def single_gpu_iteration(trace: Trace) -> float:
@@ -120,13 +128,20 @@ def predict_with_cost(
     algorithm: str = "ring",
     cluster: str = "custom",
     bucket_cap_mb: float = 25.0,
+    interference: planner.Interference | None = None,
 ) -> Prediction:
-    """Predict one iteration of ``trace`` on ``world_size`` GPUs whose allreduce takes ``cost``."""
+    """Predict one iteration of ``trace`` on ``world_size`` GPUs whose allreduce takes ``cost``
+    (and whose overlapped allreduces slow backward down by ``interference``)."""
     if world_size < 1:
         raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
-    plan = make_plan(trace, schedule, cost if world_size > 1 else _free, bucket_cap_mb)
+    plan = make_plan(trace, schedule, cost if world_size > 1 else _free, bucket_cap_mb,
+                     interference if world_size > 1 else None)
     base = single_gpu_iteration(trace)
-    iteration = trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s
+    # Backward slowed by the launches before its last group (0 without interference).
+    _, times, _ = trace.gradient_layers()
+    delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
+    backward = trace.backward_s + delay
+    iteration = trace.forward_s + max(backward, plan.end_time) + trace.optimizer_s
     throughput = world_size * trace.batch_size / iteration
     speedup = base / iteration * world_size
     return Prediction(
@@ -137,7 +152,7 @@ def predict_with_cost(
         world_size=world_size,
         batch_size=trace.batch_size,
         forward_s=trace.forward_s,
-        backward_s=trace.backward_s,
+        backward_s=backward,
         comm_s=plan.comm_time,
         comm_end_s=plan.end_time,
         optimizer_s=trace.optimizer_s,
