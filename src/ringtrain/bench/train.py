@@ -8,7 +8,8 @@ scaling efficiency (against forward+backward+step alone, timed on every rank at 
 the CPU is as loaded as in training), the share of communication hidden behind backward,
 the planner's predicted iteration (forward + max(backward, predicted end of the last
 allreduce) + step), the simulator's prediction from the profiled layer trace and the
-measured alpha/beta (``ringtrain.sim``), and the overlap bound:
+measured alpha/beta and the interference the optimal wrapper's probes measured (``ringtrain.sim``),
+and the overlap bound:
 forward + max(backward, ready time of the first gradient + one allreduce of every byte) + step.
 """
 
@@ -27,6 +28,8 @@ import numpy as np
 from .procs import emit, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
+WARMUP_STEPS = 5
+MAX_WARMUP_STEPS = 60
 NETS = ("none", "1gbit", "10gbit")
 
 
@@ -225,10 +228,17 @@ def _worker(cfg: dict) -> int:
             loss.backward()
             c["opt"].step()
 
-        for c in configs:  # warm-up: calibration, profiling, the first plan
-            for k in range(5):
+        for c in configs:  # warm-up: calibration, profiling, the plan and its trial (probes, verification)
+            for k in range(WARMUP_STEPS):
                 step(c, k)
+            k = WARMUP_STEPS
+            while c["impl"] == "ringtrain" and not c["wrapped"].settled and k < MAX_WARMUP_STEPS:
+                step(c, k)  # every rank takes the same number of steps: settled agrees across ranks
+                k += 1
             c["times"] = []
+        optimal = next((c["wrapped"] for c in configs if c["schedule"] == "optimal"), None)
+        # The interference the optimal wrapper's probes measured, for every schedule's prediction.
+        slow = optimal.interference if optimal is not None else None
         for _ in range(cfg["rounds"]):
             for c in configs:
                 dist.barrier()
@@ -259,12 +269,14 @@ def _worker(cfg: dict) -> int:
                 plan = ddp.plan
                 cost = lambda n, a=ddp.alpha, b=ddp.beta: a + b * n  # noqa: E731 - the measured fit
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
-                pred = predict_with_cost(trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured")
+                pred = predict_with_cost(trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
+                                         interference=slow)
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
                 one_allreduce = ddp.alpha + ddp.beta * float(sum(plan.group_bytes))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
                 row.update(
                     alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups), plan_in_force=plan.method,
+                    interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
                     planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
                     sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
                     overlap_bound_s=bound, vs_bound=med / bound,

@@ -18,6 +18,11 @@ Words used here:
 - *profile*: the per-parameter median gap over the profiled iterations, then the mean over
   ranks (an allreduce), laid out in rank 0's observed order (a broadcast). Both exchanges make
   the profile, hence the plan, identical on every rank, as the collectives require.
+- *probe*: a plan of a fixed number of groups of (nearly) equal layer counts, run for a few
+  iterations to see how much overlapped allreduces slow backward down: ``fine`` (many small
+  groups) and ``coarse`` (three). The *interference* (``ringtrain.plan.Interference``) is the
+  per-message and per-byte cost that explains the probes' extra backward time over a single
+  allreduce after backward (:func:`fit_interference`).
 - *drift*: how far the ready curve (cumulative gaps in plan order) moved between the profile
   the current plan was made from and a newer one, as a share of the older backward time.
 """
@@ -32,6 +37,20 @@ from ..sim.calibrate import fit_alpha_beta
 
 #: Sweep sizes in bytes (float32 buffers): start-up dominated to bandwidth dominated.
 SWEEP_BYTES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+
+
+#: The largest sweep message when the model's gradients are bigger than SWEEP_BYTES's last.
+SWEEP_MAX_BYTES = 256 * 1024 * 1024
+
+
+def sweep_sizes(model_bytes: float) -> tuple[int, ...]:
+    """SWEEP_BYTES, plus one message of the model's gradient bytes (at most SWEEP_MAX_BYTES)
+    when they are over 1.5x the largest: beta from messages of a few MiB missed the time of a
+    84 MB single allreduce by 17% at 10 Gbit/s (caches, copies), and the planner and the
+    simulator need the time of the groups the plan really sends."""
+    if model_bytes > 1.5 * SWEEP_BYTES[-1]:
+        return SWEEP_BYTES + (int(min(model_bytes, SWEEP_MAX_BYTES)) // 4 * 4,)
+    return SWEEP_BYTES
 
 
 def sweep_alpha_beta(comm, algorithm: str, sizes: Sequence[int] = SWEEP_BYTES, repeats: int = 3) -> tuple[float, float]:
@@ -67,6 +86,47 @@ def fit_start_up_first(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, 
     extra_n, extra_t = n[1:] - n[0], t[1:] - alpha
     beta = max(0.0, float(np.dot(extra_n, extra_t) / np.dot(extra_n, extra_n))) if np.any(extra_n) else 0.0
     return alpha, beta
+
+
+#: Groups in each probe plan (capped at the number of layers).
+PROBE_GROUPS = {"fine": 24, "coarse": 3}
+
+
+def probe_groups(n: int, count: int) -> list[tuple[int, int]]:
+    """``min(n, count)`` contiguous groups of layers 0..n-1, layer counts differing by at most one."""
+    count = max(1, min(n, count))
+    bounds = np.linspace(0, n, count + 1).round().astype(int)
+    return [(int(a), int(b) - 1) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def fit_interference(launches: Sequence[float], overlapped_bytes: Sequence[float],
+                     extra_backward: Sequence[float]) -> "Interference":
+    """The non-negative (per_message, per_byte) that best explain each probe's extra backward
+    time ``extra_backward[k]`` (s) by its ``launches[k]`` allreduces launched during backward
+    and their ``overlapped_bytes[k]``: least squares over the probes, one parameter dropped
+    (set to 0) when the two-parameter solution has a negative one; all 0 when no probe shows
+    any slowdown."""
+    from ..plan import Interference
+
+    a = np.column_stack([np.asarray(launches, dtype=np.float64), np.asarray(overlapped_bytes, dtype=np.float64)])
+    y = np.asarray(extra_backward, dtype=np.float64)
+    if not np.all(np.isfinite(a)) or not np.all(np.isfinite(y)) or not np.any(y > 0):
+        return Interference()
+    candidates = []
+    if np.linalg.matrix_rank(a) == 2:
+        both = np.linalg.lstsq(a, y, rcond=None)[0]
+        if np.all(both >= 0):
+            candidates.append(both)
+    for k in (0, 1):  # one parameter alone, through the origin
+        col = a[:, k]
+        if np.dot(col, col) > 0:
+            x = np.zeros(2)
+            x[k] = max(0.0, float(np.dot(col, y) / np.dot(col, col)))
+            candidates.append(x)
+    if not candidates:
+        return Interference()
+    best = min(candidates, key=lambda x: float(np.sum((a @ x - y) ** 2)))
+    return Interference(float(best[0]), float(best[1]))
 
 
 def observed_order(stamps: np.ndarray) -> np.ndarray:

@@ -29,6 +29,15 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    the profile is exchanged again and the plan re-made if the ready curve drifted by more than
    ``drift_threshold`` of the backward time (or the order changed). Plans are logged on the
    ``ringtrain.ddp`` logger (INFO on rank 0).
+5. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0): after the first plan, the
+   wrapper measures what the model cannot know. Two *probe* plans (many small groups, then
+   three) and one allreduce after backward each run ``verify_iterations`` iterations; the
+   slowest rank's median backward under each gives the *interference* (backward time lost per
+   overlapped allreduce and per overlapped byte, ``ringtrain.plan.Interference``, fitted in
+   :func:`.calibration.fit_interference`), and the optimal plan is made again with it. That
+   plan then runs as many iterations and is kept only if its forward+backward beats the single
+   allreduce's; otherwise the single allreduce stays (``fell_back``). ``settled`` is True once
+   the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -97,6 +106,9 @@ class DDPOptions:
     model takes overlapped communication as free; where it slows the computation down (CPU
     transports on few cores), the measured choice falls back to a single allreduce."""
     """Re-plan when the ready curve moved by more than this share of the backward time."""
+    interference: Optional[planner.Interference] = None
+    """Backward time lost per overlapped allreduce; None: measured by the trial's probes
+    (schedule="optimal" with verify_iterations > 0), else taken as none."""
     alpha: Optional[float] = None
     """Allreduce start-up time in seconds; None: measured by a sweep at construction."""
     beta: Optional[float] = None
@@ -122,6 +134,8 @@ class DDPOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: it must be True or False")
+        if self.interference is not None and not isinstance(self.interference, planner.Interference):
+            raise ValueError(f"interference={self.interference!r}: it must be a ringtrain.plan.Interference or None")
         if (self.alpha is None) != (self.beta is None):
             raise ValueError("give both alpha and beta (to skip the calibration sweep) or neither")
         for name in ("alpha", "beta"):
@@ -172,15 +186,17 @@ class DistributedDataParallel(nn.Module):
             self.alpha, self.beta = float(opts.alpha), float(opts.beta)
         else:
             self.alpha, self.beta = self._thread.run(
-                "calibration sweep", partial(calibration.sweep_alpha_beta, comm, opts.algorithm), self._timeout * 8)
+                "calibration sweep", partial(calibration.sweep_alpha_beta, comm, opts.algorithm,
+                                             calibration.sweep_sizes(float(self._sizes.sum()))), self._timeout * 8)
         self._log(f"alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B "
                   f"({'given' if opts.alpha is not None else 'allreduce sweep'}), world_size={self.world_size}")
 
         n = len(self._params)
         self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
         self._plan_times = np.zeros(n)
-        self._trial: Optional[dict] = None  # verify_iterations: the plan against one allreduce
+        self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
         self._fell_back = False
+        self.interference = opts.interference or planner.NO_INTERFERENCE
         first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
         self._install(first, planner.merge([0.0] * n, self._sizes[first], self.alpha, self.beta, method="single"))
 
@@ -213,6 +229,17 @@ class DistributedDataParallel(nn.Module):
     def order(self) -> list[int]:
         """Parameter ids in the backward order the plan uses."""
         return list(self._order)
+
+    @property
+    def settled(self) -> bool:
+        """True once the first plan is made and its trial (probes, verification) is over."""
+        opts = self.options
+        return self._trial is None and self._s.iteration >= opts.warmup_iterations + opts.profile_iterations
+
+    @property
+    def fell_back(self) -> bool:
+        """True when the trial measured one allreduce after backward to be faster than the plan."""
+        return self._fell_back
 
     @property
     def iteration(self) -> int:
@@ -452,37 +479,89 @@ class DistributedDataParallel(nn.Module):
         if it == planned_at:
             self._replan(first=True)
             if opts.verify_iterations and opts.schedule == "optimal" and self.world_size > 1:
-                self._trial = {"phase": "plan", "plan": [], "single": []}
+                self._start_trial()
         elif self._trial is not None:
             self._verify_step()
         elif opts.replan_interval and it > planned_at and (it - planned_at) % opts.replan_interval == 0:
             self._replan(first=False)
 
-    def _verify_step(self) -> None:
-        """One trial iteration done: time it; switch plans or decide when a phase is full."""
+    def _start_trial(self) -> None:
+        """Queue the trial's phases (module docstring, item 5) and install the first one."""
+        n = len(self._order)
+        phases = []
+        if self.options.interference is None and n > 1:
+            phases += ["fine", "coarse"]
+        phases += ["single", "plan"]
+        self._trial = {"phases": phases, "k": 0, **{name: [] for name in phases}}
+        self._install_phase()
+
+    def _phase_plan(self, name: str) -> planner.Plan:
+        times, sizes = self._plan_times, self._sizes[self._order]
+        if name in ("fine", "coarse"):
+            groups = calibration.probe_groups(len(times), calibration.PROBE_GROUPS[name])
+            return planner.evaluate(times, sizes, groups, self.alpha, self.beta, interference=self.interference)
+        if name == "single":
+            return planner.merge(times, sizes, self.alpha, self.beta, method="single")
+        return planner.merge(times, sizes, self.alpha, self.beta, method="optimal", interference=self.interference)
+
+    def _install_phase(self) -> None:
         trial = self._trial
-        trial[trial["phase"]].append(self.stats[-1].forward_backward_s)
-        if len(trial[trial["phase"]]) < self.options.verify_iterations:
+        name = trial["phases"][trial["k"]]
+        plan = self._phase_plan(name)
+        trial[name + " plan"] = plan
+        self._install(self._order, plan)
+
+    def _verify_step(self) -> None:
+        """One trial iteration done: record it; go to the next phase, or decide, when one is full."""
+        trial = self._trial
+        name = trial["phases"][trial["k"]]
+        last = self.stats[-1]
+        trial[name].append((last.backward_s, last.forward_backward_s))
+        if len(trial[name]) < self.options.verify_iterations:
             return
-        if trial["phase"] == "plan":
-            trial["phase"], trial["saved"] = "single", (self._order, self._plan)
-            single = planner.merge(self._plan_times, self._sizes[self._order], self.alpha, self.beta, method="single")
-            self._install(self._order, single)
+        if name == "single" and "fine" in trial:
+            self._fit_interference(trial)
+        trial["k"] += 1
+        if trial["k"] < len(trial["phases"]):
+            self._install_phase()
+            if name == "single" and len(self._plan.groups) == 1:
+                self._trial = None
+                self._log(f"with the measured interference ({self._describe_interference()}) one allreduce after "
+                          "backward is the optimal plan; keeping it")
             return
-        # Both phases timed: agree on the slowest rank's medians, so every rank decides alike.
-        medians = np.array([np.median(trial["plan"]), np.median(trial["single"])], dtype=np.float64)
+        # Both timed: agree on the slowest rank's medians, so every rank decides alike.
+        medians = np.array([np.median([fb for _, fb in trial["plan"]]),
+                            np.median([fb for _, fb in trial["single"]])], dtype=np.float64)
         self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         self._trial = None
-        order, plan = trial["saved"]
         if medians[1] < 0.98 * medians[0]:
             self._fell_back = True
+            self._install(self._order, trial["single plan"])
             self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
                       f"{medians[1] * 1e3:.1f} ms per forward+backward; overlapping does not pay here "
                       "(communication slows the computation down), keeping the single allreduce")
         else:
-            self._install(order, plan)
+            self._install(self._order, trial["plan plan"])
             self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
                       f"{medians[1] * 1e3:.1f} ms per forward+backward; keeping the plan")
+
+    def _fit_interference(self, trial: dict) -> None:
+        """The interference from the probes' and the single allreduce's backward times (the
+        slowest rank's medians, equal on every rank)."""
+        phases = ("fine", "coarse", "single")
+        medians = np.array([np.median([b for b, _ in trial[p]]) for p in phases], dtype=np.float64)
+        self._thread.run("interference probes", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
+        probes = [trial[p + " plan"] for p in ("fine", "coarse")]
+        self.interference = calibration.fit_interference(
+            [len(p.groups) - 1 for p in probes], [sum(p.group_bytes[:-1]) for p in probes],
+            medians[:2] - medians[2])
+        self._log(f"interference measured by probes of {len(probes[0].groups)} and {len(probes[1].groups)} groups "
+                  f"(backward {medians[0] * 1e3:.1f} and {medians[1] * 1e3:.1f} ms against {medians[2] * 1e3:.1f} ms "
+                  f"with one allreduce after it): {self._describe_interference()}")
+
+    def _describe_interference(self) -> str:
+        return (f"{self.interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
+                f"{self.interference.per_byte * 1e9:.3f} ms per overlapped MB")
 
     def _replan(self, first: bool) -> None:
         local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
@@ -504,7 +583,7 @@ class DistributedDataParallel(nn.Module):
             self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
         ordered = times[order]
         plan = planner.merge(ordered, self._sizes[order], self.alpha, self.beta, method=self.options.schedule,
-                             bucket_cap_mb=self.options.bucket_cap_mb)
+                             bucket_cap_mb=self.options.bucket_cap_mb, interference=self.interference)
         self._plan_times = ordered
         self._install(order, plan)
         self._log(f"plan ({plan.method}, alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B): "
