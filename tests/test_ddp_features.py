@@ -409,3 +409,38 @@ def test_mixed_dtype_parameters_get_one_bucket_per_dtype():
     assert results[0][0] == [torch.float64, torch.float32]  # b's gradients are ready first
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.equal(a, b) and a.dtype in (torch.float32, torch.float64)
+
+
+@pytest.mark.timeout(60)
+def test_gradients_are_bucket_views_and_in_place_zeroing_trains_alike():
+    """After backward each .grad is a view of its bucket (no copy back); optimizers that zero
+    gradients in place (set_to_none=False) then accumulate into the buckets themselves, and
+    no_sync accumulation on top of that still equals the set_to_none=True run bitwise."""
+
+    init = make_model("mlp").state_dict()  # (ranks are threads: they must not race on the global RNG)
+
+    def train(comm, set_to_none):
+        model = make_model("mlp")
+        model.load_state_dict(init)
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", **FAST)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        views = []
+        for step in range(6):
+            opt.zero_grad(set_to_none=set_to_none)
+            for m in range(MICRO):
+                x, y = micro_batch(step, m, 2, comm.rank)
+                with (ddp.no_sync() if m < MICRO - 1 else _null()):
+                    (nn.functional.mse_loss(ddp(x), y) / MICRO).backward()
+            bufs = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in ddp._bufs]
+            if step >= 1:  # (the first iteration's buckets are replaced once the plan is made)
+                views.append(all(any(lo <= p.grad.data_ptr() < hi for lo, hi in bufs) for p in model.parameters()))
+            opt.step()
+        ddp.close()
+        return [p.detach().clone() for p in model.parameters()], all(views)
+
+    fresh = raise_first(run_comms(2, lambda comm: train(comm, True)))
+    in_place = raise_first(run_comms(2, lambda comm: train(comm, False)))
+    for (a, a_views), (b, b_views) in zip(fresh, in_place):
+        assert a_views and b_views
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

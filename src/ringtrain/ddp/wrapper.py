@@ -9,13 +9,15 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    parameters will get a gradient (the *expected* ones).
 2. Each parameter's ``Tensor.register_post_accumulate_grad_hook`` (public API) fires when its
    ``.grad`` is final for this backward: the hook stamps the time, copies ``.grad`` into the
-   parameter's slot of its bucket and, once a bucket's last slot is filled and every earlier
+   parameter's slot of its bucket and makes the slot the ``.grad`` (a view of the bucket, as
+   torch's ``gradient_as_bucket_view``; a gradient laid out with other strides keeps its own
+   tensor and is copied back instead), and, once a bucket's last slot is filled and every earlier
    bucket has been launched, *launches* it: queues its allreduce (op ``mean``) on the
    wrapper's one communication thread. Buckets launch in plan order on every rank, whatever
    order the hooks fire in, so the collectives match across ranks.
 3. The end of backward is the hook of the last expected gradient (a public mechanism, unlike
    autograd's internal ``queue_callback``): it waits for every launched allreduce (with a
-   deadline) and copies each bucket back into ``.grad``. So when ``loss.backward()`` returns,
+   deadline); the gradients, views of the buckets, then hold the mean. So when ``loss.backward()`` returns,
    every ``.grad`` holds the mean over ranks. A backward that ends without some expected
    gradient (an unused parameter, ``find_unused_parameters=False``) is reported by the next
    ``forward`` with the names of the parameters that got none, as torch's DDP does. A backward
@@ -321,7 +323,13 @@ class DistributedDataParallel(nn.Module):
                 if grad.is_sparse:
                     raise ValueError(f"parameter {self._names[pid]!r} has a sparse gradient; "
                                      "ringtrain.DistributedDataParallel reduces dense gradients only")
-                self._slots[pid].copy_(grad)
+                slot = self._slots[pid]
+                if grad.data_ptr() != slot.data_ptr():  # (accumulated in place into the slot: nothing to copy)
+                    slot.copy_(grad)
+                    if grad.stride() == slot.stride():
+                        # The slot becomes the gradient: when the bucket's allreduce ends, .grad
+                        # already holds the mean, with no copy back (torch's gradient_as_bucket_view).
+                        param.grad = slot
                 self._mark_ready(self._bucket_index[pid])
             if st.ready == st.expected:
                 self._end_backward()
@@ -383,11 +391,11 @@ class DistributedDataParallel(nn.Module):
         """Every parameter of the bucket gets the mean over ranks as its ``.grad``."""
         with torch.no_grad():
             for pid in spec.pids:
-                p = self._params[pid]
+                p, slot = self._params[pid], self._slots[pid]
                 if p.grad is None:  # find_unused_parameters: unused here, maybe used elsewhere
-                    p.grad = self._slots[pid].clone()
-                else:
-                    p.grad.copy_(self._slots[pid])
+                    p.grad = slot
+                elif p.grad.data_ptr() != slot.data_ptr():  # a gradient laid out unlike its slot
+                    p.grad.copy_(slot)
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
