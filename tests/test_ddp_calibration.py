@@ -281,3 +281,21 @@ def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
         assert slow.per_byte * 64 * 64 * 4 < 0.001, slow  # bytes explain (almost) nothing
         assert groups <= 3
     assert any("interference measured by probes" in r.getMessage() for r in caplog.records)
+
+
+def test_fit_comm_slowdown_recovers_the_factor():
+    from ringtrain.plan import Interference, evaluate
+
+    times, sizes = [1e-3] * 12, [4e5] * 12
+    slow = Interference(2e-4, 1e-9)
+    probes = [cal.probe_groups(12, 24), cal.probe_groups(12, 3)]
+
+    def model_end(s, groups):
+        return evaluate(times, sizes, groups, 1e-4, 1e-8, interference=Interference(2e-4, 1e-9, s)).end_time
+
+    measured = [model_end(0.8, g) for g in probes]
+    fit = cal.fit_comm_slowdown(model_end, probes, measured, slow)
+    assert fit.comm_slowdown == pytest.approx(0.8) and fit.per_message == 2e-4 and fit.per_byte == 1e-9
+    # no slowdown measured: none fitted; a probe without a measurement: left as it was
+    assert cal.fit_comm_slowdown(model_end, probes, [model_end(0.0, g) for g in probes], slow).comm_slowdown == 0.0
+    assert cal.fit_comm_slowdown(model_end, probes, [float("nan"), 1.0], slow) is slow

@@ -380,10 +380,10 @@ def test_fit_alpha_beta_invalid():
 # --- interference: backward slowed by overlapped allreduces ----------------------------------
 
 
-def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte):
+def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte, comm_slowdown=0.0):
     """The same exhaustive search with the interference model written out from scratch: the
     layers of group g are ready later by the sum, over groups 0..g-1, of
-    per_message + per_byte * bytes."""
+    per_message + per_byte * bytes; every group but the last costs (1 + comm_slowdown) times more."""
     n = len(sizes)
     best = math.inf
     for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
@@ -396,7 +396,8 @@ def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte):
         end, delay = 0.0, 0.0
         for a, b in groups:
             group_bytes = float(sum(sizes[a : b + 1]))
-            end = max(sum(backward_times[: b + 1]) + delay, end) + cost(group_bytes)
+            factor = 1.0 + comm_slowdown if b < n - 1 else 1.0
+            end = max(sum(backward_times[: b + 1]) + delay, end) + cost(group_bytes) * factor
             delay += per_message + per_byte * group_bytes
         best = min(best, end)
     return best
@@ -412,9 +413,10 @@ def test_optimal_with_interference_equals_brute_force():
             beta = float(rng.choice([0.0, 8e-10, 8e-9]))
             per_message = float(rng.choice([0.0, 1e-5, 3e-4, 2e-3]))
             per_byte = float(rng.choice([0.0, 1e-10, 2e-9]))
-            slow = Interference(per_message, per_byte)
+            comm_slowdown = float(rng.choice([0.0, 0.3, 1.5]))
+            slow = Interference(per_message, per_byte, comm_slowdown)
             plan = merge(times, sizes, alpha, beta, interference=slow)
-            best = brute_force_interfered(times, sizes, LinearCost(alpha, beta), per_message, per_byte)
+            best = brute_force_interfered(times, sizes, LinearCost(alpha, beta), per_message, per_byte, comm_slowdown)
             assert math.isclose(plan.end_time, best, rel_tol=1e-12, abs_tol=1e-15), (n, times, sizes, slow)
             # and the optimum's own timing is evaluate's, to the bit
             again = evaluate(times, sizes, plan.groups, alpha, beta, interference=slow)
@@ -430,8 +432,11 @@ def test_interference_hand_computed():
     # 1 s per launch: group 2 is ready at 5, its allreduce [5,7]; one per byte adds 4 s per group
     plan = merge(T3, S3, A3, B3, method="wfbp", interference=Interference(0.0, 1.0))
     assert plan.ready == [1.0, 6.0, 11.0] and plan.end_time == 13.0
-    # a single allreduce launches after backward: nothing to slow down
-    plan = merge(T3, S3, A3, B3, method="single", interference=Interference(5.0, 5.0))
+    # allreduces launched during backward take 1.5x: [1,4], [4,7], then the last one [7,9]
+    plan = merge(T3, S3, A3, B3, method="wfbp", interference=Interference(0.0, 0.0, 0.5))
+    assert plan.ends == [4.0, 7.0, 9.0]
+    # a single allreduce launches after backward: nothing to slow down, either way
+    plan = merge(T3, S3, A3, B3, method="single", interference=Interference(5.0, 5.0, 5.0))
     assert plan.ready == [1.0, 2.0, 3.0] and plan.end_time == 7.0
 
 
@@ -453,6 +458,8 @@ def test_interference_validated():
         Interference(-1.0, 0.0)
     with pytest.raises(ValueError, match="per_byte"):
         Interference(0.0, float("nan"))
+    with pytest.raises(ValueError, match="comm_slowdown"):
+        Interference(0.0, 0.0, -0.5)
     with pytest.raises(ValueError, match="interference must be"):
         merge([1.0], [4.0], 1.0, 1.0, interference=(0.1, 0.0))
 

@@ -25,7 +25,8 @@ Words used here:
   every launch costs a wake-up, copies and protocol work, and the layers after it become ready
   later: group g's layers are ready at ``ready + delay[g]``, ``delay[g]`` the sum of the
   interference of groups 0..g-1. The last group is launched when backward has ended and slows
-  nothing. Without it (the default) overlapped communication is free, as on a GPU with its own
+  nothing. The other way round, ``comm_slowdown``: every group but the last, launched while
+  backward runs, takes ``(1 + comm_slowdown) * cost`` (its thread competes for the cores). Without it (the default) overlapped communication is free, as on a GPU with its own
   copy engines.
 
 Methods (``METHODS``):
@@ -102,17 +103,20 @@ class Interference:
     """Seconds of backward lost per overlapped allreduce (wake-ups, hooks, protocol)."""
     per_byte: float = 0.0
     """Seconds of backward lost per overlapped byte (copies, kernel network work)."""
+    comm_slowdown: float = 0.0
+    """The other way round: an allreduce launched during backward (every group but the last)
+    takes ``(1 + comm_slowdown)`` times its cost (its thread shares the cores with backward)."""
 
     def __post_init__(self) -> None:
-        for name in ("per_message", "per_byte"):
+        for name in ("per_message", "per_byte", "comm_slowdown"):
             _check_scalar(name, getattr(self, name))
 
     @property
     def is_zero(self) -> bool:
-        return self.per_message == 0.0 and self.per_byte == 0.0
+        return self.per_message == 0.0 and self.per_byte == 0.0 and self.comm_slowdown == 0.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"per_message": self.per_message, "per_byte": self.per_byte}
+        return {"per_message": self.per_message, "per_byte": self.per_byte, "comm_slowdown": self.comm_slowdown}
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +267,7 @@ def merge(
     n = len(times)
     ready = np.cumsum(times)
     if method == "optimal":
-        groups = (_optimal_groups(ready, sizes, cost_fn, slow.per_byte) if slow.per_message == 0.0
+        groups = (_optimal_groups(ready, sizes, cost_fn, slow.per_byte, slow.comm_slowdown) if slow.per_message == 0.0
                   else _optimal_groups_counted(ready, sizes, cost_fn, slow))
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
@@ -280,9 +284,11 @@ def merge(
 
 
 def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
-                    per_byte: float = 0.0) -> list[tuple[int, int]]:
+                    per_byte: float = 0.0, comm_slowdown: float = 0.0) -> list[tuple[int, int]]:
     """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1 (a per-byte
-    interference delays a group's layers by per_byte * the bytes before it: a function of i)."""
+    interference delays a group's layers by per_byte * the bytes before it: a function of i;
+    a group ending before layer n-1 is launched during backward and costs (1 + comm_slowdown)
+    times as much: a function of j)."""
     n = len(sizes)
     prefix = _prefix(sizes)
     delay = per_byte * prefix  # the same expression as _evaluate's
@@ -301,6 +307,8 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
             costs = _cost_array(cost, prefix[j] - prefix[:j])
         else:
             costs = table[j * (j - 1) // 2 : j * (j + 1) // 2]
+        if comm_slowdown and j < n:
+            costs = costs * (1.0 + comm_slowdown)
         # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
         ends = np.maximum(ready[j - 1] + delay[:j], best[:j]) + costs
         i = int(np.argmin(ends))
@@ -323,11 +331,13 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     prefix = _prefix(sizes)
     rows, cols = np.tril_indices(n + 1, -1)  # candidate group cols..rows-1, row-major: row j is contiguous
     costs = _cost_array(cost, prefix[rows] - prefix[cols])
+    cheapest = float(costs.min())
+    if slow.comm_slowdown:  # groups ending before layer n-1 are launched during backward
+        costs = np.where(rows < n, costs * (1.0 + slow.comm_slowdown), costs)
     js = np.arange(1, n + 1)
     row_start = js * (js - 1) // 2  # offset of row j's first candidate, j = 1..n
     ready_rows = ready[rows - 1]
     bytes_delay = slow.per_byte * prefix[cols]
-    cheapest = float(costs.min())
     prev = np.full(n + 1, np.inf)
     prev[0] = 0.0  # zero groups cover the empty prefix
     splits: list[np.ndarray] = []
@@ -424,7 +434,8 @@ def _evaluate(
         if not slow.is_zero:  # the interference of groups 0..g-1 (module docstring)
             ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
         start = max(ready[last], prev_end)
-        prev_end = start + costs[g]
+        cost_g = costs[g] * (1.0 + slow.comm_slowdown) if slow.comm_slowdown and g < len(lasts) - 1 else costs[g]
+        prev_end = start + cost_g
         starts.append(float(start))
         ends.append(float(prev_end))
     return Plan(

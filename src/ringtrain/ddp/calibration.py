@@ -22,7 +22,9 @@ Words used here:
   iterations to see how much overlapped allreduces slow backward down: ``fine`` (many small
   groups) and ``coarse`` (three). The *interference* (``ringtrain.plan.Interference``) is the
   per-message and per-byte cost that explains the probes' extra backward time over a single
-  allreduce after backward (:func:`fit_interference`).
+  allreduce after backward (:func:`fit_interference`), and the factor by which allreduces
+  overlapping backward take longer that best explains the probes' communication ends
+  (:func:`fit_comm_slowdown`).
 - *drift*: how far the ready curve (cumulative gaps in plan order) moved between the profile
   the current plan was made from and a newer one, as a share of the older backward time.
 """
@@ -127,6 +129,24 @@ def fit_interference(launches: Sequence[float], overlapped_bytes: Sequence[float
         return Interference()
     best = min(candidates, key=lambda x: float(np.sum((a @ x - y) ** 2)))
     return Interference(float(best[0]), float(best[1]))
+
+
+#: comm_slowdown values tried by fit_comm_slowdown (0 to 4: overlapped allreduces up to 5x as long).
+COMM_SLOWDOWN_GRID = np.linspace(0.0, 4.0, 101)
+
+
+def fit_comm_slowdown(model_end, probe_groups: Sequence, measured_ends: Sequence[float],
+                      slow: "Interference") -> "Interference":
+    """``slow`` with the ``comm_slowdown`` (from COMM_SLOWDOWN_GRID) whose predicted
+    communication ends ``model_end(s, groups)`` come closest, in squares, to each probe's
+    ``measured_ends`` (seconds from the start of backward); unchanged when any is not finite."""
+    import dataclasses
+
+    ends = np.asarray(measured_ends, dtype=np.float64)
+    if not np.all(np.isfinite(ends)):
+        return slow
+    errors = [sum((model_end(float(s), g) - e) ** 2 for g, e in zip(probe_groups, ends)) for s in COMM_SLOWDOWN_GRID]
+    return dataclasses.replace(slow, comm_slowdown=float(COMM_SLOWDOWN_GRID[int(np.argmin(errors))]))
 
 
 def observed_order(stamps: np.ndarray) -> np.ndarray:

@@ -36,7 +36,9 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    three) and one allreduce after backward each run ``verify_iterations`` iterations; the
    slowest rank's median backward under each gives the *interference* (backward time lost per
    overlapped allreduce and per overlapped byte, ``ringtrain.plan.Interference``, fitted in
-   :func:`.calibration.fit_interference`), and the optimal plan is made again with it. That
+   :func:`.calibration.fit_interference`), and the probes' communication ends give how much
+   longer overlapped allreduces take (:func:`.calibration.fit_comm_slowdown`); the optimal
+   plan is made again with both. That
    plan then runs as many iterations and is kept only if its forward+backward is no slower than the single
    allreduce's; otherwise the single allreduce stays (``fell_back``). ``settled`` is True once
    the trial is over.
@@ -524,7 +526,7 @@ class DistributedDataParallel(nn.Module):
         trial = self._trial
         name = trial["phases"][trial["k"]]
         last = self.stats[-1]
-        trial[name].append((last.backward_s, last.forward_backward_s))
+        trial[name].append((last.backward_s, last.forward_backward_s, last.measured_end_s))
         if len(trial[name]) < self.options.verify_iterations:
             return
         if name == "single" and "fine" in trial:
@@ -538,8 +540,8 @@ class DistributedDataParallel(nn.Module):
                           "backward is the optimal plan; keeping it")
             return
         # Both timed: agree on the slowest rank's medians, so every rank decides alike.
-        medians = np.array([np.median([fb for _, fb in trial["plan"]]),
-                            np.median([fb for _, fb in trial["single"]])], dtype=np.float64)
+        medians = np.array([np.median([row[1] for row in trial["plan"]]),
+                            np.median([row[1] for row in trial["single"]])], dtype=np.float64)
         self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         self._trial = None
         if medians[1] < medians[0]:  # (no margin either way: the measured faster one stays)
@@ -554,22 +556,33 @@ class DistributedDataParallel(nn.Module):
                       f"{medians[1] * 1e3:.1f} ms per forward+backward; keeping the plan")
 
     def _fit_interference(self, trial: dict) -> None:
-        """The interference from the probes' and the single allreduce's backward times (the
-        slowest rank's medians, equal on every rank)."""
+        """The interference from the probes' and the single allreduce's backward times and the
+        probes' communication ends (the slowest rank's medians, equal on every rank)."""
         phases = ("fine", "coarse", "single")
-        medians = np.array([np.median([b for b, _ in trial[p]]) for p in phases], dtype=np.float64)
+        medians = np.array([np.median([row[0] for row in trial[p]]) for p in phases]
+                           + [np.median([row[2] for row in trial[p]]) for p in phases[:2]], dtype=np.float64)
         self._thread.run("interference probes", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         probes = [trial[p + " plan"] for p in ("fine", "coarse")]
-        self.interference = calibration.fit_interference(
+        slow = calibration.fit_interference(
             [len(p.groups) - 1 for p in probes], [sum(p.group_bytes[:-1]) for p in probes],
             medians[:2] - medians[2])
+        # The profile, taken with one allreduce after backward, rescaled to this phase's backward.
+        total = float(np.sum(self._plan_times))
+        times = self._plan_times * (medians[2] / total if total > 0 else 1.0)
+        sizes = self._sizes[self._order]
+        self.interference = calibration.fit_comm_slowdown(
+            lambda s, groups: planner.evaluate(times, sizes, groups, self.alpha, self.beta,
+                                               interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
+            [p.groups for p in probes], medians[3:], slow)
         self._log(f"interference measured by probes of {len(probes[0].groups)} and {len(probes[1].groups)} groups "
                   f"(backward {medians[0] * 1e3:.1f} and {medians[1] * 1e3:.1f} ms against {medians[2] * 1e3:.1f} ms "
-                  f"with one allreduce after it): {self._describe_interference()}")
+                  f"with one allreduce after it; communication ends {medians[3] * 1e3:.1f} and "
+                  f"{medians[4] * 1e3:.1f} ms): {self._describe_interference()}")
 
     def _describe_interference(self) -> str:
         return (f"{self.interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
-                f"{self.interference.per_byte * 1e9:.3f} ms per overlapped MB")
+                f"{self.interference.per_byte * 1e9:.3f} ms per overlapped MB, overlapped allreduces "
+                f"{1 + self.interference.comm_slowdown:.2f}x as long")
 
     def _replan(self, first: bool) -> None:
         local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
