@@ -444,3 +444,28 @@ def test_gradients_are_bucket_views_and_in_place_zeroing_trains_alike():
         assert a_views and b_views
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+@pytest.mark.timeout(60)
+def test_gradient_as_bucket_view_false_keeps_own_gradients():
+    init = make_model("mlp").state_dict()
+
+    def train(comm):
+        model = make_model("mlp")
+        model.load_state_dict(init)
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", gradient_as_bucket_view=False, **FAST)
+        for step in range(3):
+            x, y = micro_batch(step, 0, 2, comm.rank)
+            model.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+        bufs = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in ddp._bufs]
+        inside = [any(lo <= p.grad.data_ptr() < hi for lo, hi in bufs) for p in model.parameters()]
+        grads = [p.grad.clone() for p in model.parameters()]
+        ddp.close()
+        return inside, grads
+
+    results = raise_first(run_comms(2, train))
+    for inside, _ in results:
+        assert not any(inside)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)  # the mean, the same on both ranks

@@ -464,7 +464,7 @@ def test_interference_validated():
         merge([1.0], [4.0], 1.0, 1.0, interference=(0.1, 0.0))
 
 
-def test_thousand_layers_with_interference_plan_in_seconds():
+def test_thousand_layers_with_interference_planned():
     rng = np.random.default_rng(11)
     times, sizes = rng.uniform(0, 1e-4, 1000), rng.uniform(0, 1e5, 1000)
     t0 = time.perf_counter()
@@ -473,3 +473,34 @@ def test_thousand_layers_with_interference_plan_in_seconds():
     print(f"1,000 layers with interference: {elapsed * 1e3:.0f} ms, {len(plan.groups)} groups")
     assert plan.end_time <= merge(times, sizes, 3e-4, 8e-9, method="single",
                                   interference=Interference(3e-4, 2e-9)).end_time
+
+
+def test_optimal_with_interference_and_a_custom_cost_equals_brute_force():
+    rng = np.random.default_rng(17)
+
+    def concave(b):
+        return 1e-4 + 1e-6 * np.sqrt(b)
+
+    for n in range(1, 9):
+        for _ in range(10):
+            times, sizes = random_instance(rng, n)
+            slow = Interference(float(rng.choice([1e-5, 5e-4])), float(rng.choice([0.0, 1e-9])),
+                                float(rng.choice([0.0, 0.5])))
+            plan = merge(times, sizes, cost=concave, interference=slow)
+            best = brute_force_interfered(times, sizes, lambda b: float(concave(b)), slow.per_message,
+                                          slow.per_byte, slow.comm_slowdown)
+            assert math.isclose(plan.end_time, best, rel_tol=1e-12, abs_tol=1e-15), (n, times, sizes, slow)
+
+
+def test_interference_beyond_the_table_limit_plans_without_the_per_message_count(monkeypatch):
+    from ringtrain import plan as planner
+
+    rng = np.random.default_rng(5)
+    times, sizes = rng.uniform(0, 1e-3, 40), rng.uniform(0, 1e5, 40)
+    slow = Interference(2e-4, 1e-9, 0.2)
+    exact = merge(times, sizes, 1e-4, 1e-8, interference=slow)
+    monkeypatch.setattr(planner, "_COST_TABLE_LIMIT", 100)  # 40 layers: 820 candidates
+    fallback = merge(times, sizes, 1e-4, 1e-8, interference=slow)
+    # the one-pass program's plan, timed with every cost charged: valid, never better
+    assert fallback.end_time >= exact.end_time
+    assert fallback.end_time == evaluate(times, sizes, fallback.groups, 1e-4, 1e-8, interference=slow).end_time

@@ -26,8 +26,9 @@ Words used here:
   later: group g's layers are ready at ``ready + delay[g]``, ``delay[g]`` the sum of the
   interference of groups 0..g-1. The last group is launched when backward has ended and slows
   nothing. The other way round, ``comm_slowdown``: every group but the last, launched while
-  backward runs, takes ``(1 + comm_slowdown) * cost`` (its thread competes for the cores). Without it (the default) overlapped communication is free, as on a GPU with its own
-  copy engines.
+  backward runs, takes ``(1 + comm_slowdown) * cost`` (its thread competes for the cores).
+  Without interference (the default) overlapped communication is free, as on a GPU with its
+  own copy engines.
 
 Methods (``METHODS``):
 
@@ -40,9 +41,12 @@ Methods (``METHODS``):
   With interference the delay of a group depends on the bytes before it (a function of i, so
   the same program stays exact) and on how many groups precede it; with a per-message cost the
   program runs once per group count g, F_g[j] = min over i < j of max(ready[j-1] + delay, F_{g-1}[i])
-  + cost(bytes of layers i..j-1), delay = per_message * (g-1) + per_byte * bytes before i, and
-  stops at the first g whose smallest possible end, ready[n-1] + per_message * (g-1) + the
-  cheapest allreduce, cannot beat the best plan found (exact, O(G n^2)).
+  + cost(bytes of layers i..j-1) (times 1 + comm_slowdown for j < n), delay = per_message *
+  (g-1) + per_byte * bytes before i, and stops at the first g whose lower bounds (the last
+  group after backward's delayed end; g allreduces on the stream) cannot beat the best plan
+  found: exact, O(G n^2) time and O(n^2) memory. Beyond ~2,000 layers (``_COST_TABLE_LIMIT``
+  candidate groups) it falls back to the one-pass program, which then charges per_message in
+  the plan's timing but does not plan around it.
 - ``mgwfbp``: the greedy rule of Shi, Chu and Li (MG-WFBP, IEEE TPDS 32(8), 2021), as in the
   authors' published code (HKBU-HPML/MG-WFBP, ``_generate_groups_mgwfbp``): walking layers in
   backward order, the open group (ending at layer k) is merged with layer k+1 when layer k+1
@@ -96,8 +100,9 @@ class LinearCost:
 
 @dataclass(frozen=True, slots=True)
 class Interference:
-    """Compute time an allreduce launched during backward takes from the rest of backward:
-    ``per_message + per_byte * nbytes`` seconds (see the module docstring)."""
+    """What overlapping costs where communication shares the computation's cores: an
+    allreduce launched during backward takes ``per_message + per_byte * nbytes`` seconds from
+    the rest of backward and itself runs ``1 + comm_slowdown`` times as long (module docstring)."""
 
     per_message: float = 0.0
     """Seconds of backward lost per overlapped allreduce (wake-ups, hooks, protocol)."""
@@ -226,7 +231,8 @@ def evaluate(
     method: str = "custom",
     interference: Interference | None = None,
 ) -> Plan:
-    """The timing of any grouping under the one-stream model (see the module docstring).
+    """The timing of any grouping under the one-stream model (see the module docstring),
+    with ``interference`` charged if given.
 
     Give either ``alpha`` and ``beta`` (and optionally ``gamma``) or ``cost``.
     """
@@ -267,8 +273,9 @@ def merge(
     n = len(times)
     ready = np.cumsum(times)
     if method == "optimal":
-        groups = (_optimal_groups(ready, sizes, cost_fn, slow.per_byte, slow.comm_slowdown) if slow.per_message == 0.0
-                  else _optimal_groups_counted(ready, sizes, cost_fn, slow))
+        counted = slow.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
+        groups = (_optimal_groups_counted(ready, sizes, cost_fn, slow) if counted
+                  else _optimal_groups(ready, sizes, cost_fn, slow.per_byte, slow.comm_slowdown))
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
     elif method == "wfbp":
@@ -338,6 +345,7 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     row_start = js * (js - 1) // 2  # offset of row j's first candidate, j = 1..n
     ready_rows = ready[rows - 1]
     bytes_delay = slow.per_byte * prefix[cols]
+    last_row = slice(int(row_start[-1]), len(rows))  # the candidates i..n-1 for the last group
     prev = np.full(n + 1, np.inf)
     prev[0] = 0.0  # zero groups cover the empty prefix
     splits: list[np.ndarray] = []
@@ -357,10 +365,14 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
             best_end, best_count = float(cur[n]), g
         prev = cur
         g += 1
-        # Lower bounds on the end of any plan with g or more groups: its last group cannot start
-        # before backward, delayed by g-1 launches, ends; and the stream carries g allreduces.
+        # Lower bounds on the end of any plan with g or more groups (they grow with g). Its last
+        # group, layers i..n-1, starts no earlier than backward's end delayed by g-1 launches and
+        # the bytes before i: the DP's own float expression without the max, so no larger than
+        # any such plan's end in floats too. And the stream carries g allreduces (in exact
+        # arithmetic; a margin of 1e-9 covers the rounding of the sum).
+        last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[last_row]) + costs[last_row])
         chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
-        if max(ready[-1] + slow.per_message * (g - 1) + cheapest, chain) >= best_end:
+        if max(last, chain * (1.0 - 1e-9)) >= best_end:
             break
     groups = []
     j = n

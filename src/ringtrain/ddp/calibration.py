@@ -96,6 +96,8 @@ PROBE_GROUPS = {"fine": 24, "coarse": 3}
 
 def probe_groups(n: int, count: int) -> list[tuple[int, int]]:
     """``min(n, count)`` contiguous groups of layers 0..n-1, layer counts differing by at most one."""
+    if n <= 0:
+        return []
     count = max(1, min(n, count))
     bounds = np.linspace(0, n, count + 1).round().astype(int)
     return [(int(a), int(b) - 1) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -135,7 +137,7 @@ def fit_interference(launches: Sequence[float], overlapped_bytes: Sequence[float
 COMM_SLOWDOWN_GRID = np.linspace(0.0, 4.0, 101)
 
 
-def fit_comm_slowdown(model_end, probe_groups: Sequence, measured_ends: Sequence[float],
+def fit_comm_slowdown(model_end, groups_per_probe: Sequence, measured_ends: Sequence[float],
                       slow: "Interference") -> "Interference":
     """``slow`` with the ``comm_slowdown`` (from COMM_SLOWDOWN_GRID) whose predicted
     communication ends ``model_end(s, groups)`` come closest, in squares, to each probe's
@@ -145,8 +147,20 @@ def fit_comm_slowdown(model_end, probe_groups: Sequence, measured_ends: Sequence
     ends = np.asarray(measured_ends, dtype=np.float64)
     if not np.all(np.isfinite(ends)):
         return slow
-    errors = [sum((model_end(float(s), g) - e) ** 2 for g, e in zip(probe_groups, ends)) for s in COMM_SLOWDOWN_GRID]
+    errors = [sum((model_end(float(s), g) - e) ** 2 for g, e in zip(groups_per_probe, ends)) for s in COMM_SLOWDOWN_GRID]
     return dataclasses.replace(slow, comm_slowdown=float(COMM_SLOWDOWN_GRID[int(np.argmin(errors))]))
+
+
+def without_interference(times: np.ndarray, plan, slow) -> np.ndarray:
+    """Per-layer backward times (in ``plan``'s layer order) profiled while ``plan`` ran, less
+    the delay its launches put into them as ``slow`` models it: the first layer of group g
+    waited per_message + per_byte * bytes of group g-1 longer (clamped at 0)."""
+    out = np.array(times, dtype=np.float64)
+    if slow.per_message == 0.0 and slow.per_byte == 0.0:
+        return out
+    for (first, _), nbytes in zip(plan.groups[1:], plan.group_bytes[:-1]):
+        out[first] = max(0.0, out[first] - (slow.per_message + slow.per_byte * nbytes))
+    return out
 
 
 def observed_order(stamps: np.ndarray) -> np.ndarray:

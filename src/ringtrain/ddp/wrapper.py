@@ -110,6 +110,12 @@ class DDPOptions:
     two probe plans and one allreduce after backward measure the interference, then the plan
     made with it runs as many iterations and is kept only if its median forward+backward is
     no slower than the single allreduce's (0: no trial; trust the model)."""
+    gradient_as_bucket_view: bool = True
+    """After backward each ``.grad`` is a view of its bucket (no copy back; torch's option of
+    the same name). The bucket is reused by the next synchronizing backward: a reference to a
+    ``.grad`` kept across iterations sees it change, and a post-accumulate-grad hook of the
+    user's registered after the wrapper's sees a gradient whose bucket may already be in
+    flight. False: every ``.grad`` keeps its own tensor and gets the mean copied back."""
     interference: Optional[planner.Interference] = None
     """Backward time lost per overlapped allreduce; None: measured by the trial's probes
     (schedule="optimal" with verify_iterations > 0), else taken as none."""
@@ -134,7 +140,7 @@ class DDPOptions:
             raise ValueError(f"drift_threshold={self.drift_threshold!r}: it must be a number > 0")
         if self.timeline is not None and not isinstance(self.timeline, (str, os.PathLike)):
             raise ValueError(f"timeline={self.timeline!r}: it must be a file name (str or os.PathLike) or None")
-        for name in ("find_unused_parameters", "broadcast_buffers"):
+        for name in ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: it must be True or False")
@@ -328,7 +334,7 @@ class DistributedDataParallel(nn.Module):
                 slot = self._slots[pid]
                 if grad.data_ptr() != slot.data_ptr():  # (accumulated in place into the slot: nothing to copy)
                     slot.copy_(grad)
-                    if grad.stride() == slot.stride():
+                    if self.options.gradient_as_bucket_view and grad.stride() == slot.stride():
                         # The slot becomes the gradient: when the bucket's allreduce ends, .grad
                         # already holds the mean, with no copy back (torch's gradient_as_bucket_view).
                         param.grad = slot
@@ -372,14 +378,15 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         st = self._s
         t_last = st.last
-        copies: list[tuple[float, float]] = []  # (start, end) of each bucket's copy into .grad
+        copies: list[tuple[float, float]] = []  # (start, end) of each bucket's finish (copies, if any)
         if self.world_size > 1:
             if st.launched != len(self._specs):
                 raise RuntimeError(f"internal error: {st.launched} of {len(self._specs)} buckets launched at the "
                                    "end of backward")
             for k, job in enumerate(st.jobs):
                 job.wait(self._timeout)
-                # Copy bucket k back while the communication thread reduces the next ones.
+                # Finish bucket k (a copy only for gradients that are not views of it) while the
+                # communication thread reduces the next ones.
                 t0 = time.perf_counter()
                 self._copy_back(self._specs[k])
                 copies.append((t0, time.perf_counter()))
@@ -395,7 +402,7 @@ class DistributedDataParallel(nn.Module):
             for pid in spec.pids:
                 p, slot = self._params[pid], self._slots[pid]
                 if p.grad is None:  # find_unused_parameters: unused here, maybe used elsewhere
-                    p.grad = slot
+                    p.grad = slot if self.options.gradient_as_bucket_view else slot.clone()
                 elif p.grad.data_ptr() != slot.data_ptr():  # a gradient laid out unlike its slot
                     p.grad.copy_(slot)
 
@@ -456,7 +463,7 @@ class DistributedDataParallel(nn.Module):
         if rec is None or not rec.recording:
             return
         it = st.iteration
-        if it < self.options.warmup_iterations + self.options.profile_iterations:
+        if not self.settled:  # the plan in force, not the profiling or the trial's probes
             return
         rec.span("forward", "forward", "compute", fwd[0], fwd[1], iteration=it)
         prev = start
@@ -474,7 +481,7 @@ class DistributedDataParallel(nn.Module):
         for k, (a, b) in enumerate(copies):
             if a > prev:
                 rec.span(f"wait for bucket {k}", "wait", "compute", prev, a, iteration=it)
-            rec.span(f"copy bucket {k} into .grad", "copy", "compute", a, b, iteration=it)
+            rec.span(f"finish bucket {k}", "copy", "compute", a, b, iteration=it)
             prev = b
         rec.end_iteration()
 
@@ -507,8 +514,9 @@ class DistributedDataParallel(nn.Module):
 
     def _phase_plan(self, name: str) -> planner.Plan:
         times, sizes = self._plan_times, self._sizes[self._order]
-        if name in ("fine", "coarse"):
-            groups = calibration.probe_groups(len(times), calibration.PROBE_GROUPS[name])
+        if name in ("fine", "coarse"):  # (coarse: fewer groups than fine, also for 2 or 3 layers)
+            count = calibration.PROBE_GROUPS[name] if name == "fine" else min(calibration.PROBE_GROUPS[name], len(times) - 1)
+            groups = calibration.probe_groups(len(times), count)
             return planner.evaluate(times, sizes, groups, self.alpha, self.beta, interference=self.interference)
         if name == "single":
             return planner.merge(times, sizes, self.alpha, self.beta, method="single")
@@ -520,6 +528,10 @@ class DistributedDataParallel(nn.Module):
         plan = self._phase_plan(name)
         trial[name + " plan"] = plan
         self._install(self._order, plan)
+        # What the probe launches during backward: every bucket but the last (a group of mixed
+        # dtypes is one bucket per dtype).
+        trial[name + " launches"] = len(self._specs) - 1
+        trial[name + " bytes"] = float(sum(spec.nbytes for spec in self._specs[:-1]))
 
     def _verify_step(self) -> None:
         """One trial iteration done: record it; go to the next phase, or decide, when one is full."""
@@ -536,7 +548,7 @@ class DistributedDataParallel(nn.Module):
             self._install_phase()
             if name == "single" and len(self._plan.groups) == 1:
                 self._trial = None
-                self._log(f"with the measured interference ({self._describe_interference()}) one allreduce after "
+                self._log(f"with the interference ({self._describe_interference()}) one allreduce after "
                           "backward is the optimal plan; keeping it")
             return
         # Both timed: agree on the slowest rank's medians, so every rank decides alike.
@@ -557,23 +569,23 @@ class DistributedDataParallel(nn.Module):
 
     def _fit_interference(self, trial: dict) -> None:
         """The interference from the probes' and the single allreduce's backward times and the
-        probes' communication ends (the slowest rank's medians, equal on every rank)."""
+        probes' communication ends (the slowest rank's medians), fitted on rank 0 and broadcast:
+        every rank must plan with the same bits, whatever its linear algebra library rounds."""
         phases = ("fine", "coarse", "single")
         medians = np.array([np.median([row[0] for row in trial[p]]) for p in phases]
                            + [np.median([row[2] for row in trial[p]]) for p in phases[:2]], dtype=np.float64)
         self._thread.run("interference probes", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         probes = [trial[p + " plan"] for p in ("fine", "coarse")]
-        slow = calibration.fit_interference(
-            [len(p.groups) - 1 for p in probes], [sum(p.group_bytes[:-1]) for p in probes],
-            medians[:2] - medians[2])
-        # The profile, taken with one allreduce after backward, rescaled to this phase's backward.
-        total = float(np.sum(self._plan_times))
-        times = self._plan_times * (medians[2] / total if total > 0 else 1.0)
-        sizes = self._sizes[self._order]
-        self.interference = calibration.fit_comm_slowdown(
+        slow = calibration.fit_interference([trial[p + " launches"] for p in ("fine", "coarse")],
+                                            [trial[p + " bytes"] for p in ("fine", "coarse")], medians[:2] - medians[2])
+        times, sizes = self._plan_times, self._sizes[self._order]
+        slow = calibration.fit_comm_slowdown(
             lambda s, groups: planner.evaluate(times, sizes, groups, self.alpha, self.beta,
                                                interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
             [p.groups for p in probes], medians[3:], slow)
+        fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown], dtype=np.float64)
+        self._thread.run("interference fit", partial(self.comm.broadcast, fitted, 0), self._timeout)
+        self.interference = planner.Interference(*(float(x) for x in fitted))
         self._log(f"interference measured by probes of {len(probes[0].groups)} and {len(probes[1].groups)} groups "
                   f"(backward {medians[0] * 1e3:.1f} and {medians[1] * 1e3:.1f} ms against {medians[2] * 1e3:.1f} ms "
                   f"with one allreduce after it; communication ends {medians[3] * 1e3:.1f} and "
@@ -598,7 +610,12 @@ class DistributedDataParallel(nn.Module):
         if not first and self._fell_back:  # measured: one allreduce after backward is faster here
             return
         if not first:
-            moved = calibration.drift(self._plan_times, times[self._order])
+            # Profiled under the plan in force: take out the delays it put into the gaps, as
+            # modelled, so that neither the drift nor the next plan counts them twice.
+            in_plan_order = calibration.without_interference(times[self._order], self._plan, self.interference)
+            times = times.copy()
+            times[self._order] = in_plan_order
+            moved = calibration.drift(self._plan_times, in_plan_order)
             if moved <= self.options.drift_threshold and order == self._order:
                 return
             self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
