@@ -300,21 +300,19 @@ def test_without_interference_takes_out_the_modelled_delays():
     assert list(cal.without_interference(observed, plan, Interference())) == list(observed)
 
 
-def test_fit_comm_overlap_recovers_the_factor_and_the_wait():
+def test_fit_comm_slowdown_recovers_the_factor():
     from ringtrain.plan import Interference, evaluate
 
     times, sizes = [1e-3] * 12, [4e5] * 12
     slow = Interference(2e-4, 1e-9)
     probes = [cal.probe_groups(12, 24), cal.probe_groups(12, 3)]
 
-    def model_end(s, w, groups):
-        return evaluate(times, sizes, groups, 1e-4, 1e-8, interference=Interference(2e-4, 1e-9, s, w)).end_time
+    def model_end(s, groups):
+        return evaluate(times, sizes, groups, 1e-4, 1e-8, interference=Interference(2e-4, 1e-9, s)).end_time
 
-    measured = [model_end(0.8, 1e-3, g) for g in probes]
-    fit = cal.fit_comm_overlap(model_end, probes, measured, slow)
-    assert fit.comm_slowdown == pytest.approx(0.8) and fit.comm_wait == pytest.approx(1e-3)
-    assert fit.per_message == 2e-4 and fit.per_byte == 1e-9
+    measured = [model_end(0.8, g) for g in probes]
+    fit = cal.fit_comm_slowdown(model_end, probes, measured, slow)
+    assert fit.comm_slowdown == pytest.approx(0.8) and fit.per_message == 2e-4 and fit.per_byte == 1e-9
     # no slowdown measured: none fitted; a probe without a measurement: left as it was
-    none = cal.fit_comm_overlap(model_end, probes, [model_end(0.0, 0.0, g) for g in probes], slow)
-    assert none.comm_slowdown == 0.0 and none.comm_wait == 0.0
-    assert cal.fit_comm_overlap(model_end, probes, [float("nan"), 1.0], slow) is slow
+    assert cal.fit_comm_slowdown(model_end, probes, [model_end(0.0, g) for g in probes], slow).comm_slowdown == 0.0
+    assert cal.fit_comm_slowdown(model_end, probes, [float("nan"), 1.0], slow) is slow

@@ -25,9 +25,8 @@ Words used here:
   every launch costs a wake-up, copies and protocol work, and the layers after it become ready
   later: group g's layers are ready at ``ready + delay[g]``, ``delay[g]`` the sum of the
   interference of groups 0..g-1. The last group is launched when backward has ended and slows
-  nothing. The other way round, every group but the last, launched while backward runs,
-  takes ``(1 + comm_slowdown) * cost + comm_wait`` (its thread competes for the cores, its
-  peers are still computing).
+  nothing. The other way round, ``comm_slowdown``: every group but the last, launched while
+  backward runs, takes ``(1 + comm_slowdown) * cost`` (its thread competes for the cores).
   Without interference (the default) overlapped communication is free, as on a GPU with its
   own copy engines.
 
@@ -42,7 +41,7 @@ Methods (``METHODS``):
   With interference the delay of a group depends on the bytes before it (a function of i, so
   the same program stays exact) and on how many groups precede it; with a per-message cost the
   program runs once per group count g, F_g[j] = min over i < j of max(ready[j-1] + delay, F_{g-1}[i])
-  + cost(bytes of layers i..j-1) (the overlapped cost for j < n), delay = per_message *
+  + cost(bytes of layers i..j-1) (times 1 + comm_slowdown for j < n), delay = per_message *
   (g-1) + per_byte * bytes before i, and stops at the first g whose lower bounds (the last
   group after backward's delayed end; g allreduces on the stream) cannot beat the best plan
   found: exact, O(G n^2) time and O(n^2) memory. Beyond ~2,000 layers (``_COST_TABLE_LIMIT``
@@ -111,31 +110,18 @@ class Interference:
     """Seconds of backward lost per overlapped byte (copies, kernel network work)."""
     comm_slowdown: float = 0.0
     """The other way round: an allreduce launched during backward (every group but the last)
-    takes ``(1 + comm_slowdown) * cost + comm_wait`` (its thread shares the cores with
-    backward: a bandwidth share lost ...)."""
-    comm_wait: float = 0.0
-    """... and seconds of waiting per such allreduce (peers still computing, the thread not
-    yet scheduled)."""
+    takes ``(1 + comm_slowdown)`` times its cost (its thread shares the cores with backward)."""
 
     def __post_init__(self) -> None:
-        for name in ("per_message", "per_byte", "comm_slowdown", "comm_wait"):
+        for name in ("per_message", "per_byte", "comm_slowdown"):
             _check_scalar(name, getattr(self, name))
 
     @property
     def is_zero(self) -> bool:
-        return self.per_message == 0.0 and self.per_byte == 0.0 and not self.slows_comm
-
-    @property
-    def slows_comm(self) -> bool:
-        return self.comm_slowdown != 0.0 or self.comm_wait != 0.0
-
-    def overlapped_cost(self, cost: Any) -> Any:
-        """The time of an allreduce of cost ``cost`` launched during backward (arrays too)."""
-        return cost * (1.0 + self.comm_slowdown) + self.comm_wait
+        return self.per_message == 0.0 and self.per_byte == 0.0 and self.comm_slowdown == 0.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"per_message": self.per_message, "per_byte": self.per_byte, "comm_slowdown": self.comm_slowdown,
-                "comm_wait": self.comm_wait}
+        return {"per_message": self.per_message, "per_byte": self.per_byte, "comm_slowdown": self.comm_slowdown}
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +275,7 @@ def merge(
     if method == "optimal":
         counted = slow.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
         groups = (_optimal_groups_counted(ready, sizes, cost_fn, slow) if counted
-                  else _optimal_groups(ready, sizes, cost_fn, slow))
+                  else _optimal_groups(ready, sizes, cost_fn, slow.per_byte, slow.comm_slowdown))
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
     elif method == "wfbp":
@@ -305,15 +291,14 @@ def merge(
 
 
 def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
-                    slow: Interference | None = None) -> list[tuple[int, int]]:
+                    per_byte: float = 0.0, comm_slowdown: float = 0.0) -> list[tuple[int, int]]:
     """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1 (a per-byte
     interference delays a group's layers by per_byte * the bytes before it: a function of i;
-    a group ending before layer n-1 is launched during backward and takes its overlapped
-    cost: a function of j). A per-message interference is not planned for here."""
-    slow = slow or NO_INTERFERENCE
+    a group ending before layer n-1 is launched during backward and costs (1 + comm_slowdown)
+    times as much: a function of j)."""
     n = len(sizes)
     prefix = _prefix(sizes)
-    delay = slow.per_byte * prefix  # the same expression as _evaluate's
+    delay = per_byte * prefix  # the same expression as _evaluate's
     best = np.zeros(n + 1)
     split = np.zeros(n + 1, dtype=np.int64)  # the last group of best[j] is split[j]..j-1
     # The cost of every candidate group, row j holding the groups i..j-1 for i < j, in one call
@@ -329,8 +314,8 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
             costs = _cost_array(cost, prefix[j] - prefix[:j])
         else:
             costs = table[j * (j - 1) // 2 : j * (j + 1) // 2]
-        if slow.slows_comm and j < n:
-            costs = slow.overlapped_cost(costs)
+        if comm_slowdown and j < n:
+            costs = costs * (1.0 + comm_slowdown)
         # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
         ends = np.maximum(ready[j - 1] + delay[:j], best[:j]) + costs
         i = int(np.argmin(ends))
@@ -354,8 +339,8 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     rows, cols = np.tril_indices(n + 1, -1)  # candidate group cols..rows-1, row-major: row j is contiguous
     costs = _cost_array(cost, prefix[rows] - prefix[cols])
     cheapest = float(costs.min())
-    if slow.slows_comm:  # groups ending before layer n-1 are launched during backward
-        costs = np.where(rows < n, slow.overlapped_cost(costs), costs)
+    if slow.comm_slowdown:  # groups ending before layer n-1 are launched during backward
+        costs = np.where(rows < n, costs * (1.0 + slow.comm_slowdown), costs)
     js = np.arange(1, n + 1)
     row_start = js * (js - 1) // 2  # offset of row j's first candidate, j = 1..n
     ready_rows = ready[rows - 1]
@@ -461,7 +446,7 @@ def _evaluate(
         if not slow.is_zero:  # the interference of groups 0..g-1 (module docstring)
             ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
         start = max(ready[last], prev_end)
-        cost_g = slow.overlapped_cost(costs[g]) if slow.slows_comm and g < len(lasts) - 1 else costs[g]
+        cost_g = costs[g] * (1.0 + slow.comm_slowdown) if slow.comm_slowdown and g < len(lasts) - 1 else costs[g]
         prev_end = start + cost_g
         starts.append(float(start))
         ends.append(float(prev_end))

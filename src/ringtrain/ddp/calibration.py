@@ -24,7 +24,7 @@ Words used here:
   per-message and per-byte cost that explains the probes' extra backward time over a single
   allreduce after backward (:func:`fit_interference`), and the factor by which allreduces
   overlapping backward take longer that best explains the probes' communication ends
-  (:func:`fit_comm_overlap`).
+  (:func:`fit_comm_slowdown`).
 - *drift*: how far the ready curve (cumulative gaps in plan order) moved between the profile
   the current plan was made from and a newer one, as a share of the older backward time.
 """
@@ -133,31 +133,22 @@ def fit_interference(launches: Sequence[float], overlapped_bytes: Sequence[float
     return Interference(float(best[0]), float(best[1]))
 
 
-#: comm_slowdown values tried by fit_comm_overlap (0 to 4: overlapped allreduces up to 5x as long).
-COMM_SLOWDOWN_GRID = np.linspace(0.0, 4.0, 41)
-#: comm_wait values tried by fit_comm_overlap, seconds per overlapped allreduce (0 to 5 ms).
-COMM_WAIT_GRID = np.linspace(0.0, 5e-3, 51)
+#: comm_slowdown values tried by fit_comm_slowdown (0 to 4: overlapped allreduces up to 5x as long).
+COMM_SLOWDOWN_GRID = np.linspace(0.0, 4.0, 101)
 
 
-def fit_comm_overlap(model_end, groups_per_probe: Sequence, measured_ends: Sequence[float],
-                     slow: "Interference") -> "Interference":
-    """``slow`` with the ``comm_slowdown`` and ``comm_wait`` (from their grids) whose
-    predicted communication ends ``model_end(slowdown, wait, groups)`` come closest, in
-    squares, to each probe's ``measured_ends`` (seconds from the start of backward); the
-    smallest such pair on ties (no slowdown when none is measured); unchanged when any
-    measurement is not finite."""
+def fit_comm_slowdown(model_end, groups_per_probe: Sequence, measured_ends: Sequence[float],
+                      slow: "Interference") -> "Interference":
+    """``slow`` with the ``comm_slowdown`` (from COMM_SLOWDOWN_GRID) whose predicted
+    communication ends ``model_end(s, groups)`` come closest, in squares, to each probe's
+    ``measured_ends`` (seconds from the start of backward); unchanged when any is not finite."""
     import dataclasses
 
     ends = np.asarray(measured_ends, dtype=np.float64)
     if not np.all(np.isfinite(ends)):
         return slow
-    best, best_error = (0.0, 0.0), np.inf
-    for s in COMM_SLOWDOWN_GRID:
-        for w in COMM_WAIT_GRID:
-            error = sum((model_end(float(s), float(w), g) - e) ** 2 for g, e in zip(groups_per_probe, ends))
-            if error < best_error:
-                best, best_error = (float(s), float(w)), error
-    return dataclasses.replace(slow, comm_slowdown=best[0], comm_wait=best[1])
+    errors = [sum((model_end(float(s), g) - e) ** 2 for g, e in zip(groups_per_probe, ends)) for s in COMM_SLOWDOWN_GRID]
+    return dataclasses.replace(slow, comm_slowdown=float(COMM_SLOWDOWN_GRID[int(np.argmin(errors))]))
 
 
 def without_interference(times: np.ndarray, plan, slow) -> np.ndarray:

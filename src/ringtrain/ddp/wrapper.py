@@ -37,7 +37,7 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    slowest rank's median backward under each gives the *interference* (backward time lost per
    overlapped allreduce and per overlapped byte, ``ringtrain.plan.Interference``, fitted in
    :func:`.calibration.fit_interference`), and the probes' communication ends give how much
-   longer overlapped allreduces take (:func:`.calibration.fit_comm_overlap`); the optimal
+   longer overlapped allreduces take (:func:`.calibration.fit_comm_slowdown`); the optimal
    plan is made again with both. That
    plan then runs as many iterations and is kept only if its forward+backward is no slower than the single
    allreduce's; otherwise the single allreduce stays (``fell_back``). ``settled`` is True once
@@ -579,12 +579,11 @@ class DistributedDataParallel(nn.Module):
         slow = calibration.fit_interference([trial[p + " launches"] for p in ("fine", "coarse")],
                                             [trial[p + " bytes"] for p in ("fine", "coarse")], medians[:2] - medians[2])
         times, sizes = self._plan_times, self._sizes[self._order]
-        slow = calibration.fit_comm_overlap(
-            lambda s, w, groups: planner.evaluate(
-                times, sizes, groups, self.alpha, self.beta,
-                interference=dataclasses.replace(slow, comm_slowdown=s, comm_wait=w)).end_time,
+        slow = calibration.fit_comm_slowdown(
+            lambda s, groups: planner.evaluate(times, sizes, groups, self.alpha, self.beta,
+                                               interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
             [p.groups for p in probes], medians[3:], slow)
-        fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown, slow.comm_wait], dtype=np.float64)
+        fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown], dtype=np.float64)
         self._thread.run("interference fit", partial(self.comm.broadcast, fitted, 0), self._timeout)
         self.interference = planner.Interference(*(float(x) for x in fitted))
         self._log(f"interference measured by probes of {len(probes[0].groups)} and {len(probes[1].groups)} groups "
@@ -595,8 +594,7 @@ class DistributedDataParallel(nn.Module):
     def _describe_interference(self) -> str:
         return (f"{self.interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
                 f"{self.interference.per_byte * 1e9:.3f} ms per overlapped MB, overlapped allreduces "
-                f"{1 + self.interference.comm_slowdown:.2f}x as long + "
-                f"{self.interference.comm_wait * 1e3:.2f} ms")
+                f"{1 + self.interference.comm_slowdown:.2f}x as long")
 
     def _replan(self, first: bool) -> None:
         local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
