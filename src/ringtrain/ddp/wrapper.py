@@ -105,7 +105,7 @@ class DDPOptions:
     """Re-check the profile every so many iterations after the first plan (0: never)."""
     drift_threshold: float = 0.2
     """Re-plan when the ready curve moved by more than this share of the backward time."""
-    verify_iterations: int = 3
+    verify_iterations: int = 5
     """schedule="optimal" only: iterations per phase of the trial (module docstring, item 5):
     two probe plans and one allreduce after backward measure the interference, then the plan
     made with it runs as many iterations and is kept only if its median forward+backward is
