@@ -316,3 +316,25 @@ def test_fit_comm_slowdown_recovers_the_factor():
     # no slowdown measured: none fitted; a probe without a measurement: left as it was
     assert cal.fit_comm_slowdown(model_end, probes, [model_end(0.0, g) for g in probes], slow).comm_slowdown == 0.0
     assert cal.fit_comm_slowdown(model_end, probes, [float("nan"), 1.0], slow) is slow
+
+
+def test_a_model_of_many_layers_gets_a_third_probe(caplog):
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(15)])  # 30 parameters
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-9, verify_iterations=1)
+        x = torch.randn(2, 4)
+        steps = 0
+        while not ddp.settled and steps < 20:
+            ddp(x).sum().backward()
+            steps += 1
+        ddp.close()
+        return ddp.settled, steps, ddp.interference
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1] and results[0][0]
+    # warm-up, profile, then finest, fine, coarse, single and (unless it is one allreduce) the plan
+    assert results[0][1] in (1 + 2 + 4, 1 + 2 + 5)
+    assert any("probes of 30, 24, 3 groups" in r.getMessage() for r in caplog.records)

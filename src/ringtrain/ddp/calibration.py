@@ -19,8 +19,9 @@ Words used here:
   ranks (an allreduce), laid out in rank 0's observed order (a broadcast). Both exchanges make
   the profile, hence the plan, identical on every rank, as the collectives require.
 - *probe*: a plan of a fixed number of groups of (nearly) equal layer counts, run for a few
-  iterations to see how much overlapped allreduces slow backward down: ``fine`` (many small
-  groups) and ``coarse`` (three). The *interference* (``ringtrain.plan.Interference``) is the
+  iterations to see how much overlapped allreduces slow backward down: ``finest`` (96 groups,
+  on models of more than 24 layers, nearer to what wfbp sends), ``fine`` (24) and ``coarse``
+  (three). The *interference* (``ringtrain.plan.Interference``) is the
   per-message and per-byte cost that explains the probes' extra backward time over a single
   allreduce after backward (:func:`fit_interference`), and the factor by which allreduces
   overlapping backward take longer that best explains the probes' communication ends
@@ -91,7 +92,7 @@ def fit_start_up_first(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, 
 
 
 #: Groups in each probe plan (capped at the number of layers).
-PROBE_GROUPS = {"fine": 24, "coarse": 3}
+PROBE_GROUPS = {"finest": 96, "fine": 24, "coarse": 3}
 
 
 def probe_groups(n: int, count: int) -> list[tuple[int, int]]:

@@ -32,8 +32,8 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    ``drift_threshold`` of the backward time (or the order changed). Plans are logged on the
    ``ringtrain.ddp`` logger (INFO on rank 0).
 5. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0): after the first plan, the
-   wrapper measures what the model cannot know. Two *probe* plans (many small groups, then
-   three) and one allreduce after backward each run ``verify_iterations`` iterations; the
+   wrapper measures what the model cannot know. Two or three *probe* plans (24 groups, 96 on
+   a model of more layers than that, and three) and one allreduce after backward each run ``verify_iterations`` iterations; the
    slowest rank's median backward under each gives the *interference* (backward time lost per
    overlapped allreduce and per overlapped byte, ``ringtrain.plan.Interference``, fitted in
    :func:`.calibration.fit_interference`), and the probes' communication ends give how much
@@ -507,6 +507,8 @@ class DistributedDataParallel(nn.Module):
         n = len(self._order)
         phases = []
         if self.options.interference is None and n > 1:
+            if n > calibration.PROBE_GROUPS["fine"]:  # a model of many layers: a probe nearer wfbp too
+                phases += ["finest"]
             phases += ["fine", "coarse"]
         phases += ["single", "plan"]
         self._trial = {"phases": phases, "k": 0, **{name: [] for name in phases}}
@@ -514,8 +516,8 @@ class DistributedDataParallel(nn.Module):
 
     def _phase_plan(self, name: str) -> planner.Plan:
         times, sizes = self._plan_times, self._sizes[self._order]
-        if name in ("fine", "coarse"):  # (coarse: fewer groups than fine, also for 2 or 3 layers)
-            count = calibration.PROBE_GROUPS[name] if name == "fine" else min(calibration.PROBE_GROUPS[name], len(times) - 1)
+        if name in calibration.PROBE_GROUPS:  # (coarse: fewer groups than fine, also for 2 or 3 layers)
+            count = calibration.PROBE_GROUPS[name] if name != "coarse" else min(calibration.PROBE_GROUPS[name], len(times) - 1)
             groups = calibration.probe_groups(len(times), count)
             return planner.evaluate(times, sizes, groups, self.alpha, self.beta, interference=self.interference)
         if name == "single":
@@ -541,7 +543,7 @@ class DistributedDataParallel(nn.Module):
         trial[name].append((last.backward_s, last.forward_backward_s, last.measured_end_s))
         if len(trial[name]) < self.options.verify_iterations:
             return
-        if name == "single" and "fine" in trial:
+        if name == "single" and "fine" in trial["phases"]:
             self._fit_interference(trial)
         trial["k"] += 1
         if trial["k"] < len(trial["phases"]):
@@ -571,25 +573,26 @@ class DistributedDataParallel(nn.Module):
         """The interference from the probes' and the single allreduce's backward times and the
         probes' communication ends (the slowest rank's medians), fitted on rank 0 and broadcast:
         every rank must plan with the same bits, whatever its linear algebra library rounds."""
-        phases = ("fine", "coarse", "single")
-        medians = np.array([np.median([row[0] for row in trial[p]]) for p in phases]
-                           + [np.median([row[2] for row in trial[p]]) for p in phases[:2]], dtype=np.float64)
+        names = [p for p in trial["phases"] if p in calibration.PROBE_GROUPS]
+        k = len(names)
+        medians = np.array([np.median([row[0] for row in trial[p]]) for p in names + ["single"]]
+                           + [np.median([row[2] for row in trial[p]]) for p in names], dtype=np.float64)
         self._thread.run("interference probes", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
-        probes = [trial[p + " plan"] for p in ("fine", "coarse")]
-        slow = calibration.fit_interference([trial[p + " launches"] for p in ("fine", "coarse")],
-                                            [trial[p + " bytes"] for p in ("fine", "coarse")], medians[:2] - medians[2])
+        probes = [trial[p + " plan"] for p in names]
+        slow = calibration.fit_interference([trial[p + " launches"] for p in names],
+                                            [trial[p + " bytes"] for p in names], medians[:k] - medians[k])
         times, sizes = self._plan_times, self._sizes[self._order]
         slow = calibration.fit_comm_slowdown(
             lambda s, groups: planner.evaluate(times, sizes, groups, self.alpha, self.beta,
                                                interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
-            [p.groups for p in probes], medians[3:], slow)
+            [p.groups for p in probes], medians[k + 1:], slow)
         fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown], dtype=np.float64)
         self._thread.run("interference fit", partial(self.comm.broadcast, fitted, 0), self._timeout)
         self.interference = planner.Interference(*(float(x) for x in fitted))
-        self._log(f"interference measured by probes of {len(probes[0].groups)} and {len(probes[1].groups)} groups "
-                  f"(backward {medians[0] * 1e3:.1f} and {medians[1] * 1e3:.1f} ms against {medians[2] * 1e3:.1f} ms "
-                  f"with one allreduce after it; communication ends {medians[3] * 1e3:.1f} and "
-                  f"{medians[4] * 1e3:.1f} ms): {self._describe_interference()}")
+        ms = lambda values: ", ".join(f"{v * 1e3:.1f}" for v in values)  # noqa: E731
+        self._log(f"interference measured by probes of {', '.join(str(len(p.groups)) for p in probes)} groups "
+                  f"(backward {ms(medians[:k])} ms against {medians[k] * 1e3:.1f} ms with one allreduce after it; "
+                  f"communication ends {ms(medians[k + 1:])} ms): {self._describe_interference()}")
 
     def _describe_interference(self) -> str:
         return (f"{self.interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
