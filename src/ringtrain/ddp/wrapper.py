@@ -107,7 +107,7 @@ class DDPOptions:
     """Re-plan when the ready curve moved by more than this share of the backward time."""
     verify_iterations: int = 5
     """schedule="optimal" only: iterations per phase of the trial (module docstring, item 5):
-    two probe plans and one allreduce after backward measure the interference, then the plan
+    the probe plans and one allreduce after backward measure the interference, then the plan
     made with it runs as many iterations and is kept only if its median forward+backward is
     no slower than the single allreduce's (0: no trial; trust the model)."""
     gradient_as_bucket_view: bool = True
