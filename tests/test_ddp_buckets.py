@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from groupings import contiguous_groupings
 from ringtrain.ddp.buckets import bucket_of, check_order, layout
 
 
@@ -35,13 +36,7 @@ def test_dtype_change_splits_a_group():
 def test_every_grouping_and_order_covers_each_parameter_once(n):
     numels = [i + 1 for i in range(n)]
     for order in itertools.permutations(range(n)):
-        for cuts in itertools.product([False, True], repeat=n - 1):
-            groups, first = [], 0
-            for k, cut in enumerate(cuts):
-                if cut:
-                    groups.append((first, k))
-                    first = k + 1
-            groups.append((first, n - 1))
+        for groups in contiguous_groupings(n):
             specs = layout(order, groups, numels, [torch.float32] * n, [4] * n)
             assert [p for s in specs for p in s.pids] == list(order)
             for s in specs:

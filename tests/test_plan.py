@@ -7,13 +7,13 @@ brute force over every contiguous partition.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 
 import numpy as np
 import pytest
 
+from groupings import contiguous_groupings
 from ringtrain.plan import METHODS, Interference, LinearCost, Plan, evaluate, merge
 from ringtrain.sim.calibrate import fit_alpha_beta
 
@@ -31,13 +31,7 @@ def brute_force(backward_times, sizes, cost):
         acc += t
         ready.append(acc)
     best, best_groups = math.inf, None
-    for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
-        groups, first = [], 0
-        for k, cut in enumerate(cuts):
-            if cut:
-                groups.append((first, k))
-                first = k + 1
-        groups.append((first, n - 1))
+    for groups in contiguous_groupings(n):
         end = 0.0
         for a, b in groups:
             end = max(ready[b], end) + cost(float(sum(sizes[a : b + 1])))
@@ -386,13 +380,7 @@ def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte, c
     per_message + per_byte * bytes; every group but the last costs (1 + comm_slowdown) times more."""
     n = len(sizes)
     best = math.inf
-    for cuts in itertools.product((False, True), repeat=max(n - 1, 0)):
-        groups, first = [], 0
-        for k, cut in enumerate(cuts):
-            if cut:
-                groups.append((first, k))
-                first = k + 1
-        groups.append((first, n - 1))
+    for groups in contiguous_groupings(n):
         end, delay = 0.0, 0.0
         for a, b in groups:
             group_bytes = float(sum(sizes[a : b + 1]))

@@ -275,7 +275,7 @@ def merge(
     if method == "optimal":
         counted = slow.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
         groups = (_optimal_groups_counted(ready, sizes, cost_fn, slow) if counted
-                  else _optimal_groups(ready, sizes, cost_fn, slow.per_byte, slow.comm_slowdown))
+                  else _optimal_groups(ready, sizes, cost_fn, slow))
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
     elif method == "wfbp":
@@ -291,14 +291,15 @@ def merge(
 
 
 def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
-                    per_byte: float = 0.0, comm_slowdown: float = 0.0) -> list[tuple[int, int]]:
+                    slow: Interference | None = None) -> list[tuple[int, int]]:
     """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1 (a per-byte
     interference delays a group's layers by per_byte * the bytes before it: a function of i;
     a group ending before layer n-1 is launched during backward and costs (1 + comm_slowdown)
-    times as much: a function of j)."""
+    times as much: a function of j). A per-message interference is not planned for here."""
+    slow = slow or NO_INTERFERENCE
     n = len(sizes)
     prefix = _prefix(sizes)
-    delay = per_byte * prefix  # the same expression as _evaluate's
+    delay = slow.per_byte * prefix  # the same expression as _evaluate's
     best = np.zeros(n + 1)
     split = np.zeros(n + 1, dtype=np.int64)  # the last group of best[j] is split[j]..j-1
     # The cost of every candidate group, row j holding the groups i..j-1 for i < j, in one call
@@ -314,8 +315,8 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
             costs = _cost_array(cost, prefix[j] - prefix[:j])
         else:
             costs = table[j * (j - 1) // 2 : j * (j + 1) // 2]
-        if comm_slowdown and j < n:
-            costs = costs * (1.0 + comm_slowdown)
+        if slow.comm_slowdown and j < n:
+            costs = costs * (1.0 + slow.comm_slowdown)
         # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
         ends = np.maximum(ready[j - 1] + delay[:j], best[:j]) + costs
         i = int(np.argmin(ends))

@@ -104,9 +104,15 @@ def affine_or_none(cost: CostFn, probe: Sequence[float] = (1.0, 1e3, 1e5, 1e6, 3
 def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 25.0,
               interference: planner.Interference | None = None) -> planner.Plan:
     """The planner's grouping and timing of ``trace``'s gradients under ``cost``."""
+    _, times, sizes = trace.gradient_layers()
+    return _plan_layers(times, sizes, schedule, cost, bucket_cap_mb, interference)
+
+
+def _plan_layers(times: list[float], sizes: list[int], schedule: str, cost: CostFn, bucket_cap_mb: float,
+                 interference: planner.Interference | None) -> planner.Plan:
+    """make_plan on the gradient layers' times and bytes (``Trace.gradient_layers``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--schedules: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
-    _, times, sizes = trace.gradient_layers()
     ab = affine_or_none(cost)
     if ab is not None:
         return planner.merge(times, sizes, ab[0], ab[1], method=schedule, bucket_cap_mb=bucket_cap_mb,
@@ -134,11 +140,11 @@ def predict_with_cost(
     (and whose overlapped allreduces slow backward down by ``interference``)."""
     if world_size < 1:
         raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
-    plan = make_plan(trace, schedule, cost if world_size > 1 else _free, bucket_cap_mb,
-                     interference if world_size > 1 else None)
+    _, times, sizes = trace.gradient_layers()
+    plan = _plan_layers(times, sizes, schedule, cost if world_size > 1 else _free, bucket_cap_mb,
+                        interference if world_size > 1 else None)
     base = single_gpu_iteration(trace)
     # Backward slowed by the launches before its last group (0 without interference).
-    _, times, _ = trace.gradient_layers()
     delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
     backward = trace.backward_s + delay
     iteration = trace.forward_s + max(backward, plan.end_time) + trace.optimizer_s
