@@ -17,8 +17,8 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    order the hooks fire in, so the collectives match across ranks.
 3. The end of backward is the hook of the last expected gradient (a public mechanism, unlike
    autograd's internal ``queue_callback``): it waits for every launched allreduce (with a
-   deadline); the gradients, views of the buckets, then hold the mean. So when ``loss.backward()`` returns,
-   every ``.grad`` holds the mean over ranks. A backward that ends without some expected
+   deadline); the gradients, views of the buckets, then hold the mean. So when
+   ``loss.backward()`` returns, every ``.grad`` holds the mean over ranks. A backward that ends without some expected
    gradient (an unused parameter, ``find_unused_parameters=False``) is reported by the next
    ``forward`` with the names of the parameters that got none, as torch's DDP does. A backward
    whose communication failed raises that CommError, and every later ``forward`` raises a
@@ -33,15 +33,15 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    ``ringtrain.ddp`` logger (INFO on rank 0).
 5. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0): after the first plan, the
    wrapper measures what the model cannot know. Two or three *probe* plans (24 groups, 96 on
-   a model of more layers than that, and three) and one allreduce after backward each run ``verify_iterations`` iterations; the
-   slowest rank's median backward under each gives the *interference* (backward time lost per
-   overlapped allreduce and per overlapped byte, ``ringtrain.plan.Interference``, fitted in
-   :func:`.calibration.fit_interference`), and the probes' communication ends give how much
-   longer overlapped allreduces take (:func:`.calibration.fit_comm_slowdown`); the optimal
-   plan is made again with both. That
-   plan then runs as many iterations and is kept only if its forward+backward is no slower than the single
-   allreduce's; otherwise the single allreduce stays (``fell_back``). ``settled`` is True once
-   the trial is over.
+   a model of more layers than that, and three) and one allreduce after backward each run
+   ``verify_iterations`` iterations; the slowest rank's median backward under each gives the
+   *interference* (backward time lost per overlapped allreduce and per overlapped byte,
+   ``ringtrain.plan.Interference``, fitted in :func:`.calibration.fit_interference`), and the
+   probes' communication ends give how much longer overlapped allreduces take
+   (:func:`.calibration.fit_comm_slowdown`); the optimal plan is made again with both. That
+   plan then runs as many iterations and is kept only if its forward+backward is no slower
+   than the single allreduce's; otherwise the single allreduce stays (``fell_back``).
+   ``settled`` is True once the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
