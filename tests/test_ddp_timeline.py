@@ -80,6 +80,7 @@ def test_trace_files_per_rank_and_png(tmp_path):
         for s in stats:
             assert 0.0 <= s.hidden_fraction <= 1.0 and s.comm_s > 0 and s.backward_s > 0
             assert 0.0 <= s.first_ready_s <= s.backward_s < s.forward_backward_s
+            assert 0.0 < s.hooks_s < s.forward_backward_s and 0.0 <= s.broadcast_s <= s.forward_s
             assert s.overlap_bound_s == s.forward_s + max(s.backward_s, s.first_ready_s + s.comm_s)
             assert s.to_dict()["overlap_bound_s"] == s.overlap_bound_s
             assert s.buckets == (1 if s.iteration == 0 else 12)

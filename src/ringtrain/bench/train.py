@@ -3,14 +3,18 @@
 In one run, on the same data and the same weights, each rank times, interleaved round by
 round: ringtrain's DistributedDataParallel under every schedule (optimal, mgwfbp, wfbp,
 fixed 25 MB, single) and torch's own DistributedDataParallel with its defaults (gloo,
-25 MiB buckets). Per configuration: median iteration time (the slowest rank's), samples/s,
-scaling efficiency (against forward+backward+step alone, timed on every rank at once so that
-the CPU is as loaded as in training), the share of communication hidden behind backward,
-the planner's predicted iteration (forward + max(backward, predicted end of the last
-allreduce) + step), the simulator's prediction from the profiled layer trace and the
-measured alpha/beta and the interference the optimal wrapper's probes measured (``ringtrain.sim``),
-and the overlap bound:
-forward + max(backward, ready time of the first gradient + one allreduce of every byte) + step.
+25 MiB buckets); every timed step starts on all ranks at once (a barrier before it).
+Per configuration: median iteration time (the slowest rank's), samples/s, the medians of
+forward, backward() and the SGD step, scaling efficiency (against forward+backward+step
+alone, timed on every rank at once so that the CPU is as loaded as in training), the share
+of communication hidden behind backward, the planner's predicted iteration (forward +
+max(backward, predicted end of the last allreduce) + step), the overlap bound
+(forward + max(backward, ready time of the first gradient + one allreduce of every byte) +
+step, from compute alone), and the simulator's prediction (``ringtrain.sim``) from: the
+profiled layer trace scaled phase by phase to the "alone" run, plus the wrapper's own compute
+as the single-allreduce wrapper measured it (its gradient hooks, spread over the layers by
+bytes, and its buffer broadcasts); the measured alpha/beta; the interference the optimal
+wrapper's probes measured.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -223,10 +228,14 @@ def _worker(cfg: dict) -> int:
 
         def step(c, k):
             x, y = batches[k % len(batches)]
+            t0 = time.perf_counter()
             c["opt"].zero_grad(set_to_none=True)
             loss = c["model"].loss(c["wrapped"](x), y)
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
             c["opt"].step()
+            c.setdefault("parts", []).append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
         for c in configs:  # warm-up: calibration, profiling, the plan and its trial (probes, verification)
             for k in range(WARMUP_STEPS):
@@ -235,25 +244,44 @@ def _worker(cfg: dict) -> int:
             while c["impl"] == "ringtrain" and not c["wrapped"].settled and k < MAX_WARMUP_STEPS:
                 step(c, k)  # every rank takes the same number of steps: settled agrees across ranks
                 k += 1
-            c["times"] = []
+            c["times"], c["parts"] = [], []
         optimal = next((c["wrapped"] for c in configs if c["schedule"] == "optimal"), None)
         # The interference the optimal wrapper's probes measured, for every schedule's prediction.
         slow = optimal.interference if optimal is not None else None
         for _ in range(cfg["rounds"]):
             for c in configs:
-                dist.barrier()
                 for k in range(cfg["steps"]):
+                    # Every step starts on all ranks at once, as after a training step's allreduce:
+                    # "alone" then runs its memory-bound phases (the SGD step) side by side as training
+                    # does, on the cores and memory the ranks share (ranks left to drift apart
+                    # overlap one's step with another's matrix products, and are faster for it).
+                    dist.barrier()
                     t0 = time.perf_counter()
                     step(c, k)
                     c["times"].append(time.perf_counter() - t0)
         medians = {}
         for c in configs:
+            # This rank's forward, backward() and step medians, averaged over ranks: where the time goes.
+            parts = torch.tensor(np.median(np.asarray(c["parts"]), axis=0), dtype=torch.float64)
+            dist.all_reduce(parts)
+            c["parts_s"] = (parts / p).tolist()
             t = torch.tensor(c["times"], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
             c["times_max"] = t
             medians[c["impl"], c["schedule"]] = float(t.median())
         compute_only = medians["alone", "no communication"]
-        trace = _scaled(profiled, compute_only)
+        alone_parts = next(c["parts_s"] for c in configs if c["impl"] == "alone")
+        trace = _scaled(profiled, compute_only, alone_parts)
+        # What the wrapper adds to compute whatever the schedule (gradient copies into the buckets
+        # in its hooks, buffer broadcasts in forward), as measured with nothing overlapping them:
+        # by the single allreduce's wrapper (else the optimal one's).
+        measuring = {c["schedule"]: c["wrapped"] for c in configs if c["impl"] == "ringtrain"}
+        measuring = measuring.get("single", optimal)
+        sim_trace = trace  # the bound and the planner's figure stay those of compute alone
+        if measuring is not None:
+            timed = list(measuring.stats)[-cfg["steps"] * cfg["rounds"]:]
+            sim_trace = _with_wrapper_costs(trace, float(np.median([s.hooks_s for s in timed])),
+                                            float(np.median([s.broadcast_s for s in timed])))
         for c in configs:
             t = c["times_max"]
             med = float(t.median())
@@ -262,19 +290,22 @@ def _worker(cfg: dict) -> int:
                    "scaling_efficiency": compute_only / med, "compute_only_s": compute_only,
                    "params": int(sum(q.numel() for q in base.parameters())),
                    "trace_forward_s": trace.forward_s, "trace_backward_s": trace.backward_s,
-                   "trace_optimizer_s": trace.optimizer_s}
+                   "trace_optimizer_s": trace.optimizer_s, "measured_forward_s": c["parts_s"][0],
+                   "measured_backward_call_s": c["parts_s"][1], "measured_step_s": c["parts_s"][2]}
             if c["impl"] == "ringtrain":
                 ddp = c["wrapped"]
                 stats = [s for s in list(ddp.stats)[-len(c["times"]):]]
                 plan = ddp.plan
                 cost = lambda n, a=ddp.alpha, b=ddp.beta: a + b * n  # noqa: E731 - the measured fit
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
-                pred = predict_with_cost(trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
+                pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
                                          interference=slow)
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
                 one_allreduce = ddp.alpha + ddp.beta * float(sum(plan.group_bytes))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
                 row.update(
+                    hooks_s=float(np.median([s.hooks_s for s in stats])) if stats else None,
+                    broadcast_s=float(np.median([s.broadcast_s for s in stats])) if stats else None,
                     alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups), plan_in_force=plan.method,
                     interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
                     planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
@@ -297,16 +328,30 @@ def _worker(cfg: dict) -> int:
     return 0
 
 
-def _scaled(trace, total_s: float):
-    """``trace`` with every time scaled so that forward + backward + step equals ``total_s``."""
+def _scaled(trace, total_s: float, parts: Sequence[float]):
+    """``trace`` with its forward, backward and step scaled to ``total_s`` split as ``parts``
+    (the measured forward, backward and step of the same model alone): the profile gives the
+    layers' proportions within each, the run under the same CPU load gives the times."""
     from dataclasses import replace
 
-    k = total_s / (trace.forward_s + trace.backward_s + trace.optimizer_s)
-    layers = [replace(l, forward_s=l.forward_s * k, backward_s=l.backward_s * k) for l in trace.layers]
-    return replace(trace, layers=layers, optimizer_s=trace.optimizer_s * k)
+    k = total_s / sum(parts)
+    kf, kb = k * parts[0] / trace.forward_s, k * parts[1] / trace.backward_s
+    layers = [replace(l, forward_s=l.forward_s * kf, backward_s=l.backward_s * kb) for l in trace.layers]
+    return replace(trace, layers=layers, optimizer_s=k * parts[2])
 
 
 # --- output ------------------------------------------------------------------------------------
+
+
+def _with_wrapper_costs(trace, hooks_s: float, broadcast_s: float):
+    """``trace`` with the wrapper's own compute: ``hooks_s`` spread over the gradient layers by
+    bytes (the hooks' cost is mostly the copy into the bucket) and ``broadcast_s`` on forward."""
+    from dataclasses import replace
+
+    total = trace.grad_bytes
+    layers = [replace(l, backward_s=l.backward_s + hooks_s * l.grad_bytes / total) for l in trace.layers]
+    layers[0] = replace(layers[0], forward_s=layers[0].forward_s + broadcast_s)
+    return replace(trace, layers=layers)
 
 
 def _label(r: dict) -> str:

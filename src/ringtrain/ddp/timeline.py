@@ -54,6 +54,11 @@ class IterationStats:
     """Measured end of the last allreduce (or of backward when none), from backward start."""
     forward_backward_s: float
     """Forward start to the end of the copy into ``.grad`` (the step without the optimizer)."""
+    broadcast_s: float = 0.0
+    """Part of forward_s spent broadcasting rank 0's buffers (``broadcast_buffers``)."""
+    hooks_s: float = 0.0
+    """Part of backward_s spent in the wrapper's gradient hooks (copies into the buckets and
+    launches): what backward costs more under the wrapper than alone, with or without overlap."""
 
     @property
     def overlap_bound_s(self) -> float:

@@ -272,6 +272,7 @@ class DistributedDataParallel(nn.Module):
         t0 = time.perf_counter()
         if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers:
             self._broadcast_tensors(self._module_buffers, "broadcast buffers")
+        self._s.broadcast_s = time.perf_counter() - t0
         out = self.module(*inputs, **kwargs)
         self._s.armed = self._s.sync and torch.is_grad_enabled()
         if self._s.armed:
@@ -339,6 +340,7 @@ class DistributedDataParallel(nn.Module):
                         # already holds the mean, with no copy back (torch's gradient_as_bucket_view).
                         param.grad = slot
                 self._mark_ready(self._bucket_index[pid])
+            st.hooks_s += time.perf_counter() - now
             if st.ready == st.expected:
                 self._end_backward()
 
@@ -419,6 +421,7 @@ class DistributedDataParallel(nn.Module):
         st.got = bytearray(n)
         st.stamps = [_NAN] * n
         st.bwd_start = None
+        st.hooks_s = 0.0
         if not self.options.find_unused_parameters:
             st.expected = n
 
@@ -458,7 +461,7 @@ class DistributedDataParallel(nn.Module):
             comm_s=sum(b - a for a, b in spans), exposed_s=max(0.0, last_comm - end), wait_s=t_done - t_last,
             hidden_fraction=hidden_fraction(spans, start, end), buckets=len(spans),
             predicted_end_s=self._plan.end_time, measured_end_s=max(last_comm, end) - start,
-            forward_backward_s=t_done - fwd[0]))
+            forward_backward_s=t_done - fwd[0], broadcast_s=st.broadcast_s, hooks_s=st.hooks_s))
         rec = self._recorder
         if rec is None or not rec.recording:
             return
@@ -675,7 +678,7 @@ class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
     __slots__ = ("sync", "armed", "expected", "unused", "forward_span", "iteration", "failed", "active", "pending",
-                 "launched", "jobs", "ready", "got", "stamps", "bwd_start", "first", "last")
+                 "launched", "jobs", "ready", "got", "stamps", "bwd_start", "first", "last", "broadcast_s", "hooks_s")
 
     def __init__(self, n: int):
         self.sync = True  # False inside no_sync()
@@ -683,6 +686,7 @@ class _State:
         self.expected = n  # gradients that end the backward pass
         self.unused: list[int] = []  # find_unused_parameters: ids outside the graph
         self.forward_span: Optional[tuple[float, float]] = None
+        self.broadcast_s = 0.0  # of the last forward
         self.iteration = 0
         self.failed: Optional[BaseException] = None  # the CommError a backward pass ended with
         self.first = self.last = float("nan")  # first and last gradient stamps

@@ -1,0 +1,38 @@
+"""The training benchmark's trace arithmetic: what the simulator is given to predict from."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.bench.train import _scaled, _with_wrapper_costs
+from ringtrain.sim.traces import Layer, Trace
+
+
+def profile() -> Trace:
+    return Trace("toy", (Layer("embed", 0.004, 0.001, 400, 100), Layer("relu", 0.001, 0.002, 0, 0),
+                         Layer("head", 0.005, 0.007, 1200, 300)), batch_size=8, optimizer_s=0.002)
+
+
+def test_scaled_takes_each_phase_from_the_measured_split():
+    # Alone measured forward 20, backward 30, step 10 (sum 60) in an iteration of 66 ms
+    # (the slowest rank's): each part is stretched by 66/60 and split as measured.
+    t = _scaled(profile(), 0.066, (0.020, 0.030, 0.010))
+    assert t.forward_s == pytest.approx(0.022)
+    assert t.backward_s == pytest.approx(0.033)
+    assert t.optimizer_s == pytest.approx(0.011)
+    # Within a phase the profile's proportions stay.
+    assert [l.forward_s / t.forward_s for l in t.layers] == pytest.approx([0.4, 0.1, 0.5])
+    assert [l.backward_s / t.backward_s for l in t.layers] == pytest.approx([0.1, 0.2, 0.7])
+    assert [l.grad_bytes for l in t.layers] == [400, 0, 1200]
+
+
+def test_wrapper_costs_spread_the_hooks_over_gradient_bytes_and_broadcasts_on_forward():
+    base = profile()
+    t = _with_wrapper_costs(base, hooks_s=0.004, broadcast_s=0.0015)
+    # 400 and 1200 of 1600 bytes: 1 ms and 3 ms of hook time; nothing on a layer without gradient.
+    assert [l.backward_s - b.backward_s for l, b in zip(t.layers, base.layers)] == pytest.approx([0.001, 0, 0.003])
+    assert t.forward_s == pytest.approx(base.forward_s + 0.0015)
+    assert t.optimizer_s == base.optimizer_s
+    # Backward order (what the planner sees): the head's gradient first, with its share.
+    _, times, sizes = t.gradient_layers()
+    assert sizes == [1200, 400] and times == pytest.approx([0.007 + 0.003, 0.001 + 0.002 + 0.001])
