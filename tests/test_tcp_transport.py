@@ -374,6 +374,42 @@ def test_abort_reaches_a_peer_blocked_sending(mesh, thread_send_bytes, hosts):
     assert res_time[0] < 5
 
 
+def test_tcp_receive_waits_for_big_chunks_but_checks_every_header_at_once(mesh):
+    """SO_RCVLOWAT: a large frame wakes the receiver per RCVLOWAT_BYTES, its header at once
+    (a wrong length is a MismatchError straight away, not a timeout), and every socket is
+    back to waking for any byte after an exchange (an ABORT frame is short)."""
+    ts = mesh(2, host_ids=["a", "b"])
+    n = 3 * tcp.RCVLOWAT_BYTES + 12345  # not a multiple of the low-water mark
+
+    def big(r):
+        got = values(r, n // 4, np.int64)
+        ts[r].exchange([Send(1 - r, values(r, n // 4, np.int64))], [Recv(1 - r, got, add)], CALL, deadline())
+        return got
+
+    res = on_threads(2, big)
+    for r in range(2):
+        np.testing.assert_array_equal(res[r], values(0, n // 4, np.int64) + values(1, n // 4, np.int64))
+    for t in ts:
+        for conn in t._conns.values():
+            assert conn.lowat == 1
+            assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+    def short(r):
+        if r == 1:
+            ts[1].exchange([Send(0, np.zeros(10, np.uint8))], [], CALL, deadline())
+            return None
+        t0 = time.monotonic()
+        try:
+            ts[0].exchange([], [Recv(1, np.zeros(1 << 20, np.uint8))], CALL, deadline(20))
+        finally:
+            took.append(time.monotonic() - t0)
+
+    took: list = []
+    res = on_threads(2, short)
+    assert isinstance(res[0], MismatchError) and "announced 10" in str(res[0]), res[0]
+    assert took[0] < 5
+
+
 def test_peer_that_closes_is_peer_lost(mesh):
     ts = mesh(2)
     ts[1].close()

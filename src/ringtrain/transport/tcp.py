@@ -70,6 +70,11 @@ DEFAULT_SEGMENT_BYTES = 512 << 10
 #: 2-core host running 2 ranks they cost a little (2.7 -> 2.3 GB/s), so connect() turns them
 #: on only when this host has at least 2 cores per local rank.
 DEFAULT_THREAD_SEND_BYTES: Optional[int] = 1 << 20
+#: While a frame arrives over TCP, poll wakes this rank only once this many of its bytes are
+#: waiting (SO_RCVLOWAT; the rest of the frame when less): a paced link (1 Gbit/s) otherwise
+#: wakes the receiver for every few packets, each wake-up taking the core from the training
+#: thread. Unix sockets ignore it.
+RCVLOWAT_BYTES = 256 << 10
 #: A listener gives any one incoming handshake at most this long.
 HANDSHAKE_TIMEOUT = 5.0
 #: abort() spends at most this long telling peers.
@@ -380,7 +385,7 @@ def dial(endpoints: dict, same_host: bool, me: _Identity, peer: int, deadline: f
 class _Conn:
     """One peer's socket and the per-connection state that outlives an exchange."""
 
-    __slots__ = ("peer", "sock", "fd", "hdr", "midframe", "reading", "dead", "_scratch", "_sender")
+    __slots__ = ("peer", "sock", "fd", "hdr", "midframe", "reading", "dead", "lowat", "_scratch", "_sender")
 
     def __init__(self, peer: int, sock: socket.socket):
         sock.setblocking(False)
@@ -391,6 +396,8 @@ class _Conn:
         self.midframe = False  # a DATA frame is partly sent (or queued for the sender thread)
         self.reading = False  # a frame from the peer is partly received
         self.dead: Optional[str] = None  # why it can no longer be used
+        # SO_RCVLOWAT in force; None where it does not apply (not TCP)
+        self.lowat: Optional[int] = 1 if sock.family in (socket.AF_INET, socket.AF_INET6) else None
         self._scratch: Optional[np.ndarray] = None
         self._sender: Optional[_Sender] = None
 
@@ -399,6 +406,16 @@ class _Conn:
             self._sender = _Sender(self, wake)
         self.midframe = True  # from now until the thread finishes, no ABORT may interleave
         self._sender.jobs.put((st, deadline))
+
+    def set_lowat(self, nbytes: int) -> None:
+        """Let poll report this socket readable once ``nbytes`` are waiting (TCP only)."""
+        if self.lowat is None or self.lowat == nbytes or self.dead is not None:
+            return
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self.lowat = nbytes
+        except OSError:  # (a closed socket: the exchange reports it)
+            pass
 
     def scratch(self, nbytes: int) -> np.ndarray:
         if self._scratch is None or self._scratch.nbytes < nbytes:
@@ -539,6 +556,13 @@ class _RecvState:
         itemsize = recv.buf.dtype.itemsize
         self.seg = max(itemsize, segment_bytes - segment_bytes % itemsize)
         self.scratch = memoryview(conn.scratch(self.seg)) if recv.reduce is not None else None
+
+    def wanted(self) -> int:
+        """Bytes worth waking for: the rest of the frame header (checked on arrival: a
+        mismatched length or an ABORT surfaces at once), then the rest of the payload."""
+        if self.got_head < wire.FRAME_HEADER_SIZE:
+            return wire.FRAME_HEADER_SIZE - self.got_head
+        return self.nbytes - self.off
 
 
 def _as_bytes(buf: np.ndarray, what: str) -> np.ndarray:
@@ -732,7 +756,19 @@ class TcpTransport(Transport):
             poller.register(fd, interest(fd))
         if threaded:
             poller.register(self._wake.fd, _IN)
+        receiving = [st.conn for st in recvs.values()]
+        try:
+            self._poll_loop(poller, interest, sends, recvs, threaded, watch_abort, header, deadline)
+        finally:  # outside an exchange any byte wakes (an ABORT frame is short)
+            for conn in receiving:
+                conn.set_lowat(1)
+
+    def _poll_loop(self, poller, interest, sends: dict[int, _SendState], recvs: dict[int, _RecvState],
+                   threaded: dict[int, _SendState], watch_abort: set[int], header: CallHeader,
+                   deadline: float) -> None:
         while sends or recvs or threaded:
+            for st in recvs.values():
+                st.conn.set_lowat(max(1, min(RCVLOWAT_BYTES, st.wanted())))
             left = _remaining(deadline)
             events = poller.poll(max(0, math.ceil(left * 1000))) if left > 0 else poller.poll(0)
             if not events and _remaining(deadline) <= 0:
