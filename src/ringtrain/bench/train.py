@@ -13,8 +13,8 @@ max(backward, predicted end of the last allreduce) + step), the overlap bound
 step, from compute alone), and the simulator's prediction (``ringtrain.sim``) from: the
 profiled layer trace scaled phase by phase to the "alone" run, plus the wrapper's own compute
 as the single-allreduce wrapper measured it (its gradient hooks, spread over the layers by
-bytes, and its buffer broadcasts); the measured alpha/beta; the interference the optimal
-wrapper's probes measured.
+bytes, and its buffer broadcasts); alpha/beta, the median of the wrappers' sweeps (the overlap
+bound's allreduce too); the interference the optimal wrapper's probes measured.
 """
 
 from __future__ import annotations
@@ -282,6 +282,11 @@ def _worker(cfg: dict) -> int:
             timed = list(measuring.stats)[-cfg["steps"] * cfg["rounds"]:]
             sim_trace = _with_wrapper_costs(trace, float(np.median([s.hooks_s for s in timed])),
                                             float(np.median([s.broadcast_s for s in timed])))
+        # One alpha/beta for every prediction and bound: the median of the wrappers' sweeps (each
+        # wrapper sweeps at construction; one sweep in five can be off by 2x in alpha, 25% in beta).
+        sweeps = [(c["wrapped"].alpha, c["wrapped"].beta) for c in configs if c["impl"] == "ringtrain"]
+        alpha, beta = (float(np.median([s[0] for s in sweeps])), float(np.median([s[1] for s in sweeps]))) \
+            if sweeps else (0.0, 0.0)
         for c in configs:
             t = c["times_max"]
             med = float(t.median())
@@ -296,17 +301,18 @@ def _worker(cfg: dict) -> int:
                 ddp = c["wrapped"]
                 stats = [s for s in list(ddp.stats)[-len(c["times"]):]]
                 plan = ddp.plan
-                cost = lambda n, a=ddp.alpha, b=ddp.beta: a + b * n  # noqa: E731 - the measured fit
+                cost = lambda n: alpha + beta * n  # noqa: E731 - the measured fit
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
                 pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
                                          interference=slow)
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
-                one_allreduce = ddp.alpha + ddp.beta * float(sum(plan.group_bytes))
+                one_allreduce = alpha + beta * float(sum(plan.group_bytes))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
                 row.update(
                     hooks_s=float(np.median([s.hooks_s for s in stats])) if stats else None,
                     broadcast_s=float(np.median([s.broadcast_s for s in stats])) if stats else None,
-                    alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups), plan_in_force=plan.method,
+                    alpha=ddp.alpha, beta=ddp.beta, sim_alpha=alpha, sim_beta=beta, groups=len(plan.groups),
+                    plan_in_force=plan.method,
                     interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
                     planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
                     sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,

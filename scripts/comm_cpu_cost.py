@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""What communication costs the computation beside it: backward alone against backward with
+allreduces running back to back on a thread of the same rank, over the emulated network.
+
+Usage (root):  .venv/bin/python scripts/comm_cpu_cost.py [--net 1gbit] [--model charlm] [--mib 0.43]
+
+Two ranks, each a host of its own (``EmulatedNetwork``), each one process with torch on one
+thread. Each rank times the model's backward (median of 17 after 3 warm-ups) in rounds that
+alternate between nothing else running and a background thread running ring allreduces of
+``--mib`` MiB back to back (the two threads agree through a 1-element allreduce when to
+stop). Per round it reports backward, allreduces per second, the background thread's CPU
+(``time.thread_time``: its Python, reductions and system calls) and the machine's user,
+system and softirq time from /proc/stat, in ms per second of the round. The difference in
+backward against the CPU the communication used shows how much of the interference the
+wrapper's trial measures is CPU taken from the training thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+ROUNDS = ("none", "comm", "none", "comm")
+
+
+def _machine() -> list[int]:
+    with open("/proc/stat") as f:
+        return [int(v) for v in f.readline().split()[1:8]]
+
+
+def rank_main() -> None:
+    import numpy as np
+    import torch
+
+    import ringtrain
+    from ringtrain import data, models
+    from ringtrain.bench.procs import emit
+
+    cfg = json.loads(os.environ["COMM_CPU_COST"])
+    torch.set_num_threads(1)
+    comm = ringtrain.init(transport="tcp", timeout=120)
+    spec = models.spec(cfg["model"])
+    model = models.build(cfg["model"], seed=0)
+    loader = data.ShardedLoader(data.dataset(spec.dataset, seed=0, **spec.batch_kwargs), spec.batch_size,
+                                rank=comm.rank, world_size=comm.world_size, seed=0)
+    x, y = loader.next_batch()
+    buf = np.ones(int(cfg["mib"] * (1 << 20)) // 4, np.float32)
+    tick_ms = 1000.0 / os.sysconf("SC_CLK_TCK")
+    rows = []
+    for mode in ROUNDS:
+        stop = threading.Event()
+        done = [0, 0.0]
+
+        def background() -> None:
+            flag = np.zeros(1, np.float32)
+            while True:
+                flag[0] = 1.0 if stop.is_set() else 0.0
+                comm.allreduce(flag, "max")  # both ranks stop after the same allreduce
+                if flag[0]:
+                    return
+                t0 = time.thread_time()
+                comm.allreduce(buf, "sum")
+                done[0] += 1
+                done[1] += time.thread_time() - t0
+
+        thread = threading.Thread(target=background) if mode == "comm" else None
+        if thread:
+            thread.start()
+        times = []
+        m0, w0 = _machine(), time.perf_counter()
+        for _ in range(20):
+            loss = model.loss(model(x), y)
+            t0 = time.perf_counter()
+            loss.backward()
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        wall, m1 = time.perf_counter() - w0, _machine()
+        if thread:
+            stop.set()
+            thread.join()
+        delta = {k: (b - a) * tick_ms / wall for k, a, b in zip(
+            ("user", "nice", "system", "idle", "iowait", "irq", "softirq"), m0, m1)}
+        rows.append({"mode": mode, "backward_ms": 1e3 * statistics.median(times[3:]),
+                     "allreduces_per_s": done[0] / wall, "comm_thread_cpu_ms_per_s": 1e3 * done[1] / wall,
+                     "machine_ms_per_s": {k: delta[k] for k in ("user", "system", "softirq", "idle")}})
+    if comm.rank == 0:
+        emit({"rows": rows, **cfg})
+    comm.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--net", default="1gbit", choices=("1gbit", "10gbit"))
+    p.add_argument("--model", default="charlm")
+    p.add_argument("--mib", type=float, default=0.43, help="MiB per background allreduce")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    from ringtrain.bench.netem import EmulatedNetwork
+    from ringtrain.bench.procs import run_ranks
+
+    cfg = {"net": args.net, "model": args.model, "mib": args.mib}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {"COMM_CPU_COST": json.dumps(cfg), "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    with EmulatedNetwork(2, rate=args.net) as net:
+        doc, = run_ranks("comm_cpu_cost", ["--rank"], 2, timeout=600, net=net, extra_env=env)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return
+    for r in doc["rows"]:
+        m = r["machine_ms_per_s"]
+        print(f"{r['mode']:5} backward {r['backward_ms']:6.1f} ms | {r['allreduces_per_s']:5.0f} allreduces/s | "
+              f"comm thread {r['comm_thread_cpu_ms_per_s']:4.0f} ms/s | machine: user {m['user']:5.0f}, "
+              f"system {m['system']:4.0f}, softirq {m['softirq']:4.0f}, idle {m['idle']:3.0f} ms/s (2 cores: 2000)")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--rank"]:
+        rank_main()
+    else:
+        main()
