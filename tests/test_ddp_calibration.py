@@ -199,7 +199,7 @@ def test_optimal_plan_is_verified_against_one_allreduce(caplog, slow_overlap, mo
         # alpha and beta given: a plan of several buckets, whatever this machine measures
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2)
         x = torch.randn(8, 64)
-        for _ in range(12):
+        for _ in range(14):  # warm-up, profile, two probes, single, then plan and single alternating
             ddp(x).sum().backward()
         groups = len(ddp.plan.groups)
         ddp.close()
@@ -336,5 +336,6 @@ def test_a_model_of_many_layers_gets_a_third_probe(caplog):
     results = raise_first(run_comms(2, body))
     assert results[0] == results[1] and results[0][0]
     # warm-up, profile, then finest, fine, coarse, single and (unless it is one allreduce) the plan
-    assert results[0][1] in (1 + 2 + 4, 1 + 2 + 5)
+    # and the single allreduce once more, alternating
+    assert results[0][1] in (1 + 2 + 4, 1 + 2 + 4 + 2)
     assert any("probes of 30, 24, 3 groups" in r.getMessage() for r in caplog.records)

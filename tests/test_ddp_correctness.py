@@ -9,11 +9,14 @@ gradients are exchanged under several layouts in one run.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
+from ringtrain.plan import Interference
 from test_ddp_support import (PER_RANK, STEPS, make_model, perturbed, rank_batch, reference, train)
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
@@ -83,6 +86,23 @@ def test_equal_data_on_two_ranks_is_bitwise_single_process(schedule, algorithm):
     point, so DDP must reproduce single-process training bit for bit."""
     results = ddp_train(2, "mlp", schedule, algorithm, data_rank=0)
     assert_identical_across_ranks(results)
+    expected = train(make_model("mlp"), lambda s: rank_batch("mlp", s, 2, 0))
+    for i, (got, want) in enumerate(zip(results[0][0], expected)):
+        assert torch.equal(got, want), f"parameter {i} differs from single-process training"
+
+
+@pytest.mark.timeout(60)
+def test_the_trial_switching_bucket_layouts_stays_bitwise_single_process(caplog):
+    """verify_iterations=2 (interference given: no probes): the single allreduce, then the plan
+    and the single allreduce alternating iteration by iteration (their two bucket layouts kept
+    and swapped), within the 20 steps: equal data on both ranks must still give single-process
+    training bit for bit, and every rank must keep the same plan."""
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    results = ddp_train(2, "mlp", "optimal", "ring", data_rank=0, verify_iterations=2, replan_interval=0,
+                        interference=Interference())
+    assert any("plan verified" in r.getMessage() for r in caplog.records)
+    assert_identical_across_ranks(results)
+    assert results[0][1] == results[1][1]
     expected = train(make_model("mlp"), lambda s: rank_batch("mlp", s, 2, 0))
     for i, (got, want) in enumerate(zip(results[0][0], expected)):
         assert torch.equal(got, want), f"parameter {i} differs from single-process training"

@@ -39,8 +39,10 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    ``ringtrain.plan.Interference``, fitted in :func:`.calibration.fit_interference`), and the
    probes' communication ends give how much longer overlapped allreduces take
    (:func:`.calibration.fit_comm_slowdown`); the optimal plan is made again with both. That
-   plan then runs as many iterations and is kept only if its forward+backward is no slower
-   than the single allreduce's; otherwise the single allreduce stays (``fell_back``).
+   plan and the single allreduce then alternate, one iteration each, ``verify_iterations``
+   times each (both bucket layouts kept, so both meet the same machine load), and the plan is
+   kept only if its median forward+backward is no slower than the single allreduce's;
+   otherwise the single allreduce stays (``fell_back``).
    ``settled`` is True once the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
@@ -108,8 +110,9 @@ class DDPOptions:
     verify_iterations: int = 5
     """schedule="optimal" only: iterations per phase of the trial (module docstring, item 5):
     the probe plans and one allreduce after backward measure the interference, then the plan
-    made with it runs as many iterations and is kept only if its median forward+backward is
-    no slower than the single allreduce's (0: no trial; trust the model)."""
+    made with it and the single allreduce alternate, as many iterations each, and the plan is
+    kept only if its median forward+backward is no slower than the single allreduce's (0: no
+    trial; trust the model)."""
     gradient_as_bucket_view: bool = True
     """After backward each ``.grad`` is a view of its bucket (no copy back; torch's option of
     the same name). The bucket is reused by the next synchronizing backward: a reference to a
@@ -513,8 +516,8 @@ class DistributedDataParallel(nn.Module):
             if n > calibration.PROBE_GROUPS["fine"]:  # a model of many layers: a probe nearer wfbp too
                 phases += ["finest"]
             phases += ["fine", "coarse"]
-        phases += ["single", "plan"]
-        self._trial = {"phases": phases, "k": 0, **{name: [] for name in phases}}
+        phases += ["single", "verify"]
+        self._trial = {"phases": phases, "k": 0, **{name: [] for name in phases}, "plan": [], "verify single": []}
         self._install_phase()
 
     def _phase_plan(self, name: str) -> planner.Plan:
@@ -530,9 +533,13 @@ class DistributedDataParallel(nn.Module):
     def _install_phase(self) -> None:
         trial = self._trial
         name = trial["phases"][trial["k"]]
+        if name == "verify":  # the single allreduce's buckets stay, to alternate with the plan's
+            trial["single layout"] = self._layout()
         plan = self._phase_plan(name)
         trial[name + " plan"] = plan
         self._install(self._order, plan)
+        if name == "verify":
+            trial["plan layout"] = self._layout()
         # What the probe launches during backward: every bucket but the last (a group of mixed
         # dtypes is one bucket per dtype).
         trial[name + " launches"] = len(self._specs) - 1
@@ -543,7 +550,11 @@ class DistributedDataParallel(nn.Module):
         trial = self._trial
         name = trial["phases"][trial["k"]]
         last = self.stats[-1]
-        trial[name].append((last.backward_s, last.forward_backward_s, last.measured_end_s))
+        row = (last.backward_s, last.forward_backward_s, last.measured_end_s)
+        if name == "verify":
+            self._compare_step(trial, row)
+            return
+        trial[name].append(row)
         if len(trial[name]) < self.options.verify_iterations:
             return
         if name == "single" and "fine" in trial["phases"]:
@@ -555,20 +566,30 @@ class DistributedDataParallel(nn.Module):
                 self._trial = None
                 self._log(f"with the interference ({self._describe_interference()}) one allreduce after "
                           "backward is the optimal plan; keeping it")
+
+    def _compare_step(self, trial: dict, row: tuple) -> None:
+        """The verify phase: the plan and the single allreduce alternate, one iteration each, so
+        that both meet the same machine load; once each has run verify_iterations, the faster
+        one (by the slowest rank's median forward+backward) stays."""
+        on_plan = self._plan is trial["verify plan"]
+        trial["plan" if on_plan else "verify single"].append(row)
+        n = self.options.verify_iterations
+        if len(trial["plan"]) < n or len(trial["verify single"]) < n:
+            self._use_layout(trial["single layout"] if on_plan else trial["plan layout"])
             return
         # Both timed: agree on the slowest rank's medians, so every rank decides alike.
-        medians = np.array([np.median([row[1] for row in trial["plan"]]),
-                            np.median([row[1] for row in trial["single"]])], dtype=np.float64)
+        medians = np.array([np.median([r[1] for r in trial["plan"]]),
+                            np.median([r[1] for r in trial["verify single"]])], dtype=np.float64)
         self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         self._trial = None
         if medians[1] < medians[0]:  # (no margin either way: the measured faster one stays)
             self._fell_back = True
-            self._install(self._order, trial["single plan"])
+            self._use_layout(trial["single layout"])
             self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
                       f"{medians[1] * 1e3:.1f} ms per forward+backward; overlapping does not pay here "
                       "(communication slows the computation down), keeping the single allreduce")
         else:
-            self._install(self._order, trial["plan plan"])
+            self._use_layout(trial["plan layout"])
             self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
                       f"{medians[1] * 1e3:.1f} ms per forward+backward; keeping the plan")
 
@@ -655,6 +676,15 @@ class DistributedDataParallel(nn.Module):
                 p = params[pid]
                 self._bucket_index[pid] = s.index
                 self._slots[pid] = buf[off:off + p.numel()].view(p.shape)
+
+    def _layout(self) -> tuple:
+        """The buckets in force, as :meth:`_install` laid them out (for :meth:`_use_layout`)."""
+        return self._order, self._plan, self._specs, self._counts, self._bucket_index, self._slots, self._bufs
+
+    def _use_layout(self, layout: tuple) -> None:
+        """Put buckets laid out earlier back in force (between iterations: none in flight).
+        Gradients still views of the other buckets are copied in by the hooks as usual."""
+        self._order, self._plan, self._specs, self._counts, self._bucket_index, self._slots, self._bufs = layout
 
     def _broadcast_tensors(self, tensors: list[torch.Tensor], label: str) -> None:
         """Copy rank 0's values of ``tensors`` to every rank: one broadcast of their bytes."""
