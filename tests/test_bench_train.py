@@ -36,3 +36,20 @@ def test_wrapper_costs_spread_the_hooks_over_gradient_bytes_and_broadcasts_on_fo
     # Backward order (what the planner sees): the head's gradient first, with its share.
     _, times, sizes = t.gradient_layers()
     assert sizes == [1200, 400] and times == pytest.approx([0.007 + 0.003, 0.001 + 0.002 + 0.001])
+
+
+def test_per_parameter_cuts_layers_into_the_wrappers_tensors():
+    from torch import nn
+
+    from ringtrain.bench.train import _per_parameter
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2, bias=False))
+    trace = Trace("seq", (Layer("0", 0.004, 0.001, 64, 16), Layer("1", 0.001, 0.002, 0, 0),
+                          Layer("2", 0.005, 0.007, 32, 8)), batch_size=2)
+    t = _per_parameter(trace, model)
+    assert [l.name for l in t.layers] == ["0[0]", "0[1]", "1", "2"]
+    assert [l.grad_bytes for l in t.layers] == [48, 16, 0, 32] and [l.params for l in t.layers] == [12, 4, 0, 8]
+    assert t.forward_s == trace.forward_s and t.backward_s == trace.backward_s
+    # Backward order: "2", then the bias (first ready, with the layer's and the ReLU's time), then the weight at no cost.
+    _, times, sizes = t.gradient_layers()
+    assert sizes == [32, 16, 48] and times == pytest.approx([0.007, 0.003, 0.0])

@@ -13,8 +13,9 @@ max(backward, predicted end of the last allreduce) + step), the overlap bound
 step, from compute alone), and the simulator's prediction (``ringtrain.sim``) from: the
 profiled layer trace scaled phase by phase to the "alone" run, plus the wrapper's own compute
 as the single-allreduce wrapper measured it (its gradient hooks, spread over the layers by
-bytes, and its buffer broadcasts); alpha/beta, the median of the wrappers' sweeps (the overlap
-bound's allreduce too); the interference the optimal wrapper's probes measured.
+bytes, and its buffer broadcasts); alpha/beta from one sweep per model that every wrapper
+plans with (the overlap bound's allreduce too); the interference the optimal wrapper's probes
+measured. The layer trace is cut into one layer per parameter tensor, the wrapper's unit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .procs import emit, run_ranks
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
 MAX_WARMUP_STEPS = 60
+SWEEP_REPEATS = 7
 NETS = ("none", "1gbit", "10gbit")
 
 
@@ -207,6 +209,14 @@ def _worker(cfg: dict) -> int:
                                   optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9),
                                   batch_size=batch)
 
+        # One alpha/beta sweep (7 repeats per size) for every wrapper: all schedules plan with the
+        # same measurement, the optimal one fits its interference against it, and the simulator
+        # predicts with it (a wrapper's own 3-repeat sweep can be off by 2x in alpha, 25% in beta).
+        from ..ddp import calibration
+
+        grad_bytes = float(sum(q.numel() * q.element_size() for q in base.parameters() if q.requires_grad))
+        alpha, beta = calibration.sweep_alpha_beta(comm, cfg["algorithm"], calibration.sweep_sizes(grad_bytes),
+                                                   repeats=SWEEP_REPEATS)
         configs = []
         for sched in cfg["schedules"]:
             model = copy.deepcopy(base)
@@ -214,7 +224,7 @@ def _worker(cfg: dict) -> int:
             if sched == "optimal" and cfg["timeline_dir"]:
                 timeline = str(Path(cfg["timeline_dir"]) / f"{name}-{p}r.json")
             ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
-                                                    timeline=timeline or None)
+                                                    timeline=timeline or None, alpha=alpha, beta=beta)
             configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
                             "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
         alone = copy.deepcopy(base)
@@ -248,6 +258,9 @@ def _worker(cfg: dict) -> int:
         optimal = next((c["wrapped"] for c in configs if c["schedule"] == "optimal"), None)
         # The interference the optimal wrapper's probes measured, for every schedule's prediction.
         slow = optimal.interference if optimal is not None else None
+        for c in configs:  # one untimed step each: the first timed round then finds every
+            step(c, 0)     # configuration as the later rounds do (optimal came long before)
+            c["times"], c["parts"] = [], []
         for _ in range(cfg["rounds"]):
             for c in configs:
                 for k in range(cfg["steps"]):
@@ -271,7 +284,7 @@ def _worker(cfg: dict) -> int:
             medians[c["impl"], c["schedule"]] = float(t.median())
         compute_only = medians["alone", "no communication"]
         alone_parts = next(c["parts_s"] for c in configs if c["impl"] == "alone")
-        trace = _scaled(profiled, compute_only, alone_parts)
+        trace = _per_parameter(_scaled(profiled, compute_only, alone_parts), base)
         # What the wrapper adds to compute whatever the schedule (gradient copies into the buckets
         # in its hooks, buffer broadcasts in forward), as measured with nothing overlapping them:
         # by the single allreduce's wrapper (else the optimal one's).
@@ -282,11 +295,6 @@ def _worker(cfg: dict) -> int:
             timed = list(measuring.stats)[-cfg["steps"] * cfg["rounds"]:]
             sim_trace = _with_wrapper_costs(trace, float(np.median([s.hooks_s for s in timed])),
                                             float(np.median([s.broadcast_s for s in timed])))
-        # One alpha/beta for every prediction and bound: the median of the wrappers' sweeps (each
-        # wrapper sweeps at construction; one sweep in five can be off by 2x in alpha, 25% in beta).
-        sweeps = [(c["wrapped"].alpha, c["wrapped"].beta) for c in configs if c["impl"] == "ringtrain"]
-        alpha, beta = (float(np.median([s[0] for s in sweeps])), float(np.median([s[1] for s in sweeps]))) \
-            if sweeps else (0.0, 0.0)
         for c in configs:
             t = c["times_max"]
             med = float(t.median())
@@ -311,7 +319,7 @@ def _worker(cfg: dict) -> int:
                 row.update(
                     hooks_s=float(np.median([s.hooks_s for s in stats])) if stats else None,
                     broadcast_s=float(np.median([s.broadcast_s for s in stats])) if stats else None,
-                    alpha=ddp.alpha, beta=ddp.beta, sim_alpha=alpha, sim_beta=beta, groups=len(plan.groups),
+                    alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups),
                     plan_in_force=plan.method,
                     interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
                     planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
@@ -347,6 +355,31 @@ def _scaled(trace, total_s: float, parts: Sequence[float]):
 
 
 # --- output ------------------------------------------------------------------------------------
+
+
+def _per_parameter(trace, module):
+    """``trace`` with each layer of several parameter tensors cut into one layer per tensor, the
+    unit the wrapper plans and wfbp sends (a CNN block's conv and norm give 3 tensors, one
+    layer each otherwise). The layer's backward time goes to the tensor first ready in backward
+    (the last in forward order), its forward time to the first; the rest follow at no cost."""
+    from dataclasses import replace
+
+    from ..sim.traces import Layer
+
+    modules = dict(module.named_modules())
+    layers = []
+    for layer in trace.layers:
+        mod = modules.get(layer.name)
+        tensors = [q for q in mod.parameters(recurse=False) if q.requires_grad] if mod is not None else []
+        nbytes = [q.numel() * q.element_size() for q in tensors]
+        if len(tensors) < 2 or sum(nbytes) != layer.grad_bytes:
+            layers.append(layer)
+            continue
+        last = len(tensors) - 1
+        layers += [Layer(f"{layer.name}[{k}]", layer.forward_s if k == 0 else 0.0,
+                         layer.backward_s if k == last else 0.0, nb, q.numel())
+                   for k, (q, nb) in enumerate(zip(tensors, nbytes))]
+    return replace(trace, layers=layers)
 
 
 def _with_wrapper_costs(trace, hooks_s: float, broadcast_s: float):
