@@ -3,7 +3,8 @@
 In one run, on the same data and the same weights, each rank times, interleaved round by
 round: ringtrain's DistributedDataParallel under every schedule (optimal, mgwfbp, wfbp,
 fixed 25 MB, single) and torch's own DistributedDataParallel with its defaults (gloo,
-25 MiB buckets); every timed step starts on all ranks at once (a barrier before it).
+25 MiB buckets); every timed step starts on all ranks at once (a barrier before it), and each
+round starts three configurations further on (none always comes first or after the same one).
 Per configuration: median iteration time (the slowest rank's), samples/s, the medians of
 forward, backward() and the SGD step, scaling efficiency (against forward+backward+step
 alone, timed on every rank at once so that the CPU is as loaded as in training), the share
@@ -37,6 +38,7 @@ SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
 MAX_WARMUP_STEPS = 60
 SWEEP_REPEATS = 7
+TIMELINE_STEPS = 3
 NETS = ("none", "1gbit", "10gbit")
 
 
@@ -224,7 +226,8 @@ def _worker(cfg: dict) -> int:
             if sched == "optimal" and cfg["timeline_dir"]:
                 timeline = str(Path(cfg["timeline_dir"]) / f"{name}-{p}r.json")
             ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
-                                                    timeline=timeline or None, alpha=alpha, beta=beta)
+                                                    timeline=timeline or None, timeline_iterations=TIMELINE_STEPS,
+                                                    alpha=alpha, beta=beta)
             configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
                             "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
         alone = copy.deepcopy(base)
@@ -254,6 +257,9 @@ def _worker(cfg: dict) -> int:
             while c["impl"] == "ringtrain" and not c["wrapped"].settled and k < MAX_WARMUP_STEPS:
                 step(c, k)  # every rank takes the same number of steps: settled agrees across ranks
                 k += 1
+            if c["impl"] == "ringtrain" and c["wrapped"].timeline_path is not None:
+                for j in range(TIMELINE_STEPS):  # the timeline is recorded here, not in timed steps
+                    step(c, k + j)
             c["times"], c["parts"] = [], []
         optimal = next((c["wrapped"] for c in configs if c["schedule"] == "optimal"), None)
         # The interference the optimal wrapper's probes measured, for every schedule's prediction.
@@ -261,8 +267,11 @@ def _worker(cfg: dict) -> int:
         for c in configs:  # one untimed step each: the first timed round then finds every
             step(c, 0)     # configuration as the later rounds do (optimal came long before)
             c["times"], c["parts"] = [], []
-        for _ in range(cfg["rounds"]):
-            for c in configs:
+        for r in range(cfg["rounds"]):
+            # Each round starts one configuration further on: none always follows the same one
+            # (nor always comes first, after torch DDP's gloo threads).
+            shift = (r * 3) % len(configs)
+            for c in configs[shift:] + configs[:shift]:
                 for k in range(cfg["steps"]):
                     # Every step starts on all ranks at once, as after a training step's allreduce:
                     # "alone" then runs its memory-bound phases (the SGD step) side by side as training
