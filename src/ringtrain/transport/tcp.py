@@ -23,6 +23,11 @@ Words (frames, hellos and the handshake are defined in ``wire.py``):
   frame (``thread_send_bytes`` or more) while the exchange's thread receives and reduces;
   Python releases the GIL in ``send``, so the two kernel copies run on two cores. It reports
   through a wake pipe that the exchange's poll watches. Small frames are sent inline.
+- *low-water mark*: while a frame arrives over TCP, poll reports its socket readable only
+  once the rest of the frame header, then ``RCVLOWAT_BYTES`` of payload (or the rest), are
+  waiting (SO_RCVLOWAT), so a paced link wakes the receiver per chunk, not per few packets;
+  the header still arrives alone (a wrong length or an ABORT is seen at once), a closed or
+  reset peer still wakes it, and every socket is back at 1 byte after the exchange.
 - *mid-frame*: a connection whose current DATA frame is partly sent, or handed to its sender
   thread. An ABORT frame cannot be interleaved there, so abort just closes such a connection.
 
