@@ -268,7 +268,7 @@ def _worker(cfg: dict) -> int:
             step(c, 0)     # configuration as the later rounds do (optimal came long before)
             c["times"], c["parts"] = [], []
         for r in range(cfg["rounds"]):
-            # Each round starts one configuration further on: none always follows the same one
+            # Each round starts three configurations further on: none always follows the same one
             # (nor always comes first, after torch DDP's gloo threads).
             shift = (r * 3) % len(configs)
             for c in configs[shift:] + configs[:shift]:
@@ -363,9 +363,6 @@ def _scaled(trace, total_s: float, parts: Sequence[float]):
     return replace(trace, layers=layers, optimizer_s=k * parts[2])
 
 
-# --- output ------------------------------------------------------------------------------------
-
-
 def _per_parameter(trace, module):
     """``trace`` with each layer of several parameter tensors cut into one layer per tensor, the
     unit the wrapper plans and wfbp sends (a CNN block's conv and norm give 3 tensors, one
@@ -400,6 +397,9 @@ def _with_wrapper_costs(trace, hooks_s: float, broadcast_s: float):
     layers = [replace(l, backward_s=l.backward_s + hooks_s * l.grad_bytes / total) for l in trace.layers]
     layers[0] = replace(layers[0], forward_s=layers[0].forward_s + broadcast_s)
     return replace(trace, layers=layers)
+
+
+# --- output ------------------------------------------------------------------------------------
 
 
 def _label(r: dict) -> str:
