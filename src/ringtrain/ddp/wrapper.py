@@ -42,7 +42,7 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    plan and the single allreduce then alternate, one iteration each, ``verify_iterations``
    times each (both bucket layouts kept, so both meet the same machine load), and the plan is
    kept only if its median forward+backward is no slower than the single allreduce's;
-   otherwise the single allreduce stays (``fell_back``).
+   otherwise the single allreduce stays (``fell_back``). The one kept is laid out afresh.
    ``settled`` is True once the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
