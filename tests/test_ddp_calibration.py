@@ -247,6 +247,15 @@ def test_fit_interference_never_negative():
     assert cal.fit_interference([1, 1], [1.0, 2.0], [float("nan"), 1.0]).is_zero
 
 
+def train_until_settled(ddp, x, limit: int) -> int:
+    """Synchronizing steps on ``x`` until the wrapper's trial is over (at most ``limit``); the count."""
+    steps = 0
+    while not ddp.settled and steps < limit:
+        ddp(x).sum().backward()
+        steps += 1
+    return steps
+
+
 def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
     """Each launch made during backward costs the main thread 8 ms here (a sleep in the hook):
     the trial's probes must attribute the slowdown mostly to launches, not bytes, every rank
@@ -269,11 +278,7 @@ def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=3)
-        x = torch.randn(8, 64)
-        steps = 0
-        while not ddp.settled and steps < 40:
-            ddp(x).sum().backward()
-            steps += 1
+        train_until_settled(ddp, torch.randn(8, 64), 40)
         ddp.close()
         return ddp.settled, ddp.interference, ddp.plan.groups
 
@@ -325,11 +330,7 @@ def test_a_model_of_many_layers_gets_a_third_probe(caplog):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(15)])  # 30 parameters
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-9, verify_iterations=1)
-        x = torch.randn(2, 4)
-        steps = 0
-        while not ddp.settled and steps < 20:
-            ddp(x).sum().backward()
-            steps += 1
+        steps = train_until_settled(ddp, torch.randn(2, 4), 20)
         ddp.close()
         return ddp.settled, steps, ddp.interference
 

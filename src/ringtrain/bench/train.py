@@ -260,7 +260,6 @@ def _worker(cfg: dict) -> int:
             if c["impl"] == "ringtrain" and c["wrapped"].timeline_path is not None:
                 for j in range(TIMELINE_STEPS):  # the timeline is recorded here, not in timed steps
                     step(c, k + j)
-            c["times"], c["parts"] = [], []
         optimal = next((c["wrapped"] for c in configs if c["schedule"] == "optimal"), None)
         # The interference the optimal wrapper's probes measured, for every schedule's prediction.
         slow = optimal.interference if optimal is not None else None
@@ -291,17 +290,19 @@ def _worker(cfg: dict) -> int:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
             c["times_max"] = t
             medians[c["impl"], c["schedule"]] = float(t.median())
+            if c["impl"] == "ringtrain":  # the wrapper's own account of the timed iterations
+                c["stats"] = list(c["wrapped"].stats)[-len(c["times"]):]
         compute_only = medians["alone", "no communication"]
         alone_parts = next(c["parts_s"] for c in configs if c["impl"] == "alone")
         trace = _per_parameter(_scaled(profiled, compute_only, alone_parts), base)
         # What the wrapper adds to compute whatever the schedule (gradient copies into the buckets
         # in its hooks, buffer broadcasts in forward), as measured with nothing overlapping them:
         # by the single allreduce's wrapper (else the optimal one's).
-        measuring = {c["schedule"]: c["wrapped"] for c in configs if c["impl"] == "ringtrain"}
-        measuring = measuring.get("single", optimal)
+        ring = {c["schedule"]: c for c in configs if c["impl"] == "ringtrain"}
+        measuring = ring.get("single", ring.get("optimal"))
         sim_trace = trace  # the bound and the planner's figure stay those of compute alone
         if measuring is not None:
-            timed = list(measuring.stats)[-cfg["steps"] * cfg["rounds"]:]
+            timed = measuring["stats"]
             sim_trace = _with_wrapper_costs(trace, float(np.median([s.hooks_s for s in timed])),
                                             float(np.median([s.broadcast_s for s in timed])))
         for c in configs:
@@ -316,7 +317,7 @@ def _worker(cfg: dict) -> int:
                    "measured_backward_call_s": c["parts_s"][1], "measured_step_s": c["parts_s"][2]}
             if c["impl"] == "ringtrain":
                 ddp = c["wrapped"]
-                stats = [s for s in list(ddp.stats)[-len(c["times"]):]]
+                stats = c["stats"]
                 plan = ddp.plan
                 cost = lambda n: alpha + beta * n  # noqa: E731 - the measured fit
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
