@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringtrain.errors import AuthError, PeerLost, ProtocolError
+from ringtrain.errors import AuthError, CommError, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
 from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
@@ -236,3 +236,140 @@ def test_roles_and_rank_entry_arguments():
         parse(["--strategy", "hogwild"])
     with pytest.raises(SystemExit):
         parse(["--steps", "0"])
+
+
+def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float, momentum: float = 0.0) -> P.Channel:
+    """A worker speaking the protocol by hand: handshake and HELLO; WELCOME read."""
+    ch = P.Channel(P.dial(server.endpoint, P.ps_identity(1 + w, 1 + workers, "ps", SECRET), 0, 5.0), "server", 5.0)
+    hello = {"worker": w, "numels": list(layout.numels), "partition_bytes": layout.partition_bytes,
+             "digest": layout.digest(), "strategy": "sync", "lr": lr, "momentum": momentum, "weight_decay": 0.0}
+    ch.send(P.HELLO, worker=w, body=P.encode_json(hello))
+    head = ch.recv_header(5.0)
+    assert head.kind == P.WELCOME
+    ch.recv_json(head)
+    return ch
+
+
+def recv_params(ch: P.Channel, layout) -> tuple[int, dict]:
+    """One PARAMS message: its step and {partition id: values}."""
+    head = ch.recv_header(5.0)
+    assert head.kind == P.PARAMS, head.name
+    ids = ch.recv_ids(head, len(layout.partitions)).tolist()
+    out = {}
+    for i in ids:
+        out[i] = np.empty(layout.partitions[i].numel, dtype=np.float32)
+        ch.recv_into(out[i])
+    return head.step, out
+
+
+def recv_partitions(ch: P.Channel, layout, ids) -> dict:
+    """PARAMS messages of step 1 until exactly ``ids`` came (one message each, or merged)."""
+    out: dict = {}
+    while len(out) < len(ids):
+        step, got = recv_params(ch, layout)
+        assert step == 1 and not set(got) & set(out)
+        out.update(got)
+    assert sorted(out) == sorted(ids)
+    return out
+
+
+def test_sync_server_streams_each_partition_as_soon_as_it_has_stepped_it():
+    """A pull for step 1 is answered partition by partition while the pushes of step 0 go on."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server()
+    layout = make_layout([12, 3, 6, 2], 1, 16)  # 4 floats per partition: 3 + 1 + 2 + 1 partitions
+    ids = np.arange(len(layout.partitions))
+    start = np.arange(23, dtype=np.float32)
+    ch = raw_worker(server, layout, 0, 1, lr=0.5)
+    ch.send(P.INIT, worker=0, ids=ids, values=[start])
+    ch.send(P.PULL, worker=0, step=0)
+    step, got = recv_params(ch, layout)
+    assert step == 0 and sorted(got) == ids.tolist()
+    ch.send(P.PULL, worker=0, step=1)  # before any gradient of step 0, as workers do
+    last, first = ids[4:], ids[:4]  # backward order: the last layers' partitions are pushed first
+    ones = [np.ones(layout.partitions[i].numel, dtype=np.float32) for i in last]
+    ch.send(P.PUSH, worker=0, step=0, ids=last, values=ones)
+    got = recv_partitions(ch, layout, last)  # comes back before the rest of step 0 is pushed
+    for i in last:
+        p = layout.partitions[i]
+        offset = sum(layout.partitions[j].numel for j in range(i))
+        assert np.array_equal(got[i], start[offset: offset + p.numel] - 0.5)
+    assert server.version == 0  # the step is not whole yet
+    ch.send(P.PUSH, worker=0, step=0, ids=first, values=[np.ones(layout.partitions[i].numel, dtype=np.float32) for i in first])
+    recv_partitions(ch, layout, first)
+    assert server.version == 1 and server.updates == 1
+    assert torch.equal(server.params, torch.from_numpy(start - 0.5))
+    ch.send(P.BYE, worker=0)
+    assert ch.recv_header(5.0).kind == P.BYE
+    ch.close()
+    thread.join(10)
+    assert out["stats"]["failed"] is None
+
+
+def test_a_step_cut_short_is_rolled_back_values_and_momentum():
+    """Two workers; partitions both pushed are stepped (and streamed), then worker 1 dies: all undone."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2)
+    layout = make_layout([12, 3, 6, 2], 1, 16)
+    ids = np.arange(len(layout.partitions))
+    start = np.arange(23, dtype=np.float32)
+    a, b = (raw_worker(server, layout, w, 2, lr=0.5, momentum=0.9) for w in (0, 1))
+    a.send(P.INIT, worker=0, ids=ids, values=[start])
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=0)
+        recv_params(ch, layout)
+        ch.send(P.PULL, worker=w, step=1)
+    grads = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
+    a.send(P.PUSH, worker=0, step=0, ids=ids, values=grads)
+    b.send(P.PUSH, worker=1, step=0, ids=ids[:2], values=grads[:2])
+    for ch in (a, b):  # stepped and sent to both: both workers' gradients of them were in
+        recv_partitions(ch, layout, [0, 1])
+    assert not torch.equal(server.params, torch.from_numpy(start))
+    b.close()  # worker 1 dies half-way through step 0
+    with pytest.raises(PeerLost, match="worker 1 was lost at step 0"):
+        a.recv_header(5.0)
+    thread.join(10)
+    assert server.version == 0 and server.updates == 0
+    assert torch.equal(server.params, torch.from_numpy(start))
+    assert all(not server.opt.state.get(v) for v in server._views.values())  # no momentum left behind
+    a.close()
+
+
+def test_a_channel_receives_idle_for_ever_while_it_sends_with_deadlines():
+    """Sends and receives share a socket: a send's deadline must not become the idle receive's."""
+    a, b = socket.socketpair()
+    ca, cb = P.Channel(a, "a", 0.2), P.Channel(b, "b", 0.2)
+    got, stop = [], threading.Event()
+
+    def receive():
+        for _ in range(21):
+            got.append(cb.recv_header(None).step)
+
+    def chatter():  # b keeps sending with its 0.2 s deadline while it waits to receive
+        while not stop.is_set():
+            cb.send(P.PULL, step=0)
+            time.sleep(0.001)
+
+    def drain():
+        try:
+            while True:
+                ca.recv_header(None)
+        except (EOFError, CommError, OSError):
+            return  # closed at the end
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (receive, chatter, drain)]
+    for t in threads:
+        t.start()
+    for step in range(1, 21):
+        ca.send(P.PULL, step=step)
+        time.sleep(0.02)
+    time.sleep(0.5)  # longer than the channel's timeout: an idle receive must still be waiting
+    ca.send(P.PULL, step=99)
+    threads[0].join(5)
+    stop.set()
+    assert got == list(range(1, 21)) + [99]
+    assert b.gettimeout() is None and a.gettimeout() is None  # deadlines are poll()'s, not the socket's
+    for ch in (ca, cb):
+        ch.close()

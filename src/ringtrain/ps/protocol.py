@@ -15,14 +15,18 @@ module only adds what travels inside a DATA frame's payload):
   settings), WELCOME (server -> worker, JSON: the server's version and whether it still needs
   initial values), INIT (worker 0 -> server: initial values of the whole shard), PUSH (worker ->
   server: gradients of some partitions for ``step``, tagged with the ``version`` of the
-  parameters they were computed from), PULL (worker -> server: "send me your whole shard once
-  you may", ``step`` = this worker's steps done), PARAMS (server -> worker: the whole shard in
-  shard order at ``version``; ``extra`` = workers still alive), SAVE / SAVED (checkpoint the
+  parameters they were computed from), PULL (worker -> server: "send me the shard's values for
+  ``step``": synchronous servers register it and stream each partition once it has taken step
+  ``step`` - 1, asynchronous ones answer with the whole shard once the staleness bound allows),
+  PARAMS (server -> worker: some partitions of the shard, any order, for the pull of ``step``,
+  at ``version``; ``extra`` = workers still alive), SAVE / SAVED (checkpoint the
   shard at ``step``), BYE (worker -> server, then server -> worker with its counters as JSON).
   Errors go back as the wire's ABORT frames, so a worker raises the same error type the server
   had, with the server's text.
 - *channel*: one connected, authenticated socket with a send lock and byte counters (every byte
-  of every frame, headers included, both ways).
+  of every frame, headers included, both ways). One thread may send while another receives:
+  deadlines are kept with poll() and non-blocking calls, never with the socket's own timeout
+  (which both directions share).
 
 A receiver reads the frame header, then the message header, and checks the announced length
 against what it expects for that kind before it reads on; values are received straight into
@@ -32,6 +36,7 @@ buffers the receiver allocated from its own layout, never sized by what the peer
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 import threading
@@ -105,7 +110,8 @@ class Channel:
         self.bytes_received = 0
         self._send_lock = threading.Lock()
         self._seq = 0
-        sock.setblocking(True)
+        sock.setblocking(True)  # and never a timeout: deadlines are poll()'s (see _poll)
+        self._fd = sock.fileno()  # poll this number even after close(): POLLNVAL wakes it
 
     # --- sending ---------------------------------------------------------------------------
     def send(self, kind: int, *, worker: int = 0, step: int = 0, version: int = 0, extra: int = 0,
@@ -130,11 +136,14 @@ class Channel:
             pass
 
     def _send_buffers(self, views: list[memoryview]) -> None:
-        self.sock.settimeout(self.timeout)
         views = [v for v in views if v.nbytes]
         try:
             while views:
-                n = self.sock.sendmsg(views[:_IOV_MAX])
+                try:
+                    n = self.sock.sendmsg(views[:_IOV_MAX], [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    self._poll(select.POLLOUT, time.monotonic() + self.timeout)
+                    continue
                 self.bytes_sent += n
                 while n and views:
                     if n >= views[0].nbytes:
@@ -143,10 +152,21 @@ class Channel:
                     else:
                         views[0] = views[0][n:]
                         n = 0
-        except socket.timeout:
+        except TimeoutError:
             raise CommTimeout(f"sending to {self.peer} did not finish within {self.timeout:g} s") from None
         except OSError as exc:
             raise PeerLost(f"{self.peer} is gone (send failed: {exc})") from None
+
+    def _poll(self, event: int, deadline: Optional[float]) -> None:
+        """Wait until the socket is ready for ``event`` (or has an error or hang-up); TimeoutError at deadline."""
+        poller = select.poll()
+        poller.register(self._fd, event)
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError
+            if poller.poll(None if left is None else max(1, int(left * 1000) + 1)):
+                return
 
     # --- receiving -------------------------------------------------------------------------
     def recv_header(self, idle_timeout: Optional[float]) -> Header:
@@ -185,15 +205,14 @@ class Channel:
         """Fill ``view`` (a contiguous array this side allocated) from the stream."""
         mv = memoryview(view).cast("B")
         got = 0
-        self.sock.settimeout(self.timeout)
         try:
             while got < mv.nbytes:
-                k = self.sock.recv_into(mv[got:], mv.nbytes - got)
+                k = self._recv_some(mv[got:], time.monotonic() + self.timeout)
                 if k == 0:
                     raise PeerLost(f"{self.peer} closed the connection in the middle of a message")
                 got += k
                 self.bytes_received += k
-        except socket.timeout:
+        except TimeoutError:
             raise CommTimeout(f"{self.peer} stopped sending in the middle of a message ({self.timeout:g} s)") from None
         except ConnectionError as exc:
             raise PeerLost(f"{self.peer} is gone ({exc})") from None
@@ -207,21 +226,28 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while got < n:
-                self.sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
-                k = self.sock.recv_into(mv[got:], n - got)
+                k = self._recv_some(mv[got:], deadline)
                 if k == 0:
                     if at_boundary and got == 0:
                         raise EOFError
                     raise PeerLost(f"{self.peer} closed the connection in the middle of a message")
                 got += k
                 self.bytes_received += k
-        except socket.timeout:
+        except TimeoutError:
             raise CommTimeout(f"{self.peer} sent nothing for {timeout:g} s") from None
         except ConnectionError as exc:
             if at_boundary and got == 0:
                 raise EOFError from None
             raise PeerLost(f"{self.peer} is gone ({exc})") from None
         return buf.tobytes()
+
+    def _recv_some(self, mv: memoryview, deadline: Optional[float]) -> int:
+        """Receive what has arrived into ``mv`` (at least one byte; 0 at end of stream)."""
+        while True:
+            try:
+                return self.sock.recv_into(mv, len(mv), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self._poll(select.POLLIN, deadline)
 
     def close(self) -> None:
         """Shut down both directions first: that wakes a thread blocked in a receive on it."""

@@ -9,10 +9,17 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   land in that worker's own staging buffer as they arrive; only a complete push is ever used,
   under the server's lock, so a worker that dies half-way through a push changes nothing
   (*atomic per shard step*).
-- *synchronous* (strategy "sync", "sharded"): once every worker's push for step v is complete,
-  the server sums them in worker order (0, 1, ..., W-1), divides by W and applies one SGD step
-  (torch.optim.SGD, momentum kept here); only then does it answer pulls for version v+1.
-  A worker lost before the step is done ends the job: every other worker gets an error naming it.
+- *synchronous* (strategy "sync", "sharded"): a *partition's* step v is applied the moment
+  every worker's gradient of it for step v is in: the server sums them in worker order
+  (0, 1, ..., W-1), divides by W and applies SGD to that partition (torch.optim.SGD over one
+  view per partition, momentum kept here), and at once sends the partition's new values to
+  every worker whose pull for step v+1 is registered, while later partitions' gradients still
+  arrive: pushes and pulls overlap on the full-duplex link (*streamed pulls*; the worker sends
+  its pull for step v+1 before its first push of step v). ``version`` counts steps applied to
+  every partition. Before a partition's first update of a step its values and momentum are kept,
+  so that a step cut short (a lost worker, a timeout) is rolled back to version v everywhere:
+  the shard is never left half-updated. A worker lost before the step is done ends the job:
+  every other worker gets an error naming it.
 - *asynchronous* ("async"): each complete push is applied on arrival, scaled by 1/W so that W
   updates move the parameters as far as one synchronous step. Its *staleness* is the number of
   updates applied since the parameters it was computed from (version now - version pulled),
@@ -20,12 +27,15 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   of the slowest live worker's waits (stale-synchronous parallel). A lost worker is dropped and
   the rest go on; the server logs it and tells workers how many remain with every answer.
 
-Every wait ends by ``timeout`` with CommTimeout naming who is missing.
+Threads: one per connection reads that worker's messages in order; synchronous servers add
+one *outbox* sender per worker, so that answering one worker's pull never stalls reading another
+worker's push. Every wait ends by ``timeout`` with CommTimeout naming who is missing.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
 import time
@@ -119,6 +129,7 @@ class ParameterServer:
         W = cfg.workers
         self._status = ["waiting"] * W  # waiting, connected, bye, lost
         self._channels: dict[int, P.Channel] = {}
+        self._outboxes: dict[int, queue.Queue] = {}
         self._bytes = {w: [0, 0] for w in range(W)}  # sent to, received from
         self.failed: Optional[CommError] = None
         self.notices: list[str] = []
@@ -163,12 +174,20 @@ class ParameterServer:
         self.numel_of = {p.id: p.numel for p in self.shard}
         n = sum(self.numel_of.values())
         self.params = torch.zeros(n, dtype=torch.float32)
-        self.opt = torch.optim.SGD([self.params], lr=lr, momentum=momentum, weight_decay=wd)
+        # One view per partition, so that a partition can be stepped alone (elementwise: the same
+        # bits as one step over the whole shard).
+        self._views = {i: self.params[self.offsets[i]: self.offsets[i] + self.numel_of[i]]
+                       for i in self.shard_ids.tolist()}
+        self.opt = torch.optim.SGD(list(self._views.values()), lr=lr, momentum=momentum, weight_decay=wd)
         W = self.cfg.workers
         self._grads = [torch.zeros(n, dtype=torch.float32) for _ in range(W)]
         self._got = [set() for _ in range(W)]  # partition ids received for the current push
         self._clock = [0] * W
         self._complete = [False] * W  # sync: worker's push for step `version` is complete
+        self._count = dict.fromkeys(self._views, 0)  # sync: workers' gradients in, per partition
+        self._part_version = dict.fromkeys(self._views, 0)  # sync: steps applied, per partition
+        self._undo: dict[int, tuple] = {}  # sync: values and momentum before this step's update
+        self._want: list[Optional[int]] = [None] * W  # sync: the step each worker's pull asks for
         self._settings = {k: hello.get(k) for k in keys}
         if self._resume_payload is not None:
             self._restore(self._resume_payload, layout.digest())
@@ -178,8 +197,12 @@ class ParameterServer:
             raise MismatchError(f"{self.name}: the checkpoint in {self.cfg.shard_dir} is of another model layout")
         self.params.copy_(payload["params"])
         if payload.get("momentum") is not None:
-            self.opt.state[self.params]["momentum_buffer"] = payload["momentum"].clone()
+            momentum = payload["momentum"]
+            for i, view in self._views.items():
+                off = self.offsets[i]
+                self.opt.state[view]["momentum_buffer"] = momentum[off: off + view.numel()].clone()
         self.version = int(payload["version"])
+        self._part_version = dict.fromkeys(self._views, self.version)
         self._clock = [int(c) for c in payload["clocks"]]
         self.staleness.update({int(k): int(v) for k, v in payload.get("staleness", {}).items()})
         self._initialized = True
@@ -254,6 +277,7 @@ class ParameterServer:
             return
         w = rank - K
         ch = P.Channel(sock, f"worker {w}", self.cfg.timeout)
+        outbox: queue.Queue = queue.Queue()
         with self._cond:
             if self._status[w] != "waiting":  # two handshakes raced for one rank
                 self.refused += 1
@@ -261,19 +285,57 @@ class ParameterServer:
                 return
             self._status[w] = "connected"
             self._channels[w] = ch
+            self._outboxes[w] = outbox
             self._cond.notify_all()
+        sender = threading.Thread(target=self._send_loop, args=(w, ch, outbox), daemon=True,
+                                  name=f"ps{self.cfg.index}-w{w}-outbox")
+        sender.start()
         try:
-            self._talk(w, ch)
+            self._talk(w, ch, outbox, sender)
         except EOFError:
             self._lost(w, "closed its connection without BYE")
         except CommError as exc:
             self._lost(w, f"{type(exc).__name__}: {exc}")
             ch.send_abort(exc)  # best effort: a worker that is gone does not read it
         finally:
+            outbox.put(None)
+            sender.join(self.cfg.timeout)
             ch.close()
             with self._cond:
                 self._bytes[w] = [ch.bytes_sent, ch.bytes_received]
                 self._cond.notify_all()
+
+    def _send_loop(self, w: int, ch: P.Channel, outbox: queue.Queue) -> None:
+        """Worker w's outbox: streamed partitions (merged while they queue up) and the BYE answer."""
+        later = None  # an item taken while merging, handled next
+        try:
+            while True:
+                item, later = later or outbox.get(), None
+                if item is None:
+                    return
+                if item[0] == "bye":
+                    ch.send(P.BYE, body=P.encode_json(self.stats()))
+                    return
+                _, step, ids = item
+                while later is None:  # partitions applied while the last message was on the wire go out together
+                    try:
+                        later = outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if later is not None and later[0] == "params" and later[1] == step:
+                        ids, later = ids + later[2], None
+                with self._cond:
+                    live = sum(s != "lost" for s in self._status)
+                self._send_params(ch, w, step, step, live, ids, self.params)
+        except CommError as exc:
+            self._lost(w, f"{type(exc).__name__}: {exc}")
+
+    def _send_params(self, ch: P.Channel, w: int, step: int, version: int, live: int, ids: list[int],
+                     values: torch.Tensor) -> None:
+        flat = values.numpy()
+        views = [flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]] for i in ids]
+        ch.send(P.PARAMS, worker=w, step=step, version=version, extra=live,
+                ids=np.array(ids, dtype=np.int64), values=views)
 
     def _lost(self, w: int, why: str) -> None:
         with self._cond:
@@ -284,13 +346,8 @@ class ParameterServer:
                 self._got[w].clear()  # a half-received push is dropped, never applied
                 self._complete[w] = False
             if self.cfg.synchronous:
-                if self.failed is None:
-                    self.failed = PeerLost(
-                        f"{self.name}: worker {w} was lost at step {self.version} ({why}); "
-                        "synchronous training cannot go on without it")
-                    log.error("%s", self.failed)
-                    others = [ch for u, ch in self._channels.items() if u != w and self._status[u] == "connected"]
-                    threading.Thread(target=_tell_all, args=(others, self.failed), daemon=True).start()
+                self._fail(PeerLost(f"{self.name}: worker {w} was lost at step {self.version} ({why}); "
+                                    "synchronous training cannot go on without it"), but=w)
             else:
                 live = sum(s != "lost" for s in self._status)
                 note = f"{self.name}: worker {w} was lost at version {self.version} ({why}); continuing with {live} workers"
@@ -298,7 +355,19 @@ class ParameterServer:
                 log.warning("%s", note)
             self._cond.notify_all()
 
-    def _talk(self, w: int, ch: P.Channel) -> None:
+    def _fail(self, error: CommError, but: Optional[int] = None) -> None:
+        """End a synchronous job: roll the step in progress back, tell every connected worker (caller holds lock)."""
+        if self.failed is not None:
+            return
+        self.failed = error
+        log.error("%s", error)
+        if self._settings is not None:
+            self._rollback()
+        others = [ch for u, ch in self._channels.items() if u != but and self._status[u] == "connected"]
+        threading.Thread(target=_tell_all, args=(others, error), daemon=True).start()
+        self._cond.notify_all()
+
+    def _talk(self, w: int, ch: P.Channel, outbox: queue.Queue, sender: threading.Thread) -> None:
         head = ch.recv_header(self.cfg.timeout)
         if head.kind != P.HELLO:
             raise ProtocolError(f"worker {w} sent {head.name} before HELLO")
@@ -324,10 +393,7 @@ class ParameterServer:
             elif head.kind == P.BYE:
                 if head.body:
                     raise ProtocolError(f"worker {w} sent a BYE with a body")
-                ch.send(P.BYE, body=P.encode_json(self.stats()))
-                with self._cond:  # only now: serve() may return (and the process exit) after this
-                    self._status[w] = "bye"
-                    self._cond.notify_all()
+                self._on_bye(w, outbox, sender)
                 return
             else:
                 raise ProtocolError(f"worker {w} sent {head.name}, which workers do not send")
@@ -337,8 +403,8 @@ class ParameterServer:
             raise self.failed
 
     # --- messages -------------------------------------------------------------------------------
-    def _read_partitions(self, ch: P.Channel, head, into: torch.Tensor, exact_all: bool) -> list[int]:
-        """Read ``count`` ids and their values into ``into`` at the shard offsets; validate both."""
+    def _read_ids(self, ch: P.Channel, head, exact_all: bool) -> list[int]:
+        """Read ``count`` partition ids and check them and the message's length."""
         ids = ch.recv_ids(head, len(self.shard_ids))
         if exact_all and not np.array_equal(ids, self.shard_ids):
             raise ProtocolError(f"{P.KIND_NAMES[head.kind]} must carry every partition of this shard in order")
@@ -347,16 +413,18 @@ class ParameterServer:
         expected = 4 * sum(self.numel_of[int(i)] for i in ids)
         if head.body != 4 * len(ids) + expected:
             raise ProtocolError(f"{head.name} carries {head.body - 4 * len(ids)} value bytes, expected {expected}")
-        flat = into.numpy()
-        for i in ids.tolist():
-            ch.recv_into(flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]])
         return ids.tolist()
+
+    def _read_values(self, ch: P.Channel, ids: list[int], into: torch.Tensor) -> None:
+        flat = into.numpy()
+        for i in ids:
+            ch.recv_into(flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]])
 
     def _on_init(self, w: int, ch: P.Channel, head) -> None:
         with self._cond:
             if w != 0 or self._initialized:
                 raise ProtocolError(f"worker {w} sent INIT, but {'only worker 0 may' if w else 'the shard is set'}")
-        self._read_partitions(ch, head, self.params, exact_all=True)
+        self._read_values(ch, self._read_ids(ch, head, exact_all=True), self.params)
         with self._cond:
             self._initialized = True
             self._cond.notify_all()
@@ -371,77 +439,163 @@ class ParameterServer:
             if head.version > self.version:
                 raise ProtocolError(f"worker {w} claims parameters of version {head.version}, newer than {self.version}")
         got = self._got[w]
-        ids = self._read_partitions(ch, head, self._grads[w], exact_all=False)
+        ids = self._read_ids(ch, head, exact_all=False)
         if got.intersection(ids):
             raise ProtocolError(f"worker {w} pushed a partition twice for step {head.step}")
-        got.update(ids)
-        if len(got) < len(self.shard_ids):
+        if not self.cfg.synchronous:
+            self._read_values(ch, ids, self._grads[w])
+            got.update(ids)
+            self._took(w, head, ids)
             return
+        for i in ids:  # each partition counts the moment it is in: it may complete now
+            self._read_values(ch, [i], self._grads[w])
+            got.add(i)
+            self._took(w, head, [i])
+
+    def _took(self, w: int, head, ids: list[int]) -> None:
+        """Worker w's gradients of ``ids`` are in its staging buffer: count or apply them."""
+        got = self._got[w]
         with self._cond:
-            got.clear()
-            self._clock[w] += 1
+            self._check_failed()  # a failed job applies nothing more
+            whole = len(got) == len(self.shard_ids)
+            if whole:
+                got.clear()
+                self._clock[w] += 1
             if self.cfg.synchronous:
-                self._complete[w] = True
-                if all(self._complete):
-                    self._apply(sum_in_order(self._grads).div_(self.cfg.workers))
-                    self._complete = [False] * self.cfg.workers
-            else:
+                self._complete[w] = self._complete[w] or whole
+                self._take_sync(ids)
+            elif whole:
                 self.staleness[self.version - head.version] += 1
-                self._apply(self._grads[w] / self.cfg.workers)
+                mine = self._grads[w]
+                self._apply(self.shard_ids.tolist(), lambda i: self._slice(mine, i) / self.cfg.workers)
+                self.version += 1
+                self.updates += 1
             self._cond.notify_all()
 
-    def _apply(self, grad: torch.Tensor) -> None:
-        """One optimizer step on the whole shard with gradient ``grad`` (caller holds the lock)."""
-        self.params.grad = grad
+    def _take_sync(self, ids: list[int]) -> None:
+        """Count one worker's gradients of ``ids``; step and stream the partitions now complete (caller holds lock)."""
+        W = self.cfg.workers
+        ready = []
+        for i in ids:
+            self._count[i] += 1
+            if self._count[i] == W:
+                self._count[i] = 0
+                ready.append(i)
+        if not ready:
+            return
+        for i in ready:  # what a rollback restores
+            view = self._views[i]
+            momentum = self.opt.state.get(view, {}).get("momentum_buffer")
+            self._undo[i] = (view.clone(), None if momentum is None else momentum.clone())
+        self._apply(ready, lambda i: sum_in_order([self._slice(g, i) for g in self._grads]).div_(W))
+        step = self.version + 1
+        for i in ready:
+            self._part_version[i] = step
+        ready.sort(key=self.offsets.__getitem__)
+        for u, outbox in self._outboxes.items():
+            if self._want[u] == step and self._status[u] == "connected":
+                outbox.put(("params", step, ready))
+        if len(self._undo) == len(self.shard_ids):  # every partition has taken step `version`
+            self._undo.clear()
+            self._complete = [False] * W
+            self.version = step
+            self.updates += 1
+
+    def _slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        return flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]]
+
+    def _apply(self, ids: list[int], grad_of) -> None:
+        """One SGD step on partitions ``ids``, partition i's gradient ``grad_of(i)`` (caller holds the lock)."""
+        views = [self._views[i] for i in ids]
+        for i, view in zip(ids, views):
+            view.grad = grad_of(i)
         self.opt.step()
-        self.params.grad = None
-        self.version += 1
-        self.updates += 1
+        for view in views:
+            view.grad = None
+
+    def _rollback(self) -> None:
+        """Put back every partition that took the unfinished step (caller holds the lock)."""
+        for i, (values, momentum) in self._undo.items():
+            view = self._views[i]
+            view.copy_(values)
+            if momentum is None:
+                self.opt.state.pop(view, None)
+            else:
+                self.opt.state[view]["momentum_buffer"] = momentum
+            self._part_version[i] = self.version
+        if self._undo:
+            log.warning("%s rolled %d partitions back to version %d", self.name, len(self._undo), self.version)
+        self._undo.clear()
+        self._count = dict.fromkeys(self._count, 0)
 
     def _on_pull(self, w: int, ch: P.Channel, head) -> None:
         if head.body:
             raise ProtocolError(f"worker {w} sent a PULL with a body")
+        if self.cfg.synchronous:
+            self._wait_until(w, lambda: None if self._initialized else "the shard was never initialized by worker 0")
+            with self._cond:
+                if head.step not in (self.version, self.version + 1):
+                    raise MismatchError(f"worker {w} pulls step {head.step}, but this server is at step {self.version}")
+                self._want[w] = head.step
+                ready = [i for i in self.shard_ids.tolist() if self._part_version[i] >= head.step]
+                if ready:
+                    self._outboxes[w].put(("params", head.step, ready))
+                self._check_stuck()
+            return
+        self._wait_until(w, lambda: self._pull_blocker(w, head.step))
+        with self._cond:
+            version = self.version
+            live = sum(s != "lost" for s in self._status)
+            snapshot = self.params.clone()
+        self._send_params(ch, w, head.step, version, live, self.shard_ids.tolist(), snapshot)
+
+    def _wait_until(self, w: int, blocker) -> None:
+        """Wait until ``blocker()`` (called under the lock) says nothing blocks; fail a sync job on timeout."""
         deadline = time.monotonic() + self.cfg.timeout
         with self._cond:
             while True:
                 self._check_failed()
-                why = self._pull_blocker(w, head.step)
+                why = blocker()
                 if why is None:
-                    break
-                if self.cfg.synchronous:
-                    gone = [u for u in self._missing() if self._status[u] in ("bye", "lost")]
-                    if gone:
-                        self.failed = PeerLost(f"{self.name}: step {self.version} cannot complete: worker(s) "
-                                               f"{gone} left the job before pushing it")
-                        self._cond.notify_all()
-                        continue
+                    return
                 left = deadline - time.monotonic()
                 if left <= 0:
                     err = CommTimeout(f"{self.name}: {why} after {self.cfg.timeout:g} s")
                     if self.cfg.synchronous:
-                        self.failed = err
-                        self._cond.notify_all()
+                        self._fail(err)
                     raise err
                 self._cond.wait(min(left, 1.0))
-            version = self.version
-            live = sum(s != "lost" for s in self._status)
-            values = self.params if self.cfg.synchronous else self.params.clone()  # async: a snapshot
-        # Synchronous: nothing changes the shard until this worker pushes again, so send in place.
-        flat = values.numpy()
-        views = [flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]] for i in self.shard_ids.tolist()]
-        ch.send(P.PARAMS, worker=w, step=head.step, version=version, extra=live, ids=self.shard_ids, values=views)
+
+    def _check_stuck(self) -> None:
+        """Sync: fail if the step in progress waits for a worker that has left (caller holds lock)."""
+        waiting = any(self._want[u] == self.version + 1 and self._status[u] == "connected"
+                      for u in range(self.cfg.workers))
+        gone = [u for u in self._missing() if self._status[u] in ("bye", "lost")]
+        if waiting and gone:
+            self._fail(PeerLost(f"{self.name}: step {self.version} cannot complete: worker(s) "
+                                f"{gone} left the job before pushing it"))
+
+    def _on_bye(self, w: int, outbox: queue.Queue, sender: threading.Thread) -> None:
+        """Answer BYE after everything this worker's last pull streams (sync), then let serve() end."""
+        if self.cfg.synchronous:
+            want = self._want[w]
+            self._wait_until(w, lambda: None if want is None or self.version >= want
+                             else f"step {self.version} has no complete gradient from worker(s) {self._missing()}")
+        outbox.put(("bye",))
+        sender.join(self.cfg.timeout)
+        with self._cond:  # only now: serve() may return (and the process exit) after this
+            self._status[w] = "bye"
+            if self.cfg.synchronous:
+                self._check_stuck()
+            self._cond.notify_all()
 
     def _missing(self) -> list[int]:
         return [u for u in range(self.cfg.workers) if not self._complete[u]]
 
     def _pull_blocker(self, w: int, step: int) -> Optional[str]:
-        """Why worker w's pull at its step ``step`` cannot be answered yet (None: it can)."""
+        """Async: why worker w's pull at its step ``step`` cannot be answered yet (None: it can)."""
         if not self._initialized:
             return "the shard was never initialized by worker 0"
-        if self.cfg.synchronous:
-            if self.version >= step:
-                return None
-            return f"step {self.version} has no complete gradient from worker(s) {self._missing()}"
         if self.cfg.max_staleness is None:
             return None
         live = [self._clock[u] for u, s in enumerate(self._status) if s in ("connected", "waiting") and u != w]
@@ -455,14 +609,11 @@ class ParameterServer:
             raise ProtocolError(f"worker {w} sent a SAVE with a body")
         if self.cfg.shard_dir is None:
             raise ProtocolError(f"{self.name} was started without a checkpoint directory")
-        deadline = time.monotonic() + self.cfg.timeout
+        if self.cfg.synchronous:
+            self._wait_until(w, lambda: None if self.version >= head.step
+                             else f"step {head.step} was not reached for a checkpoint")
         with self._cond:
-            while self.cfg.synchronous and self.version < head.step:
-                self._check_failed()
-                if time.monotonic() > deadline:
-                    raise CommTimeout(f"{self.name}: step {head.step} was not reached for a checkpoint")
-                self._cond.wait(0.5)
-            momentum = self.opt.state.get(self.params, {}).get("momentum_buffer")
+            momenta = [self.opt.state.get(v, {}).get("momentum_buffer") for v in self._views.values()]
             payload = {
                 "server": self.cfg.index,
                 "servers": self.cfg.servers,
@@ -470,7 +621,7 @@ class ParameterServer:
                 "version": self.version,
                 "clocks": list(self._clock),
                 "params": self.params.clone(),
-                "momentum": None if momentum is None else momentum.clone(),
+                "momentum": None if any(m is None for m in momenta) else torch.cat(momenta),
                 "staleness": {str(k): v for k, v in self.staleness.items()},
             }
             version = self.version

@@ -17,10 +17,14 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   group's last gradient is accumulated (a post-accumulate-grad hook), its partitions are queued
   for each server that owns some of them; one *sender* thread per server writes them, so
   backward never waits for the network and every server is written to at once.
-- *pull*: after ``step()`` every server is asked for its shard; one *receiver* thread per server
-  writes the values straight into the parameters' memory as they arrive, first layers first.
-  A forward pre-hook on each module waits only for that module's own parameters, so the next
-  forward starts as soon as its first layers are in (``overlap_pull``).
+- *pull*: every server is asked for the parameters of the next step; one *receiver* thread per
+  server writes the values straight into the parameters' memory as they arrive. Synchronous:
+  the pull for step t+1 goes out before the first push of step t, and a server streams each
+  partition the moment it has stepped it (the last layers first, while the first layers'
+  gradients are still being pushed); a parameter is written only after its own gradient hook
+  has fired, when backward no longer reads it. Asynchronous: the pull follows the pushes and
+  is answered with the whole shard. A forward pre-hook on each module waits only for that
+  module's own parameters (``overlap_pull``).
 - The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
   the gradients (set to None). A parameter that got no gradient is pushed as zeros.
 
@@ -106,7 +110,6 @@ class _Link:
         self.k = k
         self.ch = ch
         self.jobs: queue.Queue = queue.Queue()
-        self.received = 0  # partitions received over all pulls (monotone)
         self.version = 0  # of the last parameters pulled
         self.clock = 0  # this worker's steps as the server counts them (from WELCOME)
         self.saved = -1
@@ -132,17 +135,16 @@ class ParameterServerTraining:
         self.layout = make_layout([p.numel() for p in self.params], K, opts.partition_bytes)
         self._shards = [self.layout.shard(k) for k in range(K)]
         self._ids = [np.array([p.id for p in s], dtype=np.int64) for s in self._shards]
-        # Param i is in once, for every server k holding part of it, received[k] passes need[i][k].
-        self._need = [dict() for _ in self.params]
-        for k, shard in enumerate(self._shards):
-            for pos, part in enumerate(shard):
-                self._need[part.param][k] = pos + 1
+        # Param i is in for step t once each of its partitions arrived for a pull of step >= t.
+        self._parts_of = [[p.id for p in self.layout.of_param(i)] for i in range(len(self.params))]
+        self._arrived = [-1] * len(self.layout.partitions)  # step of the pull each partition last came with
+        self._part = {p.id: p for p in self.layout.partitions}
         self._cond = threading.Condition()
         self._error: Optional[CommError] = None
         self._closed = False
         self.notices: list[str] = []
         self._live = workers
-        self._pulls = 0  # pulls issued to every server
+        self._pulled = -1  # step of the last pull issued to every server
         self._groups: list[list[int]] = [[i] for i in range(len(self.params))]  # until calibrated
         self._calibrated = False
         self._stamps: dict[int, float] = {}
@@ -157,7 +159,7 @@ class ParameterServerTraining:
                 link.threads.append(t)
         self._reset_groups()
         self._install_hooks()
-        self._issue_pulls()
+        self._issue_pulls(self.step_count)
         if not opts.overlap_pull:
             self.wait()
 
@@ -231,6 +233,8 @@ class ParameterServerTraining:
             self._push_group(g)
 
     def _push_group(self, g: int) -> None:
+        if self.opts.strategy != "async" and self._pulled <= self.step_count:
+            self._issue_pulls(self.step_count + 1)  # streamed: servers send partitions as they step them
         self._pushed[g] = True
         members = set(self._groups[g])
         for link in self._links:
@@ -243,7 +247,10 @@ class ParameterServerTraining:
                 flat = torch.zeros(self.params[p.param].numel()) if grad is None else grad.detach().reshape(-1)
                 views.append(flat[p.start: p.stop].numpy())
             ids = np.array([p.id for p in parts], dtype=np.int64)
-            link.jobs.put(("push", self.step_count, link.version, ids, views))
+            # The version of the parameters these gradients come from: synchronous servers are at
+            # this step (link.version may already be the next, streamed in during backward).
+            version = link.version if self.opts.strategy == "async" else self.step_count
+            link.jobs.put(("push", self.step_count, version, ids, views))
 
     def step(self) -> None:
         """Push the gradients not pushed yet, clear them, and ask every server for the next parameters."""
@@ -251,15 +258,18 @@ class ParameterServerTraining:
         if self._double_backward:
             raise RuntimeError("backward ran twice before step(): gradient accumulation is not supported "
                                "with parameter servers; call ps.step() after every backward")
-        for g, pushed in enumerate(self._pushed):
-            if not pushed:
-                self._push_group(g)
+        left = [g for g, pushed in enumerate(self._pushed) if not pushed]
+        if left:  # parameters without a gradient: pushed as zeros, once their values of this step are in
+            self._wait_params([i for g in left for i in self._groups[g]])
+        for g in left:
+            self._push_group(g)
         if not self._calibrated:
             self._plan()
         for p in self.params:
             p.grad = None  # the sender threads keep the tensors they still have to send
         self.step_count += 1
-        self._issue_pulls()
+        if self._pulled < self.step_count:
+            self._issue_pulls(self.step_count)
         self._reset_groups()
         if not self.opts.overlap_pull:
             self.wait()
@@ -281,15 +291,13 @@ class ParameterServerTraining:
         self._ready = [False] * len(self.params)
         self._double_backward = False
 
-    def _issue_pulls(self) -> None:
-        with self._cond:
-            self._pulls += 1
+    def _issue_pulls(self, step: int) -> None:
+        self._pulled = step
         for link in self._links:
-            link.jobs.put(("pull", self.step_count))
+            link.jobs.put(("pull", step))
 
     def _param_in(self, i: int) -> bool:
-        return all(self._links[k].received >= (self._pulls - 1) * len(self._shards[k]) + pos
-                   for k, pos in self._need[i].items())
+        return all(self._arrived[j] >= self.step_count for j in self._parts_of[i])
 
     def _wait_params(self, indices: Sequence[int]) -> None:
         t0 = time.monotonic()
@@ -305,13 +313,14 @@ class ParameterServerTraining:
                 self._raise_if_failed()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    slow = sorted({k for i in indices for k in self._need[i] if not self._param_in(i)})
+                    slow = sorted({self._part[j].server for i in indices if not self._param_in(i)
+                                   for j in self._parts_of[i] if self._arrived[j] < self.step_count})
                     raise CommTimeout(f"worker {self.worker}: parameters from parameter server(s) {slow} "
                                       f"did not arrive within {self.opts.timeout:g} s")
                 self._cond.wait(min(left, 0.5))
 
     def wait(self) -> None:
-        """Block until the parameters of the last pull are all in (e.g. before evaluating)."""
+        """Block until the parameters of this step are all in (after step(), e.g. before evaluating)."""
         self._wait_params(range(len(self.params)))
 
     def save_checkpoint(self) -> None:
@@ -399,13 +408,15 @@ class ParameterServerTraining:
                         return
                     raise PeerLost(f"{link.ch.peer} closed the connection (the server died or was stopped)") from None
                 if head.kind == P.PARAMS:
-                    ids = link.ch.recv_ids(head, len(shard))
-                    if not np.array_equal(ids, self._ids[link.k]) or head.body != 4 * len(ids) + 4 * sum(p.numel for p in shard):
+                    ids = link.ch.recv_ids(head, len(shard)).tolist()
+                    parts = [self._part.get(j) for j in ids]
+                    if (len(set(ids)) != len(ids) or any(p is None or p.server != link.k for p in parts)
+                            or head.body != 4 * len(ids) + 4 * sum(p.numel for p in parts)):
                         raise ProtocolError(f"{link.ch.peer} sent PARAMS that do not match its shard")
-                    for p in shard:
+                    for p in parts:
                         link.ch.recv_into(self._flat(self.params[p.param])[p.start: p.stop].numpy())
                         with self._cond:
-                            link.received += 1
+                            self._arrived[p.id] = head.step
                             self._cond.notify_all()
                     link.version = head.version
                     self._note_live(head.extra, link)
