@@ -171,6 +171,8 @@ def _ps_row(d: dict, args) -> dict:
         "servers": d["servers"], "worker_bytes_sent": stats.get("bytes_sent"),
         "worker_bytes_received": stats.get("bytes_received"), "bytes_per_server": stats.get("bytes_per_server"),
         "staleness_histogram": stats.get("staleness_histogram"), "losses": d.get("losses"),
+        # forward's waits for pulled parameters, per step (rank 0; the counter spans every step)
+        "pull_wait_s": None if stats.get("pull_wait_s") is None else stats["pull_wait_s"] / len(d["step_s"]),
     }
 
 
