@@ -25,10 +25,14 @@ Words used here:
   every launch costs a wake-up, copies and protocol work, and the layers after it become ready
   later: group g's layers are ready at ``ready + delay[g]``, ``delay[g]`` the sum of the
   interference of groups 0..g-1. The last group is launched when backward has ended and slows
-  nothing. The other way round, ``comm_slowdown``: every group but the last, launched while
-  backward runs, takes ``(1 + comm_slowdown) * cost`` (its thread competes for the cores).
-  Without interference (the default) overlapped communication is free, as on a GPU with its
-  own copy engines.
+  nothing. The other way round, ``comm_slowdown``: while backward runs an allreduce progresses
+  ``1 + comm_slowdown`` times slower (its thread competes for the cores), after it at full
+  speed. Backward's end here is the last layer's ready time from compute alone (``ready[-1]``,
+  without the delays, so that it does not depend on the plan): an allreduce of cost c started
+  at t ends at ``t + c + comm_slowdown * w``, ``w = min(c, max(0, ready[-1] - t) / (1 +
+  comm_slowdown))`` the part of its work done while backward runs (:func:`_end`). The end is
+  non-decreasing in t and c, which keeps the prefix program below exact. Without interference
+  (the default) overlapped communication is free, as on a GPU with its own copy engines.
 
 Methods (``METHODS``):
 
@@ -41,7 +45,7 @@ Methods (``METHODS``):
   With interference the delay of a group depends on the bytes before it (a function of i, so
   the same program stays exact) and on how many groups precede it; with a per-message cost the
   program runs once per group count g, F_g[j] = min over i < j of max(ready[j-1] + delay, F_{g-1}[i])
-  + cost(bytes of layers i..j-1) (times 1 + comm_slowdown for j < n), delay = per_message *
+  + cost(bytes of layers i..j-1) (slowed while backward runs), delay = per_message *
   (g-1) + per_byte * bytes before i, and stops at the first g whose lower bounds (the last
   group after backward's delayed end; g allreduces on the stream) cannot beat the best plan
   found: exact, O(G n^2) time and O(n^2) memory. Beyond ~2,000 layers (``_COST_TABLE_LIMIT``
@@ -102,15 +106,16 @@ class LinearCost:
 class Interference:
     """What overlapping costs where communication shares the computation's cores: an
     allreduce launched during backward takes ``per_message + per_byte * nbytes`` seconds from
-    the rest of backward and itself runs ``1 + comm_slowdown`` times as long (module docstring)."""
+    the rest of backward and itself runs ``1 + comm_slowdown`` times slower while backward
+    runs (module docstring)."""
 
     per_message: float = 0.0
     """Seconds of backward lost per overlapped allreduce (wake-ups, hooks, protocol)."""
     per_byte: float = 0.0
     """Seconds of backward lost per overlapped byte (copies, kernel network work)."""
     comm_slowdown: float = 0.0
-    """The other way round: an allreduce launched during backward (every group but the last)
-    takes ``(1 + comm_slowdown)`` times its cost (its thread shares the cores with backward)."""
+    """The other way round: while backward runs an allreduce progresses ``1 + comm_slowdown``
+    times slower (its thread shares the cores with backward); after it, at full speed."""
 
     def __post_init__(self) -> None:
         for name in ("per_message", "per_byte", "comm_slowdown"):
@@ -294,8 +299,8 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
                     slow: Interference | None = None) -> list[tuple[int, int]]:
     """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1 (a per-byte
     interference delays a group's layers by per_byte * the bytes before it: a function of i;
-    a group ending before layer n-1 is launched during backward and costs (1 + comm_slowdown)
-    times as much: a function of j). A per-message interference is not planned for here."""
+    comm_slowdown makes the end a non-decreasing function of the start, :func:`_end`).
+    A per-message interference is not planned for here."""
     slow = slow or NO_INTERFERENCE
     n = len(sizes)
     prefix = _prefix(sizes)
@@ -315,10 +320,8 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
             costs = _cost_array(cost, prefix[j] - prefix[:j])
         else:
             costs = table[j * (j - 1) // 2 : j * (j + 1) // 2]
-        if slow.comm_slowdown and j < n:
-            costs = costs * (1.0 + slow.comm_slowdown)
         # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
-        ends = np.maximum(ready[j - 1] + delay[:j], best[:j]) + costs
+        ends = _end(np.maximum(ready[j - 1] + delay[:j], best[:j]), costs, ready[n - 1], slow.comm_slowdown)
         i = int(np.argmin(ends))
         best[j] = ends[i]
         split[j] = i
@@ -340,8 +343,6 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     rows, cols = np.tril_indices(n + 1, -1)  # candidate group cols..rows-1, row-major: row j is contiguous
     costs = _cost_array(cost, prefix[rows] - prefix[cols])
     cheapest = float(costs.min())
-    if slow.comm_slowdown:  # groups ending before layer n-1 are launched during backward
-        costs = np.where(rows < n, costs * (1.0 + slow.comm_slowdown), costs)
     js = np.arange(1, n + 1)
     row_start = js * (js - 1) // 2  # offset of row j's first candidate, j = 1..n
     ready_rows = ready[rows - 1]
@@ -355,7 +356,7 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     while g <= n:
         # Same expression as _evaluate: ready + (per_message * groups before + per_byte * bytes before).
         delay = slow.per_message * (g - 1) + bytes_delay
-        ends = np.maximum(ready_rows + delay, prev[cols]) + costs
+        ends = _end(np.maximum(ready_rows + delay, prev[cols]), costs, ready[n - 1], slow.comm_slowdown)
         cur = np.full(n + 1, np.inf)
         cur[1:] = np.minimum.reduceat(ends, row_start)
         # The first i reaching the row's minimum (as the 1-D program's argmin).
@@ -369,7 +370,7 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # Lower bounds on the end of any plan with g or more groups (they grow with g). Its last
         # group, layers i..n-1, starts no earlier than backward's end delayed by g-1 launches and
         # the bytes before i: the DP's own float expression without the max, so no larger than
-        # any such plan's end in floats too. And the stream carries g allreduces (in exact
+        # any such plan's end in floats too (it starts after ready[n-1]: nothing slows it). And the stream carries g allreduces (in exact
         # arithmetic; a margin of 1e-9 covers the rounding of the sum).
         last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[last_row]) + costs[last_row])
         chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
@@ -443,12 +444,12 @@ def _evaluate(
     costs = _cost_array(cost, nbytes)
     starts, ends = [], []
     prev_end = 0.0
+    backward_end = ready[-1] if len(ready) else 0.0  # from compute alone (module docstring)
     for g, (first, last) in enumerate(zip(firsts, lasts)):
         if not slow.is_zero:  # the interference of groups 0..g-1 (module docstring)
             ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
         start = max(ready[last], prev_end)
-        cost_g = costs[g] * (1.0 + slow.comm_slowdown) if slow.comm_slowdown and g < len(lasts) - 1 else costs[g]
-        prev_end = start + cost_g
+        prev_end = _end(start, costs[g], backward_end, slow.comm_slowdown)
         starts.append(float(start))
         ends.append(float(prev_end))
     return Plan(
@@ -460,6 +461,16 @@ def _evaluate(
         ready=[float(r) for r in ready],
         end_time=ends[-1] if ends else 0.0,
     )
+
+
+def _end(start, cost, backward_end, comm_slowdown: float):
+    """End of an allreduce of ``cost`` started at ``start``: ``comm_slowdown`` times slower until
+    ``backward_end``, full speed after (module docstring). Scalars or arrays, the same float
+    operations either way (the planner's program and _evaluate must agree to the bit)."""
+    if not comm_slowdown:
+        return start + cost
+    during = np.minimum(cost, np.maximum(backward_end - start, 0.0) / (1.0 + comm_slowdown))
+    return start + cost + comm_slowdown * during
 
 
 def _prefix(sizes: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ Words used here:
   (three). The *interference* (``ringtrain.plan.Interference``) is the
   per-message and per-byte cost that explains the probes' extra backward time over a single
   allreduce after backward (:func:`fit_interference`), and the factor by which allreduces
-  overlapping backward take longer that best explains the probes' communication ends
+  run slower while backward runs that best explains the probes' communication ends
   (:func:`fit_comm_slowdown`).
 - *drift*: how far the ready curve (cumulative gaps in plan order) moved between the profile
   the current plan was made from and a newer one, as a share of the older backward time.
@@ -134,7 +134,7 @@ def fit_interference(launches: Sequence[float], overlapped_bytes: Sequence[float
     return Interference(float(best[0]), float(best[1]))
 
 
-#: comm_slowdown values tried by fit_comm_slowdown (0 to 4: overlapped allreduces up to 5x as long).
+#: comm_slowdown values tried by fit_comm_slowdown (0 to 4: allreduces up to 5x slower while backward runs).
 COMM_SLOWDOWN_GRID = np.linspace(0.0, 4.0, 101)
 
 

@@ -37,7 +37,7 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    ``verify_iterations`` iterations; the slowest rank's median backward under each gives the
    *interference* (backward time lost per overlapped allreduce and per overlapped byte,
    ``ringtrain.plan.Interference``, fitted in :func:`.calibration.fit_interference`), and the
-   probes' communication ends give how much longer overlapped allreduces take
+   probes' communication ends give how much slower allreduces run while backward does
    (:func:`.calibration.fit_comm_slowdown`); the optimal plan is made again with both. That
    plan and the single allreduce then alternate, one iteration each, ``verify_iterations``
    times each (both bucket layouts kept, so both meet the same machine load), and the plan is
@@ -623,7 +623,7 @@ class DistributedDataParallel(nn.Module):
     def _describe_interference(self) -> str:
         return (f"{self.interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
                 f"{self.interference.per_byte * 1e9:.3f} ms per overlapped MB, overlapped allreduces "
-                f"{1 + self.interference.comm_slowdown:.2f}x as long")
+                f"{1 + self.interference.comm_slowdown:.2f}x slower while backward runs")
 
     def _replan(self, first: bool) -> None:
         local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
