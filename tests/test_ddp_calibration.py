@@ -199,7 +199,7 @@ def test_optimal_plan_is_verified_against_one_allreduce(caplog, slow_overlap, mo
         # alpha and beta given: a plan of several buckets, whatever this machine measures
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2)
         x = torch.randn(8, 64)
-        for _ in range(14):  # warm-up, profile, two probes, single, then plan and single alternating
+        for _ in range(18):  # warm-up, profile, two probes, single, then the candidates in turn
             ddp(x).sum().backward()
         groups = len(ddp.plan.groups)
         ddp.close()
@@ -208,15 +208,48 @@ def test_optimal_plan_is_verified_against_one_allreduce(caplog, slow_overlap, mo
     results = raise_first(run_comms(2, body))
     assert results[0] == results[1] and results[0][1], results
     messages = [r.getMessage() for r in caplog.records
-                if "plan verified" in r.getMessage() or "is the optimal plan" in r.getMessage()]
+                if "candidates verified" in r.getMessage() or "alike; keeping it" in r.getMessage()]
     assert messages, "no verification logged"
     if slow_overlap:
         # the probes see the slowdown (the plan made with it is one allreduce), or the
         # verification does (it keeps the single allreduce)
         assert results[0][0] == 1
-        assert "keeping the single allreduce" in messages[0] or "is the optimal plan" in messages[0]
+        # (a plan of one group is the single allreduce: kept under the plan's name)
+        assert any(f"keeping {what}" in messages[0] for what in ("one allreduce after backward", "the plan", "it"))
     else:
         assert results[0][0] > 1 and "keeping the plan" in messages[0]
+
+
+def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
+    """A per-message interference so large that the plan made with it is one allreduce: the
+    plan made without it (several buckets) is the other candidate. Whichever wins, every rank
+    keeps the same, ``planned_with`` says how it was planned, and re-plans plan that way."""
+    from ringtrain.plan import Interference
+
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    given = Interference(0.05, 0.0)
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
+                                      interference=given, replan_interval=1, drift_threshold=1e-9)
+        x = torch.randn(8, 64)
+        for _ in range(12):  # warm-up, profile, single, two candidates twice each, then re-plans
+            ddp(x).sum().backward()
+        out = len(ddp.plan.groups), ddp.planned_with, ddp.settled
+        ddp.close()
+        return out
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1] and results[0][2], results
+    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
+    assert messages and "the plan of free overlap (" in messages[0] and "one allreduce after backward" not in messages[0]
+    groups, planned_with, _ = results[0]
+    if "keeping the plan of free overlap" in messages[0]:
+        assert planned_with == Interference() and groups > 1
+    else:
+        assert planned_with == given and groups == 1
 
 
 def test_probe_groups_cover_the_layers_evenly():

@@ -77,6 +77,19 @@ def test_only_the_last_allreduce_shows_when_the_others_hide_behind_backward():
     assert p.iteration_s == 8.0 + 6.0 + 0.25 + 0.5
 
 
+def test_a_plan_made_without_the_interference_it_is_charged():
+    """planned_with: the grouping of the plan made with that interference (here none: wfbp is
+    optimal, as by hand above), timed with the one charged: 1 s per launch during backward
+    delays B by 1 and A by 2 (ready 4 and 8), so the ends are 3, 7 and 12."""
+    slow = planner.Interference(1.0, 0.0)
+    p = predict_with_cost(toy(), cost, 2, "optimal", interference=slow, planned_with=planner.Interference())
+    assert p.plan.groups == [(0, 0), (1, 1), (2, 2)] and p.plan.ends == [3.0, 7.0, 12.0]
+    # planned with the interference itself, the optimum merges B and A instead
+    q = predict_with_cost(toy(), cost, 2, "optimal", interference=slow)
+    assert q.plan.groups != p.plan.groups and q.comm_end_s <= p.comm_end_s
+    assert predict_with_cost(toy(), cost, 2, "optimal", interference=slow, planned_with=slow).plan == q.plan
+
+
 def test_affine_detection():
     assert affine_or_none(planner.LinearCost(2.0, 0.5)) == (2.0, 0.5)
     assert affine_or_none(costs.allreduce_cost(16, "ring", 1e-5, 1e-9)) == pytest.approx((30e-5, 1.875e-9), rel=1e-9)

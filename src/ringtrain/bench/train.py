@@ -323,8 +323,10 @@ def _worker(cfg: dict) -> int:
                 plan = ddp.plan
                 cost = lambda n: alpha + beta * n  # noqa: E731 - the measured fit
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
+                # (as the wrapper planned it: its trial may have kept the plan of free overlap)
                 pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
-                                         interference=slow)
+                                         interference=slow,
+                                         planned_with=ddp.planned_with if c["schedule"] == "optimal" and slow is not None else slow)
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
                 one_allreduce = alpha + beta * float(sum(plan.group_bytes))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
@@ -334,6 +336,7 @@ def _worker(cfg: dict) -> int:
                     alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups),
                     plan_in_force=plan.method,
                     interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
+                    planned_with=ddp.planned_with.to_dict(),
                     planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
                     sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
                     overlap_bound_s=bound, vs_bound=med / bound,

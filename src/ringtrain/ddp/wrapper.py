@@ -38,12 +38,15 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    *interference* (backward time lost per overlapped allreduce and per overlapped byte,
    ``ringtrain.plan.Interference``, fitted in :func:`.calibration.fit_interference`), and the
    probes' communication ends give how much slower allreduces run while backward does
-   (:func:`.calibration.fit_comm_slowdown`); the optimal plan is made again with both. That
-   plan and the single allreduce then alternate, one iteration each, ``verify_iterations``
-   times each (both bucket layouts kept, so both meet the same machine load), and the plan is
-   kept only if its median forward+backward is no slower than the single allreduce's;
-   otherwise the single allreduce stays (``fell_back``). The one kept is laid out afresh.
-   ``settled`` is True once the trial is over.
+   (:func:`.calibration.fit_comm_slowdown`); the optimal plan is made again with both. The
+   *candidates* then alternate, one iteration each, ``verify_iterations`` times each (every
+   bucket layout kept, so all meet the same machine load): that plan, the optimal plan of the
+   model without interference (free overlap, as on a GPU: where the fitted interference
+   over-charges overlap it merges less), and the single allreduce, each only if its grouping
+   differs from those before it. The one with the smallest median forward+backward (the
+   slowest rank's) stays, the earlier of equals; ``planned_with`` is the interference it was
+   planned with, ``fell_back`` says the single allreduce won. The one kept is laid out afresh
+   and re-plans keep its way of planning. ``settled`` is True once the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -110,9 +113,9 @@ class DDPOptions:
     verify_iterations: int = 5
     """schedule="optimal" only: iterations per phase of the trial (module docstring, item 5):
     the probe plans and one allreduce after backward measure the interference, then the plan
-    made with it and the single allreduce alternate, as many iterations each, and the plan is
-    kept only if its median forward+backward is no slower than the single allreduce's (0: no
-    trial; trust the model)."""
+    made with it, the plan made without it and the single allreduce alternate, as many
+    iterations each, and the fastest median forward+backward stays (0: no trial; trust the
+    model)."""
     gradient_as_bucket_view: bool = True
     """After backward each ``.grad`` is a view of its bucket (no copy back; torch's option of
     the same name). The bucket is reused by the next synchronizing backward: a reference to a
@@ -209,6 +212,7 @@ class DistributedDataParallel(nn.Module):
         self._plan_times = np.zeros(n)
         self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
         self._fell_back = False
+        self._free_overlap = False  # the trial kept the plan made without interference
         self.interference = opts.interference or planner.NO_INTERFERENCE
         first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
         self._install(first, planner.merge([0.0] * n, self._sizes[first], self.alpha, self.beta, method="single"))
@@ -251,8 +255,14 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def fell_back(self) -> bool:
-        """True when the trial measured one allreduce after backward to be faster than the plan."""
+        """True when the trial measured one allreduce after backward to be the fastest candidate."""
         return self._fell_back
+
+    @property
+    def planned_with(self) -> planner.Interference:
+        """The interference the plan in force was made with: the measured one, or none where
+        the trial measured the plan of free overlap to be the fastest."""
+        return planner.Interference() if self._free_overlap else self.interference
 
     @property
     def iteration(self) -> int:
@@ -517,7 +527,7 @@ class DistributedDataParallel(nn.Module):
                 phases += ["finest"]
             phases += ["fine", "coarse"]
         phases += ["single", "verify"]
-        self._trial = {"phases": phases, "k": 0, **{name: [] for name in phases}, "plan": [], "verify single": []}
+        self._trial = {"phases": phases, "k": 0, **{name: [] for name in phases}}
         self._install_phase()
 
     def _phase_plan(self, name: str) -> planner.Plan:
@@ -533,17 +543,43 @@ class DistributedDataParallel(nn.Module):
     def _install_phase(self) -> None:
         trial = self._trial
         name = trial["phases"][trial["k"]]
-        if name == "verify":  # the single allreduce's buckets stay, to alternate with the plan's
-            trial["single layout"] = self._layout()
+        if name == "verify":
+            self._start_verify(trial)
+            return
         plan = self._phase_plan(name)
         trial[name + " plan"] = plan
         self._install(self._order, plan)
-        if name == "verify":
-            trial["plan layout"] = self._layout()
         # What the probe launches during backward: every bucket but the last (a group of mixed
         # dtypes is one bucket per dtype).
         trial[name + " launches"] = len(self._specs) - 1
         trial[name + " bytes"] = float(sum(spec.nbytes for spec in self._specs[:-1]))
+
+    def _start_verify(self, trial: dict) -> None:
+        """Lay out every candidate (module docstring, item 5) and put the first in force; with
+        one candidate left (all group alike) the trial is over."""
+        times, sizes = self._plan_times, self._sizes[self._order]
+        free = planner.merge(times, sizes, self.alpha, self.beta, method="optimal")
+        free = planner.evaluate(times, sizes, free.groups, self.alpha, self.beta, method="optimal",
+                                interference=self.interference)
+        single_layout = self._layout()  # the single phase's buckets are in force
+        candidates: list[dict] = []
+        for label, plan in (("plan", self._phase_plan("verify")), ("free", free), ("single", trial["single plan"])):
+            if all(plan.groups != c["plan"].groups for c in candidates):
+                candidates.append({"label": label, "plan": plan, "rows": []})
+        if len(candidates) == 1:
+            self._trial = None
+            self._install(self._order, candidates[0]["plan"])
+            self._log(f"with the interference ({self._describe_interference()}) every candidate plan is "
+                      f"{len(candidates[0]['plan'].groups)} group(s) alike; keeping it")
+            return
+        for c in candidates:
+            if c["label"] == "single":
+                c["layout"] = single_layout
+            else:
+                self._install(self._order, c["plan"])
+                c["layout"] = self._layout()
+        trial["candidates"], trial["turn"] = candidates, 0
+        self._use_layout(candidates[0]["layout"])
 
     def _verify_step(self) -> None:
         """One trial iteration done: record it; go to the next phase, or decide, when one is full."""
@@ -562,38 +598,32 @@ class DistributedDataParallel(nn.Module):
         trial["k"] += 1
         if trial["k"] < len(trial["phases"]):
             self._install_phase()
-            if name == "single" and len(self._plan.groups) == 1:
-                self._trial = None
-                self._log(f"with the interference ({self._describe_interference()}) one allreduce after "
-                          "backward is the optimal plan; keeping it")
 
     def _compare_step(self, trial: dict, row: tuple) -> None:
-        """The verify phase: the plan and the single allreduce alternate, one iteration each, so
-        that both meet the same machine load; once each has run verify_iterations, the faster
-        one (by the slowest rank's median forward+backward) stays."""
-        on_plan = self._plan is trial["verify plan"]
-        trial["plan" if on_plan else "verify single"].append(row)
-        n = self.options.verify_iterations
-        if len(trial["plan"]) < n or len(trial["verify single"]) < n:
-            self._use_layout(trial["single layout"] if on_plan else trial["plan layout"])
+        """The verify phase: the candidates take turns, one iteration each, so that all meet the
+        same machine load; once each has run verify_iterations, the fastest (by the slowest
+        rank's median forward+backward; the earlier of equals) stays."""
+        candidates = trial["candidates"]
+        candidates[trial["turn"]]["rows"].append(row)
+        if any(len(c["rows"]) < self.options.verify_iterations for c in candidates):
+            trial["turn"] = (trial["turn"] + 1) % len(candidates)
+            self._use_layout(candidates[trial["turn"]]["layout"])
             return
-        # Both timed: agree on the slowest rank's medians, so every rank decides alike.
-        medians = np.array([np.median([r[1] for r in trial["plan"]]),
-                            np.median([r[1] for r in trial["verify single"]])], dtype=np.float64)
+        # All timed: agree on the slowest rank's medians, so every rank decides alike.
+        medians = np.array([np.median([r[1] for r in c["rows"]]) for c in candidates], dtype=np.float64)
         self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         self._trial = None
-        # The winner's buckets are laid out afresh and both trial layouts dropped (in three 4-rank
-        # runs on 2 cores the kept single layout's allreduce ran 9-13% slower than a fresh one's).
-        if medians[1] < medians[0]:  # (no margin either way: the measured faster one stays)
-            self._fell_back = True
-            self._install(self._order, trial["single plan"])
-            self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
-                      f"{medians[1] * 1e3:.1f} ms per forward+backward; overlapping does not pay here "
-                      "(communication slows the computation down), keeping the single allreduce")
-        else:
-            self._install(self._order, trial["verify plan"])
-            self._log(f"plan verified against one allreduce after backward: {medians[0] * 1e3:.1f} ms against "
-                      f"{medians[1] * 1e3:.1f} ms per forward+backward; keeping the plan")
+        best = candidates[int(np.argmin(medians))]  # (no margin: the measured fastest stays)
+        self._fell_back = best["label"] == "single"
+        self._free_overlap = best["label"] == "free"
+        # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
+        # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
+        self._install(self._order, best["plan"])
+        names = {"plan": "the plan", "free": "the plan of free overlap", "single": "one allreduce after backward"}
+        groups = lambda n: f"{n} group{'s' if n != 1 else ''}"  # noqa: E731
+        timed = ", ".join(f"{names[c['label']]} ({groups(len(c['plan'].groups))}) {m * 1e3:.1f} ms"
+                          for c, m in zip(candidates, medians))
+        self._log(f"candidates verified, per forward+backward: {timed}; keeping {names[best['label']]}")
 
     def _fit_interference(self, trial: dict) -> None:
         """The interference from the probes' and the single allreduce's backward times and the
@@ -650,7 +680,10 @@ class DistributedDataParallel(nn.Module):
             self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
         ordered = times[order]
         plan = planner.merge(ordered, self._sizes[order], self.alpha, self.beta, method=self.options.schedule,
-                             bucket_cap_mb=self.options.bucket_cap_mb, interference=self.interference)
+                             bucket_cap_mb=self.options.bucket_cap_mb, interference=self.planned_with)
+        if self._free_overlap:  # planned as if overlap were free; its timing charges what was measured
+            plan = planner.evaluate(ordered, self._sizes[order], plan.groups, self.alpha, self.beta,
+                                    method=plan.method, interference=self.interference)
         self._plan_times = ordered
         self._install(order, plan)
         self._log(f"plan ({plan.method}, alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B): "
