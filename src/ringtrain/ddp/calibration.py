@@ -134,8 +134,11 @@ def fit_interference(launches: Sequence[float], overlapped_bytes: Sequence[float
     return Interference(float(best[0]), float(best[1]))
 
 
-#: comm_slowdown values tried by fit_comm_slowdown (0 to 4: allreduces up to 5x slower while backward runs).
-COMM_SLOWDOWN_GRID = np.linspace(0.0, 4.0, 101)
+#: comm_slowdown values tried by fit_comm_slowdown, in steps of 0.04: 0 to 12, allreduces up to
+#: 13x slower while backward runs. (Up to 4 while the slowdown was charged for an allreduce's
+#: whole length; slowed only while backward runs, the CNN and the MLP at 4 ranks / 10 Gbit/s
+#: fitted the cap of 4 in three sets of three and their wfbp rows were under-predicted by 14-20%.)
+COMM_SLOWDOWN_GRID = np.linspace(0.0, 12.0, 301)
 
 
 def fit_comm_slowdown(model_end, groups_per_probe: Sequence, measured_ends: Sequence[float],
