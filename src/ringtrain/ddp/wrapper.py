@@ -556,7 +556,7 @@ class DistributedDataParallel(nn.Module):
 
     def _start_verify(self, trial: dict) -> None:
         """Lay out every candidate (module docstring, item 5) and put the first in force; with
-        one candidate left (all group alike) the trial is over."""
+        one candidate left (all grouped alike) the trial is over."""
         times, sizes = self._plan_times, self._sizes[self._order]
         free = planner.merge(times, sizes, self.alpha, self.beta, method="optimal")
         free = planner.evaluate(times, sizes, free.groups, self.alpha, self.beta, method="optimal",
