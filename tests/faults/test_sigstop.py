@@ -28,8 +28,12 @@ def test_sigstop_times_out_naming_the_silent_rank(transport, world, algorithm, f
     victim = world - 1
     out = inject(allreduce_loop, world, victim, signal.SIGSTOP, transport, algorithm, TIMEOUT,
                  timeout=TIMEOUT, seed=3)
+    # gloo cannot carry a peer's error type: a survivor whose neighbour timed out first and
+    # closed its connections sees PeerLost naming that neighbour (the chain check below still
+    # has to lead to the silent rank). Seen once in CI: rank 1 of 3, rank 0 closing on it.
+    allowed = ("CommTimeout", "PeerLost") if transport == "torch" and world > 2 else ("CommTimeout",)
     judge(out, fault_log, f"SIGSTOP rank {victim}/{world} during {algorithm} allreduce on {transport}",
-          timeout=TIMEOUT, allowed=("CommTimeout",))
+          timeout=TIMEOUT, allowed=allowed)
     for r, res in out.results.items():
         print(f"  rank {r}: {res['message']}")
     named = {r for r, res in out.results.items() if names(res["message"], victim)}
