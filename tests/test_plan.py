@@ -511,3 +511,15 @@ def test_interference_beyond_the_table_limit_plans_without_the_per_message_count
     # the one-pass program's plan, timed with every cost charged: valid, never better
     assert fallback.end_time >= exact.end_time
     assert fallback.end_time == evaluate(times, sizes, fallback.groups, 1e-4, 1e-8, interference=slow).end_time
+
+
+def test_a_plan_made_with_one_interference_is_timed_with_another():
+    rng = np.random.default_rng(23)
+    times, sizes = rng.uniform(1e-3, 3e-3, 30), rng.uniform(1e4, 2e5, 30)
+    slow = Interference(1e-3, 1e-9, 0.5)
+    free = merge(times, sizes, 1e-4, 1e-9, interference=slow, planned_with=Interference())
+    assert free.groups == merge(times, sizes, 1e-4, 1e-9).groups  # grouped as if overlap were free
+    assert free.end_time == evaluate(times, sizes, free.groups, 1e-4, 1e-9, interference=slow).end_time
+    assert merge(times, sizes, 1e-4, 1e-9, interference=slow, planned_with=slow) == merge(
+        times, sizes, 1e-4, 1e-9, interference=slow)
+    assert merge(times, sizes, 1e-4, 1e-9, interference=slow).end_time <= free.end_time

@@ -260,12 +260,15 @@ def merge(
     cost: CostFn | None = None,
     first_bucket_mb: float | None = None,
     interference: Interference | None = None,
+    planned_with: Interference | None = None,
 ) -> Plan:
     """Group the layers' gradients into allreduces with ``method`` (one of ``METHODS``).
 
     ``bucket_cap_mb`` and ``first_bucket_mb`` (MiB) are used by ``fixed`` only.
     ``interference`` is charged by every method's timing; only ``optimal`` plans around it
-    (the other methods' rules are as their authors wrote them).
+    (the other methods' rules are as their authors wrote them), or around ``planned_with``
+    where that is given (e.g. ``Interference()``: the optimum of free overlap, timed with
+    what overlapping really costs).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}: accepted values are {', '.join(METHODS)}")
@@ -275,12 +278,13 @@ def merge(
     times, sizes = _check_layers(backward_times, sizes_bytes)
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
     slow = _check_interference(interference)
+    planning = slow if planned_with is None else _check_interference(planned_with)
     n = len(times)
     ready = np.cumsum(times)
     if method == "optimal":
-        counted = slow.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
-        groups = (_optimal_groups_counted(ready, sizes, cost_fn, slow) if counted
-                  else _optimal_groups(ready, sizes, cost_fn, slow))
+        counted = planning.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
+        groups = (_optimal_groups_counted(ready, sizes, cost_fn, planning) if counted
+                  else _optimal_groups(ready, sizes, cost_fn, planning))
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
     elif method == "wfbp":
@@ -370,8 +374,9 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # Lower bounds on the end of any plan with g or more groups (they grow with g). Its last
         # group, layers i..n-1, starts no earlier than backward's end delayed by g-1 launches and
         # the bytes before i: the DP's own float expression without the max, so no larger than
-        # any such plan's end in floats too (it starts after ready[n-1]: nothing slows it). And the stream carries g allreduces (in exact
-        # arithmetic; a margin of 1e-9 covers the rounding of the sum).
+        # any such plan's end in floats too (it starts after ready[n-1]: nothing slows it). And
+        # the stream carries g allreduces (in exact arithmetic; a margin of 1e-9 covers the
+        # rounding of the sum).
         last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[last_row]) + costs[last_row])
         chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
         if max(last, chain * (1.0 - 1e-9)) >= best_end:

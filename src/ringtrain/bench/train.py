@@ -326,7 +326,7 @@ def _worker(cfg: dict) -> int:
                 # (as the wrapper planned it: its trial may have kept the plan of free overlap)
                 pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
                                          interference=slow,
-                                         planned_with=ddp.planned_with if c["schedule"] == "optimal" and slow is not None else slow)
+                                         planned_with=ddp.planned_with if c["schedule"] == "optimal" else None)
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
                 one_allreduce = alpha + beta * float(sum(plan.group_bytes))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s

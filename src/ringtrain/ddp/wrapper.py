@@ -211,8 +211,7 @@ class DistributedDataParallel(nn.Module):
         self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
         self._plan_times = np.zeros(n)
         self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
-        self._fell_back = False
-        self._free_overlap = False  # the trial kept the plan made without interference
+        self._kept = "plan"  # the trial's candidate in force: "plan", "free" or "single"
         self.interference = opts.interference or planner.NO_INTERFERENCE
         first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
         self._install(first, planner.merge([0.0] * n, self._sizes[first], self.alpha, self.beta, method="single"))
@@ -256,13 +255,13 @@ class DistributedDataParallel(nn.Module):
     @property
     def fell_back(self) -> bool:
         """True when the trial measured one allreduce after backward to be the fastest candidate."""
-        return self._fell_back
+        return self._kept == "single"
 
     @property
     def planned_with(self) -> planner.Interference:
         """The interference the plan in force was made with: the measured one, or none where
         the trial measured the plan of free overlap to be the fastest."""
-        return planner.Interference() if self._free_overlap else self.interference
+        return planner.Interference() if self._kept == "free" else self.interference
 
     @property
     def iteration(self) -> int:
@@ -558,9 +557,8 @@ class DistributedDataParallel(nn.Module):
         """Lay out every candidate (module docstring, item 5) and put the first in force; with
         one candidate left (all grouped alike) the trial is over."""
         times, sizes = self._plan_times, self._sizes[self._order]
-        free = planner.merge(times, sizes, self.alpha, self.beta, method="optimal")
-        free = planner.evaluate(times, sizes, free.groups, self.alpha, self.beta, method="optimal",
-                                interference=self.interference)
+        free = planner.merge(times, sizes, self.alpha, self.beta, method="optimal", interference=self.interference,
+                             planned_with=planner.Interference())
         single_layout = self._layout()  # the single phase's buckets are in force
         candidates: list[dict] = []
         for label, plan in (("plan", self._phase_plan("verify")), ("free", free), ("single", trial["single plan"])):
@@ -614,8 +612,7 @@ class DistributedDataParallel(nn.Module):
         self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         self._trial = None
         best = candidates[int(np.argmin(medians))]  # (no margin: the measured fastest stays)
-        self._fell_back = best["label"] == "single"
-        self._free_overlap = best["label"] == "free"
+        self._kept = best["label"]
         # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
         # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
         self._install(self._order, best["plan"])
@@ -666,7 +663,7 @@ class DistributedDataParallel(nn.Module):
             self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
                                 iteration=self._s.iteration)
         order = bucketing.check_order(order, len(self._params))
-        if not first and self._fell_back:  # measured: one allreduce after backward is faster here
+        if not first and self.fell_back:  # measured: one allreduce after backward is faster here
             return
         if not first:
             # Profiled under the plan in force: take out the delays it put into the gaps, as
@@ -680,10 +677,8 @@ class DistributedDataParallel(nn.Module):
             self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
         ordered = times[order]
         plan = planner.merge(ordered, self._sizes[order], self.alpha, self.beta, method=self.options.schedule,
-                             bucket_cap_mb=self.options.bucket_cap_mb, interference=self.planned_with)
-        if self._free_overlap:  # planned as if overlap were free; its timing charges what was measured
-            plan = planner.evaluate(ordered, self._sizes[order], plan.groups, self.alpha, self.beta,
-                                    method=plan.method, interference=self.interference)
+                             bucket_cap_mb=self.options.bucket_cap_mb, interference=self.interference,
+                             planned_with=self.planned_with)
         self._plan_times = ordered
         self._install(order, plan)
         self._log(f"plan ({plan.method}, alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B): "

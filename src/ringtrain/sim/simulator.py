@@ -108,23 +108,16 @@ def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 
     return _plan_layers(times, sizes, schedule, cost, bucket_cap_mb, interference)
 
 
-#: planned_with's default: plan with the interference that is charged.
-_SAME = object()
-
-
 def _plan_layers(times: list[float], sizes: list[int], schedule: str, cost: CostFn, bucket_cap_mb: float,
-                 interference: planner.Interference | None, planned_with=_SAME) -> planner.Plan:
-    """make_plan on the gradient layers' times and bytes (``Trace.gradient_layers``), planned
-    with ``planned_with`` (default: ``interference``) and timed with ``interference``."""
+                 interference: planner.Interference | None,
+                 planned_with: planner.Interference | None = None) -> planner.Plan:
+    """make_plan on the gradient layers' times and bytes (``Trace.gradient_layers``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--schedules: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
-    plan_slow = interference if planned_with is _SAME else planned_with
     ab = affine_or_none(cost)
     rate = dict(alpha=ab[0], beta=ab[1]) if ab is not None else dict(cost=cost)
-    plan = planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, interference=plan_slow, **rate)
-    if plan_slow is not interference:
-        plan = planner.evaluate(times, sizes, plan.groups, method=plan.method, interference=interference, **rate)
-    return plan
+    return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, interference=interference,
+                         planned_with=planned_with, **rate)
 
 
 def single_gpu_iteration(trace: Trace) -> float:
@@ -141,17 +134,18 @@ def predict_with_cost(
     cluster: str = "custom",
     bucket_cap_mb: float = 25.0,
     interference: planner.Interference | None = None,
-    planned_with=_SAME,
+    planned_with: planner.Interference | None = None,
 ) -> Prediction:
     """Predict one iteration of ``trace`` on ``world_size`` GPUs whose allreduce takes ``cost``
     (and whose overlapped allreduces slow backward down by ``interference``). ``planned_with``:
     the interference the schedule plans with, where it differs from the one that is charged
-    (the trial of ``DistributedDataParallel`` may keep the plan of free overlap)."""
+    (``ringtrain.plan.merge``; the trial of ``DistributedDataParallel`` may keep the plan of
+    free overlap)."""
     if world_size < 1:
         raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
     _, times, sizes = trace.gradient_layers()
     plan = _plan_layers(times, sizes, schedule, cost if world_size > 1 else _free, bucket_cap_mb,
-                        interference if world_size > 1 else None, planned_with if world_size > 1 else _SAME)
+                        interference if world_size > 1 else None, planned_with if world_size > 1 else None)
     base = single_gpu_iteration(trace)
     # Backward slowed by the launches before its last group (0 without interference).
     delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
