@@ -255,6 +255,8 @@ def _ddp(**kw):
     ({"drift_threshold": 0}, ["drift_threshold"]),
     ({"alpha": -1.0}, ["alpha"]),
     ({"beta": None}, ["alpha", "beta"]),
+    ({"cost": lambda n: 1e-4}, ["cost", "alpha", "not both"]),
+    ({"cost": 5, "alpha": None, "beta": None}, ["cost", "callable"]),
     ({"timeline": 5}, ["timeline"]),
     ({"find_unused_parameters": "yes"}, ["find_unused_parameters"]),
     ({"broadcast_buffers": "no"}, ["broadcast_buffers"]),

@@ -14,6 +14,8 @@ from torch import nn
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 from ringtrain.ddp import calibration as cal
+from ringtrain.comm import AUTO_SMALL_BYTES
+from ringtrain.plan import LinearCost, SplitCost
 
 
 def test_gaps_follow_the_observed_order():
@@ -53,12 +55,30 @@ def test_exchange_gives_every_rank_the_mean_and_rank_0_order():
 
 
 @pytest.mark.timeout(30)
-def test_sweep_fits_the_same_alpha_beta_on_every_rank():
-    results = raise_first(run_comms(2, lambda comm: cal.sweep_alpha_beta(comm, "ring", repeats=2)))
+@pytest.mark.parametrize("algorithm", ["ring", "auto"])
+def test_sweep_fits_the_same_cost_on_every_rank(algorithm):
+    results = raise_first(run_comms(2, lambda comm: cal.sweep_cost(comm, algorithm, repeats=2)))
     assert results[0] == results[1]
-    alpha, beta = results[0]
-    assert alpha >= 0 and beta >= 0 and alpha + beta > 0
-    assert cal.sweep_alpha_beta(type("One", (), {"world_size": 1})(), "ring") == (0.0, 0.0)
+    cost = results[0]
+    if algorithm == "auto":  # naive under AUTO_SMALL_BYTES, ring from there: a line each
+        assert isinstance(cost, SplitCost) and cost.split_bytes == AUTO_SMALL_BYTES
+        lines = [cost.small, cost.large]
+    else:
+        assert isinstance(cost, LinearCost)
+        lines = [cost]
+    for line in lines:
+        assert line.alpha >= 0 and line.beta >= 0 and line.alpha + line.beta > 0
+    assert cal.sweep_cost(type("One", (), {"world_size": 1})(), "ring") == LinearCost(0.0, 0.0)
+
+
+def test_split_cost_takes_each_line_on_its_side():
+    cost = SplitCost(LinearCost(1e-4, 1e-9), LinearCost(5e-4, 2e-10), 65536.0)
+    assert cost(65535.0) == 1e-4 + 1e-9 * 65535.0 and cost(65536.0) == 5e-4 + 2e-10 * 65536.0
+    sizes = np.array([0.0, 4096.0, 65536.0, 1e9])
+    assert list(cost(sizes)) == [cost(float(n)) for n in sizes]
+    assert (cost.alpha, cost.beta) == (5e-4, 2e-10) and "65536 B" in cost.describe()
+    with pytest.raises(ValueError):
+        SplitCost(LinearCost(0.0, 0.0), LinearCost(0.0, 0.0), 0.0)
 
 
 def test_construction_sweep_is_logged(caplog):
@@ -161,15 +181,18 @@ def test_plan_is_remade_when_backward_times_drift(caplog):
 
 
 def test_start_up_first_fit_keeps_the_small_message_latency():
-    # Large messages with noise whose least-squares line would cross zero: alpha must stay the
-    # measured small-message time, beta the slope above it.
+    # Large messages with noise whose least-squares line would cross zero: the line must pass
+    # through the measured small-message time, with the slope of the rest above it.
     sizes = np.array([4096, 65536, 524288, 2097152, 8388608], dtype=np.float64)
     times = np.array([5e-4, 1.0e-3, 4.6e-3, 1.7e-2, 6.6e-2])
     alpha, beta = cal.fit_start_up_first(sizes, times)
-    assert alpha == 5e-4
     expect = np.dot(sizes[1:] - 4096, times[1:] - 5e-4) / np.dot(sizes[1:] - 4096, sizes[1:] - 4096)
     assert beta == pytest.approx(expect, rel=1e-12)
+    assert alpha + beta * 4096 == pytest.approx(5e-4, rel=1e-12) and alpha > 0
     assert cal.fit_start_up_first(np.array([4096.0, 8192.0]), np.array([1e-3, 1e-3])) == (1e-3, 0.0)
+    assert cal.fit_start_up_first(np.array([4096.0]), np.array([1e-3])) == (1e-3, 0.0)
+    # A slope that would make the intercept negative: alpha clamps at 0.
+    assert cal.fit_start_up_first(np.array([1e6, 2e6]), np.array([1e-4, 1e-3]))[0] == 0.0
 
 
 @pytest.mark.parametrize("slow_overlap", [False, True])
@@ -373,3 +396,23 @@ def test_a_model_of_many_layers_gets_a_third_probe(caplog):
     # and the single allreduce once more, alternating
     assert results[0][1] in (1 + 2 + 4, 1 + 2 + 4 + 2)
     assert any("probes of 30, 24, 3 groups" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(30)
+def test_a_given_cost_is_planned_with_and_skips_the_sweep():
+    cost = SplitCost(LinearCost(1e-5, 1e-9), LinearCost(1e-3, 1e-10), 65536.0)
+
+    def body(comm):
+        ddp = DistributedDataParallel(nn.Linear(300, 300), comm, schedule="wfbp", cost=cost, warmup_iterations=0,
+                                      profile_iterations=1)
+        for _ in range(2):
+            ddp(torch.ones(2, 300)).sum().backward()
+        ddp.close()
+        return ddp.cost, ddp.alpha, ddp.beta, ddp.plan
+
+    for got, alpha, beta, plan in raise_first(run_comms(2, body)):
+        assert got is cost and (alpha, beta) == (1e-3, 1e-10)
+        # wfbp: the bias (1,200 B) on the small line, the weight (360,000 B) on the large one
+        assert sorted(plan.group_bytes) == [1200.0, 360000.0]
+        for start, end, nbytes in zip(plan.starts, plan.ends, plan.group_bytes):
+            assert end - start == pytest.approx(cost(nbytes), rel=1e-12)

@@ -40,13 +40,14 @@ def test_recorder_stops_after_its_iterations(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_trace_files_per_rank_and_png(tmp_path):
+@pytest.mark.parametrize("as_view", [True, False])
+def test_trace_files_per_rank_and_png(tmp_path, as_view):
     target = tmp_path / "trace.json"
 
     def body(comm):
         ddp = DistributedDataParallel(make_model("mlp"), comm, schedule="wfbp", timeline=target,
                                       timeline_iterations=3, alpha=2e-5, beta=1e-9, warmup_iterations=0,
-                                      profile_iterations=1)
+                                      profile_iterations=1, gradient_as_bucket_view=as_view)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         for step in range(6):
             x, y = rank_batch("mlp", step, 2, comm.rank)
@@ -70,9 +71,23 @@ def test_trace_files_per_rank_and_png(tmp_path):
         exchange = [e for e in spans if e["cat"] == "calibration"]
         assert [e["args"]["iteration"] for e in exchange] == [0] and exchange[0]["tid"] == 1
         cats = {e["cat"] for e in spans}
-        assert {"forward", "backward", "allreduce", "wait", "copy"} <= cats
+        assert {"forward", "backward", "allreduce", "wait"} <= cats
         comm_spans = [e for e in spans if e["cat"] == "allreduce"]
         assert all(e["tid"] == 1 for e in comm_spans) and len(comm_spans) == 3 * 12  # wfbp: one per parameter
+        # Gradients that are views of their buckets need no copy back: one wait for the last
+        # allreduce per iteration; else a copy per bucket, each after its allreduce.
+        copies = [e for e in spans if e["cat"] == "copy"]
+        assert len(copies) == (0 if as_view else 3 * 12)
+        for it in (1, 2, 3):
+            last_end = max(e["ts"] + e["dur"] for e in comm_spans if e["args"]["iteration"] == it)
+            waits = [e for e in spans if e["cat"] == "wait" and e["args"]["iteration"] == it]
+            if as_view:
+                assert len(waits) == 1 and waits[0]["ts"] + waits[0]["dur"] >= last_end
+            for k in range(12):
+                done = next(e for e in comm_spans if e["args"]["iteration"] == it and e["name"] == f"allreduce bucket {k}")
+                for c in copies:
+                    if c["args"]["iteration"] == it and c["name"] == f"copy back bucket {k}":
+                        assert c["ts"] >= done["ts"] + done["dur"]
         assert all(e["args"]["bytes"] > 0 for e in comm_spans)
         back = [e for e in spans if e["cat"] == "backward" and e["args"]["iteration"] == 2]
         assert len(back) == 12 and all(e["tid"] == 0 for e in back)

@@ -103,6 +103,40 @@ class LinearCost:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitCost:
+    """Two linear costs split at a size: messages under ``split_bytes`` take ``small``, the rest
+    ``large``. The cost of an allreduce whose algorithm changes with the size, as the
+    communicator's ``auto`` does (``halving_doubling`` or ``naive`` under 64 KiB, ``ring`` from
+    there): one line through both missed a 190 KB ring allreduce at 4 ranks by half."""
+
+    small: LinearCost
+    large: LinearCost
+    split_bytes: float
+
+    def __post_init__(self) -> None:
+        _check_positive("split_bytes", self.split_bytes)
+
+    def __call__(self, nbytes: Any) -> Any:
+        n = np.asarray(nbytes, dtype=np.float64)
+        out = np.where(n < self.split_bytes, self.small(n), self.large(n))
+        return float(out) if out.ndim == 0 else out
+
+    @property
+    def alpha(self) -> float:
+        """The larger messages' start-up (what a log line calls alpha)."""
+        return self.large.alpha
+
+    @property
+    def beta(self) -> float:
+        """The larger messages' seconds per byte."""
+        return self.large.beta + self.large.gamma
+
+    def describe(self) -> str:
+        return (f"alpha={self.small.alpha:.3e} s, beta={self.small.beta:.3e} s/B under {self.split_bytes:.0f} B; "
+                f"alpha={self.large.alpha:.3e} s, beta={self.large.beta:.3e} s/B from there")
+
+
+@dataclass(frozen=True, slots=True)
 class Interference:
     """What overlapping costs where communication shares the computation's cores: an
     allreduce launched during backward takes ``per_message + per_byte * nbytes`` seconds from

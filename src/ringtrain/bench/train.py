@@ -14,7 +14,7 @@ max(backward, predicted end of the last allreduce) + step), the overlap bound
 step, from compute alone), and the simulator's prediction (``ringtrain.sim``) from: the
 profiled layer trace scaled phase by phase to the "alone" run, plus the wrapper's own compute
 as the single-allreduce wrapper measured it (its gradient hooks, spread over the layers by
-bytes, and its buffer broadcasts); alpha/beta from one sweep per model that every wrapper
+bytes, and its buffer broadcasts); the allreduce cost from one sweep per model that every wrapper
 plans with (the overlap bound's allreduce too); the interference the optimal wrapper's probes
 measured. The layer trace is cut into one layer per parameter tensor, the wrapper's unit.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -213,14 +214,14 @@ def _worker(cfg: dict) -> int:
                                   optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9),
                                   batch_size=batch)
 
-        # One alpha/beta sweep (7 repeats per size) for every wrapper: all schedules plan with the
+        # One cost sweep (7 repeats per size) for every wrapper: all schedules plan with the
         # same measurement, the optimal one fits its interference against it, and the simulator
         # predicts with it (a wrapper's own 3-repeat sweep can be off by 2x in alpha, 25% in beta).
         from ..ddp import calibration
 
         grad_bytes = float(sum(q.numel() * q.element_size() for q in base.parameters() if q.requires_grad))
-        alpha, beta = calibration.sweep_alpha_beta(comm, cfg["algorithm"], calibration.sweep_sizes(grad_bytes),
-                                                   repeats=SWEEP_REPEATS)
+        cost = calibration.sweep_cost(comm, cfg["algorithm"], calibration.sweep_sizes(grad_bytes),
+                                      repeats=SWEEP_REPEATS)
         configs = []
         for sched in cfg["schedules"]:
             model = copy.deepcopy(base)
@@ -229,7 +230,7 @@ def _worker(cfg: dict) -> int:
                 timeline = str(Path(cfg["timeline_dir"]) / f"{name}-{p}r.json")
             ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
                                                     timeline=timeline or None, timeline_iterations=TIMELINE_STEPS,
-                                                    alpha=alpha, beta=beta)
+                                                    cost=cost)
             configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
                             "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
         alone = copy.deepcopy(base)
@@ -321,19 +322,18 @@ def _worker(cfg: dict) -> int:
                 ddp = c["wrapped"]
                 stats = c["stats"]
                 plan = ddp.plan
-                cost = lambda n: alpha + beta * n  # noqa: E731 - the measured fit
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
                 # (as the wrapper planned it: its trial may have kept the plan of free overlap)
                 pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
                                          interference=slow,
                                          planned_with=ddp.planned_with if c["schedule"] == "optimal" else None)
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
-                one_allreduce = alpha + beta * float(sum(plan.group_bytes))
+                one_allreduce = float(cost(float(sum(plan.group_bytes))))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
                 row.update(
                     hooks_s=float(np.median([s.hooks_s for s in stats])) if stats else None,
                     broadcast_s=float(np.median([s.broadcast_s for s in stats])) if stats else None,
-                    alpha=ddp.alpha, beta=ddp.beta, groups=len(plan.groups),
+                    alpha=ddp.alpha, beta=ddp.beta, cost=dataclasses.asdict(cost), groups=len(plan.groups),
                     plan_in_force=plan.method,
                     interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
                     planned_with=ddp.planned_with.to_dict(),

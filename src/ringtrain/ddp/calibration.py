@@ -3,12 +3,15 @@
 Words used here:
 
 - *sweep*: a few allreduces of float32 buffers of growing size on the live communicator,
-  each timed (median of ``repeats``) after one warm-up. ``alpha`` is the median time of the
-  smallest one (4 KiB: start-up dominated on any link), ``beta`` the least-squares slope of
-  ``time - alpha`` over the larger ones. A plain least-squares line through all points lets
-  the large messages' noise decide the intercept: on an emulated 1 Gbit/s link it came out
-  as 0, and the optimal plan then paid ~1 ms for each of 55 extra messages it believed free.
-  Rank 0's fit is broadcast, so every rank plans with the same two numbers.
+  each timed (median of ``repeats``; small ones in bursts, :data:`BURST`) after one warm-up.
+  The fitted line passes through the smallest message's time (start-up dominated on any
+  link), with the least-squares slope of the larger ones above it (``beta``); ``alpha`` is its
+  intercept. A plain least-squares line through all points lets the large messages' noise
+  decide the intercept: on an emulated 1 Gbit/s link it came out as 0, and the optimal plan
+  then paid ~1 ms for each of 55 extra messages it believed free. Under algorithm "auto" the
+  messages on either side of ``comm.AUTO_SMALL_BYTES`` get a line each (a
+  ``ringtrain.plan.SplitCost``). Rank 0's fit is broadcast, so every rank plans with the same
+  cost.
 - *stamp*: the ``time.perf_counter()`` at which a parameter's gradient became ready in one
   backward pass (its post-accumulate-grad hook); NaN for a parameter that got no gradient.
 - *backward start*: the stamp of the gradient of the module's output (a hook on the output).
@@ -38,8 +41,10 @@ import numpy as np
 
 from ..sim.calibrate import fit_alpha_beta
 
-#: Sweep sizes in bytes (float32 buffers): start-up dominated to bandwidth dominated.
-SWEEP_BYTES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
+#: Sweep sizes in bytes (float32 buffers): start-up dominated to bandwidth dominated. Under
+#: algorithm "auto" those below ``comm.AUTO_SMALL_BYTES`` take another algorithm than the rest,
+#: and each side gets its own line (:func:`sweep_cost`), so two sizes fall on each side of it.
+SWEEP_BYTES = (4 * 1024, 32 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024, 8 * 1024 * 1024)
 
 
 #: The largest sweep message when the model's gradients are bigger than SWEEP_BYTES's last.
@@ -56,39 +61,63 @@ def sweep_sizes(model_bytes: float) -> tuple[int, ...]:
     return SWEEP_BYTES
 
 
-def sweep_alpha_beta(comm, algorithm: str, sizes: Sequence[int] = SWEEP_BYTES, repeats: int = 3) -> tuple[float, float]:
-    """(alpha, beta) of ``comm.allreduce`` fitted on rank 0 and broadcast. A collective: run it
-    on every rank at once, from the wrapper's communication thread. (0, 0) on one rank."""
+#: Back-to-back allreduces timed together for sizes up to BURST_MAX_BYTES (the time is per
+#: allreduce): a plan sends its small groups one after another on the communication thread,
+#: and one 4 KiB allreduce timed alone at 4 ranks on 2 cores came out anywhere from 0.53 to
+#: 0.94 ms over six sweeps of seven repeats, bursts of eight 0.73 to 0.81 ms.
+BURST = 8
+BURST_MAX_BYTES = 64 * 1024
+
+
+def sweep_cost(comm, algorithm: str, sizes: Sequence[int] = SWEEP_BYTES, repeats: int = 3):
+    """The measured cost of ``comm.allreduce`` (``ringtrain.plan.LinearCost``, or under
+    algorithm "auto" a ``ringtrain.plan.SplitCost`` at ``AUTO_SMALL_BYTES``), fitted on rank 0
+    and broadcast. A collective: run it on every rank at once, from the wrapper's
+    communication thread. ``LinearCost(0, 0)`` on one rank."""
     import time
 
+    from ..comm import AUTO_SMALL_BYTES
+    from ..plan import LinearCost, SplitCost
+
     if comm.world_size == 1:
-        return 0.0, 0.0
+        return LinearCost(0.0, 0.0)
     medians = []
     for nbytes in sizes:
         buf = np.ones(max(1, nbytes // 4), dtype=np.float32)
         comm.allreduce(buf, op="sum", algorithm=algorithm)  # warm-up: connections, pages, caches
+        burst = BURST if nbytes <= BURST_MAX_BYTES else 1
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            comm.allreduce(buf, op="sum", algorithm=algorithm)
-            times.append(time.perf_counter() - t0)
+            for _ in range(burst):
+                comm.allreduce(buf, op="sum", algorithm=algorithm)
+            times.append((time.perf_counter() - t0) / burst)
         medians.append(float(np.median(times)))
     nbytes = np.array([4 * max(1, s // 4) for s in sizes], dtype=np.float64)
-    fit = np.array(fit_start_up_first(nbytes, np.array(medians)), dtype=np.float64)
+    seconds = np.array(medians)
+    small = nbytes < AUTO_SMALL_BYTES
+    fit = np.zeros(5)  # small (alpha, beta), large (alpha, beta), split (0: one line)
+    if algorithm == "auto" and small.sum() >= 1 and (~small).sum() >= 2:
+        fit[:2] = fit_start_up_first(nbytes[small], seconds[small])
+        fit[2:4] = fit_start_up_first(nbytes[~small], seconds[~small])
+        fit[4] = AUTO_SMALL_BYTES
+    else:
+        fit[2:4] = fit_start_up_first(nbytes, seconds)
     comm.broadcast(fit, root=0)
-    return float(fit[0]), float(fit[1])
+    large = LinearCost(float(fit[2]), float(fit[3]))
+    return SplitCost(LinearCost(float(fit[0]), float(fit[1])), large, float(fit[4])) if fit[4] else large
 
 
 def fit_start_up_first(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
-    """(alpha, beta): alpha from the smallest message, beta the slope of the rest above it."""
-    if len(nbytes) < 2:
-        return fit_alpha_beta(nbytes, seconds)
+    """(alpha, beta) of the line through the smallest message's time whose slope fits the rest
+    (least squares); alpha >= 0, beta >= 0. One message: its time, slope 0."""
     order = np.argsort(nbytes)
     n, t = nbytes[order], seconds[order]
-    alpha = max(0.0, float(t[0]))
-    extra_n, extra_t = n[1:] - n[0], t[1:] - alpha
+    if len(n) == 1:
+        return max(0.0, float(t[0])), 0.0
+    extra_n, extra_t = n[1:] - n[0], t[1:] - t[0]
     beta = max(0.0, float(np.dot(extra_n, extra_t) / np.dot(extra_n, extra_n))) if np.any(extra_n) else 0.0
-    return alpha, beta
+    return max(0.0, float(t[0] - beta * n[0])), beta
 
 
 #: Groups in each probe plan (capped at the number of layers).

@@ -129,6 +129,10 @@ class DDPOptions:
     """Allreduce start-up time in seconds; None: measured by a sweep at construction."""
     beta: Optional[float] = None
     """Allreduce time per byte in seconds; None: measured by a sweep at construction."""
+    cost: Optional[planner.CostFn] = None
+    """Instead of alpha and beta: the allreduce's cost, ``cost(nbytes) -> seconds`` (e.g. the
+    ``ringtrain.plan.SplitCost`` that :func:`.calibration.sweep_cost` measured once for several
+    wrappers); None: alpha and beta, or the sweep."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -158,6 +162,8 @@ class DDPOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or not value >= 0):
                 raise ValueError(f"{name}={value!r}: it must be a number >= 0")
+        if self.cost is not None and (self.alpha is not None or not callable(self.cost)):
+            raise ValueError(f"cost={self.cost!r}: give a callable nbytes -> seconds, or alpha and beta, not both")
 
 
 class DistributedDataParallel(nn.Module):
@@ -198,14 +204,18 @@ class DistributedDataParallel(nn.Module):
         self._module_buffers = [b for b in module.buffers() if b.numel()]
 
         self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers, "broadcast parameters")
-        if opts.alpha is not None:
-            self.alpha, self.beta = float(opts.alpha), float(opts.beta)
+        if opts.cost is not None:
+            self.cost = opts.cost
+        elif opts.alpha is not None:
+            self.cost = planner.LinearCost(float(opts.alpha), float(opts.beta))
         else:
-            self.alpha, self.beta = self._thread.run(
-                "calibration sweep", partial(calibration.sweep_alpha_beta, comm, opts.algorithm,
+            self.cost = self._thread.run(
+                "calibration sweep", partial(calibration.sweep_cost, comm, opts.algorithm,
                                              calibration.sweep_sizes(float(self._sizes.sum()))), self._timeout * 8)
-        self._log(f"alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B "
-                  f"({'given' if opts.alpha is not None else 'allreduce sweep'}), world_size={self.world_size}")
+        self.alpha = float(getattr(self.cost, "alpha", self.cost(0.0)))  # start-up of the larger messages
+        self.beta = float(getattr(self.cost, "beta", float("nan")))
+        given = "allreduce sweep" if opts.cost is None and opts.alpha is None else "given"
+        self._log(f"allreduce cost {_cost_text(self.cost)} ({given}), world_size={self.world_size}")
 
         n = len(self._params)
         self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
@@ -214,7 +224,7 @@ class DistributedDataParallel(nn.Module):
         self._kept = "plan"  # the trial's candidate in force: "plan", "free" or "single"
         self.interference = opts.interference or planner.NO_INTERFERENCE
         first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
-        self._install(first, planner.merge([0.0] * n, self._sizes[first], self.alpha, self.beta, method="single"))
+        self._install(first, planner.merge([0.0] * n, self._sizes[first], cost=self.cost, method="single"))
 
         self.stats: deque[IterationStats] = deque(maxlen=1000)
         self._lock = threading.Lock()
@@ -392,23 +402,41 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         st = self._s
         t_last = st.last
-        copies: list[tuple[float, float]] = []  # (start, end) of each bucket's finish (copies, if any)
+        copies: list[tuple[str, float, float]] = []  # (what, start, end) of each copy back, if any
         if self.world_size > 1:
             if st.launched != len(self._specs):
                 raise RuntimeError(f"internal error: {st.launched} of {len(self._specs)} buckets launched at the "
                                    "end of backward")
             for k, job in enumerate(st.jobs):
+                if not self._needs_copy(self._specs[k]):
+                    continue  # its .grad is a view of the bucket: nothing to wait for here
+                # Copy bucket k back while the communication thread reduces the next ones.
                 job.wait(self._timeout)
-                # Finish bucket k (a copy only for gradients that are not views of it) while the
-                # communication thread reduces the next ones.
                 t0 = time.perf_counter()
                 self._copy_back(self._specs[k])
-                copies.append((t0, time.perf_counter()))
+                copies.append((f"bucket {k}", t0, time.perf_counter()))
+            # One wake-up for the rest: jobs run in order, so when the last has ended every one
+            # has (the waits below return at once, re-raising an error). A wait per bucket cost a
+            # context switch per allreduce on every rank: about 1 ms per message at 4 ranks on
+            # 2 cores, twice the allreduce's own start-up.
+            for job in reversed(st.jobs):
+                job.wait(self._timeout)
+            t1 = time.perf_counter()
+            copies.append(("the last allreduce", t1, t1))  # a wait, nothing to copy
         t_done = time.perf_counter()
         self._record(t_last, copies, t_done)
         self._profile()
         st.iteration += 1
         self._reset_iteration()
+
+    def _needs_copy(self, spec: bucketing.BucketSpec) -> bool:
+        """Whether some parameter of the bucket needs ``_copy_back`` (a ``.grad`` that is not
+        its slot)."""
+        for pid in spec.pids:
+            grad = self._params[pid].grad
+            if grad is None or grad.data_ptr() != self._slots[pid].data_ptr():
+                return True
+        return False
 
     def _copy_back(self, spec: bucketing.BucketSpec) -> None:
         """Every parameter of the bucket gets the mean over ranks as its ``.grad``."""
@@ -461,7 +489,7 @@ class DistributedDataParallel(nn.Module):
             f"ringtrain.DistributedDataParallel: the previous backward pass ended without a gradient for "
             f"{len(missing)} of {len(self._params)} parameters, so their allreduce never ran: {missing}. {hint}.")
 
-    def _record(self, t_last: float, copies: list[tuple[float, float]], t_done: float) -> None:
+    def _record(self, t_last: float, copies: list[tuple[str, float, float]], t_done: float) -> None:
         st = self._s
         start = st.first if st.bwd_start is None else st.bwd_start
         end = t_last
@@ -493,11 +521,12 @@ class DistributedDataParallel(nn.Module):
             rec.span(f"allreduce bucket {k}", "allreduce", "communication", job.started, job.ended, iteration=it,
                      bytes=job.nbytes, params=len(self._specs[k].pids))
         prev = t_last
-        for k, (a, b) in enumerate(copies):
+        for what, a, b in copies:
             if a > prev:
-                rec.span(f"wait for bucket {k}", "wait", "compute", prev, a, iteration=it)
-            rec.span(f"finish bucket {k}", "copy", "compute", a, b, iteration=it)
-            prev = b
+                rec.span(f"wait for {what}", "wait", "compute", prev, a, iteration=it)
+            if b > a:
+                rec.span(f"copy back {what}", "copy", "compute", a, b, iteration=it)
+            prev = max(prev, b)
         rec.end_iteration()
 
     def _profile(self) -> None:
@@ -534,10 +563,10 @@ class DistributedDataParallel(nn.Module):
         if name in calibration.PROBE_GROUPS:  # (coarse: fewer groups than fine, also for 2 or 3 layers)
             count = calibration.PROBE_GROUPS[name] if name != "coarse" else min(calibration.PROBE_GROUPS[name], len(times) - 1)
             groups = calibration.probe_groups(len(times), count)
-            return planner.evaluate(times, sizes, groups, self.alpha, self.beta, interference=self.interference)
+            return planner.evaluate(times, sizes, groups, cost=self.cost, interference=self.interference)
         if name == "single":
-            return planner.merge(times, sizes, self.alpha, self.beta, method="single")
-        return planner.merge(times, sizes, self.alpha, self.beta, method="optimal", interference=self.interference)
+            return planner.merge(times, sizes, cost=self.cost, method="single")
+        return planner.merge(times, sizes, cost=self.cost, method="optimal", interference=self.interference)
 
     def _install_phase(self) -> None:
         trial = self._trial
@@ -557,7 +586,7 @@ class DistributedDataParallel(nn.Module):
         """Lay out every candidate (module docstring, item 5) and put the first in force; with
         one candidate left (all grouped alike) the trial is over."""
         times, sizes = self._plan_times, self._sizes[self._order]
-        free = planner.merge(times, sizes, self.alpha, self.beta, method="optimal", interference=self.interference,
+        free = planner.merge(times, sizes, cost=self.cost, method="optimal", interference=self.interference,
                              planned_with=planner.Interference())
         single_layout = self._layout()  # the single phase's buckets are in force
         candidates: list[dict] = []
@@ -636,7 +665,7 @@ class DistributedDataParallel(nn.Module):
                                             [trial[p + " bytes"] for p in names], medians[:k] - medians[k])
         times, sizes = self._plan_times, self._sizes[self._order]
         slow = calibration.fit_comm_slowdown(
-            lambda s, groups: planner.evaluate(times, sizes, groups, self.alpha, self.beta,
+            lambda s, groups: planner.evaluate(times, sizes, groups, cost=self.cost,
                                                interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
             [p.groups for p in probes], medians[k + 1:], slow)
         fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown], dtype=np.float64)
@@ -676,12 +705,12 @@ class DistributedDataParallel(nn.Module):
                 return
             self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
         ordered = times[order]
-        plan = planner.merge(ordered, self._sizes[order], self.alpha, self.beta, method=self.options.schedule,
+        plan = planner.merge(ordered, self._sizes[order], cost=self.cost, method=self.options.schedule,
                              bucket_cap_mb=self.options.bucket_cap_mb, interference=self.interference,
                              planned_with=self.planned_with)
         self._plan_times = ordered
         self._install(order, plan)
-        self._log(f"plan ({plan.method}, alpha={self.alpha:.3e} s, beta={self.beta:.3e} s/B): "
+        self._log(f"plan ({plan.method}, {_cost_text(self.cost)}): "
                   f"{len(plan.groups)} groups {plan.groups}, predicted end {plan.end_time * 1e3:.3f} ms "
                   f"(backward {plan.backward_time * 1e3:.3f} ms, communication {plan.comm_time * 1e3:.3f} ms, "
                   f"{100 * plan.hidden_fraction:.0f}% hidden)")
@@ -750,6 +779,13 @@ class _State:
         self.iteration = 0
         self.failed: Optional[BaseException] = None  # the CommError a backward pass ended with
         self.first = self.last = float("nan")  # first and last gradient stamps
+
+
+def _cost_text(cost: planner.CostFn) -> str:
+    if isinstance(cost, planner.LinearCost):
+        return f"alpha={cost.alpha:.3e} s, beta={cost.beta + cost.gamma:.3e} s/B"
+    describe = getattr(cost, "describe", None)
+    return describe() if callable(describe) else repr(cost)
 
 
 def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder]) -> None:
