@@ -361,25 +361,22 @@ def test_without_interference_takes_out_the_modelled_delays():
     assert list(cal.without_interference(observed, plan, Interference())) == list(observed)
 
 
-def test_fit_comm_slowdown_recovers_the_factor_and_the_tail():
-    from ringtrain.plan import Interference, LinearCost, evaluate
+def test_fit_comm_slowdown_recovers_the_factor():
+    from ringtrain.plan import Interference, evaluate
 
-    times, sizes, cost = [1e-3] * 12, [4e5] * 12, LinearCost(1e-4, 1e-8)
+    times, sizes = [1e-3] * 12, [4e5] * 12
     slow = Interference(2e-4, 1e-9)
-    probes = [cal.probe_groups(12, 96), cal.probe_groups(12, 24), cal.probe_groups(12, 3)]
+    probes = [cal.probe_groups(12, 24), cal.probe_groups(12, 3)]
 
-    def model_end(s, tail, groups):
-        return evaluate(times, sizes, groups, cost=cost, interference=Interference(2e-4, 1e-9, s, tail)).end_time
+    def model_end(s, groups):
+        return evaluate(times, sizes, groups, 1e-4, 1e-8, interference=Interference(2e-4, 1e-9, s)).end_time
 
-    tail = float(cal.TAIL_SHARES[4] * sum(times))  # 10% of backward
-    fit = cal.fit_comm_slowdown(probes, [model_end(0.8, tail, g) for g in probes], slow, times, sizes, cost)
-    assert fit.comm_slowdown == pytest.approx(0.8) and fit.slowdown_tail == pytest.approx(tail)
-    assert fit.per_message == 2e-4 and fit.per_byte == 1e-9
-    # no slowdown measured: none fitted (nor a tail: the smallest of equals); a probe without a
-    # measurement: left as it was
-    none = cal.fit_comm_slowdown(probes, [model_end(0.0, 0.0, g) for g in probes], slow, times, sizes, cost)
-    assert (none.comm_slowdown, none.slowdown_tail) == (0.0, 0.0)
-    assert cal.fit_comm_slowdown(probes, [float("nan"), 1.0, 1.0], slow, times, sizes, cost) is slow
+    measured = [model_end(0.8, g) for g in probes]
+    fit = cal.fit_comm_slowdown(model_end, probes, measured, slow)
+    assert fit.comm_slowdown == pytest.approx(0.8) and fit.per_message == 2e-4 and fit.per_byte == 1e-9
+    # no slowdown measured: none fitted; a probe without a measurement: left as it was
+    assert cal.fit_comm_slowdown(model_end, probes, [model_end(0.0, g) for g in probes], slow).comm_slowdown == 0.0
+    assert cal.fit_comm_slowdown(model_end, probes, [float("nan"), 1.0], slow) is slow
 
 
 def test_a_model_of_many_layers_gets_a_third_probe(caplog):

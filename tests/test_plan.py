@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from groupings import contiguous_groupings
-from ringtrain.plan import METHODS, Interference, LinearCost, Plan, end_grid, evaluate, merge
+from ringtrain.plan import METHODS, Interference, LinearCost, Plan, evaluate, merge
 from ringtrain.sim.calibrate import fit_alpha_beta
 
 pytestmark = pytest.mark.timeout(60)
@@ -386,14 +386,14 @@ def slowed_end(start, work, backward_end, comm_slowdown):
     return start + work
 
 
-def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte, comm_slowdown=0.0, tail=0.0):
+def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte, comm_slowdown=0.0):
     """The same exhaustive search with the interference model written out from scratch: the
     layers of group g are ready later by the sum, over groups 0..g-1, of
     per_message + per_byte * bytes; an allreduce progresses 1 + comm_slowdown times slower until
-    ``tail`` after the last layer's undelayed ready time (backward's end from compute alone)."""
+    the last layer's undelayed ready time (backward's end from compute alone)."""
     n = len(sizes)
     best = math.inf
-    backward_end = sum(backward_times) + tail
+    backward_end = sum(backward_times)
     for groups in contiguous_groupings(n):
         end, delay = 0.0, 0.0
         for a, b in groups:
@@ -416,11 +416,9 @@ def test_optimal_with_interference_equals_brute_force():
             per_message = float(rng.choice([0.0, 1e-5, 3e-4, 2e-3]))
             per_byte = float(rng.choice([0.0, 1e-10, 2e-9]))
             comm_slowdown = float(rng.choice([0.0, 0.3, 1.5]))
-            tail = float(rng.choice([0.0, 0.2 * sum(times)]))
-            slow = Interference(per_message, per_byte, comm_slowdown, tail)
+            slow = Interference(per_message, per_byte, comm_slowdown)
             plan = merge(times, sizes, alpha, beta, interference=slow)
-            best = brute_force_interfered(times, sizes, LinearCost(alpha, beta), per_message, per_byte, comm_slowdown,
-                                          tail)
+            best = brute_force_interfered(times, sizes, LinearCost(alpha, beta), per_message, per_byte, comm_slowdown)
             assert math.isclose(plan.end_time, best, rel_tol=1e-9, abs_tol=1e-15), (n, times, sizes, slow)
             # and the optimum's own timing is evaluate's, to the bit
             again = evaluate(times, sizes, plan.groups, alpha, beta, interference=slow)
@@ -444,13 +442,6 @@ def test_interference_hand_computed():
     # a long backward: everything done while it runs takes 1.5x, [1,4], [4,7], then the last
     plan = merge([1.0, 1.0, 10.0], S3, A3, B3, method="wfbp", interference=Interference(0.0, 0.0, 0.5))
     assert plan.ends == [4.0, 7.0, 14.0]
-    # slowed until 1 s after backward's end, 4 s: group 0 (2 s of work) runs at 1/1.5 over [1, 4]
-    # and is done just then; groups 1 and 2 start at 4 and 6, at full speed
-    plan = merge(T3, S3, A3, B3, method="wfbp", interference=Interference(0.0, 0.0, 0.5, 1.0))
-    assert plan.ends == [4.0, 6.0, 8.0]
-    # a tail of 0.5 s: by 3.5 s group 0 has done 5/3 s of work, the last 1/3 s after: 23/6
-    plan = merge(T3, S3, A3, B3, method="wfbp", interference=Interference(0.0, 0.0, 0.5, 0.5))
-    assert plan.ends == pytest.approx([23 / 6, 35 / 6, 47 / 6], rel=1e-15)
     # a single allreduce launches after backward: nothing to slow down, either way
     plan = merge(T3, S3, A3, B3, method="single", interference=Interference(5.0, 5.0, 5.0))
     assert plan.ready == [1.0, 2.0, 3.0] and plan.end_time == 7.0
@@ -469,21 +460,6 @@ def test_interference_makes_optimal_merge_more():
     assert ends["optimal"] == min(ends.values())
 
 
-def test_end_grid_is_evaluate_at_every_point():
-    rng = np.random.default_rng(3)
-    times, sizes = random_instance(rng, 9)
-    groups = [(0, 2), (3, 3), (4, 8)]
-    cost = LinearCost(2e-4, 3e-9)
-    slowdowns, tails = [0.0, 0.5, 3.0], [0.0, 1e-3, 0.1]
-    base = Interference(1e-4, 2e-10)
-    grid = end_grid(times, sizes, groups, slowdowns, tails, cost=cost, interference=base)
-    assert grid.shape == (3, 3)
-    for i, s in enumerate(slowdowns):
-        for j, tail in enumerate(tails):
-            slow = Interference(1e-4, 2e-10, s, tail)
-            assert grid[i, j] == evaluate(times, sizes, groups, cost=cost, interference=slow).end_time
-
-
 def test_interference_validated():
     with pytest.raises(ValueError, match="per_message"):
         Interference(-1.0, 0.0)
@@ -491,8 +467,6 @@ def test_interference_validated():
         Interference(0.0, float("nan"))
     with pytest.raises(ValueError, match="comm_slowdown"):
         Interference(0.0, 0.0, -0.5)
-    with pytest.raises(ValueError, match="slowdown_tail"):
-        Interference(0.0, 0.0, 0.5, float("nan"))
     with pytest.raises(ValueError, match="interference must be"):
         merge([1.0], [4.0], 1.0, 1.0, interference=(0.1, 0.0))
 

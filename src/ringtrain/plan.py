@@ -27,13 +27,11 @@ Words used here:
   interference of groups 0..g-1. The last group is launched when backward has ended and slows
   nothing. The other way round, ``comm_slowdown``: while backward runs an allreduce progresses
   ``1 + comm_slowdown`` times slower (its thread competes for the cores), after it at full
-  speed. Backward's end here is the last layer's ready time from compute alone plus
-  ``slowdown_tail`` (``ready[-1] + slowdown_tail``, the same for every plan: the launches'
-  delays and the slowest rank, whose backward ends after the mean, are in the measured tail):
-  an allreduce of cost c started at t ends at ``t + c + comm_slowdown * w``, ``w = min(c,
-  max(0, B - t) / (1 + comm_slowdown))`` the part of its work done while backward runs
-  (:func:`_end`), B that end. The end is non-decreasing in t and c, which keeps the prefix
-  program below exact. Without interference
+  speed. Backward's end here is the last layer's ready time from compute alone (``ready[-1]``,
+  without the delays, so that it does not depend on the plan): an allreduce of cost c started
+  at t ends at ``t + c + comm_slowdown * w``, ``w = min(c, max(0, ready[-1] - t) / (1 +
+  comm_slowdown))`` the part of its work done while backward runs (:func:`_end`). The end is
+  non-decreasing in t and c, which keeps the prefix program below exact. Without interference
   (the default) overlapped communication is free, as on a GPU with its own copy engines.
 
 Methods (``METHODS``):
@@ -152,22 +150,17 @@ class Interference:
     comm_slowdown: float = 0.0
     """The other way round: while backward runs an allreduce progresses ``1 + comm_slowdown``
     times slower (its thread shares the cores with backward); after it, at full speed."""
-    slowdown_tail: float = 0.0
-    """Seconds after the last layer's compute-alone ready time that allreduces stay slowed:
-    backward on the slowest rank, delayed by the launches, ends that much later."""
 
     def __post_init__(self) -> None:
-        for name in ("per_message", "per_byte", "comm_slowdown", "slowdown_tail"):
+        for name in ("per_message", "per_byte", "comm_slowdown"):
             _check_scalar(name, getattr(self, name))
 
     @property
     def is_zero(self) -> bool:
-        return (self.per_message == 0.0 and self.per_byte == 0.0 and self.comm_slowdown == 0.0
-                and self.slowdown_tail == 0.0)
+        return self.per_message == 0.0 and self.per_byte == 0.0 and self.comm_slowdown == 0.0
 
     def to_dict(self) -> dict[str, float]:
-        return {"per_message": self.per_message, "per_byte": self.per_byte, "comm_slowdown": self.comm_slowdown,
-                "slowdown_tail": self.slowdown_tail}
+        return {"per_message": self.per_message, "per_byte": self.per_byte, "comm_slowdown": self.comm_slowdown}
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +343,6 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     n = len(sizes)
     prefix = _prefix(sizes)
     delay = slow.per_byte * prefix  # the same expression as _evaluate's
-    slowed_until = _backward_end(ready, slow)
     best = np.zeros(n + 1)
     split = np.zeros(n + 1, dtype=np.int64)  # the last group of best[j] is split[j]..j-1
     # The cost of every candidate group, row j holding the groups i..j-1 for i < j, in one call
@@ -367,7 +359,7 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         else:
             costs = table[j * (j - 1) // 2 : j * (j + 1) // 2]
         # Same operations, in the same order, as _evaluate, so the plan's end is best[n] exactly.
-        ends = _end(np.maximum(ready[j - 1] + delay[:j], best[:j]), costs, slowed_until, slow.comm_slowdown)
+        ends = _end(np.maximum(ready[j - 1] + delay[:j], best[:j]), costs, ready[n - 1], slow.comm_slowdown)
         i = int(np.argmin(ends))
         best[j] = ends[i]
         split[j] = i
@@ -394,7 +386,6 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     ready_rows = ready[rows - 1]
     bytes_delay = slow.per_byte * prefix[cols]
     last_row = slice(int(row_start[-1]), len(rows))  # the candidates i..n-1 for the last group
-    slowed_until = _backward_end(ready, slow)
     prev = np.full(n + 1, np.inf)
     prev[0] = 0.0  # zero groups cover the empty prefix
     splits: list[np.ndarray] = []
@@ -403,7 +394,7 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     while g <= n:
         # Same expression as _evaluate: ready + (per_message * groups before + per_byte * bytes before).
         delay = slow.per_message * (g - 1) + bytes_delay
-        ends = _end(np.maximum(ready_rows + delay, prev[cols]), costs, slowed_until, slow.comm_slowdown)
+        ends = _end(np.maximum(ready_rows + delay, prev[cols]), costs, ready[n - 1], slow.comm_slowdown)
         cur = np.full(n + 1, np.inf)
         cur[1:] = np.minimum.reduceat(ends, row_start)
         # The first i reaching the row's minimum (as the 1-D program's argmin).
@@ -416,8 +407,8 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         g += 1
         # Lower bounds on the end of any plan with g or more groups (they grow with g). Its last
         # group, layers i..n-1, starts no earlier than backward's end delayed by g-1 launches and
-        # the bytes before i: the DP's own float expression without the max and the slowdown, so
-        # no larger than any such plan's end in floats too (a slowdown only adds). And
+        # the bytes before i: the DP's own float expression without the max, so no larger than
+        # any such plan's end in floats too (it starts after ready[n-1]: nothing slows it). And
         # the stream carries g allreduces (in exact arithmetic; a margin of 1e-9 covers the
         # rounding of the sum).
         last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[last_row]) + costs[last_row])
@@ -490,74 +481,32 @@ def _evaluate(
     lasts = np.array([g[1] for g in groups], dtype=np.int64)
     nbytes = prefix[lasts + 1] - prefix[firsts]
     costs = _cost_array(cost, nbytes)
-    starts, ends = _stream(ready, prefix, firsts, lasts, costs, slow, _backward_end(ready, slow), slow.comm_slowdown)
+    starts, ends = [], []
+    prev_end = 0.0
+    backward_end = ready[-1] if len(ready) else 0.0  # from compute alone (module docstring)
+    for g, (first, last) in enumerate(zip(firsts, lasts)):
+        if not slow.is_zero:  # the interference of groups 0..g-1 (module docstring)
+            ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
+        start = max(ready[last], prev_end)
+        prev_end = _end(start, costs[g], backward_end, slow.comm_slowdown)
+        starts.append(float(start))
+        ends.append(float(prev_end))
     return Plan(
         method=method,
         groups=[(int(a), int(b)) for a, b in groups],
-        starts=[float(t) for t in starts],
-        ends=[float(t) for t in ends],
+        starts=starts,
+        ends=ends,
         group_bytes=[float(b) for b in nbytes],
         ready=[float(r) for r in ready],
-        end_time=float(ends[-1]) if ends else 0.0,
+        end_time=ends[-1] if ends else 0.0,
     )
-
-
-def _stream(ready, prefix, firsts, lasts, costs, slow: Interference, backward_end, comm_slowdown):
-    """The one stream of allreduces (module docstring): each group's start and end. Delays
-    ``ready`` in place by the interference. ``backward_end`` and ``comm_slowdown`` may be
-    arrays (broadcast together): the starts and ends are then arrays too."""
-    starts, ends = [], []
-    prev_end = 0.0
-    for g, (first, last) in enumerate(zip(firsts, lasts)):
-        if slow.per_message or slow.per_byte:  # the interference of groups 0..g-1
-            ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
-        start = np.maximum(ready[last], prev_end)
-        prev_end = _end(start, costs[g], backward_end, comm_slowdown)
-        starts.append(start)
-        ends.append(prev_end)
-    return starts, ends
-
-
-def end_grid(
-    backward_times: Sequence[float],
-    sizes_bytes: Sequence[float],
-    groups: Sequence[tuple[int, int]],
-    comm_slowdowns: Sequence[float],
-    slowdown_tails: Sequence[float],
-    *,
-    cost: CostFn,
-    interference: Interference | None = None,
-) -> np.ndarray:
-    """``evaluate(...).end_time`` of one grouping for every ``comm_slowdown`` (rows) and
-    ``slowdown_tail`` (columns) at once, the rest of ``interference`` as given: what fitting
-    the two to measured ends needs (``ringtrain.ddp.calibration.fit_comm_slowdown``)."""
-    times, sizes = _check_layers(backward_times, sizes_bytes)
-    pairs = [tuple(g) for g in groups]
-    _check_groups(pairs, len(times))
-    slow = _check_interference(interference)
-    s = check_vector("comm_slowdowns", comm_slowdowns)[:, None]
-    tails = check_vector("slowdown_tails", slowdown_tails)[None, :]
-    ready = np.cumsum(times)
-    prefix = _prefix(sizes)
-    firsts = np.array([g[0] for g in pairs], dtype=np.int64)
-    lasts = np.array([g[1] for g in pairs], dtype=np.int64)
-    costs = _cost_array(_resolve_cost(None, None, 0.0, cost), prefix[lasts + 1] - prefix[firsts])
-    backward_end = (float(ready[-1]) if len(ready) else 0.0) + tails  # _backward_end's expression
-    _, ends = _stream(ready, prefix, firsts, lasts, costs, slow, backward_end, s)
-    shape = (s.shape[0], tails.shape[1])
-    return np.broadcast_to(ends[-1], shape).copy() if ends else np.zeros(shape)
-
-
-def _backward_end(ready: np.ndarray, slow: Interference) -> float:
-    """Until when allreduces run slowed (module docstring): the same for every plan."""
-    return float(ready[-1]) + slow.slowdown_tail if len(ready) else 0.0
 
 
 def _end(start, cost, backward_end, comm_slowdown: float):
     """End of an allreduce of ``cost`` started at ``start``: ``comm_slowdown`` times slower until
     ``backward_end``, full speed after (module docstring). Scalars or arrays, the same float
     operations either way (the planner's program and _evaluate must agree to the bit)."""
-    if np.ndim(comm_slowdown) == 0 and not comm_slowdown:
+    if not comm_slowdown:
         return start + cost
     during = np.minimum(cost, np.maximum(backward_end - start, 0.0) / (1.0 + comm_slowdown))
     return start + cost + comm_slowdown * during

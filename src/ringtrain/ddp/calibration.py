@@ -169,34 +169,19 @@ def fit_interference(launches: Sequence[float], overlapped_bytes: Sequence[float
 #: fitted the cap of 4 in three sets of three and their wfbp rows were under-predicted by 14-20%.)
 COMM_SLOWDOWN_GRID = np.linspace(0.0, 12.0, 301)
 
-#: slowdown_tail values tried by fit_comm_slowdown, as shares of the compute-alone backward
-#: time: 0 to 50% in steps of 2.5%. With the slowdown ending at the compute-alone backward's
-#: end the fit took the grid's cap on the CNN at 4 ranks / 10 Gbit/s (one rank's backward there
-#: took 130-190 ms, against 153 ms alone: the slowest one ends well after the mean).
-TAIL_SHARES = np.linspace(0.0, 0.5, 21)
 
-
-def fit_comm_slowdown(groups_per_probe: Sequence, measured_ends: Sequence[float], slow: "Interference",
-                      backward_times: Sequence[float], sizes_bytes: Sequence[float], cost) -> "Interference":
-    """``slow`` with the ``comm_slowdown`` (COMM_SLOWDOWN_GRID) and ``slowdown_tail``
-    (TAIL_SHARES of the backward time) whose predicted communication ends (``ringtrain.plan``'s
-    model of the layers' ``backward_times``, ``sizes_bytes`` and ``cost``) come closest, in
-    squares, to each probe's ``measured_ends`` (seconds from the start of backward); the
-    smallest of equals; unchanged when any is not finite."""
+def fit_comm_slowdown(model_end, groups_per_probe: Sequence, measured_ends: Sequence[float],
+                      slow: "Interference") -> "Interference":
+    """``slow`` with the ``comm_slowdown`` (from COMM_SLOWDOWN_GRID) whose predicted
+    communication ends ``model_end(s, groups)`` come closest, in squares, to each probe's
+    ``measured_ends`` (seconds from the start of backward); unchanged when any is not finite."""
     import dataclasses
-
-    from ..plan import end_grid
 
     ends = np.asarray(measured_ends, dtype=np.float64)
     if not np.all(np.isfinite(ends)):
         return slow
-    tails = TAIL_SHARES * float(np.sum(backward_times))
-    errors = np.zeros((len(COMM_SLOWDOWN_GRID), len(tails)))
-    for groups, measured in zip(groups_per_probe, ends):
-        errors += (end_grid(backward_times, sizes_bytes, groups, COMM_SLOWDOWN_GRID, tails, cost=cost,
-                            interference=slow) - measured) ** 2
-    i, j = np.unravel_index(int(np.argmin(errors)), errors.shape)  # first minimum: row-major
-    return dataclasses.replace(slow, comm_slowdown=float(COMM_SLOWDOWN_GRID[i]), slowdown_tail=float(tails[j]))
+    errors = [sum((model_end(float(s), g) - e) ** 2 for g, e in zip(groups_per_probe, ends)) for s in COMM_SLOWDOWN_GRID]
+    return dataclasses.replace(slow, comm_slowdown=float(COMM_SLOWDOWN_GRID[int(np.argmin(errors))]))
 
 
 def without_interference(times: np.ndarray, plan, slow) -> np.ndarray:

@@ -664,8 +664,11 @@ class DistributedDataParallel(nn.Module):
         slow = calibration.fit_interference([trial[p + " launches"] for p in names],
                                             [trial[p + " bytes"] for p in names], medians[:k] - medians[k])
         times, sizes = self._plan_times, self._sizes[self._order]
-        slow = calibration.fit_comm_slowdown([p.groups for p in probes], medians[k + 1:], slow, times, sizes, self.cost)
-        fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown, slow.slowdown_tail], dtype=np.float64)
+        slow = calibration.fit_comm_slowdown(
+            lambda s, groups: planner.evaluate(times, sizes, groups, cost=self.cost,
+                                               interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
+            [p.groups for p in probes], medians[k + 1:], slow)
+        fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown], dtype=np.float64)
         self._thread.run("interference fit", partial(self.comm.broadcast, fitted, 0), self._timeout)
         self.interference = planner.Interference(*(float(x) for x in fitted))
         ms = lambda values: ", ".join(f"{v * 1e3:.1f}" for v in values)  # noqa: E731
@@ -676,8 +679,7 @@ class DistributedDataParallel(nn.Module):
     def _describe_interference(self) -> str:
         return (f"{self.interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
                 f"{self.interference.per_byte * 1e9:.3f} ms per overlapped MB, overlapped allreduces "
-                f"{1 + self.interference.comm_slowdown:.2f}x slower while backward runs "
-                f"(until {self.interference.slowdown_tail * 1e3:.1f} ms after its end from compute alone)")
+                f"{1 + self.interference.comm_slowdown:.2f}x slower while backward runs")
 
     def _replan(self, first: bool) -> None:
         local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
