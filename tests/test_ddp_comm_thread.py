@@ -54,6 +54,20 @@ def test_wait_has_a_deadline():
     job = thread.submit("stuck", lambda: gate.wait(5.0))
     with pytest.raises(CommTimeout, match="stuck"):
         job.wait(0.05)
+    with pytest.raises(CommTimeout, match="stuck"):
+        job.settle(0.05)
     gate.set()
     assert job.wait(5.0) is True
+    thread.close()
+
+
+def test_settle_waits_without_raising_the_jobs_error():
+    thread = CommThread()
+
+    def boom():
+        raise ValueError("bad bucket")
+
+    failed = thread.submit("boom", boom)
+    failed.settle(5.0)
+    assert failed.done and isinstance(failed.error, ValueError)
     thread.close()

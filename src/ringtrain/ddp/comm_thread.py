@@ -44,11 +44,16 @@ class Job:
 
     def wait(self, timeout: float) -> Any:
         """The job's result, once it has ended; CommTimeout if that takes over ``timeout`` s."""
-        if not self._done.wait(timeout):
-            raise CommTimeout(f"communication job {self.label!r} did not finish within {timeout:.1f} s")
+        self.settle(timeout)
         if self.error is not None:
             raise self.error
         return self.result
+
+    def settle(self, timeout: float) -> None:
+        """Block until the job has ended, whatever its outcome; CommTimeout if that takes over
+        ``timeout`` s."""
+        if not self._done.wait(timeout):
+            raise CommTimeout(f"communication job {self.label!r} did not finish within {timeout:.1f} s")
 
 
 class CommThread:

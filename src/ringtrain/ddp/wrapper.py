@@ -421,11 +421,15 @@ class DistributedDataParallel(nn.Module):
                 t0 = time.perf_counter()
                 self._copy_back(self._specs[k])
                 copies.append((f"bucket {k}", t0, time.perf_counter()))
-            # One wake-up for the rest: jobs run in order, so when the last has ended every one
-            # has (the waits below return at once, re-raising an error). A wait per bucket cost a
-            # context switch per allreduce on every rank: about 1 ms per message at 4 ranks on
-            # 2 cores, twice the allreduce's own start-up.
-            for job in reversed(st.jobs):
+            # One wake-up for the rest: jobs run in order, so once the last has ended every one
+            # has, and the waits in order return at once (re-raising the first error, not the
+            # later ones' "communicator is broken"). A wait per bucket woke this thread once
+            # per allreduce on every rank: wfbp on the CNN at 4 ranks / 10 Gbit/s (107
+            # allreduces) left 3-4 ms per iteration between allreduces on the communication
+            # thread, 0.6 ms with the one wait.
+            if st.jobs:
+                st.jobs[-1].settle(self._timeout)
+            for job in st.jobs:
                 job.wait(self._timeout)
             t1 = time.perf_counter()
             copies.append(("the last allreduce", t1, t1))  # a wait, nothing to copy
