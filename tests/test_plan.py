@@ -390,16 +390,18 @@ def brute_force_interfered(backward_times, sizes, cost, per_message, per_byte, c
     """The same exhaustive search with the interference model written out from scratch: the
     layers of group g are ready later by the sum, over groups 0..g-1, of
     per_message + per_byte * bytes; an allreduce progresses 1 + comm_slowdown times slower until
-    the last layer's undelayed ready time (backward's end from compute alone)."""
+    backward's end as known when it is launched: the last layer's ready time from compute alone,
+    delayed by the launches up to and including its own (the last group's by those before it)."""
     n = len(sizes)
     best = math.inf
     backward_end = sum(backward_times)
     for groups in contiguous_groupings(n):
         end, delay = 0.0, 0.0
-        for a, b in groups:
+        for k, (a, b) in enumerate(groups):
             group_bytes = float(sum(sizes[a : b + 1]))
             start = max(sum(backward_times[: b + 1]) + delay, end)
-            end = slowed_end(start, cost(group_bytes), backward_end, comm_slowdown)
+            own = per_message + per_byte * group_bytes if k < len(groups) - 1 else 0.0
+            end = slowed_end(start, cost(group_bytes), backward_end + delay + own, comm_slowdown)
             delay += per_message + per_byte * group_bytes
         best = min(best, end)
     return best
@@ -442,6 +444,12 @@ def test_interference_hand_computed():
     # a long backward: everything done while it runs takes 1.5x, [1,4], [4,7], then the last
     plan = merge([1.0, 1.0, 10.0], S3, A3, B3, method="wfbp", interference=Interference(0.0, 0.0, 0.5))
     assert plan.ends == [4.0, 7.0, 14.0]
+    # both: 0.5 s per launch, 1.5x slower while backward runs. Group 0 starts at 1, slowed until
+    # 3.5 (backward delayed by its own launch): 5/3 s of work by then, ends at 23/6; group 1
+    # (ready 2.5) starts at 23/6, slowed until 4 (two launches): ends 23/6 + 2 + 0.5 * 1/9 = 53/9;
+    # group 2, ready at 4, starts at 53/9 after backward: not slowed, 71/9
+    plan = merge(T3, S3, A3, B3, method="wfbp", interference=Interference(0.5, 0.0, 0.5))
+    assert plan.ends == pytest.approx([23 / 6, 53 / 9, 71 / 9], rel=1e-14)
     # a single allreduce launches after backward: nothing to slow down, either way
     plan = merge(T3, S3, A3, B3, method="single", interference=Interference(5.0, 5.0, 5.0))
     assert plan.ready == [1.0, 2.0, 3.0] and plan.end_time == 7.0
