@@ -113,7 +113,8 @@ class SplitCost:
     """Two linear costs split at a size: messages under ``split_bytes`` take ``small``, the rest
     ``large``. The cost of an allreduce whose algorithm changes with the size, as the
     communicator's ``auto`` does (``halving_doubling`` or ``naive`` under 64 KiB, ``ring`` from
-    there): one line through both missed a 190 KB ring allreduce at 4 ranks by half."""
+    there): with one line through both, the LM's 54 gradients allreduced back to back at 4
+    ranks / 10 Gbit/s took 50 ms against 35 ms predicted."""
 
     small: LinearCost
     large: LinearCost
