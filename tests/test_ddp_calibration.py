@@ -417,16 +417,3 @@ def test_a_given_cost_is_planned_with_and_skips_the_sweep():
         for start, end, nbytes in zip(plan.starts, plan.ends, plan.group_bytes):
             assert end - start == pytest.approx(cost(nbytes), rel=1e-12)
 
-
-def test_the_trial_keeps_the_fewest_allreduces_among_close_candidates():
-    from ringtrain.ddp.wrapper import VERIFY_MARGIN, kept_candidate
-
-    # the plan (23 allreduces) 1% faster than one allreduce: within the margin, one allreduce stays
-    assert kept_candidate([0.99, 1.0], [23, 1]) == 1
-    # 5% faster: the plan stays
-    assert kept_candidate([0.95, 1.0], [23, 1]) == 0
-    # three candidates: the fastest by far stays whatever its count; equals: the earlier
-    assert kept_candidate([1.2, 0.9, 1.0], [5, 40, 1]) == 1
-    assert kept_candidate([1.0, 1.0], [3, 3]) == 0
-    assert kept_candidate([1.0, 1.0 + VERIFY_MARGIN / 2], [3, 2]) == 1
-    assert kept_candidate([1.0, 1.0 + VERIFY_MARGIN * 2], [3, 2], margin=0.0) == 0

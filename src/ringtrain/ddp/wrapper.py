@@ -43,10 +43,10 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    bucket layout kept, so all meet the same machine load): that plan, the optimal plan of the
    model without interference (free overlap, as on a GPU: where the fitted interference
    over-charges overlap it merges less), and the single allreduce, each only if its grouping
-   differs from those before it. Of those whose median forward+backward (the slowest rank's)
-   is within ``VERIFY_MARGIN`` of the smallest, the one of fewest allreduces stays (the earlier
-   of equals): at 4 ranks on 2 cores close candidates swapped places from run to run, and a
-   plan of fewer allreduces waits on fewer rendezvous of busy ranks. ``planned_with`` is the
+   differs from those before it. The one with the smallest median forward+backward (the
+   slowest rank's) stays, the earlier of equals (a margin towards fewer allreduces was tried in
+   two benchmark sets and dropped: among near-equals it keeps the plan that hides less, down to
+   one allreduce after backward). ``planned_with`` is the
    interference it was planned with, ``fell_back`` says the single allreduce won. The one kept is laid out afresh
    and re-plans keep its way of planning. ``settled`` is True once the trial is over.
 
@@ -66,7 +66,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -82,10 +82,6 @@ from .timeline import IterationStats, TraceRecorder, hidden_fraction
 
 logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
-
-#: The trial keeps the candidate of fewest allreduces among those within this share of the
-#: fastest median (module docstring, item 5).
-VERIFY_MARGIN = 0.02
 
 SCHEDULES = planner.METHODS
 
@@ -120,8 +116,8 @@ class DDPOptions:
     """schedule="optimal" only: iterations per phase of the trial (module docstring, item 5):
     the probe plans and one allreduce after backward measure the interference, then the plan
     made with it, the plan made without it and the single allreduce alternate, as many
-    iterations each, and the fastest median forward+backward stays (of those within
-    VERIFY_MARGIN of it, the one of fewest allreduces; 0: no trial; trust the model)."""
+    iterations each, and the fastest median forward+backward stays (0: no trial; trust the
+    model)."""
     gradient_as_bucket_view: bool = True
     """After backward each ``.grad`` is a view of its bucket (no copy back; torch's option of
     the same name). The bucket is reused by the next synchronizing backward: a reference to a
@@ -650,7 +646,7 @@ class DistributedDataParallel(nn.Module):
         medians = np.array([np.median([r[1] for r in c["rows"]]) for c in candidates], dtype=np.float64)
         self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
         self._trial = None
-        best = candidates[kept_candidate(medians, [len(c["plan"].groups) for c in candidates])]
+        best = candidates[int(np.argmin(medians))]  # (no margin: the measured fastest stays)
         self._kept = best["label"]
         # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
         # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
@@ -789,14 +785,6 @@ class _State:
         self.iteration = 0
         self.failed: Optional[BaseException] = None  # the CommError a backward pass ended with
         self.first = self.last = float("nan")  # first and last gradient stamps
-
-
-def kept_candidate(medians: Sequence[float], allreduces: Sequence[int], margin: float = VERIFY_MARGIN) -> int:
-    """The trial's choice (module docstring, item 5): of the candidates whose median is within
-    ``margin`` of the smallest, the one of fewest allreduces, the earlier of equals."""
-    low = min(medians)
-    close = [i for i, m in enumerate(medians) if m <= low * (1.0 + margin)]
-    return min(close, key=lambda i: (allreduces[i], i))
 
 
 def _cost_text(cost: planner.CostFn) -> str:
