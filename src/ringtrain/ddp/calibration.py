@@ -39,7 +39,6 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sim.calibrate import fit_alpha_beta
 
 #: Sweep sizes in bytes (float32 buffers): start-up dominated to bandwidth dominated. Under
 #: algorithm "auto" those below ``comm.AUTO_SMALL_BYTES`` take another algorithm than the rest,
