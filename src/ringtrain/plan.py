@@ -107,6 +107,9 @@ class LinearCost:
     def __call__(self, nbytes: Any) -> Any:
         return self.alpha + (self.beta + self.gamma) * nbytes
 
+    def describe(self) -> str:
+        return f"alpha={self.alpha:.3e} s, beta={self.beta + self.gamma:.3e} s/B"
+
 
 @dataclass(frozen=True, slots=True)
 class SplitCost:
@@ -139,8 +142,7 @@ class SplitCost:
         return self.large.beta + self.large.gamma
 
     def describe(self) -> str:
-        return (f"alpha={self.small.alpha:.3e} s, beta={self.small.beta:.3e} s/B under {self.split_bytes:.0f} B; "
-                f"alpha={self.large.alpha:.3e} s, beta={self.large.beta:.3e} s/B from there")
+        return f"{self.small.describe()} under {self.split_bytes:.0f} B; {self.large.describe()} from there"
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,9 +46,9 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    differs from those before it. The one with the smallest median forward+backward (the
    slowest rank's) stays, the earlier of equals (a margin towards fewer allreduces was tried in
    two benchmark sets and dropped: among near-equals it keeps the plan that hides less, down to
-   one allreduce after backward). ``planned_with`` is the
-   interference it was planned with, ``fell_back`` says the single allreduce won. The one kept is laid out afresh
-   and re-plans keep its way of planning. ``settled`` is True once the trial is over.
+   one allreduce after backward). ``planned_with`` is the interference it was planned with,
+   ``fell_back`` says the single allreduce won. The one kept is laid out afresh and re-plans
+   keep its way of planning. ``settled`` is True once the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -788,9 +788,7 @@ class _State:
 
 
 def _cost_text(cost: planner.CostFn) -> str:
-    if isinstance(cost, planner.LinearCost):
-        return f"alpha={cost.alpha:.3e} s, beta={cost.beta + cost.gamma:.3e} s/B"
-    describe = getattr(cost, "describe", None)
+    describe = getattr(cost, "describe", None)  # LinearCost, SplitCost
     return describe() if callable(describe) else repr(cost)
 
 
