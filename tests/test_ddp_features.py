@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -469,3 +471,33 @@ def test_gradient_as_bucket_view_false_keeps_own_gradients():
         assert not any(inside)
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.equal(a, b)  # the mean, the same on both ranks
+
+
+@pytest.mark.timeout(60)
+def test_replaced_gradients_live_until_the_next_forward():
+    # With bucket views, the tensors autograd made are freed at the next forward, as plain torch
+    # frees its gradients at zero_grad (freed mid-backward, glibc returned the memory that forward
+    # then faulted in again); never held past it.
+    init = make_model("mlp").state_dict()
+
+    def train(comm):
+        model = make_model("mlp")
+        model.load_state_dict(init)
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", **FAST)
+        counts = []
+        for step in range(3):
+            x, y = micro_batch(step, 0, 2, comm.rank)
+            model.zero_grad(set_to_none=True)
+            out = ddp(x)
+            counts.append(len(ddp._s.retired))  # the previous backward's were freed here
+            nn.functional.mse_loss(out, y).backward()
+            kept = [weakref.ref(t) for t in ddp._s.retired]
+            counts.append(sum(r() is not None for r in kept))
+        ddp(micro_batch(3, 0, 2, comm.rank)[0])
+        counts.append(sum(r() is not None for r in kept))
+        ddp.close()
+        return counts
+
+    n = len(list(make_model("mlp").parameters()))
+    for counts in raise_first(run_comms(2, train)):
+        assert counts == [0, n, 0, n, 0, n, 0]
