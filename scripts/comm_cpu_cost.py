@@ -6,13 +6,15 @@ Usage (root):  .venv/bin/python scripts/comm_cpu_cost.py [--net 1gbit] [--model 
 
 Two ranks, each a host of its own (``EmulatedNetwork``), each one process with torch on one
 thread. Each rank times the model's backward (median of 17 after 3 warm-ups) in rounds that
-alternate between nothing else running and a background thread running ring allreduces of
-``--mib`` MiB back to back (the two threads agree through a 1-element allreduce when to
-stop). Per round it reports backward, allreduces per second, the background thread's CPU
-(``time.thread_time``: its Python, reductions and system calls) and the machine's user,
-system and softirq time from /proc/stat, in ms per second of the round. The difference in
-backward against the CPU the communication used shows how much of the interference the
-wrapper's trial measures is CPU taken from the training thread.
+alternate between nothing else running and a background thread running allreduces of
+``--mib`` MiB back to back: ringtrain's (``comm``) or torch.distributed's over gloo (``gloo``,
+the anchor; the two threads agree through a 1-element allreduce when to stop). Per round it
+reports backward, allreduces per second, the CPU the process used outside the training thread
+(the background thread plus, for gloo, its worker threads: their Python, reductions and system
+calls), per second and per MiB moved, and the machine's user, system and softirq time from
+/proc/stat, in ms per second of the round. The difference in backward against the CPU the
+communication used shows how much of the interference the wrapper's trial measures is CPU
+taken from the training thread, and the gloo rounds how much of it any allreduce costs here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 import threading
 import time
 
-ROUNDS = ("none", "comm", "none", "comm")
+ROUNDS = ("none", "comm", "gloo", "none", "comm", "gloo")
 
 
 def _machine() -> list[int]:
@@ -41,8 +43,13 @@ def rank_main() -> None:
     from ringtrain import data, models
     from ringtrain.bench.procs import emit
 
+    import datetime
+
+    import torch.distributed as dist
+
     cfg = json.loads(os.environ["COMM_CPU_COST"])
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     comm = ringtrain.init(transport="tcp", timeout=120)
     spec = models.spec(cfg["model"])
     model = models.build(cfg["model"], seed=0)
@@ -50,6 +57,7 @@ def rank_main() -> None:
                                 rank=comm.rank, world_size=comm.world_size, seed=0)
     x, y = loader.next_batch()
     buf = np.ones(int(cfg["mib"] * (1 << 20)) // 4, np.float32)
+    tbuf = torch.ones(buf.size)
     tick_ms = 1000.0 / os.sysconf("SC_CLK_TCK")
     rows = []
     for mode in ROUNDS:
@@ -58,21 +66,28 @@ def rank_main() -> None:
 
         def background() -> None:
             flag = np.zeros(1, np.float32)
+            tflag = torch.zeros(1)
             while True:
-                flag[0] = 1.0 if stop.is_set() else 0.0
-                comm.allreduce(flag, "max")  # both ranks stop after the same allreduce
-                if flag[0]:
-                    return
-                t0 = time.thread_time()
-                comm.allreduce(buf, "sum")
+                if mode == "gloo":
+                    tflag[0] = 1.0 if stop.is_set() else 0.0
+                    dist.all_reduce(tflag, dist.ReduceOp.MAX)  # both ranks stop after the same allreduce
+                    if tflag[0]:
+                        return
+                    dist.all_reduce(tbuf)
+                else:
+                    flag[0] = 1.0 if stop.is_set() else 0.0
+                    comm.allreduce(flag, "max")
+                    if flag[0]:
+                        return
+                    comm.allreduce(buf, "sum")
                 done[0] += 1
-                done[1] += time.thread_time() - t0
 
-        thread = threading.Thread(target=background) if mode == "comm" else None
+        thread = threading.Thread(target=background) if mode != "none" else None
         if thread:
             thread.start()
         times = []
         m0, w0 = _machine(), time.perf_counter()
+        cpu0, own0 = time.process_time(), time.thread_time()  # the process's CPU, and the training thread's
         for _ in range(20):
             loss = model.loss(model(x), y)
             t0 = time.perf_counter()
@@ -80,17 +95,20 @@ def rank_main() -> None:
             times.append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
         wall, m1 = time.perf_counter() - w0, _machine()
+        done[1] = (time.process_time() - cpu0) - (time.thread_time() - own0)  # CPU outside the training thread
         if thread:
             stop.set()
             thread.join()
         delta = {k: (b - a) * tick_ms / wall for k, a, b in zip(
             ("user", "nice", "system", "idle", "iowait", "irq", "softirq"), m0, m1)}
         rows.append({"mode": mode, "backward_ms": 1e3 * statistics.median(times[3:]),
-                     "allreduces_per_s": done[0] / wall, "comm_thread_cpu_ms_per_s": 1e3 * done[1] / wall,
+                     "allreduces_per_s": done[0] / wall, "comm_cpu_ms_per_s": 1e3 * done[1] / wall,
+                     "comm_cpu_ms_per_mib": 1e3 * done[1] / (done[0] * cfg["mib"]) if done[0] else None,
                      "machine_ms_per_s": {k: delta[k] for k in ("user", "system", "softirq", "idle")}})
     if comm.rank == 0:
         emit({"rows": rows, **cfg})
     comm.close()
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -113,8 +131,9 @@ def main() -> None:
         return
     for r in doc["rows"]:
         m = r["machine_ms_per_s"]
+        per_mib = "" if r["comm_cpu_ms_per_mib"] is None else f" ({r['comm_cpu_ms_per_mib']:.2f} ms/MiB)"
         print(f"{r['mode']:5} backward {r['backward_ms']:6.1f} ms | {r['allreduces_per_s']:5.0f} allreduces/s | "
-              f"comm thread {r['comm_thread_cpu_ms_per_s']:4.0f} ms/s | machine: user {m['user']:5.0f}, "
+              f"communication CPU {r['comm_cpu_ms_per_s']:4.0f} ms/s{per_mib} | machine: user {m['user']:5.0f}, "
               f"system {m['system']:4.0f}, softirq {m['softirq']:4.0f}, idle {m['idle']:3.0f} ms/s (2 cores: 2000)")
 
 
