@@ -23,9 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ringtrain.errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
-from ringtrain.transport import local, tcp, wire
+from ringtrain.transport import local, tcp, tcp_setup, wire
 from ringtrain.transport.base import CallHeader, Recv, Send
-from ringtrain.transport.tcp import Listener, TcpTransport
+from ringtrain.transport.tcp import TcpTransport
+from ringtrain.transport.tcp_setup import Listener
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,13 +236,13 @@ def test_bad_arguments(mesh):
 def test_default_listener_binds_the_interface_toward_the_store(monkeypatch):
     """Not every interface: the one that reaches the store's host (MASTER_ADDR)."""
     bound = []
-    real = tcp.Listener.__init__
+    real = Listener.__init__
 
     def spy(self, me, **kw):
         real(self, me, **kw)
         bound.append([s.getsockname()[0] for s in self._socks if s.family != socket.AF_UNIX])
 
-    monkeypatch.setattr(tcp.Listener, "__init__", spy)
+    monkeypatch.setattr(Listener, "__init__", spy)
     master = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
 
     def connect(r):
@@ -516,7 +517,7 @@ class ListenerThread:
     """Rank 0's listener of a 2-rank job, admitting rank 1, on a thread."""
 
     def __init__(self, secret=SECRET, handshake_timeout=2.0, wait=20.0):
-        self.me = tcp._Identity(0, 2, "fuzz", secret)
+        self.me = tcp_setup.Identity(0, 2, "fuzz", secret)
         self.listener = Listener(self.me, unix=True, tcp=True, handshake_timeout=handshake_timeout)
         self.result: dict = {}
         self.thread = threading.Thread(target=self._run, args=(wait,), daemon=True)
@@ -533,12 +534,12 @@ class ListenerThread:
             return socket.create_connection(tuple(self.listener.endpoints["tcp"]), timeout=5)
         s = socket.socket(socket.AF_UNIX)
         s.settimeout(5)
-        s.connect(tcp._unix_address(self.listener.endpoints["unix"]))
+        s.connect(tcp_setup._unix_address(self.listener.endpoints["unix"]))
         return s
 
     def legit(self, secret=SECRET):
-        me = tcp._Identity(1, 2, "fuzz", secret)
-        return tcp.dial(self.listener.endpoints, True, me, 0, deadline(5))
+        me = tcp_setup.Identity(1, 2, "fuzz", secret)
+        return tcp_setup.dial(self.listener.endpoints, True, me, 0, deadline(5))
 
     def finish(self):
         self.thread.join(25)
@@ -565,7 +566,7 @@ def read_until_closed(sock, limit=1 << 16):
 def test_replayed_handshake_is_refused():
     lt = ListenerThread()
     # Record a genuine connector's bytes, then play them to the listener again.
-    me = tcp._Identity(1, 2, "fuzz", SECRET)
+    me = tcp_setup.Identity(1, 2, "fuzz", SECRET)
     hello = wire.Hello.fresh(wire.CONNECT, True, 1, 0, 2, me.job).pack()
     s = lt.raw()
     s.sendall(hello)
@@ -587,7 +588,7 @@ def test_strangers_failed_handshakes_do_not_grow_the_nonce_set():
     """Only a handshake whose MAC verified records its nonce: strangers (a wrong secret, a
     random MAC, a hello and no MAC) leave the listener's set as it was, however many come."""
     lt = ListenerThread()
-    job = tcp._Identity(1, 2, "fuzz", SECRET).job
+    job = tcp_setup.Identity(1, 2, "fuzz", SECRET).job
     rounds = 10
     for _ in range(rounds):
         with pytest.raises(AuthError):  # a connector with another secret: refused by its own check
@@ -612,7 +613,7 @@ def test_strangers_failed_handshakes_do_not_grow_the_nonce_set():
 
 @pytest.mark.timeout(30)
 def test_a_genuine_handshake_replayed_after_it_succeeded_is_refused_by_its_nonce():
-    me, peer = tcp._Identity(0, 2, "fuzz", SECRET), tcp._Identity(1, 2, "fuzz", SECRET)
+    me, peer = tcp_setup.Identity(0, 2, "fuzz", SECRET), tcp_setup.Identity(1, 2, "fuzz", SECRET)
     seen: set[bytes] = set()
     sent: list[bytes] = []
 
@@ -620,7 +621,7 @@ def test_a_genuine_handshake_replayed_after_it_succeeded_is_refused_by_its_nonce
         a, b = socket.socketpair()
         with a, b:
             out: dict = {}
-            th = threading.Thread(target=lambda: out.update(r=_catch(tcp.accept_handshake, a, me, {1}, seen,
+            th = threading.Thread(target=lambda: out.update(r=_catch(tcp_setup.accept_handshake, a, me, {1}, seen,
                                                                      deadline(5))), daemon=True)
             th.start()
             connect_side(b)
@@ -644,7 +645,7 @@ def test_a_genuine_handshake_replayed_after_it_succeeded_is_refused_by_its_nonce
                 sent.append(bytes(data))
                 return sock.send(data)
 
-        tcp.connect_handshake(Recording(), peer, 0, deadline(5))
+        tcp_setup.connect_handshake(Recording(), peer, 0, deadline(5))
 
     assert accept_on_pair(genuine) == 1
     assert len(seen) == 1

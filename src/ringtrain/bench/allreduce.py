@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .procs import RESULT_PREFIX, RankFailed, emit, run_ranks
+from .procs import RESULT_PREFIX, emit, run_ranks
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"

@@ -7,7 +7,7 @@ Words:
 
 - *target*: a process that serves ringtrain's wire on a TCP port, run here as a separate
   process so that a crash, a hang or its memory can be seen from outside:
-  ``listener`` — a tcp transport listener (``transport.tcp.Listener``) waiting for rank 1 of a
+  ``listener`` — a tcp transport listener (``transport.tcp_setup.Listener``) waiting for rank 1 of a
   2-rank job; every fuzz connection is a stranger that must be refused during the handshake.
   ``frames`` — the same listener, but each fuzz connection completes a genuine handshake
   (the fuzzer holds the job's secret) and then sends one hostile frame where rank 0's
@@ -37,7 +37,6 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
-import os
 import random
 import socket
 import struct
@@ -215,17 +214,17 @@ def _quiet_tally() -> _Tally:
 
 
 def _identity(rank: int):
-    from ..transport import tcp
+    from ..transport import tcp_setup
 
-    return tcp.Identity(rank, 2, JOB, SECRET)
+    return tcp_setup.Identity(rank, 2, JOB, SECRET)
 
 
 def serve_listener(pipe) -> None:
     """Refuse strangers until rank 1 proves itself; report the refusals."""
-    from ..transport import tcp
+    from ..transport import tcp_setup
 
     tally = _quiet_tally()
-    listener = tcp.Listener(_identity(0), unix=False, tcp=True, handshake_timeout=2.0)
+    listener = tcp_setup.Listener(_identity(0), unix=False, tcp=True, handshake_timeout=2.0)
     pipe.send(tuple(listener.endpoints["tcp"]))
     socks = listener.accept({1}, time.monotonic() + 24 * 3600)
     for s in socks.values():
@@ -242,11 +241,11 @@ def serve_frames(pipe) -> None:
     import numpy as np
 
     from ..errors import CommError
-    from ..transport import tcp
+    from ..transport import tcp, tcp_setup
     from ..transport.base import Recv
 
     tally = _quiet_tally()
-    listener = tcp.Listener(_identity(0), unix=False, tcp=True, handshake_timeout=2.0)
+    listener = tcp_setup.Listener(_identity(0), unix=False, tcp=True, handshake_timeout=2.0)
     pipe.send(tuple(listener.endpoints["tcp"]))
     outcomes: Counter[str] = Counter()
     while True:
@@ -297,14 +296,14 @@ def memory(pid: int) -> dict:
 def send_case(endpoint, data: bytes, handshake_as: Optional[int] = None, ps_world: int = 2) -> bool:
     """Connect, (optionally) handshake genuinely, send ``data``, half-close, read until the target
     closes. Returns False if the target kept the connection open past CASE_TIMEOUT (a hang)."""
-    from ..transport import tcp
+    from ..transport import tcp_setup
 
     deadline = time.monotonic() + CASE_TIMEOUT
     s = socket.create_connection(endpoint, timeout=CASE_TIMEOUT)
     try:
         if handshake_as is not None:
-            me = tcp.Identity(handshake_as, ps_world, JOB if ps_world == 2 else PS_JOB, SECRET)
-            tcp.connect_handshake(s, me, 0, deadline)
+            me = tcp_setup.Identity(handshake_as, ps_world, JOB if ps_world == 2 else PS_JOB, SECRET)
+            tcp_setup.connect_handshake(s, me, 0, deadline)
             s.setblocking(True)
         s.settimeout(CASE_TIMEOUT)
         try:

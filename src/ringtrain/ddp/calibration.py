@@ -35,9 +35,12 @@ Words used here:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:  # for the annotations; the functions import it when they run
+    from ..plan import Interference
 
 
 #: Sweep sizes in bytes (float32 buffers): start-up dominated to bandwidth dominated. Under

@@ -196,7 +196,6 @@ def _bench_worker(w: int, workers: int, endpoints, model_name: str, steps: int, 
                   seed: int, opts: PSOptions, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        import numpy as np
         import torch
 
         from .. import data, models

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import CommError, CommTimeout, PeerLost, ProtocolError
-from ..transport import tcp, wire
+from ..transport import tcp_setup, wire
 from ..transport.base import CallHeader
 
 MAGIC = b"RTPS"
@@ -94,9 +94,9 @@ def unpack_header(data: bytes, frame_length: int) -> Header:
     return Header(kind, worker, count, step, version, extra, frame_length - HEADER_SIZE)
 
 
-def ps_identity(rank: int, world: int, job: str, secret: Optional[bytes]) -> tcp._Identity:
+def ps_identity(rank: int, world: int, job: str, secret: Optional[bytes]) -> tcp_setup.Identity:
     """The handshake identity of ps rank ``rank`` in a job of ``world`` ps ranks."""
-    return tcp._Identity(rank, world, f"ringtrain-ps/{job}", secret)
+    return tcp_setup.Identity(rank, world, f"ringtrain-ps/{job}", secret)
 
 
 class Channel:
@@ -261,9 +261,9 @@ class Channel:
             pass
 
 
-def dial(endpoint: Sequence, me: tcp._Identity, server: int, timeout: float) -> socket.socket:
+def dial(endpoint: Sequence, me: tcp_setup.Identity, server: int, timeout: float) -> socket.socket:
     """Connect to server ``server`` at (host, port) and run the connector's handshake."""
-    return tcp.dial({"tcp": [str(endpoint[0]), int(endpoint[1])]}, False, me, server, time.monotonic() + timeout)
+    return tcp_setup.dial({"tcp": [str(endpoint[0]), int(endpoint[1])]}, False, me, server, time.monotonic() + timeout)
 
 
 def encode_json(obj: dict) -> bytes:

@@ -49,7 +49,7 @@ import torch
 
 from .. import checkpoint
 from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
-from ..transport import tcp
+from ..transport import tcp_setup
 from . import protocol as P
 from .sharding import make_layout
 
@@ -267,8 +267,8 @@ class ParameterServer:
         with self._cond:
             expected = {K + w for w, s in enumerate(self._status) if s == "waiting"}
         try:
-            rank = tcp.accept_handshake(sock, self._me, expected, self._seen_nonces,
-                                        time.monotonic() + min(self.cfg.timeout, tcp.HANDSHAKE_TIMEOUT))
+            rank = tcp_setup.accept_handshake(sock, self._me, expected, self._seen_nonces,
+                                        time.monotonic() + min(self.cfg.timeout, tcp_setup.HANDSHAKE_TIMEOUT))
         except (CommError, OSError) as exc:
             with self._cond:
                 self.refused += 1

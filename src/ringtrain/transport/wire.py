@@ -1,6 +1,6 @@
 """The tcp transport's bytes on the wire: frames, the handshake, and their pure codecs.
 
-Words used here and in ``tcp.py``:
+Words used here and in ``tcp.py`` and ``tcp_setup.py``:
 
 - *frame*: what one rank writes to one peer for one message. A fixed 52-byte *frame header*
   (magic ``RTF1``, version, frame kind, 2 reserved zero bytes, the CallHeader (36 bytes), the
