@@ -253,6 +253,24 @@ def test_bad_options_raise_value_error_naming_them(kw, word):
         assert "optimal" in message or "ring" in message  # the accepted values are listed
 
 
+def test_a_module_off_the_cpu_is_refused_naming_its_tensor():
+    # "meta" stands for any device but the CPU (CI has no GPU): the buckets and the transports
+    # are CPU memory, so the wrapper says so before it broadcasts anything.
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2, device="meta")
+
+    def body(comm):
+        with pytest.raises(ValueError, match=r"'b.weight' is on meta.*CPU") as info:
+            DistributedDataParallel(Mixed(), comm, **FAST)
+        return str(info.value)
+
+    message, = raise_first(run_comms(1, body))
+    assert "torch.nn.parallel.DistributedDataParallel" in message
+
+
 @pytest.mark.timeout(60)
 def test_a_failed_peer_surfaces_from_backward_within_the_deadline():
     """Rank 1 fails after two steps (the harness aborts its transport): rank 0's next backward

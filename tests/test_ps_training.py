@@ -228,3 +228,11 @@ def test_roles_in_one_job_workers_first_then_servers():
     for r in results[:W]:
         for got, want in zip(r["params"], reference(steps)):
             assert np.array_equal(got, want)
+
+
+def test_a_module_off_the_cpu_is_refused_before_connecting():
+    # Servers and workers move CPU memory; "meta" stands for a GPU (CI has none). The error comes
+    # before any connection is tried, so the endpoint need not exist.
+    module = nn.Linear(3, 2, device="meta")
+    with pytest.raises(ValueError, match=r"'weight' is on meta.*CPU"):
+        ParameterServerTraining(module, servers=[("127.0.0.1", 9)], worker=0, workers=1)

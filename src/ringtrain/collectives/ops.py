@@ -33,6 +33,20 @@ class FlatView:
     shape: tuple[int, ...]
 
 
+def check_cpu_module(module: Any, who: str) -> None:
+    """ValueError naming the first parameter or buffer of ``module`` (a torch.nn.Module) that is
+    not on the CPU: ``who`` keeps its gradients and parameters in CPU memory, which is what
+    ringtrain's own transports move."""
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    for name, t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"{who}: {name!r} is on {t.device}, but ringtrain keeps gradients and parameters in "
+                "CPU memory for its own transports; move the module to the CPU (for a module on a "
+                "GPU use torch.nn.parallel.DistributedDataParallel)"
+            )
+
+
 def flat_view(buf: Any) -> FlatView:
     """A flat view of ``buf`` or a ValueError that says what is wrong with it."""
     if isinstance(buf, np.ndarray):

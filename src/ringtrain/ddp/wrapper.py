@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from .. import plan as planner
+from ..collectives.ops import check_cpu_module
 from ..comm import ALGORITHMS, Communicator
 from ..errors import CommError
 from . import buckets as bucketing
@@ -185,6 +186,7 @@ class DistributedDataParallel(nn.Module):
                           find_unused_parameters=find_unused_parameters, **options)
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        check_cpu_module(module, "ringtrain.DistributedDataParallel")
         if comm is None:
             from .. import get_communicator
 

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .. import plan as planner
+from ..collectives.ops import check_cpu_module
 from ..errors import CommError, CommTimeout, PeerLost, ProtocolError
 from . import protocol as P
 from .server import STRATEGIES
@@ -129,6 +130,7 @@ class ParameterServerTraining:
             raise ValueError("servers must list at least one (host, port) endpoint")
         if not 0 <= worker < workers:
             raise ValueError(f"worker must be in [0, workers={workers}), got {worker}")
+        check_cpu_module(module, "ringtrain.ps.ParameterServerTraining")
         self.module, self.opts, self.worker, self.workers = module, opts, worker, workers
         self.num_servers = K = len(servers)
         self.params = _unique_params(module)
