@@ -260,7 +260,7 @@ def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
         x = torch.randn(8, 64)
         for _ in range(12):  # warm-up, profile, single, two candidates twice each, then re-plans
             ddp(x).sum().backward()
-        out = len(ddp.plan.groups), ddp.planned_with, ddp.settled
+        out = len(ddp.plan.groups), ddp.planned_with, ddp.settled, ddp.trial
         ddp.close()
         return out
 
@@ -268,11 +268,17 @@ def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
     assert results[0] == results[1] and results[0][2], results
     messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
     assert messages and "the plan of free overlap (" in messages[0] and "one allreduce after backward" not in messages[0]
-    groups, planned_with, _ = results[0]
+    groups, planned_with, _, trial = results[0]
     if "keeping the plan of free overlap" in messages[0]:
         assert planned_with == Interference() and groups > 1
     else:
         assert planned_with == given and groups == 1
+    # The trial's record: both candidates as timed (the slowest rank's medians, so equal on
+    # every rank), the kept one the fastest, and its group count the plan's after the trial.
+    assert [c["label"] for c in trial] == ["plan", "free"] and trial[0]["groups"] == 1 < trial[1]["groups"]
+    kept, = [c for c in trial if c["kept"]]
+    assert kept["median_s"] == min(c["median_s"] for c in trial) > 0
+    assert ("free" if planned_with == Interference() else "plan") == kept["label"]
 
 
 def test_probe_groups_cover_the_layers_evenly():

@@ -336,7 +336,7 @@ def _worker(cfg: dict) -> int:
                     alpha=ddp.alpha, beta=ddp.beta, cost=dataclasses.asdict(cost), groups=len(plan.groups),
                     plan_in_force=plan.method,
                     interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
-                    planned_with=ddp.planned_with.to_dict(),
+                    planned_with=ddp.planned_with.to_dict(), trial=ddp.trial,
                     planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
                     sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
                     overlap_bound_s=bound, vs_bound=med / bound,

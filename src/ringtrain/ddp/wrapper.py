@@ -227,6 +227,7 @@ class DistributedDataParallel(nn.Module):
         self._plan_times = np.zeros(n)
         self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
         self._kept = "plan"  # the trial's candidate in force: "plan", "free" or "single"
+        self._trial_record: list[dict] = []  # what the trial measured (the ``trial`` property)
         self.interference = opts.interference or planner.NO_INTERFERENCE
         first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
         self._install(first, planner.merge([0.0] * n, self._sizes[first], cost=self.cost, method="single"))
@@ -271,6 +272,13 @@ class DistributedDataParallel(nn.Module):
     def fell_back(self) -> bool:
         """True when the trial measured one allreduce after backward to be the fastest candidate."""
         return self._kept == "single"
+
+    @property
+    def trial(self) -> list[dict]:
+        """The trial's candidates as it timed them (empty before it ends, or where it had one
+        candidate): per candidate ``label`` ("plan", "free", "single"), ``groups`` and the slowest
+        rank's median forward+backward ``median_s``; ``kept`` marks the one in force."""
+        return [dict(c) for c in self._trial_record]
 
     @property
     def planned_with(self) -> planner.Interference:
@@ -653,6 +661,8 @@ class DistributedDataParallel(nn.Module):
         self._trial = None
         best = candidates[int(np.argmin(medians))]  # (no margin: the measured fastest stays)
         self._kept = best["label"]
+        self._trial_record = [{"label": c["label"], "groups": len(c["plan"].groups), "median_s": float(m),
+                               "kept": c is best} for c, m in zip(candidates, medians)]
         # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
         # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
         self._install(self._order, best["plan"])
