@@ -281,6 +281,47 @@ def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
     assert ("free" if planned_with == Interference() else "plan") == kept["label"]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slow_buckets", [False, True])
+def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_buckets):
+    """A fixed 50 ms in every forward makes the candidates' forward+backward equal within
+    VERIFY_MARGIN: the trial times them another round, up to VERIFY_ROUNDS, and still settles
+    alike on every rank. With 10 ms more per bucket of a plan of several, one round decides."""
+    from ringtrain.ddp import wrapper
+    from ringtrain.plan import Interference
+
+    real_mark = wrapper.DistributedDataParallel._mark_ready
+
+    def mark_ready(self, bucket):
+        if slow_buckets and len(self._specs) > 1:
+            time.sleep(0.01)
+        return real_mark(self, bucket)
+
+    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        model.register_forward_pre_hook(lambda *_: time.sleep(0.05))
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=3,
+                                      interference=Interference(0.05, 0.0))
+        x = torch.randn(8, 64)
+        for _ in range(30):  # warm-up, profile, single, then two candidates for up to three rounds
+            ddp(x).sum().backward()
+        out = ddp.settled, ddp.trial
+        ddp.close()
+        return out
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1], results
+    settled, trial = results[0]
+    assert settled and [c["label"] for c in trial] == ["plan", "free"]
+    if slow_buckets:
+        assert [c["rounds"] for c in trial] == [1, 1] and trial[0]["kept"], trial
+    else:
+        assert all(c["rounds"] == wrapper.VERIFY_ROUNDS for c in trial), trial
+
+
 def test_probe_groups_cover_the_layers_evenly():
     assert cal.probe_groups(6, 3) == [(0, 1), (2, 3), (4, 5)]
     assert cal.probe_groups(2, 24) == [(0, 0), (1, 1)]

@@ -44,8 +44,11 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    bucket layout kept, so all meet the same machine load): that plan, the optimal plan of the
    model without interference (free overlap, as on a GPU: where the fitted interference
    over-charges overlap it merges less), and the single allreduce, each only if its grouping
-   differs from those before it. The one with the smallest median forward+backward (the
-   slowest rank's) stays, the earlier of equals (a margin towards fewer allreduces was tried in
+   differs from those before it. Where the two fastest medians are within ``VERIFY_MARGIN``
+   of each other, they all run another ``verify_iterations`` each (at most ``VERIFY_ROUNDS``
+   rounds): a difference that small is within one round's noise. The one with the smallest
+   median forward+backward over all its rounds (the slowest rank's) stays, the earlier of
+   equals (a margin towards fewer allreduces was tried in
    two benchmark sets and dropped: among near-equals it keeps the plan that hides less, down to
    one allreduce after backward). ``planned_with`` is the interference it was planned with,
    ``fell_back`` says the single allreduce won. The one kept is laid out afresh and re-plans
@@ -86,6 +89,10 @@ logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
 
 SCHEDULES = planner.METHODS
+#: The trial's candidates run another round when the two fastest medians are closer than this
+#: share, up to VERIFY_ROUNDS rounds (module docstring, item 5).
+VERIFY_MARGIN = 0.03
+VERIFY_ROUNDS = 3
 
 
 @dataclass(kw_only=True, slots=True)
@@ -276,8 +283,9 @@ class DistributedDataParallel(nn.Module):
     @property
     def trial(self) -> list[dict]:
         """The trial's candidates as it timed them (empty before it ends, or where it had one
-        candidate): per candidate ``label`` ("plan", "free", "single"), ``groups`` and the slowest
-        rank's median forward+backward ``median_s``; ``kept`` marks the one in force."""
+        candidate): per candidate ``label`` ("plan", "free", "single"), ``groups``, the slowest
+        rank's median forward+backward ``median_s`` over the ``rounds`` it ran; ``kept`` marks the
+        one in force."""
         return [dict(c) for c in self._trial_record]
 
     @property
@@ -651,18 +659,25 @@ class DistributedDataParallel(nn.Module):
         rank's median forward+backward; the earlier of equals) stays."""
         candidates = trial["candidates"]
         candidates[trial["turn"]]["rows"].append(row)
-        if any(len(c["rows"]) < self.options.verify_iterations for c in candidates):
-            trial["turn"] = (trial["turn"] + 1) % len(candidates)
-            self._use_layout(candidates[trial["turn"]]["layout"])
+        rounds = trial.setdefault("rounds", 1)
+        if any(len(c["rows"]) < rounds * self.options.verify_iterations for c in candidates):
+            self._next_candidate(trial)
             return
-        # All timed: agree on the slowest rank's medians, so every rank decides alike.
+        # A round timed: agree on the slowest rank's medians, so every rank decides alike.
         medians = np.array([np.median([r[1] for r in c["rows"]]) for c in candidates], dtype=np.float64)
         self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
+        first, second = np.sort(medians)[:2]
+        if second - first < VERIFY_MARGIN * first and rounds < VERIFY_ROUNDS:
+            trial["rounds"] = rounds + 1
+            self._log(f"the two fastest candidates are within {VERIFY_MARGIN:.0%} after {rounds} round(s) "
+                      f"({first * 1e3:.1f} and {second * 1e3:.1f} ms): timing another round")
+            self._next_candidate(trial)
+            return
         self._trial = None
         best = candidates[int(np.argmin(medians))]  # (no margin: the measured fastest stays)
         self._kept = best["label"]
         self._trial_record = [{"label": c["label"], "groups": len(c["plan"].groups), "median_s": float(m),
-                               "kept": c is best} for c, m in zip(candidates, medians)]
+                               "rounds": rounds, "kept": c is best} for c, m in zip(candidates, medians)]
         # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
         # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
         self._install(self._order, best["plan"])
@@ -670,7 +685,12 @@ class DistributedDataParallel(nn.Module):
         groups = lambda n: f"{n} group{'s' if n != 1 else ''}"  # noqa: E731
         timed = ", ".join(f"{names[c['label']]} ({groups(len(c['plan'].groups))}) {m * 1e3:.1f} ms"
                           for c, m in zip(candidates, medians))
-        self._log(f"candidates verified, per forward+backward: {timed}; keeping {names[best['label']]}")
+        self._log(f"candidates verified ({rounds} round(s) of {self.options.verify_iterations}), per "
+                  f"forward+backward: {timed}; keeping {names[best['label']]}")
+
+    def _next_candidate(self, trial: dict) -> None:
+        trial["turn"] = (trial["turn"] + 1) % len(trial["candidates"])
+        self._use_layout(trial["candidates"][trial["turn"]]["layout"])
 
     def _fit_interference(self, trial: dict) -> None:
         """The interference from the probes' and the single allreduce's backward times and the
