@@ -347,6 +347,7 @@ class DistributedDataParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._s.retired.clear()
         self._finalizer()
 
     # --- hooks -------------------------------------------------------------------------------
@@ -655,8 +656,9 @@ class DistributedDataParallel(nn.Module):
 
     def _compare_step(self, trial: dict, row: tuple) -> None:
         """The verify phase: the candidates take turns, one iteration each, so that all meet the
-        same machine load; once each has run verify_iterations, the fastest (by the slowest
-        rank's median forward+backward; the earlier of equals) stays."""
+        same machine load; once each has run a round of verify_iterations, either another round
+        (the two fastest within VERIFY_MARGIN, fewer than VERIFY_ROUNDS rounds) or the fastest (by
+        the slowest rank's median forward+backward over every round; the earlier of equals) stays."""
         candidates = trial["candidates"]
         candidates[trial["turn"]]["rows"].append(row)
         rounds = trial.setdefault("rounds", 1)
