@@ -519,3 +519,17 @@ def test_replaced_gradients_live_until_the_next_forward():
     n = len(list(make_model("mlp").parameters()))
     for counts in raise_first(run_comms(2, train)):
         assert counts == [0, n, 0, n, 0, n, 0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["tiny", "mlp"])
+def test_one_rank_overhead_tool_pairs_equal_training(name):
+    # python -m ringtrain.ddp.overhead: plain and wrapped steps from the same weights on the same
+    # batch end bit for bit alike (one rank: the wrapper only stamps and counts), and both are timed.
+    from ringtrain.ddp import overhead
+
+    result = overhead.measure(name, steps=2, rounds=1)
+    assert result["same_parameters"] and result["model"] == name
+    assert result["plain_step_ms"] > 0 and result["ddp_step_ms"] > 0
+    with pytest.raises(ValueError, match="model must be one of"):
+        overhead.measure("conv")

@@ -1,37 +1,32 @@
 """What the wrapper costs on one rank: plain PyTorch steps against wrapped steps, interleaved.
 
-    python -m ringtrain.ddp.overhead [--steps 40] [--rounds 7] [--json]
+    python -m ringtrain.ddp.overhead [--models charlm,resnet,mlp,tiny] [--steps 40] [--rounds 7] [--json] [--out DIR]
 
-A *step* is forward, backward and an SGD update on a fixed synthetic batch. Plain and wrapped
-steps alternate one by one (which goes first alternates too), so both see the same load on a
-shared machine; the overhead is median(wrapped step) / median(plain step) - 1 over
-``steps * rounds`` pairs. The wrapper runs with the default options (the optimal schedule,
-profiling and planning included) over a one-rank communicator.
+A *step* is zero_grad, forward, the loss, backward and an SGD update on one fixed batch.
+Plain and wrapped steps alternate one by one (which goes first alternates too), so both see
+the same load on a shared machine; the overhead is median(wrapped step) / median(plain step)
+- 1 over ``steps * rounds`` pairs. The wrapper runs with the default options (the optimal
+schedule, profiling and planning included) over a one-rank communicator. Models: the
+reference workloads of ``ringtrain.models`` (their default batch) and ``tiny``, 32 layers of
+10x10 that compute almost nothing, so that its difference is the wrapper's own cost per step
+in absolute terms. Both sides start from the same weights and take the same steps, so they
+end with the same parameters (the result says whether they do, bit for bit).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
+import sys
 import time
+from typing import Callable
 
 import torch
 from torch import nn
 
-
-def conv_model() -> nn.Module:
-    """A many-layer CNN (16 conv layers), the kind the optimal merge is for."""
-    layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, padding=1), nn.ReLU()]
-    for _ in range(15):
-        layers += [nn.Conv2d(32, 32, 3, padding=1), nn.ReLU()]
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)]
-    return nn.Sequential(*layers)
-
-
-def mlp_model() -> nn.Module:
-    """A few large layers."""
-    return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+TINY = "tiny"
 
 
 def tiny_model() -> nn.Module:
@@ -40,68 +35,104 @@ def tiny_model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(10, 10) for _ in range(32)])
 
 
-MODELS = {"conv": (conv_model, (16, 3, 32, 32)), "mlp": (mlp_model, (64, 1024)), "tiny": (tiny_model, (4, 10))}
+def model_names() -> list[str]:
+    from .. import models
+
+    return sorted({*models.names(), TINY})
 
 
-def measure(model_name: str = "conv", steps: int = 40, rounds: int = 7) -> dict:
+def _workload(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Callable]:
+    """The module, one batch and the loss (module, output, target) -> scalar."""
+    if name == TINY:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module = tiny_model()
+            batch = torch.randn(4, 10), torch.randint(0, 10, (4,))
+        return module, batch, lambda m, out, y: nn.functional.cross_entropy(out, y)
+    from .. import data, models
+
+    spec = models.spec(name)
+    module = models.build(name, seed=0)
+    ds = data.dataset(spec.dataset, seed=0, **spec.batch_kwargs)
+    batch = data.ShardedLoader(ds, spec.batch_size, rank=0, world_size=1, seed=0).next_batch()
+    return module, batch, lambda m, out, y: m.loss(out, y)
+
+
+def measure(model_name: str = "resnet", steps: int = 40, rounds: int = 7) -> dict:
     from ..comm import Communicator
     from ..transport.local import LocalHub
     from .wrapper import DistributedDataParallel
 
-    build, shape = MODELS[model_name]
-    torch.manual_seed(0)
-    plain = build()
-    wrapped_module = build()
-    wrapped_module.load_state_dict(plain.state_dict())
+    if model_name not in model_names():
+        raise ValueError(f"model must be one of {model_names()}, got {model_name!r}")
+    plain, (x, y), loss = _workload(model_name)
+    wrapped_module = copy.deepcopy(plain)
     comm = Communicator(LocalHub(1).transport(0), timeout=30.0)
     ddp = DistributedDataParallel(wrapped_module, comm)
-    x = torch.randn(shape)
-    y = torch.randint(0, 10, (shape[0],))
 
-    def step(net: nn.Module, opt: torch.optim.Optimizer) -> float:
+    def step(net: nn.Module, module: nn.Module, opt: torch.optim.Optimizer) -> float:
         t0 = time.perf_counter()
         opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
+        loss(module, net(x), y).backward()
         opt.step()
         return time.perf_counter() - t0
 
     opt_plain = torch.optim.SGD(plain.parameters(), lr=1e-3)
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     for _ in range(10):  # warm-up both (and let the wrapper profile and plan)
-        step(plain, opt_plain)
-        step(ddp, opt_ddp)
+        step(plain, plain, opt_plain)
+        step(ddp, wrapped_module, opt_ddp)
     plain_s, ddp_s = [], []
     for i in range(steps * rounds):  # paired and alternating: both sides see the same machine load
         if i % 2:
-            plain_s.append(step(plain, opt_plain))
-            ddp_s.append(step(ddp, opt_ddp))
+            plain_s.append(step(plain, plain, opt_plain))
+            ddp_s.append(step(ddp, wrapped_module, opt_ddp))
         else:
-            ddp_s.append(step(ddp, opt_ddp))
-            plain_s.append(step(plain, opt_plain))
+            ddp_s.append(step(ddp, wrapped_module, opt_ddp))
+            plain_s.append(step(plain, plain, opt_plain))
     ddp.close()
     comm.close()
+    same = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), wrapped_module.state_dict().values()))
     return {
         "model": model_name, "steps": steps, "rounds": rounds, "torch_threads": torch.get_num_threads(),
         "plain_step_ms": 1e3 * statistics.median(plain_s), "ddp_step_ms": 1e3 * statistics.median(ddp_s),
         "overhead_percent": 100.0 * (statistics.median(ddp_s) / statistics.median(plain_s) - 1.0),
         "overhead_us_per_step": 1e6 * (statistics.median(ddp_s) - statistics.median(plain_s)),
+        "same_parameters": same,
     }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ringtrain.ddp.overhead", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="conv")
+    parser.add_argument("--models", default="charlm,resnet,mlp,tiny", help=f"comma-separated, of {model_names()}")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
+    parser.add_argument("--out", default="benchmarks", help="directory for the result file ('' to skip)")
     args = parser.parse_args(argv)
-    result = measure(args.model, args.steps, args.rounds)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in names if m not in model_names()]
+    if bad or not names:
+        parser.error(f"--models: each must be one of {model_names()}, got {args.models!r}")
+    results = []
+    for name in names:
+        result = measure(name, args.steps, args.rounds)
+        results.append(result)
+        if not args.json:
+            print(f"{result['model']}: plain {result['plain_step_ms']:.2f} ms/step, wrapped {result['ddp_step_ms']:.2f} "
+                  f"ms/step, overhead {result['overhead_percent']:+.2f}% ({result['overhead_us_per_step']:+.0f} us/step; "
+                  f"medians of {result['steps'] * result['rounds']} paired steps; parameters "
+                  f"{'identical' if result['same_parameters'] else 'DIFFER'})", flush=True)
+    doc = {"rows": results, "command": "python -m ringtrain.ddp.overhead " + " ".join(argv if argv is not None
+                                                                                    else sys.argv[1:])}
     if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"{result['model']}: plain {result['plain_step_ms']:.2f} ms/step, wrapped {result['ddp_step_ms']:.2f} "
-              f"ms/step, overhead {result['overhead_percent']:+.2f}% ({result['overhead_us_per_step']:+.0f} us/step; "
-              f"medians of {result['steps'] * result['rounds']} paired steps)")
+        print(json.dumps(doc))
+    if args.out:
+        from ..bench.machine import save_result
+
+        path = save_result("overhead-1rank", doc, args.out)
+        if not args.json:
+            print(f"saved {path}")
 
 
 if __name__ == "__main__":
