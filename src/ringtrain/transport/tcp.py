@@ -83,7 +83,7 @@ def auto_thread_send_bytes(local_ranks: int) -> Optional[int]:
     return DEFAULT_THREAD_SEND_BYTES if cores >= 2 * max(1, local_ranks) else None
 
 
-# --- small blocking helpers used during set-up -------------------------------------------------
+# --- helpers -----------------------------------------------------------------------------------
 
 
 def _wait_fd(fd: int, events: int, timeout: float) -> bool:

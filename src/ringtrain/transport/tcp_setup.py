@@ -52,6 +52,7 @@ _IN = select.POLLIN | select.POLLPRI
 
 
 def remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (``time.monotonic``; negative once it passed)."""
     return deadline - time.monotonic()
 
 
