@@ -466,14 +466,19 @@ def test_gradients_are_bucket_views_and_in_place_zeroing_trains_alike():
             assert torch.equal(x, y)
 
 
+def _wfbp_mlp(comm, init, **options):
+    """The MLP from ``init`` wrapped with one bucket per parameter (wfbp)."""
+    model = make_model("mlp")
+    model.load_state_dict(init)
+    return model, DistributedDataParallel(model, comm, schedule="wfbp", **options, **FAST)
+
+
 @pytest.mark.timeout(60)
 def test_gradient_as_bucket_view_false_keeps_own_gradients():
     init = make_model("mlp").state_dict()
 
     def train(comm):
-        model = make_model("mlp")
-        model.load_state_dict(init)
-        ddp = DistributedDataParallel(model, comm, schedule="wfbp", gradient_as_bucket_view=False, **FAST)
+        model, ddp = _wfbp_mlp(comm, init, gradient_as_bucket_view=False)
         for step in range(3):
             x, y = micro_batch(step, 0, 2, comm.rank)
             model.zero_grad(set_to_none=True)
@@ -499,9 +504,7 @@ def test_replaced_gradients_live_until_the_next_forward():
     init = make_model("mlp").state_dict()
 
     def train(comm):
-        model = make_model("mlp")
-        model.load_state_dict(init)
-        ddp = DistributedDataParallel(model, comm, schedule="wfbp", **FAST)
+        model, ddp = _wfbp_mlp(comm, init)
         counts = []
         for step in range(3):
             x, y = micro_batch(step, 0, 2, comm.rank)
