@@ -36,16 +36,15 @@ def _machine() -> list[int]:
 
 
 def rank_main() -> None:
+    import datetime
+
     import numpy as np
     import torch
+    import torch.distributed as dist
 
     import ringtrain
     from ringtrain import data, models
     from ringtrain.bench.procs import emit
-
-    import datetime
-
-    import torch.distributed as dist
 
     cfg = json.loads(os.environ["COMM_CPU_COST"])
     torch.set_num_threads(1)

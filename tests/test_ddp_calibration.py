@@ -314,9 +314,8 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
         model.register_forward_pre_hook(lambda *_: time.sleep(0.05))
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=3,
                                       interference=Interference(0.05, 0.0))
-        x = torch.randn(8, 64)
-        for _ in range(30):  # warm-up, profile, single, then two candidates for up to three rounds
-            ddp(x).sum().backward()
+        # warm-up, profile, single, then two candidates for up to three rounds
+        train_until_settled(ddp, torch.randn(8, 64), 30)
         out = ddp.settled, ddp.trial
         ddp.close()
         return out

@@ -7,7 +7,7 @@ Plain and wrapped steps alternate one by one (which goes first alternates too), 
 the same load on a shared machine; the overhead is median(wrapped step) / median(plain step)
 - 1 over ``steps * rounds`` pairs. The wrapper runs with the default options (the optimal
 schedule, profiling and planning included) over a one-rank communicator. Models: the
-reference workloads of ``ringtrain.models`` (their default batch) and ``tiny``, 32 layers of
+reference workloads of ``ringtrain.models`` (a random batch of their default size) and ``tiny``, 32 layers of
 10x10 that compute almost nothing, so that its difference is the wrapper's own cost per step
 in absolute terms. Both sides start from the same weights and take the same steps, so they
 end with the same parameters (the result says whether they do, bit for bit).
@@ -49,13 +49,10 @@ def _workload(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], 
             module = tiny_model()
             batch = torch.randn(4, 10), torch.randint(0, 10, (4,))
         return module, batch, lambda m, out, y: nn.functional.cross_entropy(out, y)
-    from .. import data, models
+    from .. import models
 
-    spec = models.spec(name)
     module = models.build(name, seed=0)
-    ds = data.dataset(spec.dataset, seed=0, **spec.batch_kwargs)
-    batch = data.ShardedLoader(ds, spec.batch_size, rank=0, world_size=1, seed=0).next_batch()
-    return module, batch, lambda m, out, y: m.loss(out, y)
+    return module, models.make_batch(module, seed=0), lambda m, out, y: m.loss(out, y)
 
 
 def measure(model_name: str = "resnet", steps: int = 40, rounds: int = 7) -> dict:

@@ -633,7 +633,7 @@ class DistributedDataParallel(nn.Module):
             else:
                 self._install(self._order, c["plan"])
                 c["layout"] = self._layout()
-        trial["candidates"], trial["turn"] = candidates, 0
+        trial["candidates"], trial["turn"], trial["rounds"] = candidates, 0, 1
         self._use_layout(candidates[0]["layout"])
 
     def _verify_step(self) -> None:
@@ -661,7 +661,7 @@ class DistributedDataParallel(nn.Module):
         the slowest rank's median forward+backward over every round; the earlier of equals) stays."""
         candidates = trial["candidates"]
         candidates[trial["turn"]]["rows"].append(row)
-        rounds = trial.setdefault("rounds", 1)
+        rounds = trial["rounds"]
         if any(len(c["rows"]) < rounds * self.options.verify_iterations for c in candidates):
             self._next_candidate(trial)
             return
