@@ -1,10 +1,14 @@
-"""The training benchmark's trace arithmetic: what the simulator is given to predict from."""
+"""The training benchmark: the trace arithmetic the simulator is given, and how parameter-server
+rounds become a row."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 
-from ringtrain.bench.train import _scaled, _with_wrapper_costs
+from ringtrain.bench.train import PS_WARMUP_STEPS, _ps_row, _scaled, _with_wrapper_costs
 from ringtrain.sim.traces import Layer, Trace
 
 
@@ -53,3 +57,41 @@ def test_per_parameter_cuts_layers_into_the_wrappers_tensors():
     # Backward order: "2", then the bias (first ready, with the layer's and the ReLU's time), then the weight at no cost.
     _, times, sizes = t.gradient_layers()
     assert sizes == [32, 16, 48] and times == pytest.approx([0.007, 0.003, 0.0])
+
+
+def ps_doc(steps, sent, hist=None, wait=1.0):
+    return {"model": "mlp", "strategy": "sync", "servers": 2, "workers": 4, "batch_size": 8, "step_s": steps,
+            "losses": [3.0] * len(steps),
+            "stats": {"bytes_sent": sent, "bytes_received": 2 * sent, "pull_wait_s": wait,
+                      "bytes_per_server": {"0": {"sent": sent, "received": sent}},
+                      "staleness_histogram": hist or {}}}
+
+
+def test_ps_rounds_merge_into_one_row_without_their_warm_up_steps():
+    args = argparse.Namespace(net="1gbit")
+    docs = [ps_doc([9.0, 9.0, 2.0, 4.0], 100, {"0": 3}), ps_doc([9.0, 9.0, 3.0, 5.0], 50, {"0": 1, "1": 2})]
+    row = _ps_row(docs, args)
+    assert row["iter_s"] == [2.0, 4.0, 3.0, 5.0]
+    assert row["median_iter_s"] == 3.5 and row["round_medians"] == [3.0, 4.0]
+    assert row["samples_per_s"] == 4 * 8 / 3.5
+    assert row["steps_total"] == 8 and row["worker_bytes_sent"] == 150 and row["worker_bytes_received"] == 300
+    assert row["bytes_per_server"] == {"0": {"sent": 150, "received": 150}}
+    assert row["staleness_histogram"] == {"0": 4, "1": 2}
+    assert row["pull_wait_s"] == 2.0 / 8
+    assert row["schedule"] == "ps-sync:2" and row["net"] == "1gbit"
+
+
+@pytest.mark.timeout(180)
+def test_bench_train_times_parameter_servers_round_by_round(capsys):
+    from ringtrain import cli
+
+    rc = cli.main(["bench", "train", "--strategies", "ps-sync", "--models", "charlm", "--world-size", "2",
+                   "--batch-size", "4", "--steps", "1", "--rounds", "2", "--no-torch-ddp", "--out", "", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    [row] = doc["rows"]
+    assert row["impl"] == "ps" and row["schedule"] == "ps-sync:1" and row["world_size"] == 2
+    assert len(row["iter_s"]) == 2 and len(row["round_medians"]) == 2
+    assert row["steps_total"] == 2 * (1 + PS_WARMUP_STEPS)
+    # every step moves the whole model each way (rank 0's count, all rounds)
+    assert row["worker_bytes_sent"] >= row["steps_total"] * 4 * 891904

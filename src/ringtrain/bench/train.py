@@ -42,6 +42,9 @@ WARMUP_STEPS = 5
 MAX_WARMUP_STEPS = 100
 SWEEP_REPEATS = 7
 TIMELINE_STEPS = 3
+#: Steps each parameter-server job takes before its timed ones (the first pushes every
+#: parameter alone to time backward; the second is the first with the planned groups).
+PS_WARMUP_STEPS = 2
 NETS = ("none", "1gbit", "10gbit")
 
 
@@ -107,14 +110,19 @@ def run(args: argparse.Namespace) -> int:
     if "ring" in strategies:
         docs = _launch("ringtrain.cli", worker_args, args.world_size, args)
         rows += [dict(r, net=args.net, world_size=args.world_size) for d in docs for r in d["rows"]]
-    for strategy, servers in strategies.get("ps", []):
-        for name in names:
-            ps_args = ["--servers", str(servers), "--strategy", strategy, "--model", name,
-                       "--steps", str(args.steps * args.rounds + 2)]
-            if args.batch_size:
-                ps_args += ["--batch-size", str(args.batch_size)]
-            for d in _launch("ringtrain.ps", ps_args, args.world_size + servers, args):
-                rows.append(_ps_row(d, args))
+    # Parameter-server jobs take turns round by round, as the ring's schedules do iteration by
+    # iteration, so that 1 and 2 servers meet the same load; each job warms up for PS_WARMUP_STEPS.
+    ps_runs: dict[tuple, list[dict]] = {}
+    for _ in range(args.rounds if strategies.get("ps") else 0):
+        for strategy, servers in strategies["ps"]:
+            for name in names:
+                ps_args = ["--servers", str(servers), "--strategy", strategy, "--model", name,
+                           "--steps", str(args.steps + PS_WARMUP_STEPS)]
+                if args.batch_size:
+                    ps_args += ["--batch-size", str(args.batch_size)]
+                docs = _launch("ringtrain.ps", ps_args, args.world_size + servers, args)
+                ps_runs.setdefault((name, strategy, servers), []).extend(docs)
+    rows += [_ps_row(docs, args) for docs in ps_runs.values()]
     doc = {"net": args.net, "world_size": args.world_size, "rows": rows}
     if out_dir:
         from .machine import save_result
@@ -162,20 +170,45 @@ def _launch(module: str, module_args: list[str], nprocs: int, args) -> list[dict
         return run_ranks(module, module_args, nprocs, timeout=args.timeout, net=net)
 
 
-def _ps_row(d: dict, args) -> dict:
-    """A parameter-server run as a row of the table (bytes: rank 0's and each server's counts)."""
-    stats = d.get("stats") or {}
-    steady = d["step_s"][2:] if len(d["step_s"]) > 4 else d["step_s"]
+def _ps_row(docs: list[dict], args) -> dict:
+    """The rounds of one parameter-server configuration as a row of the table.
+
+    Each round's first PS_WARMUP_STEPS steps are left out; the median is over the other steps of
+    every round (rank 0's: a synchronous step ends on every worker at once). Bytes and waits are
+    rank 0's, summed over rounds with every step counted; losses are the first round's.
+    """
+    stats = [d.get("stats") or {} for d in docs]
+    timed = [d["step_s"][PS_WARMUP_STEPS:] for d in docs]
+    steady = [t for ts in timed for t in ts]
     med = float(np.median(steady))
+    total_steps = sum(len(d["step_s"]) for d in docs)
+
+    def summed(key):
+        values = [s.get(key) for s in stats]
+        return None if any(v is None for v in values) else sum(values)
+
+    per_server: dict[str, dict] = {}
+    hist: dict[int, int] = {}
+    for s in stats:
+        for k, v in (s.get("bytes_per_server") or {}).items():
+            into = per_server.setdefault(k, {"sent": 0, "received": 0})
+            into["sent"] += v["sent"]
+            into["received"] += v["received"]
+        for k, v in (s.get("staleness_histogram") or {}).items():
+            hist[int(k)] = hist.get(int(k), 0) + v
+    d = docs[0]
+    pull_wait = summed("pull_wait_s")
     return {
         "model": d["model"], "impl": "ps", "schedule": f"ps-{d['strategy']}:{d['servers']}",
-        "batch_size": d["batch_size"], "median_iter_s": med, "iter_s": d["step_s"],
+        "batch_size": d["batch_size"], "median_iter_s": med, "iter_s": steady,
+        "round_medians": [float(np.median(t)) for t in timed], "steps_total": total_steps,
         "samples_per_s": d["workers"] * d["batch_size"] / med, "net": args.net, "world_size": d["workers"],
-        "servers": d["servers"], "worker_bytes_sent": stats.get("bytes_sent"),
-        "worker_bytes_received": stats.get("bytes_received"), "bytes_per_server": stats.get("bytes_per_server"),
-        "staleness_histogram": stats.get("staleness_histogram"), "losses": d.get("losses"),
+        "servers": d["servers"], "worker_bytes_sent": summed("bytes_sent"),
+        "worker_bytes_received": summed("bytes_received"), "bytes_per_server": per_server or None,
+        "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+        "losses": d.get("losses"),
         # forward's waits for pulled parameters, per step (rank 0; the counter spans every step)
-        "pull_wait_s": None if stats.get("pull_wait_s") is None else stats["pull_wait_s"] / len(d["step_s"]),
+        "pull_wait_s": None if pull_wait is None else pull_wait / total_steps,
     }
 
 
@@ -437,9 +470,11 @@ def format_table(rows: list[dict]) -> str:
                          f"{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%{r['overlap_bound_s'] * 1e3:>8.1f}"
                          f"{r['vs_bound']:>8.2f}")
             if r["impl"] == "ps" and r.get("worker_bytes_sent") is not None:
-                steps = len(r["iter_s"])
+                steps = r.get("steps_total") or len(r["iter_s"])
                 line += (f"   worker sends {r['worker_bytes_sent'] / steps / 1e6:.1f} MB/step, "
                          f"receives {r['worker_bytes_received'] / steps / 1e6:.1f} MB/step")
+            if r.get("round_medians"):
+                line += "   rounds " + "/".join(f"{m * 1e3:.0f}" for m in r["round_medians"]) + " ms"
             out.append(line)
     return "\n".join(out)
 
