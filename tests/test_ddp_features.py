@@ -237,6 +237,110 @@ def test_buffers_are_broadcast_from_rank_0():
     assert all(torch.equal(results[0][2], r[2]) for r in results)
 
 
+def test_a_parameter_counted_unused_that_gets_a_gradient_is_named():
+    """find_unused_parameters walks the graph from the outputs; a loss term taken from the module's
+    parameters directly reaches a parameter it counted unused: a clear error, then training goes on."""
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"lin": nn.Linear(3, 2), "extra": nn.Linear(2, 2)})
+
+        class Wrapped(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = model
+
+            def forward(self, x):
+                return self.m["lin"](x)
+
+        ddp = DistributedDataParallel(Wrapped(), comm, find_unused_parameters=True, **FAST)
+        x = torch.ones(4, 3)
+        with pytest.raises(RuntimeError, match=r"'m.extra.weight' got a gradient, but the forward's outputs"):
+            (ddp(x).sum() + model["extra"].weight.sum()).backward()
+        for p in model.parameters():
+            p.grad = None
+        ddp(x).sum().backward()  # the next iteration is whole again
+        grads = [p.grad.clone() for p in model["lin"].parameters()]
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_backward_the_wrappers_forward_did_not_begin_stays_local():
+    """As with torch's DDP: after an averaged iteration, a backward through the module itself (one
+    rank's diagnostic, say) launches nothing, so the ranks stay in step."""
+    def body(comm):
+        model = make_model("mlp")
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        x, y = rank_batch("mlp", 0, 2, comm.rank)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if comm.rank == 0:
+            model.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()  # local only
+        model.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body, timeout=5.0))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_closed_wrapper_refuses_forward_and_a_failed_one_leaves_nothing_behind():
+    import threading
+
+    from ringtrain.errors import MismatchError
+
+    def body(comm):
+        model = make_model("mlp")
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        ddp.close()
+        with pytest.raises(RuntimeError, match="was closed"):
+            ddp(torch.ones(2, 12))
+        other = nn.Linear(3, 3 + comm.rank)  # the ranks' models differ: the first broadcast fails
+        if comm.rank == 1:  # (the root of a broadcast only sends: it learns at its next collective)
+            with pytest.raises(MismatchError):
+                DistributedDataParallel(other, comm, **FAST)
+        else:
+            DistributedDataParallel(other, comm, **FAST).close()
+        return [p._post_accumulate_grad_hooks for p in other.parameters()]
+
+    for hooks in raise_first(run_comms(2, body, timeout=5.0)):
+        assert all(not h for h in hooks)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ringtrain-ddp-comm") and t.is_alive()]
+
+
+def test_tensors_of_mixed_sizes_broadcast_whatever_their_offsets():
+    """Byte offsets that are not a multiple of the next tensor's element size (an int64 after 3
+    float32s, a float64 after a bool) still come back as that dtype."""
+    class Mixed(nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)  # 15 float32s: the next tensor starts at byte 60
+            self.bn = nn.BatchNorm1d(3)
+            for i, (name, dtype) in enumerate([("f", torch.float32), ("i", torch.int64), ("b", torch.bool),
+                                               ("h", torch.float16), ("d", torch.float64)]):
+                self.register_buffer(name, torch.full((3 if name == "f" else 1,), value + i).to(dtype))
+
+        def forward(self, x):
+            return self.bn(self.lin(x))
+
+    def body(comm):
+        model = Mixed(5 * comm.rank + 1)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        ddp(torch.ones(2, 4))
+        ddp.close()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    results = raise_first(run_comms(3, body))
+    for k, v in results[0].items():
+        assert all(torch.equal(v, r[k]) for r in results), k
+    assert results[2]["i"].dtype == torch.int64 and int(results[2]["i"]) == 2
+    assert float(results[2]["d"]) == 5.0 and bool(results[2]["b"])
+
+
 @pytest.mark.parametrize("kw, word", [
     (dict(schedule="greedy"), "schedule"), (dict(algorithm="tree"), "algorithm"),
     (dict(bucket_cap_mb=0), "bucket_cap_mb"), (dict(alpha=1e-5), "alpha"),

@@ -41,7 +41,8 @@ def start_server(**kw) -> tuple[ParameterServer, threading.Thread, dict]:
 
 def train_one(endpoint, steps: int = 3, **kw) -> dict:
     model = tiny()
-    ps = ParameterServerTraining(model, servers=[endpoint], worker=0, workers=1, secret=SECRET, lr=0.1, **kw)
+    kw = {"workers": 1, **kw}
+    ps = ParameterServerTraining(model, servers=[endpoint], worker=0, secret=SECRET, lr=0.1, **kw)
     for s in range(steps):
         x = torch.full((2, 4), float(s + 1))
         model(x).sum().backward()
@@ -160,6 +161,58 @@ def test_gradient_accumulation_is_refused_clearly():
     thread.join(10)
 
 
+def test_endpoints_must_be_host_port_pairs():
+    model = tiny()
+    for servers, word in [(("127.0.0.1", 5000), "entry 0 is '127.0.0.1'"), ([("localhost", "5000")], "entry 0"),
+                          ([("h", 70000)], "entry 0"), ("127.0.0.1:5000", "got '127.0.0.1:5000'"), ([], "got \\[\\]")]:
+        with pytest.raises(ValueError, match=word):
+            ParameterServerTraining(model, servers=servers, worker=0, workers=1)
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
+
+
+def test_gradients_changed_after_backward_and_use_after_close_are_refused():
+    server, thread, out = start_server()
+    model = tiny()
+    ps = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=1, secret=SECRET, lr=0.1)
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    ps.step()
+    model(x).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # while the pushes are on their way
+    with pytest.raises(RuntimeError, match=r"changed after backward had pushed them.*register_hook"):
+        ps.step()
+    ps.close()
+    thread.join(10)
+    for call in (lambda: ps(x), ps.step, ps.wait, ps.save_checkpoint):
+        with pytest.raises(RuntimeError, match="was closed"):
+            call()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_an_async_server_goes_on_without_a_worker_that_never_connects():
+    server, thread, out = start_server(workers=2, strategy="async", timeout=1.5)
+    t0 = time.monotonic()
+    stats = train_one(server.endpoint, steps=3, strategy="async", workers=2, timeout=20.0)
+    thread.join(20)
+    assert not thread.is_alive() and out["stats"]["failed"] is None
+    assert stats["steps"] == 3 and time.monotonic() - t0 < 15
+    assert any("worker 1 was lost" in n and "did not connect within 1.5 s" in n for n in out["stats"]["notices"])
+
+
+def test_an_async_server_drops_a_silent_worker_that_holds_up_the_others():
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, strategy="async", timeout=1.5)
+    layout = make_layout([p.numel() for p in tiny().parameters()], 1, PSOptions().partition_bytes)
+    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum, strategy="async")  # then silent
+    stats = train_one(server.endpoint, steps=3, strategy="async", workers=2, timeout=20.0)
+    thread.join(20)
+    assert not thread.is_alive() and out["stats"]["failed"] is None and stats["steps"] == 3
+    assert any("worker 1 was lost" in n and "sent nothing for 1.5 s while holding up" in n
+               for n in out["stats"]["notices"])
+    silent.close()
+
+
 def test_single_worker_sync_equals_torch_sgd_bitwise():
     server, thread, _ = start_server()
     model, ref = tiny(), tiny()
@@ -238,11 +291,12 @@ def test_roles_and_rank_entry_arguments():
         parse(["--steps", "0"])
 
 
-def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float, momentum: float = 0.0) -> P.Channel:
+def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float, momentum: float = 0.0,
+               strategy: str = "sync") -> P.Channel:
     """A worker speaking the protocol by hand: handshake and HELLO; WELCOME read."""
     ch = P.Channel(P.dial(server.endpoint, P.ps_identity(1 + w, 1 + workers, "ps", SECRET), 0, 5.0), "server", 5.0)
     hello = {"worker": w, "numels": list(layout.numels), "partition_bytes": layout.partition_bytes,
-             "digest": layout.digest(), "strategy": "sync", "lr": lr, "momentum": momentum, "weight_decay": 0.0}
+             "digest": layout.digest(), "strategy": strategy, "lr": lr, "momentum": momentum, "weight_decay": 0.0}
     ch.send(P.HELLO, worker=w, body=P.encode_json(hello))
     head = ch.recv_header(5.0)
     assert head.kind == P.WELCOME
@@ -335,6 +389,36 @@ def test_a_step_cut_short_is_rolled_back_values_and_momentum():
     assert torch.equal(server.params, torch.from_numpy(start))
     assert all(not server.opt.state.get(v) for v in server._views.values())  # no momentum left behind
     a.close()
+
+
+def test_a_sync_checkpoint_puts_every_worker_at_the_shards_step(tmp_path):
+    """Worker 1 has pushed step 1 whole when worker 0 saves at step 1: the shard is at step 1,
+    and every worker resumes there (worker 1 pushes step 1 again), not worker 1 at step 2."""
+    from ringtrain import checkpoint
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, checkpoint_dir=str(tmp_path))
+    layout = make_layout([12, 3], 1, 16)
+    ids = np.arange(len(layout.partitions))
+    a, b = (raw_worker(server, layout, w, 2, lr=0.5) for w in (0, 1))
+    a.send(P.INIT, worker=0, ids=ids, values=[np.arange(15, dtype=np.float32)])
+    grads = [np.ones(layout.partitions[i].numel, dtype=np.float32) for i in ids]
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=0)
+        recv_params(ch, layout)
+        ch.send(P.PULL, worker=w, step=1)
+        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
+    for ch in (a, b):
+        recv_partitions(ch, layout, ids.tolist())
+    b.send(P.PUSH, worker=1, step=1, ids=ids, values=grads)  # worker 1 runs ahead
+    a.send(P.SAVE, worker=0, step=1)
+    head = a.recv_header(5.0)
+    assert head.kind == P.SAVED and head.step == 1
+    saved = checkpoint.latest(tmp_path / "server-0").payload
+    assert saved["version"] == 1 and saved["clocks"] == [1, 1]
+    for ch in (a, b):
+        ch.close()
+    thread.join(10)
 
 
 def test_a_channel_receives_idle_for_ever_while_it_sends_with_deadlines():

@@ -208,49 +208,57 @@ class DistributedDataParallel(nn.Module):
         self.world_size = comm.world_size
         self._timeout = comm.timeout + 10.0
         self._thread = CommThread(f"ringtrain-ddp-comm-{comm.rank}")
-        names = {id(p): n for n, p in module.named_parameters()}
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        self._names = [names[id(p)] for p in self._params]
-        self._pid_of = {id(p): i for i, p in enumerate(self._params)}
-        self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
-        self._module_buffers = [b for b in module.buffers() if b.numel()]
+        self._hooks: list = []
+        self._closed = False
+        try:
+            names = {id(p): n for n, p in module.named_parameters()}
+            self._params = [p for p in module.parameters() if p.requires_grad]
+            self._names = [names[id(p)] for p in self._params]
+            self._pid_of = {id(p): i for i, p in enumerate(self._params)}
+            self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
+            self._module_buffers = [b for b in module.buffers() if b.numel()]
 
-        self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers, "broadcast parameters")
-        if opts.cost is not None:
-            self.cost = opts.cost
-        elif opts.alpha is not None:
-            self.cost = planner.LinearCost(float(opts.alpha), float(opts.beta))
-        else:
-            self.cost = self._thread.run(
-                "calibration sweep", partial(calibration.sweep_cost, comm, opts.algorithm,
-                                             calibration.sweep_sizes(float(self._sizes.sum()))), self._timeout * 8)
-        self.alpha = float(getattr(self.cost, "alpha", self.cost(0.0)))  # start-up of the larger messages
-        self.beta = float(getattr(self.cost, "beta", float("nan")))
-        given = "allreduce sweep" if opts.cost is None and opts.alpha is None else "given"
-        self._log(f"allreduce cost {_cost_text(self.cost)} ({given}), world_size={self.world_size}")
+            self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers, "broadcast parameters")
+            if opts.cost is not None:
+                self.cost = opts.cost
+            elif opts.alpha is not None:
+                self.cost = planner.LinearCost(float(opts.alpha), float(opts.beta))
+            else:
+                self.cost = self._thread.run(
+                    "calibration sweep", partial(calibration.sweep_cost, comm, opts.algorithm,
+                                                 calibration.sweep_sizes(float(self._sizes.sum()))), self._timeout * 8)
+            self.alpha = float(getattr(self.cost, "alpha", self.cost(0.0)))  # start-up of the larger messages
+            self.beta = float(getattr(self.cost, "beta", float("nan")))
+            given = "allreduce sweep" if opts.cost is None and opts.alpha is None else "given"
+            self._log(f"allreduce cost {_cost_text(self.cost)} ({given}), world_size={self.world_size}")
 
-        n = len(self._params)
-        self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
-        self._plan_times = np.zeros(n)
-        self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
-        self._kept = "plan"  # the trial's candidate in force: "plan", "free" or "single"
-        self._trial_record: list[dict] = []  # what the trial measured (the ``trial`` property)
-        self.interference = opts.interference or planner.NO_INTERFERENCE
-        first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
-        self._install(first, planner.merge([0.0] * n, self._sizes[first], cost=self.cost, method="single"))
+            n = len(self._params)
+            self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
+            self._plan_times = np.zeros(n)
+            self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
+            self._kept = "plan"  # the trial's candidate in force: "plan", "free" or "single"
+            self._trial_record: list[dict] = []  # what the trial measured (the ``trial`` property)
+            self.interference = opts.interference or planner.NO_INTERFERENCE
+            first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
+            self._install(first, planner.merge([0.0] * n, self._sizes[first], cost=self.cost, method="single"))
 
-        self.stats: deque[IterationStats] = deque(maxlen=1000)
-        self._lock = threading.Lock()
-        # Mutable state lives in one plain object: nn.Module.__setattr__ is too slow for hooks.
-        self._s = _State(n)
-        self._reset_iteration()
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, pid))
-                       for pid, p in enumerate(self._params)]
-        self._recorder = None
-        if opts.timeline is not None:
-            # Origin 0 of perf_counter (CLOCK_MONOTONIC on Linux, shared by the processes of a
-            # host): the ranks of one host line up in Perfetto and in draw_timeline.
-            self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
+            self.stats: deque[IterationStats] = deque(maxlen=1000)
+            self._lock = threading.Lock()
+            # Mutable state lives in one plain object: nn.Module.__setattr__ is too slow for hooks.
+            self._s = _State(n)
+            self._reset_iteration()
+            self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, pid))
+                           for pid, p in enumerate(self._params)]
+            self._recorder = None
+            if opts.timeline is not None:
+                # Origin 0 of perf_counter (CLOCK_MONOTONIC on Linux, shared by the processes of a
+                # host): the ranks of one host line up in Perfetto and in draw_timeline.
+                self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
+        except BaseException:  # a failed broadcast or sweep, a bad timeline path: leave nothing behind
+            for h in self._hooks:
+                h.remove()
+            self._thread.close()
+            raise
         self._finalizer = weakref.finalize(self, _shutdown, self._thread, self._recorder)
 
     # --- public ------------------------------------------------------------------------------
@@ -308,6 +316,9 @@ class DistributedDataParallel(nn.Module):
         return None if self._recorder is None else self._recorder.path
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("ringtrain.DistributedDataParallel: this wrapper was closed; its gradients would no "
+                               "longer be averaged. Wrap the module again (or call the module itself for local work).")
         self._s.retired.clear()
         if self._s.failed is not None:
             raise self._failed_backward_error()
@@ -327,7 +338,7 @@ class DistributedDataParallel(nn.Module):
                 # No tensor with a graph found in the output: nothing to walk, all are expected.
                 used = _reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
                 self._s.expected = len(used)
-                self._s.unused = [pid for pid in range(len(self._params)) if pid not in used]
+                self._s.unused = {pid for pid in range(len(self._params)) if pid not in used}
         self._s.forward_span = (t0, time.perf_counter())
         return out
 
@@ -344,6 +355,7 @@ class DistributedDataParallel(nn.Module):
     def close(self) -> None:
         """Write the trace file, remove the hooks, stop the communication thread (idempotent).
         The communicator stays open: it belongs to the caller."""
+        self._closed = True
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -365,6 +377,8 @@ class DistributedDataParallel(nn.Module):
         with self._lock:
             if not st.active:
                 self._begin_backward(now)
+            if pid in st.unused:
+                raise self._unused_got_gradient_error(pid)
             if st.got[pid]:
                 # A second gradient before the first backward ended: that one lacked some.
                 raise self._missing_gradients_error()
@@ -482,6 +496,7 @@ class DistributedDataParallel(nn.Module):
         st = self._s
         n = len(self._params)
         st.active = False
+        st.armed = False  # a backward not begun by this wrapper's forward stays local, as with torch's DDP
         st.pending = list(self._counts)
         st.launched = 0
         st.jobs = []
@@ -503,12 +518,24 @@ class DistributedDataParallel(nn.Module):
         error.__cause__ = failed
         return error
 
-    def _missing_gradients_error(self) -> RuntimeError:
-        missing = [self._names[pid] for pid in range(len(self._params)) if not self._s.got[pid]]
-        for job in self._s.jobs:  # let launched buckets finish before their buffers are reused
+    def _unused_got_gradient_error(self, pid: int) -> RuntimeError:
+        self._abandon_iteration()
+        return RuntimeError(
+            f"ringtrain.DistributedDataParallel: parameter {self._names[pid]!r} got a gradient, but the forward's "
+            "outputs do not reach it, so find_unused_parameters=True counted it as unused and its bucket was "
+            "already averaged with zeros for it. Compute every term of the loss from the wrapper's outputs "
+            "(not from the module's parameters directly), or run that part inside the wrapper's forward.")
+
+    def _abandon_iteration(self) -> None:
+        """Let launched buckets finish before their buffers are reused, and start afresh."""
+        for job in self._s.jobs:
             with contextlib.suppress(Exception):
                 job.wait(self._timeout)
         self._reset_iteration()
+
+    def _missing_gradients_error(self) -> RuntimeError:
+        missing = [self._names[pid] for pid in range(len(self._params)) if not self._s.got[pid]]
+        self._abandon_iteration()
         hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
                 "autograd graph) but did not" if self.options.find_unused_parameters else
                 "Pass find_unused_parameters=True to DistributedDataParallel if some parameters legitimately get no "
@@ -793,14 +820,21 @@ class DistributedDataParallel(nn.Module):
         tensors = [t for t in tensors if t.numel()]
         if self.world_size == 1 or not tensors:
             return
+        # Each tensor starts on an 8-byte boundary of the byte buffer: torch views bytes as a
+        # wider dtype only at an offset that is a multiple of its size (an int64 counter after
+        # 27 float32s would not be).
+        spans, end = [], 0
+        for t in tensors:
+            start = -(-end // 8) * 8
+            end = start + t.numel() * t.element_size()
+            spans.append((start, end))
         with torch.no_grad():
-            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+            flat = torch.zeros(end, dtype=torch.uint8)
+            for t, (a, b) in zip(tensors, spans):
+                flat[a:b] = t.detach().contiguous().reshape(-1).view(torch.uint8)
             self._thread.run(label, partial(self.comm.broadcast, flat.numpy(), 0), self._timeout)
-            offset = 0
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                t.copy_(flat[offset:offset + n].view(t.dtype).view(t.shape))
-                offset += n
+            for t, (a, b) in zip(tensors, spans):
+                t.copy_(flat[a:b].view(t.dtype).view(t.shape))
 
     def _log(self, message: str) -> None:
         logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d: %s", self.rank, message)
@@ -817,7 +851,7 @@ class _State:
         self.sync = True  # False inside no_sync()
         self.armed = False  # the last forward asked for a synchronizing backward
         self.expected = n  # gradients that end the backward pass
-        self.unused: list[int] = []  # find_unused_parameters: ids outside the graph
+        self.unused: set[int] = set()  # find_unused_parameters: ids outside the graph
         self.forward_span: Optional[tuple[float, float]] = None
         self.broadcast_s = 0.0  # of the last forward
         self.iteration = 0

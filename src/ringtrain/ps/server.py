@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -128,6 +128,9 @@ class ParameterServer:
         self._seen_nonces: set[bytes] = set()
         W = cfg.workers
         self._status = ["waiting"] * W  # waiting, connected, bye, lost
+        self._heard = [0.0] * W  # monotonic time of each worker's last message
+        self._serving: set[int] = set()  # workers whose message waits in _wait_until
+        self._first_connected: Optional[float] = None
         self._channels: dict[int, P.Channel] = {}
         self._outboxes: dict[int, queue.Queue] = {}
         self._bytes = {w: [0, 0] for w in range(W)}  # sent to, received from
@@ -222,6 +225,7 @@ class ParameterServer:
                     self.failed = self.failed or CommTimeout(
                         f"{self.name}: no worker connected within {self.cfg.timeout:g} s")
                     break
+                self._drop_absent(now)
                 if self.failed is not None:
                     failed_at = failed_at or now
                     if now - failed_at > self.cfg.timeout:  # workers told; do not wait for ever
@@ -229,6 +233,27 @@ class ParameterServer:
                 self._cond.wait(0.2)
         self._listener.close()
         return self.stats()
+
+    def _drop_absent(self, now: float, holding_up: Sequence[int] = ()) -> None:
+        """Lose the workers the job cannot wait for any longer (caller holds the lock): one that has
+        not connected ``timeout`` after the first did; asynchronous, one silent for ``timeout`` that
+        holds up another's pull (``holding_up``; a worker busy for long between steps is left alone
+        otherwise). A synchronous job then ends with the error; an asynchronous one goes on without
+        them and says so."""
+        if self._first_connected is None:
+            return
+        limit = self.cfg.timeout
+        for w, status in enumerate(self._status):
+            if status == "waiting" and now - self._first_connected >= limit:
+                self._lost(w, f"it did not connect within {limit:g} s of the first worker")
+        if self.cfg.synchronous:
+            return
+        for w in holding_up:
+            if self._status[w] != "connected" or w in self._serving:  # (waiting for this server is not silence)
+                continue
+            if now - self._heard[w] >= limit:
+                self._lost(w, f"it sent nothing for {limit:g} s while holding up the others' pulls")
+                self._channels[w].close()  # its reader wakes up and ends
 
     def _finished(self) -> bool:
         if self.failed is not None:
@@ -284,6 +309,9 @@ class ParameterServer:
                 sock.close()
                 return
             self._status[w] = "connected"
+            self._heard[w] = time.monotonic()
+            if self._first_connected is None:
+                self._first_connected = self._heard[w]
             self._channels[w] = ch
             self._outboxes[w] = outbox
             self._cond.notify_all()
@@ -297,6 +325,8 @@ class ParameterServer:
         except CommError as exc:
             self._lost(w, f"{type(exc).__name__}: {exc}")
             ch.send_abort(exc)  # best effort: a worker that is gone does not read it
+        except OSError as exc:  # its socket closed under the read (_drop_absent) or reset
+            self._lost(w, f"connection failed: {exc}")
         finally:
             outbox.put(None)
             sender.join(self.cfg.timeout)
@@ -381,6 +411,7 @@ class ParameterServer:
         ch.send(P.WELCOME, body=P.encode_json(welcome))
         while True:
             head = ch.recv_header(None)
+            self._heard[w] = time.monotonic()  # (read by _drop_absent: a silent worker is lost in the end)
             self._check_failed()
             if head.kind == P.PUSH:
                 self._on_push(w, ch, head)
@@ -542,29 +573,40 @@ class ParameterServer:
                     self._outboxes[w].put(("params", head.step, ready))
                 self._check_stuck()
             return
-        self._wait_until(w, lambda: self._pull_blocker(w, head.step))
+        self._wait_until(w, lambda: self._pull_blocker(w, head.step), lambda: self._behind(w, head.step))
         with self._cond:
             version = self.version
             live = sum(s != "lost" for s in self._status)
             snapshot = self.params.clone()
         self._send_params(ch, w, head.step, version, live, self.shard_ids.tolist(), snapshot)
 
-    def _wait_until(self, w: int, blocker) -> None:
-        """Wait until ``blocker()`` (called under the lock) says nothing blocks; fail a sync job on timeout."""
+    def _wait_until(self, w: int, blocker, holding_up=None) -> None:
+        """Wait until ``blocker()`` (called under the lock) says nothing blocks; fail a sync job on timeout.
+        At the deadline, absent workers among ``holding_up()`` are lost first (_drop_absent)."""
         deadline = time.monotonic() + self.cfg.timeout
         with self._cond:
-            while True:
-                self._check_failed()
-                why = blocker()
-                if why is None:
+            self._serving.add(w)
+            try:
+                self._wait_locked(w, blocker, holding_up, deadline)
+            finally:
+                self._serving.discard(w)
+
+    def _wait_locked(self, w: int, blocker, holding_up, deadline: float) -> None:
+        while True:
+            self._check_failed()
+            why = blocker()
+            if why is None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._drop_absent(time.monotonic(), holding_up() if holding_up else ())
+                if blocker() is None:
                     return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    err = CommTimeout(f"{self.name}: {why} after {self.cfg.timeout:g} s")
-                    if self.cfg.synchronous:
-                        self._fail(err)
-                    raise err
-                self._cond.wait(min(left, 1.0))
+                err = CommTimeout(f"{self.name}: {why} after {self.cfg.timeout:g} s")
+                if self.cfg.synchronous:
+                    self._fail(err)
+                raise err
+            self._cond.wait(min(left, 1.0))
 
     def _check_stuck(self) -> None:
         """Sync: fail if the step in progress waits for a worker that has left (caller holds lock)."""
@@ -596,13 +638,19 @@ class ParameterServer:
         """Async: why worker w's pull at its step ``step`` cannot be answered yet (None: it can)."""
         if not self._initialized:
             return "the shard was never initialized by worker 0"
+        behind = self._behind(w, step)
+        if not behind:
+            return None
+        slowest = min(self._clock[u] for u in behind)
+        return (f"worker {w} is {step - slowest} steps ahead of worker(s) {behind} "
+                f"(max_staleness {self.cfg.max_staleness})")
+
+    def _behind(self, w: int, step: int) -> list[int]:
+        """Async: the live workers more than max_staleness steps behind worker w at ``step``."""
         if self.cfg.max_staleness is None:
-            return None
-        live = [self._clock[u] for u, s in enumerate(self._status) if s in ("connected", "waiting") and u != w]
-        slowest = min(live, default=step)
-        if step - slowest <= self.cfg.max_staleness:
-            return None
-        return f"worker {w} is {step - slowest} steps ahead of the slowest worker (max_staleness {self.cfg.max_staleness})"
+            return []
+        return [u for u, s in enumerate(self._status)
+                if s in ("connected", "waiting") and u != w and step - self._clock[u] > self.cfg.max_staleness]
 
     def _on_save(self, w: int, ch: P.Channel, head) -> None:
         if head.body:
@@ -619,7 +667,10 @@ class ParameterServer:
                 "servers": self.cfg.servers,
                 "layout": self.layout.digest(),
                 "version": self.version,
-                "clocks": list(self._clock),
+                # Synchronous: the shard is at step `version`, and so is every worker that resumes
+                # from it (a worker that pushed step `version` already, whole or in part, pushes it
+                # again); its own count may be one ahead while worker 0 saves.
+                "clocks": [self.version] * self.cfg.workers if self.cfg.synchronous else list(self._clock),
                 "params": self.params.clone(),
                 "momentum": None if any(m is None for m in momenta) else torch.cat(momenta),
                 "staleness": {str(k): v for k, v in self.staleness.items()},

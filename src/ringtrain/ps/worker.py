@@ -126,14 +126,15 @@ class ParameterServerTraining:
         opts = options or PSOptions(**settings)
         if options is not None and settings:
             raise ValueError(f"pass either options or keyword settings, not both (got {sorted(settings)})")
-        if len(servers) < 1:
-            raise ValueError("servers must list at least one (host, port) endpoint")
+        servers = _endpoints(servers)
         if not 0 <= worker < workers:
             raise ValueError(f"worker must be in [0, workers={workers}), got {worker}")
         check_cpu_module(module, "ringtrain.ps.ParameterServerTraining")
         self.module, self.opts, self.worker, self.workers = module, opts, worker, workers
         self.num_servers = K = len(servers)
         self.params = _unique_params(module)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
         self.layout = make_layout([p.numel() for p in self.params], K, opts.partition_bytes)
         self._shards = [self.layout.shard(k) for k in range(K)]
         self._ids = [np.array([p.id for p in s], dtype=np.int64) for s in self._shards]
@@ -152,18 +153,24 @@ class ParameterServerTraining:
         self._stamps: dict[int, float] = {}
         self._handles: list = []
         self.pull_wait_s = 0.0  # time forward (or wait()) spent blocked on pulled parameters
+        self._pushed_grads: list[tuple[int, torch.Tensor, int]] = []  # (param, gradient, its _version) sent
         self._links = self._connect(servers)
-        self.step_count = self._agreed_clock()
-        for link in self._links:
-            for target in (self._sender, self._receiver):
-                t = threading.Thread(target=target, args=(link,), daemon=True, name=f"ps-w{worker}-s{link.k}-{target.__name__}")
-                t.start()
-                link.threads.append(t)
-        self._reset_groups()
-        self._install_hooks()
-        self._issue_pulls(self.step_count)
-        if not opts.overlap_pull:
-            self.wait()
+        try:
+            self.step_count = self._agreed_clock()
+            for link in self._links:
+                for target in (self._sender, self._receiver):
+                    t = threading.Thread(target=target, args=(link,), daemon=True,
+                                         name=f"ps-w{worker}-s{link.k}-{target.__name__}")
+                    t.start()
+                    link.threads.append(t)
+            self._reset_groups()
+            self._install_hooks()
+            self._issue_pulls(self.step_count)
+            if not opts.overlap_pull:
+                self.wait()
+        except BaseException:  # leave no hooks on the module, no threads, no open connections
+            self._release()
+            raise
 
     # --- set-up ---------------------------------------------------------------------------------
     def _connect(self, servers: Sequence[Sequence]) -> list[_Link]:
@@ -220,7 +227,13 @@ class ParameterServerTraining:
 
     # --- the loop ---------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._raise_if_closed()
         return self.module(*args, **kwargs)
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"worker {self.worker}: this ParameterServerTraining was closed (its servers said "
+                               "BYE); make a new one to train on")
 
     def _grad_ready(self, i: int) -> None:
         if not self._calibrated:
@@ -253,13 +266,19 @@ class ParameterServerTraining:
             # this step (link.version may already be the next, streamed in during backward).
             version = link.version if self.opts.strategy == "async" else self.step_count
             link.jobs.put(("push", self.step_count, version, ids, views))
+        for i in members:
+            grad = self.params[i].grad
+            if grad is not None:
+                self._pushed_grads.append((i, grad, grad._version))
 
     def step(self) -> None:
         """Push the gradients not pushed yet, clear them, and ask every server for the next parameters."""
+        self._raise_if_closed()
         self._raise_if_failed()
         if self._double_backward:
             raise RuntimeError("backward ran twice before step(): gradient accumulation is not supported "
                                "with parameter servers; call ps.step() after every backward")
+        self._check_pushed_grads()
         left = [g for g, pushed in enumerate(self._pushed) if not pushed]
         if left:  # parameters without a gradient: pushed as zeros, once their values of this step are in
             self._wait_params([i for g in left for i in self._groups[g]])
@@ -269,12 +288,25 @@ class ParameterServerTraining:
             self._plan()
         for p in self.params:
             p.grad = None  # the sender threads keep the tensors they still have to send
+        self._pushed_grads = []
         self.step_count += 1
         if self._pulled < self.step_count:
             self._issue_pulls(self.step_count)
         self._reset_groups()
         if not self.opts.overlap_pull:
             self.wait()
+
+    def _check_pushed_grads(self) -> None:
+        """A gradient changed in place after its push began (e.g. clip_grad_norm_ between backward
+        and step) would reach the servers half changed: refuse it."""
+        changed = [self._names[i] for i, g, v in self._pushed_grads if g._version != v]
+        if changed:
+            self._pushed_grads = []
+            raise RuntimeError(
+                f"worker {self.worker}: the gradients of {changed} changed after backward had pushed them to the "
+                "servers, which may have received them half changed. With parameter servers, gradients go out "
+                "during backward: change them in a hook before they are accumulated (Tensor.register_hook), "
+                "not between backward() and step()")
 
     def _plan(self) -> None:
         """Group parameters for pushes from the first step's backward timings."""
@@ -323,10 +355,12 @@ class ParameterServerTraining:
 
     def wait(self) -> None:
         """Block until the parameters of this step are all in (after step(), e.g. before evaluating)."""
+        self._raise_if_closed()
         self._wait_params(range(len(self.params)))
 
     def save_checkpoint(self) -> None:
         """Have every server checkpoint its shard at this worker's step (call from one worker)."""
+        self._raise_if_closed()
         step = self.step_count
         for link in self._links:
             link.jobs.put(("save", step))
@@ -345,6 +379,7 @@ class ParameterServerTraining:
         self._closed = True
         for h in self._handles:
             h.remove()
+        self._handles = []
         try:
             if self._error is None:
                 for link in self._links:
@@ -357,13 +392,20 @@ class ParameterServerTraining:
                         self._cond.wait(0.5)
             self._raise_if_failed()
         finally:
-            for link in self._links:
-                link.jobs.put(None)
-                link.ch.close()
-            for link in self._links:
-                for t in link.threads:
-                    t.join(1.0)
+            self._release()
         return self.stats()
+
+    def _release(self) -> None:
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for link in self._links:
+            link.jobs.put(None)
+            link.ch.close()
+        for link in self._links:
+            for t in link.threads:
+                t.join(1.0)
 
     def __enter__(self) -> "ParameterServerTraining":
         return self
@@ -480,6 +522,21 @@ class ParameterServerTraining:
             "server_stats": [link.bye for link in self._links],
             "notices": list(self.notices),
         }
+
+
+def _endpoints(servers: Any) -> list[tuple[str, int]]:
+    """``servers`` as a list of (host, port) pairs, or a ValueError that shows what was given."""
+    usage = "servers must be a list of (host, port) endpoints, one per server, e.g. [('10.0.0.5', 29600)]"
+    if isinstance(servers, (str, bytes)) or not isinstance(servers, Sequence) or len(servers) < 1:
+        raise ValueError(f"{usage}; got {servers!r}")
+    out = []
+    for k, ep in enumerate(servers):
+        if (isinstance(ep, (str, bytes)) or not isinstance(ep, Sequence) or len(ep) != 2
+                or not isinstance(ep[0], str) or isinstance(ep[1], bool) or not isinstance(ep[1], int)
+                or not 0 < ep[1] < 65536):
+            raise ValueError(f"{usage}; entry {k} is {ep!r}")
+        out.append((ep[0], int(ep[1])))
+    return out
 
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
