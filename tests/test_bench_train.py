@@ -61,7 +61,7 @@ def test_per_parameter_cuts_layers_into_the_wrappers_tensors():
 
 def ps_doc(steps, sent, hist=None, wait=1.0):
     return {"model": "mlp", "strategy": "sync", "servers": 2, "workers": 4, "batch_size": 8, "step_s": steps,
-            "losses": [3.0] * len(steps),
+            "losses": [3.0] * len(steps), "bytes_per_step": {"sent": sent / 10, "received": sent / 5},
             "stats": {"bytes_sent": sent, "bytes_received": 2 * sent, "pull_wait_s": wait,
                       "bytes_per_server": {"0": {"sent": sent, "received": sent}},
                       "staleness_histogram": hist or {}}}
@@ -78,6 +78,7 @@ def test_ps_rounds_merge_into_one_row_without_their_warm_up_steps():
     assert row["bytes_per_server"] == {"0": {"sent": 150, "received": 150}}
     assert row["staleness_histogram"] == {"0": 4, "1": 2}
     assert row["pull_wait_s"] == 2.0 / 8
+    assert row["worker_bytes_per_step"] == {"sent": 7.5, "received": 15.0}
     assert row["schedule"] == "ps-sync:2" and row["net"] == "1gbit"
 
 
@@ -93,5 +94,8 @@ def test_bench_train_times_parameter_servers_round_by_round(capsys):
     assert row["impl"] == "ps" and row["schedule"] == "ps-sync:1" and row["world_size"] == 2
     assert len(row["iter_s"]) == 2 and len(row["round_medians"]) == 2
     assert row["steps_total"] == 2 * (1 + PS_WARMUP_STEPS)
-    # every step moves the whole model each way (rank 0's count, all rounds)
+    # every step moves the whole model each way (rank 0's count, all rounds), framing aside
+    per_step = row["worker_bytes_per_step"]
     assert row["worker_bytes_sent"] >= row["steps_total"] * 4 * 891904
+    for way in ("sent", "received"):
+        assert 4 * 891904 <= per_step[way] < 1.01 * 4 * 891904

@@ -198,6 +198,7 @@ def _ps_row(docs: list[dict], args) -> dict:
             hist[int(k)] = hist.get(int(k), 0) + v
     d = docs[0]
     pull_wait = summed("pull_wait_s")
+    per_step = [x["bytes_per_step"] for x in docs if x.get("bytes_per_step")]
     return {
         "model": d["model"], "impl": "ps", "schedule": f"ps-{d['strategy']}:{d['servers']}",
         "batch_size": d["batch_size"], "median_iter_s": med, "iter_s": steady,
@@ -205,6 +206,9 @@ def _ps_row(docs: list[dict], args) -> dict:
         "samples_per_s": d["workers"] * d["batch_size"] / med, "net": args.net, "world_size": d["workers"],
         "servers": d["servers"], "worker_bytes_sent": summed("bytes_sent"),
         "worker_bytes_received": summed("bytes_received"), "bytes_per_server": per_server or None,
+        # rank 0's bytes each way per step, without the first step's whole-model INIT and pull
+        "worker_bytes_per_step": {k: float(np.mean([x[k] for x in per_step])) for k in ("sent", "received")}
+        if per_step else None,
         "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
         "losses": d.get("losses"),
         # forward's waits for pulled parameters, per step (rank 0; the counter spans every step)
@@ -469,10 +473,9 @@ def format_table(rows: list[dict]) -> str:
                 line += (f"{(100 * hid if hid is not None else 0):>7.0f}%{r['planner_iter_s'] * 1e3:>9.1f}"
                          f"{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%{r['overlap_bound_s'] * 1e3:>8.1f}"
                          f"{r['vs_bound']:>8.2f}")
-            if r["impl"] == "ps" and r.get("worker_bytes_sent") is not None:
-                steps = r.get("steps_total") or len(r["iter_s"])
-                line += (f"   worker sends {r['worker_bytes_sent'] / steps / 1e6:.1f} MB/step, "
-                         f"receives {r['worker_bytes_received'] / steps / 1e6:.1f} MB/step")
+            if r["impl"] == "ps" and r.get("worker_bytes_per_step"):
+                b = r["worker_bytes_per_step"]
+                line += f"   worker sends {b['sent'] / 1e6:.1f} MB/step, receives {b['received'] / 1e6:.1f} MB/step"
             if r.get("round_medians"):
                 line += "   rounds " + "/".join(f"{m * 1e3:.0f}" for m in r["round_medians"]) + " ms"
             out.append(line)

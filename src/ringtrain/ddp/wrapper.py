@@ -21,9 +21,13 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    deadline); the gradients, views of the buckets, then hold the mean. So when
    ``loss.backward()`` returns, every ``.grad`` holds the mean over ranks. A backward that ends without some expected
    gradient (an unused parameter, ``find_unused_parameters=False``) is reported by the next
-   ``forward`` with the names of the parameters that got none, as torch's DDP does. A backward
-   whose communication failed raises that CommError, and every later ``forward`` raises a
-   CommError that names it (the communicator is broken; nothing more can be averaged).
+   ``forward`` with the names of the parameters that got none, as torch's DDP does; a gradient
+   for a parameter that ``find_unused_parameters`` counted unused (a loss term taken from the
+   module's parameters, not from the outputs) is an error naming it. A backward whose
+   communication failed raises that CommError, and every later ``forward`` raises a
+   CommError that names it (the communicator is broken; nothing more can be averaged). Only a
+   backward begun by the wrapper's ``forward`` is averaged: one through the module itself
+   afterwards stays local, as with torch's DDP.
 4. *Planning*: the first ``warmup_iterations + profile_iterations`` iterations use one bucket
    (reduced after backward, so the hooks time backward undisturbed), laid out in reverse
    registration order. Then the profile (per-parameter backward times, mean over ranks, rank

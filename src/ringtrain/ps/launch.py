@@ -178,9 +178,15 @@ def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTra
 
 
 def train_steps(ps: ParameterServerTraining, model, loader, steps: int) -> dict:
-    """Run ``steps`` steps of a reference model's loop, close ``ps``; step times, losses, stats."""
+    """Run ``steps`` steps of a reference model's loop, close ``ps``; step times, losses, stats.
+
+    ``bytes_per_step`` counts from the end of the first step, once its pushes are out and the
+    next parameters in (the first pull and worker 0's INIT, each the whole model, come before
+    it), to the last pull: ``steps - 1`` steps.
+    """
     times, losses = [], []
-    for _ in range(steps):
+    after_first = None
+    for k in range(steps):
         t0 = time.perf_counter()
         x, y = loader.next_batch()
         loss = model.loss(ps(x), y)
@@ -188,8 +194,21 @@ def train_steps(ps: ParameterServerTraining, model, loader, steps: int) -> dict:
         ps.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+        if k == 0:
+            ps.wait()  # (the first step is a warm-up in every benchmark)
+            after_first = _bytes(ps)
     ps.wait()
-    return {"step_s": times, "losses": losses, "stats": ps.close()}
+    end = _bytes(ps)
+    stats = ps.close()
+    per_step = None
+    if steps > 1:
+        per_step = {"sent": (end[0] - after_first[0]) / (steps - 1), "received": (end[1] - after_first[1]) / (steps - 1)}
+    return {"step_s": times, "losses": losses, "stats": stats, "bytes_per_step": per_step}
+
+
+def _bytes(ps: ParameterServerTraining) -> tuple[int, int]:
+    s = ps.stats()
+    return s["bytes_sent"], s["bytes_received"]
 
 
 def _bench_worker(w: int, workers: int, endpoints, model_name: str, steps: int, batch_size: int,
