@@ -213,6 +213,52 @@ def test_an_async_server_drops_a_silent_worker_that_holds_up_the_others():
     silent.close()
 
 
+def test_a_sync_worker_ahead_waits_for_a_module_another_workers_step_still_pushes():
+    """Worker 1 pushes its unused module's zeros late (in step()); worker 0, whose next forward
+    does not wait for that module, must not push its next step before the server finished this one."""
+    server, thread, out = start_server(workers=2)
+
+    class Partly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.spare = nn.Linear(4, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    def worker(w):
+        model = Partly()
+        with ParameterServerTraining(model, servers=[server.endpoint], worker=w, workers=2, secret=SECRET,
+                                     lr=0.1, timeout=10.0) as ps:
+            for s in range(3):
+                model(torch.full((2, 4), float(s + w))).sum().backward()
+                if w == 1:
+                    time.sleep(0.3)
+                ps.step()
+            ps.wait()
+            return [p.detach().clone() for p in model.parameters()]
+
+    results = [None, None]
+
+    def run(w):
+        try:
+            results[w] = worker(w)
+        except BaseException as exc:  # noqa: BLE001
+            results[w] = exc
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    thread.join(10)
+    assert not isinstance(results[0], BaseException), results[0]
+    assert not isinstance(results[1], BaseException), results[1]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert out["stats"]["failed"] is None
+
+
 def test_single_worker_sync_equals_torch_sgd_bitwise():
     server, thread, _ = start_server()
     model, ref = tiny(), tiny()
