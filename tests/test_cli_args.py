@@ -87,6 +87,11 @@ CLI_CASES = [
     (["train", "--algorithm", "fast"], ["--algorithm", "ring", "naive", "halving_doubling", "auto"]),
     (["train", "--transport", "udp"], ["--transport", "tcp", "shm", "torch", "auto"]),
     (["train", "--bucket-cap-mb", "0"], ["--bucket-cap-mb"]),
+    (["train", "--bucket-cap-mb", "nan"], ["--bucket-cap-mb"]),
+    (["train", "--lr", "inf"], ["--lr"]),
+    (["train", "--strategy", "ps-sync", "--transport", "tcp"], ["--transport", "parameter servers"]),
+    (["train", "--strategy", "ps-async", "--timeline", "t.json"], ["--timeline"]),
+    (["train", "--checkpoint-dir", "/proc/version/runs"], ["--checkpoint-dir"]),
     (["train", "--checkpoint-every", "-1"], ["--checkpoint-every"]),
     (["train", "--timeout", "0"], ["--timeout"]),
     (["train", "--timeout", "nan"], ["--timeout"]),
@@ -148,7 +153,8 @@ CLI_CASES = [
     (["launch", "--nnodes", "2", "--node-rank", "5", "--master-addr", "10.0.0.1", "x.py"], ["--node-rank"]),
     (["launch", "--node-rank", "-1", "x.py"], ["--node-rank"]),
     (["launch", "--master-port", "70000", "x.py"], ["--master-port"]),
-    (["launch", "--nnodes", "2", "x.py"], ["--secret-file", "RINGTRAIN_SECRET"]),
+    (["launch", "--nnodes", "2", "x.py"], ["--master-addr"]),
+    (["launch", "--nnodes", "2", "--master-addr", "10.0.0.1", "x.py"], ["--secret-file", "RINGTRAIN_SECRET"]),
     (["launch", "--secret-file", "/nonexistent/secret", "x.py"], ["--secret-file"]),
 ]
 

@@ -63,6 +63,17 @@ def test_rank_slices_concatenate_to_the_single_process_batch(world_size, batch_s
         assert expected[0] == list(range(world_size * batch_size))
 
 
+def test_seek_stands_where_that_many_steps_leave_the_sampler():
+    for steps in (0, 1, 11, 12, 13, 40):
+        a, b = (ShardedSampler(100, 4, rank=1, world_size=2, seed=1) for _ in range(2))  # 12 batches an epoch
+        take(a, steps)
+        b.seek(steps)
+        assert b.state_dict() == a.state_dict()
+        assert np.array_equal(a.next_indices(), b.next_indices())
+    with pytest.raises(ValueError, match="steps"):
+        ShardedSampler(100, 4).seek(-1)
+
+
 def test_sampler_resumes_exactly_and_across_world_sizes():
     a = ShardedSampler(100, 4, rank=1, world_size=2, seed=1)
     take(a, 17)  # epoch 1, position 5

@@ -178,3 +178,38 @@ def test_killing_the_launchers_process_group_leaves_no_worker_behind(tmp_path):
         f"workers {orphans} still running 3 s after their launcher's group was killed; "
         f"checkpoints written since: {sorted(set(after) - set(at_kill))}")
     print(f"launcher's group killed: {len(pids)} processes of the job, none left 3 s later")
+
+
+def ps_command(directory: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "ringtrain.cli", "train", "--workers", "2", "--strategy", "ps-sync",
+            "--model", "charlm", "--batch-size", "4", "--steps", str(steps), "--checkpoint-every", "4",
+            "--checkpoint-dir", str(directory), "--no-progress", "--timeout", "30"]
+
+
+def run_to_end(argv: list[str]) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)
+    return finish(proc, timeout=150)
+
+
+@pytest.mark.timeout(300)
+def test_ps_resume_takes_the_servers_step_when_the_workers_checkpoint_of_it_is_missing(tmp_path):
+    """Servers saved step 8, rank 0's own file of step 8 is gone (killed between the two saves):
+    the run goes on from step 8 with the data of step 8, and ends where an uninterrupted run does.
+    10 steps with checkpoints every 4 also save the last step, so the same command has nothing left."""
+    from ringtrain import checkpoint
+
+    ref, victim = tmp_path / "ref", tmp_path / "victim"
+    run_to_end(ps_command(ref, 10))
+    run_to_end(ps_command(victim, 8))
+    (victim / "ckpt-000000008.pt").unlink()
+    assert checkpoints(victim) == ["ckpt-000000004.pt"]
+    out = run_to_end(ps_command(victim, 10))
+    assert "resumed at step 8 from the parameter servers" in out, out[-2000:]
+    assert checkpoints(ref)[-1] == checkpoints(victim)[-1] == "ckpt-000000010.pt"
+    a, b = (checkpoint.latest(d / "servers" / "server-0").payload for d in (ref, victim))
+    assert a["version"] == b["version"] == 10
+    assert a["params"].equal(b["params"]) and a["momentum"].equal(b["momentum"])
+    again = run_to_end(ps_command(victim, 10))
+    assert "nothing to do: the checkpoint is already at step 10" in again, again[-2000:]

@@ -42,6 +42,9 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535, got {args.master_port}")
+    if args.nnodes > 1 and (args.master_addr in ("localhost", "::1") or args.master_addr.startswith("127.")):
+        raise ValueError(f"--master-addr {args.master_addr} is this machine's loopback: with --nnodes "
+                         f"{args.nnodes} every node must be given node 0's address on the network")
 
 
 def job_secret(args: argparse.Namespace) -> str:

@@ -84,20 +84,26 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.steps == 0:
             raise ValueError("--steps must be >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ValueError(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
+        if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
+            raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if self.strategy == "ring" and self.servers:
             raise ValueError("--servers is for the parameter-server strategies (--strategy ps-sync|ps-async|ps-sharded)")
-        if self.strategy != "ring" and not self.servers:
-            self.servers = 2 if self.strategy == "ps-sharded" else 1
+        if self.strategy != "ring":
+            ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "bucket_cap_mb", "timeline")
+                         if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default]
+            if ring_only:
+                raise ValueError(f"{', '.join(ring_only)} set the ring's allreduce; --strategy {self.strategy} "
+                                 "sends gradients to parameter servers and would ignore them")
+            if not self.servers:
+                self.servers = 2 if self.strategy == "ps-sharded" else 1
         if not self.checkpoint_dir:
             self.checkpoint_dir = str(Path("runs") / (self.model if self.strategy == "ring" else f"{self.model}-{self.strategy}"))
 
@@ -141,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         if not 0 <= args.master_port <= 65535:
             raise ValueError(f"--master-port must be in 1..65535 (0: a free one), got {args.master_port}")
+        if cfg.checkpoint_every:
+            _check_writable(Path(cfg.checkpoint_dir))
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
     from .bench.procs import free_port
@@ -160,6 +168,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"ringtrain train: {type(exc).__name__}: the workers failed (see above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_writable(directory: Path) -> None:
+    """Make the checkpoint directory now, so that a path that cannot hold checkpoints is an error
+    before training, not after the first ``checkpoint_every`` steps."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--checkpoint-dir {directory}: cannot make it ({exc.strerror or exc})") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"--checkpoint-dir {directory}: not writable")
 
 
 def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
@@ -187,7 +206,8 @@ def _workload(cfg: TrainConfig, rank: int, p: int):
     return model, data.ShardedLoader(dataset, batch_size, rank=rank, world_size=p, seed=cfg.seed), batch_size
 
 
-def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, losses, one_rate: float) -> dict:
+def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, losses, one_rate: float,
+             start: int) -> dict:
     """The end-of-run figures (steady state: the first two steps are left out when there are more than 4)."""
     import numpy as np
 
@@ -195,7 +215,8 @@ def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, l
     median = float(np.median(steady)) if steady else None
     summary = {
         "model": cfg.model, "workers": p, "transport": transport, "schedule": cfg.schedule,
-        "steps_run": len(times), "final_step": cfg.steps, "last_loss": losses[-1] if losses else None,
+        "resumed_at": start, "steps_run": len(times), "final_step": cfg.steps,
+        "last_loss": losses[-1] if losses else None,
         "median_step_s": median, "samples_per_s": p * batch_size / median if median else None,
         "one_worker_samples_per_s": one_rate,
     }
@@ -206,7 +227,8 @@ def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, l
 
 def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
     """Steps ``start`` .. cfg.steps: ``step_fn(x, y) -> loss`` on each batch, a progress bar and
-    ``save(step)`` every cfg.checkpoint_every steps on rank 0. Returns step times and losses."""
+    ``save(step)`` every cfg.checkpoint_every steps and after the last on rank 0. Returns step
+    times and losses."""
     bar = None
     if rank == 0 and cfg.progress and start < cfg.steps:
         from tqdm import tqdm
@@ -224,6 +246,8 @@ def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save
             bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}")
         if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save(step + 1)
+    if rank == 0 and cfg.checkpoint_every and start < cfg.steps and cfg.steps % cfg.checkpoint_every:
+        save(cfg.steps)  # the last step too, so that the same command run again has nothing to do
     if bar is not None:
         bar.close()
     return times, losses
@@ -253,8 +277,13 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         found = checkpoint.latest(cfg.checkpoint_dir)
         if found is not None:
             start = checkpoint.restore_training_state(found.payload, model, opt, loader)
+            saved_lr = {g["lr"] for g in opt.param_groups}
+            for g in opt.param_groups:  # the command line's --lr, not the one the checkpoint was made with
+                g["lr"] = cfg.lr
             if rank == 0:
                 print(f"resumed from {found.path} at step {start}", file=sys.stderr)
+                if saved_lr != {cfg.lr}:
+                    print(f"learning rate {cfg.lr} (the checkpoint was made with {sorted(saved_lr)})", file=sys.stderr)
     one_rate = _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size)))
 
     ddp = ringtrain.DistributedDataParallel(
@@ -279,7 +308,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     one_rate = max(one_rate, _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size))))
     rate_buf = np.array([one_rate], dtype=np.float64)
     comm.allreduce(rate_buf, op="mean")
-    summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]))
+    summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]), start)
     steady = times[2:] if len(times) > 4 else times
     planned = [st for st in list(ddp.stats)[-len(steady):] if st.buckets]
     if planned:
@@ -317,14 +346,12 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     info = rendezvous.job_info()
     rank, p = info.rank, info.world_size - cfg.servers
     model, loader, batch_size = _workload(cfg, rank, p)
-    if cfg.resume:
-        found = checkpoint.latest(cfg.checkpoint_dir)
-        if found is not None:  # the data position and RNG; the servers resume the parameters
-            checkpoint.restore_training_state(found.payload, model, None, loader)
     one_rate = _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size)))
     pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
                              schedule=cfg.schedule, timeout=cfg.timeout)
-    start = pst.step_count
+    start = pst.step_count  # the servers' step for this worker (0 unless they resumed)
+    if cfg.resume:
+        _resume_ps_worker(cfg, rank, model, loader, start)
 
     def step_fn(x, y):
         loss = model.loss(pst(x), y)
@@ -340,11 +367,43 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     pst.wait()
     stats = pst.close()
     one_rate = max(one_rate, _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size))))
-    summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate)
+    summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate, start)
     summary["parameter_servers"] = stats
     if rank == 0:
         _report(summary, json_summary)
     return 0
+
+
+def _resume_ps_worker(cfg: TrainConfig, rank: int, model, loader, step: int) -> None:
+    """Stand at ``step``, where the servers resumed this worker: the data position follows from
+    the step (one global batch each); the RNG and buffers come from rank 0's checkpoint of that
+    very step when there is one. The parameters are the servers' (pulled, never loaded here)."""
+    from . import checkpoint
+
+    saved = dict(checkpoint.list_checkpoints(cfg.checkpoint_dir))
+    if step == 0:
+        if saved and rank == 0:
+            print(f"the parameter servers hold no checkpoint: starting at step 0 "
+                  f"(worker checkpoints up to step {max(saved)} in {cfg.checkpoint_dir} are left alone)", file=sys.stderr)
+        return
+    loader.seek(step)
+    payload = None
+    if step in saved:
+        try:
+            payload = checkpoint.load(saved[step]).payload
+        except checkpoint.CheckpointError as exc:
+            if rank == 0:
+                print(f"{saved[step]}: {exc}", file=sys.stderr)
+    if payload is None:
+        if rank == 0:
+            print(f"resumed at step {step} from the parameter servers; no worker checkpoint of that step, so the "
+                  "random state and buffers start afresh", file=sys.stderr)
+        return
+    params = {name for name, _ in model.named_parameters()}
+    model.load_state_dict({k: v for k, v in payload["model"].items() if k not in params}, strict=False)
+    checkpoint.restore_rng(payload["rng"])
+    if rank == 0:
+        print(f"resumed at step {step} (parameter servers and {saved[step]})", file=sys.stderr)
 
 
 def _report(summary: dict, as_json: bool) -> None:
@@ -357,7 +416,7 @@ def _report(summary: dict, as_json: bool) -> None:
 def _print_summary(s: dict) -> None:
     print(f"\n{s['model']} on {s['workers']} workers ({s['transport']}, schedule {s['schedule']}):")
     if s["steps_run"] == 0:
-        print(f"  nothing to do: the checkpoint is already at step {s['final_step']}")
+        print(f"  nothing to do: the checkpoint is already at step {s['resumed_at']} (--steps {s['final_step']})")
         return
     print(f"  steps run          {s['steps_run']} (to step {s['final_step']}), last loss {s['last_loss']:.4f}")
     print(f"  step time          {s['median_step_s'] * 1e3:.1f} ms (median)")

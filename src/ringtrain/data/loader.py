@@ -50,6 +50,10 @@ class ShardedLoader:
         while True:
             yield self.next_batch()
 
+    def seek(self, steps: int) -> None:
+        """Stand where ``steps`` steps from the start leave this loader."""
+        self.sampler.seek(steps)
+
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 

@@ -138,6 +138,12 @@ class ShardedSampler:
             self.epoch, self.position = self.epoch + 1, 0
         return indices
 
+    def seek(self, steps: int) -> None:
+        """Stand where ``steps`` calls of next_indices from the start leave the sampler (one global
+        batch per step)."""
+        _check_int("steps", steps, 0)
+        self.epoch, self.position = divmod(steps, self.batches_per_epoch)
+
     def state_dict(self) -> dict[str, int]:
         """The resumable state plus what it is only valid for (plain ints: checkpoint-safe)."""
         return {

@@ -258,7 +258,7 @@ class DistributedDataParallel(nn.Module):
                 # Origin 0 of perf_counter (CLOCK_MONOTONIC on Linux, shared by the processes of a
                 # host): the ranks of one host line up in Perfetto and in draw_timeline.
                 self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
-        except BaseException:  # a failed broadcast or sweep, a bad timeline path: leave nothing behind
+        except BaseException:  # a failed broadcast or sweep (ranks disagree, a peer lost): leave nothing behind
             for h in self._hooks:
                 h.remove()
             self._thread.close()
