@@ -62,6 +62,9 @@ def test_simulate_plots(tmp_path, capsys):
     (["--schedules", "greedy"], "--schedules"),
     (["--algorithms", "butterfly"], "--algorithms"),
     (["--device", "p100"], "--device"),
+    (["--cluster", ""], "--cluster"),
+    (["--cluster", ","], "--cluster"),
+    (["--model", "resnet50", "--cluster", "10GbE", "--gpus", "4", "--csv", "/nonexistent/dir/x.csv"], "/nonexistent"),
 ])
 def test_simulate_bad_options_exit_2_naming_the_option(argv, match, capsys):
     assert main(["simulate", *argv]) == 2
@@ -106,3 +109,41 @@ def test_two_traces_of_the_same_model_stay_apart(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [m["model"] for m in doc["models"]] == ["resnet50", "resnet50@h100"]
     assert len({r["model"] for r in doc["rows"]}) == 2
+
+
+def test_three_traces_of_the_same_model_stay_apart(tmp_path, capsys):
+    path = tmp_path / "h100.json"
+    save(build_trace("resnet50", DEVICES["h100"]), path)
+    rc = main(["simulate", "--model", f"{path},{path},{path}", "--cluster", "10GbE", "--gpus", "8", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len({m["model"] for m in doc["models"]}) == 3
+
+
+def test_a_trace_with_a_non_finite_time_is_refused(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    save(build_trace("resnet50", DEVICES["h100"]), path)
+    doc = json.loads(path.read_text())
+    for key, value in (("optimizer_s", float("nan")), ("optimizer_s", float("inf"))):
+        bad = dict(doc, **{key: value})
+        path.write_text(json.dumps(bad))
+        assert main(["simulate", "--model", str(path), "--cluster", "10GbE", "--gpus", "4"]) == 2
+        assert "optimizer_s" in capsys.readouterr().err
+    layers = [dict(doc["layers"][0], forward_s=float("inf"))] + doc["layers"][1:]
+    path.write_text(json.dumps(dict(doc, layers=layers)))
+    assert main(["simulate", "--model", str(path), "--cluster", "10GbE", "--gpus", "4"]) == 2
+    assert "forward_s" in capsys.readouterr().err
+
+
+def test_gpus_per_node_reaches_an_alpha_beta_cluster(capsys):
+    rc = main(["simulate", "--model", "resnet50", "--cluster", "alpha=2e-5,beta=8e-10", "--gpus-per-node", "4",
+               "--algorithms", "hierarchical", "--gpus", "12", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["clusters"][0]["gpus_per_node"] == 4
+
+
+def test_a_bench_file_row_without_numbers_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"rows": [{"algorithm": "ring", "world_size": 2, "nbytes": None, "median_s": 0.1}]}))
+    assert main(["simulate", "--model", "resnet50", "--cluster", str(path), "--gpus", "4"]) == 2
+    assert "not a number" in capsys.readouterr().err

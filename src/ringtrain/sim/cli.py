@@ -106,8 +106,12 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
         else:
             trace = build_trace(n, device)
             tag = device_name
-        if any(t.model == trace.model for t in out):  # rows are keyed by model name
-            trace = dataclasses.replace(trace, model=f"{trace.model}@{tag}")
+        taken = {t.model for t in out}  # rows are keyed by model name
+        if trace.model in taken:
+            name, k = f"{trace.model}@{tag}", 2
+            while name in taken:
+                name, k = f"{trace.model}@{tag}#{k}", k + 1
+            trace = dataclasses.replace(trace, model=name)
         out.append(trace)
     return out
 
@@ -124,13 +128,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"ringtrain simulate: {e}", file=sys.stderr)
         return 2
-    if args.csv:
-        write_csv(predictions, args.csv)
-    if args.plot:
-        from . import plot
+    try:
+        if args.csv:
+            write_csv(predictions, args.csv)
+        if args.plot:
+            from . import plot
 
-        for path in plot.write_all(predictions, traces, clusters, args.plot):
-            print(f"wrote {path}", file=sys.stderr)
+            for path in plot.write_all(predictions, traces, clusters, args.plot):
+                print(f"wrote {path}", file=sys.stderr)
+    except OSError as e:
+        print(f"ringtrain simulate: cannot write {e.filename or 'the output'}: {e.strerror or e}", file=sys.stderr)
+        return 2
     if args.json:
         emit(json.dumps(document(predictions, traces, clusters, args.device), indent=1))
     else:

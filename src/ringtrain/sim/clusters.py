@@ -125,10 +125,10 @@ def named(name: str, gpus_per_node: int = 8) -> Cluster:
     return Cluster(prof.name, alpha, beta, prof.gamma, gpus_per_node=gpus_per_node, source=source)
 
 
-def custom(spec: str) -> Cluster:
+def custom(spec: str, gpus_per_node: int = 8) -> Cluster:
     """``alpha=..,beta=..`` and optionally ``gamma, gpus_per_node, nics_per_node, intra_alpha,
-    intra_beta, servers, name``."""
-    fields: dict[str, Any] = {}
+    intra_beta, servers, name``; ``gpus_per_node`` (``--gpus-per-node``) unless the spec gives it."""
+    fields: dict[str, Any] = {"gpus_per_node": gpus_per_node}
     allowed = ("alpha", "beta", "gamma", "gpus_per_node", "nics_per_node", "servers", "intra_alpha", "intra_beta", "name")
     for part in spec.split(","):
         key, eq, value = part.partition("=")
@@ -187,7 +187,11 @@ def from_bench(
     rows = [r for r in rows if int(r["world_size"]) == p]
     if not rows:
         raise ValueError(f"--cluster {path}: no rows with world_size={p}")
-    a, b = fit_alpha_beta([float(r["nbytes"]) for r in rows], [float(r["median_s"]) for r in rows])
+    try:
+        sizes, times = [float(r["nbytes"]) for r in rows], [float(r["median_s"]) for r in rows]
+    except (TypeError, ValueError):
+        raise ValueError(f"--cluster {path}: a row's nbytes or median_s is not a number") from None
+    a, b = fit_alpha_beta(sizes, times)
     alpha, beta = link_from_fit(a, b, p, algorithm if algorithm in costs.ALGORITHMS else "ring")
     return Cluster(
         f"bench:{Path(path).stem}", alpha, beta, gpus_per_node=gpus_per_node,
@@ -201,7 +205,7 @@ def resolve(spec: str, gpus_per_node: int = 8) -> Cluster:
     if spec.lower().endswith(".json"):
         return from_bench(spec, gpus_per_node=gpus_per_node)
     if "=" in spec:
-        return custom(spec)
+        return custom(spec, gpus_per_node)
     return named(spec, gpus_per_node)
 
 
@@ -211,4 +215,6 @@ def resolve_many(specs: list[str], gpus_per_node: int = 8) -> list[Cluster]:
     for spec in specs:
         parts = [spec] if "=" in spec else [s for s in spec.split(",") if s.strip()]
         out += [resolve(s, gpus_per_node) for s in parts]
+    if not out:
+        raise ValueError(f"--cluster: needs at least one value, got {specs!r}")
     return out

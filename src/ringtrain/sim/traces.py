@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,8 +52,8 @@ class Layer:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("layer name must not be empty")
-        if not (self.forward_s >= 0 and self.backward_s >= 0):
-            raise ValueError(f"layer {self.name}: forward_s and backward_s must be >= 0")
+        if not (0 <= self.forward_s < math.inf and 0 <= self.backward_s < math.inf):
+            raise ValueError(f"layer {self.name}: forward_s and backward_s must be finite and >= 0")
         if self.grad_bytes < 0 or self.params < 0:
             raise ValueError(f"layer {self.name}: grad_bytes and params must be >= 0")
 
@@ -80,8 +81,8 @@ class Trace:
             raise ValueError(f"trace {self.model}: needs at least one layer")
         if self.batch_size < 1:
             raise ValueError(f"trace {self.model}: batch_size must be >= 1, got {self.batch_size}")
-        if self.optimizer_s < 0:
-            raise ValueError(f"trace {self.model}: optimizer_s must be >= 0")
+        if not 0 <= self.optimizer_s < math.inf:
+            raise ValueError(f"trace {self.model}: optimizer_s must be finite and >= 0, got {self.optimizer_s}")
         if not any(layer.grad_bytes for layer in self.layers):
             raise ValueError(f"trace {self.model}: no layer produces a gradient")
 
