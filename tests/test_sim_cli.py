@@ -101,23 +101,18 @@ def test_plan_bad_options(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
-def test_two_traces_of_the_same_model_stay_apart(tmp_path, capsys):
+@pytest.mark.parametrize("models, names", [
+    ("resnet50,{p}", ["resnet50", "resnet50@h100"]),
+    ("{p},{p},{p}", ["resnet50", "resnet50@h100", "resnet50@h100#2"]),
+])
+def test_traces_of_the_same_model_stay_apart(models, names, tmp_path, capsys):
     path = tmp_path / "h100.json"
     save(build_trace("resnet50", DEVICES["h100"]), path)
-    rc = main(["simulate", "--model", f"resnet50,{path}", "--cluster", "10GbE", "--gpus", "8", "--json"])
+    rc = main(["simulate", "--model", models.format(p=path), "--cluster", "10GbE", "--gpus", "8", "--json"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [m["model"] for m in doc["models"]] == ["resnet50", "resnet50@h100"]
-    assert len({r["model"] for r in doc["rows"]}) == 2
-
-
-def test_three_traces_of_the_same_model_stay_apart(tmp_path, capsys):
-    path = tmp_path / "h100.json"
-    save(build_trace("resnet50", DEVICES["h100"]), path)
-    rc = main(["simulate", "--model", f"{path},{path},{path}", "--cluster", "10GbE", "--gpus", "8", "--json"])
-    assert rc == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert len({m["model"] for m in doc["models"]}) == 3
+    assert [m["model"] for m in doc["models"]] == names
+    assert len({r["model"] for r in doc["rows"]}) == len(names)
 
 
 def test_a_trace_with_a_non_finite_time_is_refused(tmp_path, capsys):
