@@ -248,13 +248,12 @@ class ParameterServerTraining:
             self._push_group(g)
 
     def _push_group(self, g: int) -> None:
-        if self.opts.strategy != "async" and not any(self._pushed):
+        if self.opts.strategy != "async" and self._pulled <= self.step_count:  # this step's first push
             # Synchronous servers take pushes of their own step only: with every parameter of this
             # step in, every server has finished it. Forward waited for the parameters it used;
             # a module that did not run may still be waiting for another worker's step() (it
             # pushes gradients nobody computed as zeros), so this rarely waits at all.
             self._wait_params(range(len(self.params)))
-        if self.opts.strategy != "async" and self._pulled <= self.step_count:
             self._issue_pulls(self.step_count + 1)  # streamed: servers send partitions as they step them
         self._pushed[g] = True
         members = set(self._groups[g])
@@ -383,9 +382,6 @@ class ParameterServerTraining:
         if self._closed:
             return self.stats()
         self._closed = True
-        for h in self._handles:
-            h.remove()
-        self._handles = []
         try:
             if self._error is None:
                 for link in self._links:
