@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from ringtrain.bench.train import PS_WARMUP_STEPS, _ps_row, _scaled, _with_wrapper_costs
+from ringtrain.bench.train import PS_WARMUP_STEPS, _predict_ps, _ps_row, _scaled, _with_wrapper_costs
+from ringtrain.sim import costs
+from ringtrain.sim.simulator import predict_with_cost
 from ringtrain.sim.traces import Layer, Trace
 
 
@@ -82,15 +84,42 @@ def test_ps_rounds_merge_into_one_row_without_their_warm_up_steps():
     assert row["schedule"] == "ps-sync:2" and row["net"] == "1gbit"
 
 
+def test_synchronous_server_rows_get_the_simulators_prediction_from_the_ring_jobs_trace_and_link():
+    ring_fit = {"small": {"alpha": 1e-3, "beta": 1e-8, "gamma": 0.0},
+                "large": {"alpha": 2e-4, "beta": 8e-9, "gamma": 0.0}, "split_bytes": 65536.0}
+    rows = [{"model": "toy", "impl": "alone", "world_size": 2, "trace": profile().to_dict()},
+            {"model": "toy", "impl": "ringtrain", "schedule": "optimal", "world_size": 2, "cost": ring_fit},
+            {"model": "toy", "impl": "ps", "schedule": "ps-sync:1", "servers": 1, "world_size": 2, "median_iter_s": 0.5},
+            {"model": "toy", "impl": "ps", "schedule": "ps-sharded:2", "servers": 2, "world_size": 2,
+             "median_iter_s": 0.25},
+            {"model": "toy", "impl": "ps", "schedule": "ps-async:1", "servers": 1, "world_size": 2, "median_iter_s": 0.5},
+            {"model": "other", "impl": "ps", "schedule": "ps-sync:1", "servers": 1, "world_size": 2, "median_iter_s": 1.0}]
+    _predict_ps(rows)
+    for row in rows[2:4]:
+        # A 2-rank ring moves 2(p-1) = 2 messages and 2(p-1)/p = 1 times the bytes per link: alpha / 2, beta.
+        cost = costs.allreduce_cost(2, "ps", alpha=1e-4, beta=8e-9, servers=row["servers"])
+        expected = predict_with_cost(profile(), cost, 2, "optimal", algorithm="ps").iteration_s
+        assert row["sim_iter_s"] == pytest.approx(expected, rel=1e-12)
+        assert row["sim_error"] == pytest.approx((expected - row["median_iter_s"]) / row["median_iter_s"], rel=1e-12)
+    # Not modelled: asynchronous servers, and a model without a ring job in the run.
+    assert "sim_iter_s" not in rows[4] and "sim_iter_s" not in rows[5]
+
+
 @pytest.mark.timeout(180)
 def test_bench_train_times_parameter_servers_round_by_round(capsys):
     from ringtrain import cli
 
-    rc = cli.main(["bench", "train", "--strategies", "ps-sync", "--models", "charlm", "--world-size", "2",
-                   "--batch-size", "4", "--steps", "1", "--rounds", "2", "--no-torch-ddp", "--out", "", "--json"])
+    rc = cli.main(["bench", "train", "--strategies", "ring,ps-sync", "--schedules", "optimal", "--models", "charlm",
+                   "--world-size", "2", "--batch-size", "4", "--steps", "1", "--rounds", "2", "--no-torch-ddp",
+                   "--out", "", "--json"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
-    [row] = doc["rows"]
+    ring, alone, row = doc["rows"]
+    assert (ring["impl"], alone["impl"]) == ("ringtrain", "alone")
+    # The ring job's compute-alone trace is the simulator's input for the server row.
+    assert Trace.from_dict(alone["trace"]).grad_bytes == 4 * 891904
+    assert row["sim_iter_s"] > 0 and row["sim_error"] == pytest.approx(
+        (row["sim_iter_s"] - row["median_iter_s"]) / row["median_iter_s"])
     assert row["impl"] == "ps" and row["schedule"] == "ps-sync:1" and row["world_size"] == 2
     assert len(row["iter_s"]) == 2 and len(row["round_medians"]) == 2
     assert row["steps_total"] == 2 * (1 + PS_WARMUP_STEPS)

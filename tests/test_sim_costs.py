@@ -111,6 +111,29 @@ def test_parameter_servers():
     assert t("ps", 16, servers=2) < t("ps", 16)
 
 
+def test_parameter_servers_pipeline_partitions_over_full_duplex_links():
+    # n = 64 bytes in partitions of s = 8: the pushes hold the links for D(n) + (p-1)nγ/K, the
+    # pull of the last partitions (one per server, Ks bytes) follows. p = 4, one server:
+    # D(64) = 4(α + 64β) = 132, D(8) = 4(α + 8β) = 20, sums 3·64·γ = 48.
+    cost = costs.allreduce_cost(4, "ps", alpha=A, beta=B, gamma=G, partition_bytes=8)
+    assert cost.occupancy(N) == 132.0 + 48.0
+    assert cost.drain(N) == 20.0
+    assert cost(N) == 132.0 + 48.0 + 20.0 == t("ps", 4, partition_bytes=8)
+    # Two servers send their last partitions at once, each 8 bytes to 4 workers: D(16) with K = 2,
+    # max(4(α + 16β/2), 2α + 16β) = 20, the same time as one server's one partition.
+    assert costs.allreduce_cost(4, "ps", alpha=A, beta=B, gamma=G, servers=2, partition_bytes=8).drain(N) == 20.0
+    # Within one round of partitions it is push then pull (the default 4 MiB partitions here).
+    assert t("ps", 4) == 2 * 132.0 + 48.0
+    # Every allreduce holds the network for the whole call and drains nothing.
+    for algorithm in ("ring", "naive", "central", "halving_doubling"):
+        c = costs.allreduce_cost(4, algorithm, alpha=A, beta=B, gamma=G)
+        assert (c.occupancy(N), c.drain(N)) == (c(N), 0.0)
+    sizes = np.array([0.0, 8.0, 64.0, 1e9])
+    np.testing.assert_array_equal(cost.occupancy(sizes) + cost.drain(sizes), cost(sizes))
+    with pytest.raises(ValueError, match="partition_bytes"):
+        costs.allreduce_cost(4, "ps", beta=B, partition_bytes=0)
+
+
 @pytest.mark.parametrize("algorithm", costs.ALGORITHMS)
 def test_world_size_one_costs_nothing(algorithm):
     kw = HIER if algorithm == "hierarchical" else {}

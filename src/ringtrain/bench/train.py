@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 docs = _launch("ringtrain.ps", ps_args, args.world_size + servers, args)
                 ps_runs.setdefault((name, strategy, servers), []).extend(docs)
     rows += [_ps_row(docs, args) for docs in ps_runs.values()]
+    _predict_ps(rows)
     doc = {"net": args.net, "world_size": args.world_size, "rows": rows}
     if out_dir:
         from .machine import save_result
@@ -214,6 +215,33 @@ def _ps_row(docs: list[dict], args) -> dict:
         # forward's waits for pulled parameters, per step (rank 0; the counter spans every step)
         "pull_wait_s": None if pull_wait is None else pull_wait / total_steps,
     }
+
+
+def _predict_ps(rows: list[dict]) -> None:
+    """Add the simulator's prediction to each synchronous parameter-server row: the model's trace
+    from the ring job of the same run (compute alone, per parameter tensor), the link from that
+    job's allreduce sweep (``sim.clusters.link_from_fit`` on its larger messages), the servers'
+    cost ``sim.costs`` "ps" and the workers' own plan (optimal). Rows stay without one when the
+    run has no ring job for the model; asynchronous rows are not modelled."""
+    from ..sim import costs
+    from ..sim.clusters import link_from_fit
+    from ..sim.simulator import predict_with_cost
+    from ..sim.traces import Trace
+
+    for r in rows:
+        if r["impl"] != "ps" or r["schedule"].startswith("ps-async"):
+            continue
+        alone = next((a for a in rows if a["model"] == r["model"] and a["impl"] == "alone" and "trace" in a), None)
+        ring = next((a for a in rows if a["model"] == r["model"] and a["impl"] == "ringtrain" and a.get("cost")), None)
+        if alone is None or ring is None or ring["world_size"] != r["world_size"]:
+            continue
+        fit = ring["cost"].get("large", ring["cost"])
+        p = r["world_size"]
+        alpha, beta = link_from_fit(fit["alpha"], fit["beta"], p)
+        cost = costs.allreduce_cost(p, "ps", alpha=alpha, beta=beta, servers=r["servers"])
+        pred = predict_with_cost(Trace.from_dict(alone["trace"]), cost, p, "optimal", algorithm="ps")
+        r["sim_iter_s"] = pred.iteration_s
+        r["sim_error"] = (pred.iteration_s - r["median_iter_s"]) / r["median_iter_s"]
 
 
 # --- worker ------------------------------------------------------------------------------------
@@ -385,6 +413,8 @@ def _worker(cfg: dict) -> int:
                     exposed_s=float(np.median([s.exposed_s for s in stats])) if stats else None,
                     timeline=str(ddp.timeline_path) if ddp.timeline_path else None,
                 )
+            elif c["impl"] == "alone":  # the simulator's input for the parameter-server rows
+                row["trace"] = trace.to_dict()
             rows.append(row)
         for c in configs:
             if c["impl"] == "ringtrain":
@@ -473,6 +503,8 @@ def format_table(rows: list[dict]) -> str:
                 line += (f"{(100 * hid if hid is not None else 0):>7.0f}%{r['planner_iter_s'] * 1e3:>9.1f}"
                          f"{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%{r['overlap_bound_s'] * 1e3:>8.1f}"
                          f"{r['vs_bound']:>8.2f}")
+            if r["impl"] == "ps" and r.get("sim_iter_s") is not None:
+                line += f"{'':>17}{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%"
             if r["impl"] == "ps" and r.get("worker_bytes_per_step"):
                 b = r["worker_bytes_per_step"]
                 line += f"   worker sends {b['sent'] / 1e6:.1f} MB/step, receives {b['received'] / 1e6:.1f} MB/step"

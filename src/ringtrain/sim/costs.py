@@ -52,7 +52,14 @@ Formulas, with their sources:
 - ps, parameter servers (seed 002; DESIGN.md), synchronous push then pull, K servers each
   holding 1/K of the vector, servers on their own machines. In each direction the busiest link
   is a server's (p messages of n/K) or a worker's (K messages of n/K):
-  2·max(p(α + nβ/K), Kα + nβ) + (p-1)·nγ/K.   One server (K = 1): 2p(α + nβ) + (p-1)nγ.
+  D(n) = max(p(α + nβ/K), Kα + nβ). Links are full duplex and the servers work partition by
+  partition (at most s bytes each, ``partition_bytes``, default 4 MiB as ``ringtrain.ps``): a
+  partition is summed, stepped and pulled once every worker's push of it is in, while later
+  partitions are still being pushed. So the pushes hold the links for D(n) + (p-1)·nγ/K
+  (``AllreduceCost.occupancy``: consecutive exchanges queue behind it) and the pull of the last
+  partitions, one per server, follows: D(min(n, Ks)) (``AllreduceCost.drain``). One exchange:
+  D(n) + D(min(n, Ks)) + (p-1)·nγ/K; for n <= Ks that is push then pull, 2·D(n) + (p-1)·nγ/K
+  (one server: 2p(α + nβ) + (p-1)nγ).
 
 ``NETWORKS`` holds the constants, with units, in one table.
 """
@@ -81,9 +88,11 @@ ALGORITHMS = (
 # Options each algorithm takes beyond alpha, beta and gamma.
 _OPTIONS: dict[str, tuple[str, ...]] = {
     "hierarchical": ("gpus_per_node", "intra_alpha", "intra_beta", "nics_per_node"),
-    "ps": ("servers",),
+    "ps": ("servers", "partition_bytes"),
 }
 
+#: The servers' partition size, as ringtrain.ps cuts parameters (ps.sharding.DEFAULT_PARTITION_BYTES).
+PS_PARTITION_BYTES = 4 << 20
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 GBYTE = 1e9  # bytes per second in one GB/s
 
@@ -283,13 +292,29 @@ def _hierarchical(
     return inside + _ring(n / g, nodes, alpha, beta * sharing, gamma)
 
 
-def _ps(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, *, servers: int) -> Any:
-    # seed 002, DESIGN.md: the busiest link per direction, a server's or a worker's.
+def _ps_direction(n: np.ndarray, p: int, alpha: float, beta: float, k: int) -> Any:
+    # seed 002, DESIGN.md: the busiest link in one direction, a server's or a worker's.
+    return np.maximum(p * (alpha + n * beta / k), k * alpha + n * beta)
+
+
+def _ps_occupancy(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, *, servers: int,
+                  partition_bytes: int) -> Any:
+    """The pushes of n bytes and the servers' sums: how long the exchange holds the links."""
     if p == 1:
         return 0.0 * n
-    k = servers
-    per_direction = np.maximum(p * (alpha + n * beta / k), k * alpha + n * beta)
-    return 2 * per_direction + (p - 1) * n * gamma / k
+    return _ps_direction(n, p, alpha, beta, servers) + (p - 1) * n * gamma / servers
+
+
+def _ps_drain(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, *, servers: int,
+              partition_bytes: int) -> Any:
+    """The pull of the last partitions (one per server), after their last push is in."""
+    if p == 1:
+        return 0.0 * n
+    return _ps_direction(np.minimum(n, servers * partition_bytes), p, alpha, beta, servers)
+
+
+def _ps(n: np.ndarray, p: int, alpha: float, beta: float, gamma: float, **options: int) -> Any:
+    return _ps_occupancy(n, p, alpha, beta, gamma, **options) + _ps_drain(n, p, alpha, beta, gamma, **options)
 
 
 _FORMULAS = {
@@ -312,7 +337,8 @@ def _check_options(algorithm: str, p: int, options: dict[str, Any]) -> dict[str,
             accepted = ", ".join(allowed) if allowed else "none"
             raise ValueError(f"option {key!r} does not apply to algorithm={algorithm!r} (accepted: {accepted})")
     if algorithm == "ps":
-        return {"servers": _check_count("servers", options.get("servers", 1))}
+        return {"servers": _check_count("servers", options.get("servers", 1)),
+                "partition_bytes": _check_count("partition_bytes", options.get("partition_bytes", PS_PARTITION_BYTES))}
     if algorithm == "hierarchical":
         if options.get("gpus_per_node") is None or options.get("intra_beta") is None:
             raise ValueError(
@@ -344,7 +370,8 @@ def allreduce_time(
     """Seconds for one allreduce of ``nbytes`` over ``world_size`` ranks with ``algorithm``.
 
     ``beta`` is required. ``options``: hierarchical takes gpus_per_node, intra_beta,
-    intra_alpha (default 0) and nics_per_node (default 1); ps takes servers (default 1). ``nbytes`` may be a numpy array
+    intra_alpha (default 0) and nics_per_node (default 1); ps takes servers (default 1) and
+    partition_bytes (default 4 MiB). ``nbytes`` may be a numpy array
     (the result is then one, element-wise).
     """
     return allreduce_cost(world_size, algorithm, alpha, beta, gamma, **options)(nbytes)
@@ -375,10 +402,27 @@ class AllreduceCost:
         object.__setattr__(self, "options", tuple(sorted(checked.items())))
 
     def __call__(self, nbytes: Any) -> Any:
+        return self._apply(_FORMULAS[self.algorithm], nbytes)
+
+    def occupancy(self, nbytes: Any) -> Any:
+        """How long one exchange of ``nbytes`` holds the network: the next exchange starts after
+        it. The whole call for the allreduces; for ``ps`` the pushes and the servers' sums, the
+        last partitions' pull (``drain``) then overlapping the next exchange's pushes."""
+        return self._apply(_ps_occupancy if self.algorithm == "ps" else _FORMULAS[self.algorithm], nbytes)
+
+    def drain(self, nbytes: Any) -> Any:
+        """What an exchange of ``nbytes`` takes after its ``occupancy``: 0 for the allreduces, the
+        pull of the last partitions for ``ps``. ``occupancy + drain`` is the call."""
+        return self._apply(_ps_drain if self.algorithm == "ps" else _nothing, nbytes)
+
+    def _apply(self, formula: Callable[..., Any], nbytes: Any) -> Any:
         n = _check_sizes(nbytes)
-        formula = _FORMULAS[self.algorithm]
         options = dict(self.options) if self.options else {}
         return _result(n, formula(n, self.world_size, self.alpha, self.beta, self.gamma, **options))
+
+
+def _nothing(n: np.ndarray, *args: Any, **options: Any) -> Any:
+    return 0.0 * n
 
 
 def allreduce_cost(

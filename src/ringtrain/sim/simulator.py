@@ -11,7 +11,11 @@ Words used here:
   optimizer step once the last allreduce has ended:
   ``iteration = forward + max(backward, end of the last allreduce) + optimizer``
   (the allreduce end is counted from the start of backward). On one GPU nothing is
-  communicated: ``forward + backward + optimizer``.
+  communicated: ``forward + backward + optimizer``. With parameter servers (algorithm
+  ``ps``) the groups are pushes: each holds the network for the cost's ``occupancy``, the
+  last one's ``drain`` (the pull of the last partitions) follows, and the workers take no
+  optimizer step (the servers step each partition as its last push arrives):
+  ``iteration = forward + max(backward, end of the last push + drain)``.
 * **interference** (optional, ``ringtrain.plan.Interference``): backward time lost to each
   allreduce launched while backward runs, as the planner charges it; ``backward`` above is
   then the slowed backward. Measured on the live job by ``ringtrain.DistributedDataParallel``
@@ -62,6 +66,7 @@ class Prediction:
     comm_end_s: float
     """End of the last allreduce, counted from the start of backward."""
     optimizer_s: float
+    """The workers' optimizer step (0 with parameter servers: the servers step)."""
     iteration_s: float
     samples_per_s: float
     speedup: float
@@ -144,13 +149,19 @@ def predict_with_cost(
     if world_size < 1:
         raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
     _, times, sizes = trace.gradient_layers()
-    plan = _plan_layers(times, sizes, schedule, cost if world_size > 1 else _free, bucket_cap_mb,
+    servers = world_size > 1 and getattr(cost, "algorithm", None) == "ps"
+    # A parameter server's exchanges queue behind the pushes only (sim.costs, "ps").
+    occupancy = getattr(cost, "occupancy", cost) if world_size > 1 else _free
+    plan = _plan_layers(times, sizes, schedule, occupancy, bucket_cap_mb,
                         interference if world_size > 1 else None, planned_with if world_size > 1 else None)
+    drain = getattr(cost, "drain", None)
+    tail = float(drain(plan.group_bytes[-1])) if world_size > 1 and drain is not None and plan.group_bytes else 0.0
     base = single_gpu_iteration(trace)
     # Backward slowed by the launches before its last group (0 without interference).
     delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
     backward = trace.backward_s + delay
-    iteration = trace.forward_s + max(backward, plan.end_time) + trace.optimizer_s
+    optimizer = 0.0 if servers else trace.optimizer_s
+    iteration = trace.forward_s + max(backward, plan.end_time + tail) + optimizer
     throughput = world_size * trace.batch_size / iteration
     speedup = base / iteration * world_size
     return Prediction(
@@ -162,9 +173,9 @@ def predict_with_cost(
         batch_size=trace.batch_size,
         forward_s=trace.forward_s,
         backward_s=backward,
-        comm_s=plan.comm_time,
-        comm_end_s=plan.end_time,
-        optimizer_s=trace.optimizer_s,
+        comm_s=plan.comm_time + tail,
+        comm_end_s=plan.end_time + tail,
+        optimizer_s=optimizer,
         iteration_s=iteration,
         samples_per_s=throughput,
         speedup=speedup,
