@@ -172,3 +172,65 @@ def test_closed_communicator_refuses_calls():
     comm.close()
     with pytest.raises(CommError, match="closed"):
         comm.barrier()
+
+
+@pytest.mark.parametrize("call", ["allreduce", "reduce_scatter", "allgather", "broadcast"])
+def test_an_empty_buffer_against_a_full_one_is_a_mismatch_on_every_rank(call):
+    # An empty call still sends its header: the others must not wait out the timeout for it.
+    def fn(comm):
+        getattr(comm, call)(np.ones(0 if comm.rank == 0 else 5, dtype=np.float32))
+
+    results = run_comms(3, fn, timeout=20.0)
+    assert all(isinstance(r, MismatchError) for r in results), results
+
+
+@pytest.mark.parametrize("roots", ["each its own", "each the other"])
+def test_ranks_naming_different_broadcast_roots_raise_mismatch_on_every_rank(roots):
+    # Each its own root: both only send (they returned with different data before); each the
+    # other: both only receive (they waited out the timeout before).
+    def fn(comm):
+        buf = np.full(4, comm.rank, dtype=np.float32)
+        comm.broadcast(buf, root=comm.rank if roots == "each its own" else 1 - comm.rank)
+
+    results = run_comms(2, fn, timeout=20.0)
+    assert all(isinstance(r, MismatchError) and "root=" in str(r) for r in results), results
+
+
+def test_float16_mean_is_summed_in_float32():
+    # 40000 + 40000 overflows float16 (max 65504); their mean does not.
+    def fn(comm):
+        buf = np.full(3, 40000, dtype=np.float16)
+        comm.allreduce(buf, op="mean")
+        rs = np.full(4, 40000, dtype=np.float16)
+        comm.reduce_scatter(rs, op="mean")
+        lo, hi = schedule.chunk_bounds(4, 2)[comm.rank]
+        return buf, rs[lo:hi]
+
+    for buf, chunk in raise_first(run_comms(2, fn)):
+        assert buf.dtype == np.float16
+        np.testing.assert_array_equal(buf, np.full(3, 40000, dtype=np.float16))
+        np.testing.assert_array_equal(chunk, np.full(2, 40000, dtype=np.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensors_autograd_tracks(dtype):
+    comm = Communicator(LocalHub(1).transport(0), timeout=1.0)
+    w = torch.ones(3, dtype=dtype, requires_grad=True)
+    # The result of a recorded operation: an in-place write would change what backward computes.
+    with pytest.raises(ValueError, match="requires grad"):
+        comm.allreduce(w * 2)
+    # A leaf (a parameter): written, and autograd counts the write as a torch in-place op would,
+    # so a backward that saved its old values raises instead of using the new ones.
+    loss = (w * w).sum()
+    before = w._version
+    comm.allreduce(w)
+    assert w._version == before + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_tensor_off_the_cpu_is_refused_without_false_advice():
+    comm = Communicator(LocalHub(1).transport(0), timeout=1.0)
+    with pytest.raises(ValueError, match="tensor is on meta; ringtrain's collectives move CPU memory") as err:
+        comm.allreduce(torch.ones(3, device="meta"))
+    assert "algorithm='native'" not in str(err.value)

@@ -79,3 +79,77 @@ def test_a_rank_that_never_arrives_is_a_comm_timeout():
 
     with pytest.raises(ringtrain.CommTimeout, match="not every one of the 2 ranks reached the rendezvous"):
         ringtrain.init(0, 2, "127.0.0.1", free_port(), transport="tcp", timeout=1.0)
+
+
+def _native_mismatch_job(rank, world_size, port, which):
+    import ringtrain
+
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=10)
+    n = 10 + rank if which == "numel" else 10
+    op = "max" if (which == "op" and rank == 0) else "sum"
+    try:
+        comm.allreduce(np.ones(n, dtype=np.float32), op=op, algorithm="native")
+    except ringtrain.CommError as exc:
+        return type(exc).__name__
+    finally:
+        comm.close()
+    return "returned"
+
+
+@pytest.mark.parametrize("which", ["numel", "op"])
+def test_native_allreduce_checks_the_ranks_calls_first(which):
+    # gloo itself does not: a size mismatch aborted a process (SIGABRT) while the other returned
+    # half-reduced data; an op mismatch returned half max, half sum on both ranks.
+    assert run_ranks(_native_mismatch_job, 2, which) == ["MismatchError", "MismatchError"]
+
+
+def _native_close_job(rank, world_size, port):
+    import gc
+
+    import ringtrain
+
+    def counts():  # OS threads, open descriptors
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+    def one_communicator(algorithm):
+        comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=10)
+        comm.allreduce(np.ones(5, dtype=np.float32), algorithm=algorithm)
+        comm.close()
+        gc.collect()
+
+    one_communicator("ring")  # what stays for the process's life (imports, the store's client)
+    before = counts()
+    for _ in range(3):
+        one_communicator("native")
+    return before, counts()
+
+
+def test_close_lets_go_of_the_gloo_group():
+    # algorithm="native" (and transport="torch") run on a gloo group of the communicator's: a
+    # closed one left the group's threads and sockets behind while ringtrain's default
+    # communicator (the last one made) still held it.
+    for before, after in run_ranks(_native_close_job, 2):
+        assert after == before, (before, after)
+
+
+def _naive_mismatch_job(rank, world_size, port, rounds):
+    import ringtrain
+
+    out = []
+    for _ in range(rounds):
+        comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=10)
+        try:
+            comm.allreduce(np.ones(1001 + (rank == world_size - 1), np.float32), algorithm="naive")
+            out.append("returned")
+        except ringtrain.CommError as exc:
+            out.append(type(exc).__name__)
+        comm.close()
+    return out
+
+
+def test_a_mismatch_over_tcp_is_a_mismatch_on_every_rank_not_a_lost_peer():
+    # The rank that finds the mismatch aborts and reads until its peers close: closing with
+    # their data unread sent a reset that could destroy its ABORT in flight ("rank 0 is gone
+    # (Broken pipe)" on a rank in 7 of 10 rounds).
+    results = run_ranks(_naive_mismatch_job, 3, 5, timeout=80)
+    assert results == [["MismatchError"] * 5] * 3, results

@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .collectives.ops import FlatView, check_op_dtype, finish_mean, flat_view, reducer
-from .errors import CommError
+from .collectives.ops import FlatView, check_op_dtype, finish_mean, flat_view, mark_written, reducer
+from .errors import CommError, CommTimeout, PeerLost
 from .transport.base import CallHeader, Transport, shape_digest
 
 ALGORITHMS = ("ring", "naive", "central", "halving_doubling", "hierarchical", "native", "auto")
@@ -88,19 +88,22 @@ class Communicator:
         view = flat_view(buf)
         check_op_dtype(op, view.dtype)
         alg = self._resolve(algorithm, view)
-        if alg == "native":
-            self._call(lambda d: self._native_allreduce(buf, op), self._header("allreduce", view, op, alg))
-            return buf
         header = self._header("allreduce", view, op, alg)
-        if self.world_size > 1 and view.array.size:
-            module = importlib.import_module(f"ringtrain.collectives.{alg}")
-            kwargs = {"hosts": self.host_ids} if alg == "hierarchical" else {}
-            red = reducer(op, view.dtype)
-            self._call(lambda d: module.allreduce(self.transport, view.array, red, header, d, **kwargs), header)
+        acc = _accumulator(view, op)
+        if self.world_size > 1:
+            red = reducer(op, acc.dtype)
+            if alg == "native":
+                fn = lambda d: self._native_allreduce(acc, op, header, d)  # noqa: E731
+            else:
+                module = importlib.import_module(f"ringtrain.collectives.{alg}")
+                kwargs = {"hosts": self.host_ids} if alg == "hierarchical" else {}
+                fn = lambda d: module.allreduce(self.transport, acc.array, red, header, d, **kwargs)  # noqa: E731
+            self._call(fn, header)
         else:
             self._call(None, header)
         if op == "mean":
-            finish_mean(view, self.world_size)
+            finish_mean(acc, self.world_size)
+        _written(buf, view, acc)
         return buf
 
     def reduce_scatter(self, buf, op: str = "sum"):
@@ -111,14 +114,16 @@ class Communicator:
         view = flat_view(buf)
         check_op_dtype(op, view.dtype)
         header = self._header("reduce_scatter", view, op, "ring")
-        red = reducer(op, view.dtype)
-        if self.world_size > 1 and view.array.size:
-            self._call(lambda d: ring.reduce_scatter(self.transport, view.array, red, header, d), header)
+        acc = _accumulator(view, op)
+        red = reducer(op, acc.dtype)
+        if self.world_size > 1:
+            self._call(lambda d: ring.reduce_scatter(self.transport, acc.array, red, header, d), header)
         else:
             self._call(None, header)
         if op == "mean":
-            lo, hi = schedule.chunk_bounds(view.array.size, self.world_size)[self.rank]
-            finish_mean(FlatView(view.array[lo:hi], view.dtype, (hi - lo,)), self.world_size)
+            lo, hi = schedule.chunk_bounds(acc.array.size, self.world_size)[self.rank]
+            finish_mean(FlatView(acc.array[lo:hi], acc.dtype, (hi - lo,)), self.world_size)
+        _written(buf, view, acc)
         return buf
 
     def allgather(self, buf):
@@ -127,24 +132,30 @@ class Communicator:
 
         view = flat_view(buf)
         header = self._header("allgather", view, "none", "ring")
-        if self.world_size > 1 and view.array.size:
+        if self.world_size > 1:
             self._call(lambda d: ring.allgather(self.transport, view.array, header, d), header)
         else:
             self._call(None, header)
+        _written(buf, view, view)
         return buf
 
     def broadcast(self, buf, root: int = 0):
         """Copy root's ``buf`` into every rank's ``buf``, in place."""
         from .collectives import ring
 
-        if not isinstance(root, int) or not 0 <= root < self.world_size:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
             raise ValueError(f"root must be a rank in [0, {self.world_size}), got {root!r}")
         view = flat_view(buf)
         header = self._header("broadcast", view, "none", "ring", root=root)
-        if self.world_size > 1 and view.array.size:
-            self._call(lambda d: ring.broadcast(self.transport, view.array, root, header, d), header)
-        else:
-            self._call(None, header)
+
+        def run(deadline: float) -> None:
+            # The root only sends: the ranks check each other's calls first (ring.agree), so
+            # that ranks naming different roots raise MismatchError, not a timeout or silence.
+            ring.agree(self.transport, header, deadline)
+            ring.broadcast(self.transport, view.array, root, header, deadline)
+
+        self._call(run if self.world_size > 1 else None, header)
+        _written(buf, view, view)
         return buf
 
     def barrier(self) -> None:
@@ -165,8 +176,10 @@ class Communicator:
         try:
             self.transport.close()
         finally:
-            if self._native_group is not None:
-                self._native_group = None
+            self._native_group = None
+            release = getattr(self._native_factory, "close", None)
+            if release is not None:  # the gloo group of "native" and of transport="torch"
+                release()
             self.store = None
 
     def __enter__(self) -> "Communicator":
@@ -231,19 +244,53 @@ class Communicator:
         finally:
             self._lock.release()
 
-    def _native_allreduce(self, buf, op: str) -> None:
+    def _native_allreduce(self, acc: FlatView, op: str, header: CallHeader, deadline: float) -> None:
+        """torch.distributed's gloo allreduce of ``acc``, after the ranks have checked each
+        other's calls (gloo does not: a size mismatch aborts the process, an op mismatch mixes
+        results); gloo's errors become CommErrors."""
         import numpy as np
         import torch
         import torch.distributed as dist
 
+        from .collectives import ring
+
+        ring.agree(self.transport, header, deadline)
+        if not acc.array.size:
+            return
         if self._native_group is None:
             self._native_group = self._native_factory()
-        tensor = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+        if acc.dtype == "bfloat16":  # held as uint16 in numpy
+            tensor = torch.from_numpy(acc.array.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(acc.array)
         red = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                "max": dist.ReduceOp.MAX, "prod": dist.ReduceOp.PRODUCT}[op]
         opts = dist.AllreduceOptions()
         opts.reduceOp = red
-        work = self._native_group.allreduce([tensor], opts)
-        work.wait()
-        if op == "mean":
-            tensor.div_(self.world_size)
+        try:
+            self._native_group.allreduce([tensor], opts).wait()
+        except RuntimeError as exc:  # gloo's and the store's errors (DistError is one)
+            text = str(exc)
+            kind = CommTimeout if "timeout" in text.lower() or "timed out" in text.lower() else PeerLost
+            raise kind(f"rank {self.rank}: gloo failed during {header.describe()}: {text}") from exc
+
+
+def _accumulator(view: FlatView, op: str) -> FlatView:
+    """Where a reduction runs: ``view`` itself, or for a float16 mean a float32 copy (the sum of
+    float16 values overflows at 65504 where their mean need not)."""
+    import numpy as np
+
+    if op == "mean" and view.dtype == "float16":
+        return FlatView(view.array.astype(np.float32), "float32", view.shape)
+    return view
+
+
+def _written(buf, view: FlatView, acc: FlatView) -> None:
+    """Finish a collective's in-place write: copy a float32 accumulator back to its float16
+    buffer, and tell autograd that a tensor it tracks has changed (ringtrain writes through
+    numpy, which autograd does not see; torch's own in-place ops count the same way)."""
+    import numpy as np
+
+    if acc is not view:
+        np.copyto(view.array, acc.array, casting="same_kind")
+    mark_written(buf)

@@ -74,19 +74,7 @@ def create_communicator(
             f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}"
         ) from exc
 
-    groups: list = []
-
-    def native_group():
-        """A gloo group of our own, made once: the user's default group is neither used nor replaced."""
-        if not groups:
-            if dist.is_initialized():
-                groups.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)))
-            else:
-                groups.append(dist.ProcessGroupGloo(
-                    dist.PrefixStore("gloo/", store), info.rank, info.world_size, timedelta(seconds=timeout)
-                ))
-        return groups[0]
-
+    native_group = _GlooGroup(store, info.rank, info.world_size, timeout)
     if info.world_size == 1:
         from .transport.local import LocalHub
 
@@ -110,3 +98,31 @@ def create_communicator(
         except RuntimeError as exc:  # a store wait that ran out: torch's own error type
             raise CommError(f"rank {info.rank}: could not set up transport {transport!r}: {exc}") from exc
     return Communicator(t, timeout=timeout, host_ids=host_ids, store=store, native_group_factory=native_group)
+
+
+class _GlooGroup:
+    """A gloo group of our own for algorithm "native" and transport "torch", made on first use
+    (the user's default group is neither used nor replaced) and let go by the communicator's
+    close(): its threads and sockets go with it."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout: float):
+        self._args = (store, rank, world_size, timedelta(seconds=timeout))
+        self._group = None
+
+    def __call__(self):
+        if self._group is None:
+            store, rank, world_size, timeout = self._args
+            if dist.is_initialized():
+                self._group = dist.new_group(backend="gloo", timeout=timeout)
+            else:
+                self._group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+        return self._group
+
+    def close(self) -> None:
+        group, self._group = self._group, None
+        self._args = None
+        if group is not None and dist.is_initialized():
+            try:  # a group made by new_group is registered with torch.distributed: unregister it
+                dist.destroy_process_group(group)
+            except ValueError:  # made directly, not registered: dropping it is enough
+                pass

@@ -68,13 +68,19 @@ def flat_view(buf: Any) -> FlatView:
     if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise ValueError(
-                f"tensor is on {buf.device}; ringtrain's own transports move CPU tensors "
-                "(use transport='torch' or algorithm='native' for GPU tensors)"
+                f"tensor is on {buf.device}; ringtrain's collectives move CPU memory (copy it to the "
+                "CPU and back, or use torch.distributed with nccl for GPU tensors)"
             )
         if not buf.is_contiguous():
             raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
-        if buf.requires_grad and buf.is_leaf:
-            buf = buf.detach()
+        if buf.requires_grad:
+            if not buf.is_leaf:
+                raise ValueError(
+                    "tensor requires grad and is the result of an operation autograd recorded: writing "
+                    "it in place would change what backward computes; pass t.detach() (a copy: "
+                    "t.detach().clone()) or a leaf tensor such as a parameter"
+                )
+            buf = buf.detach()  # shares memory and the version counter (see mark_written)
         if buf.dtype == torch.bfloat16:
             return FlatView(buf.view(torch.int16).numpy().reshape(-1).view(np.uint16), "bfloat16", tuple(buf.shape))
         try:
@@ -83,6 +89,17 @@ def flat_view(buf: Any) -> FlatView:
             raise ValueError(f"unsupported tensor dtype {buf.dtype}: {exc}") from None
         return flat_view(arr)
     raise ValueError(f"expected a numpy array or a CPU torch tensor, got {type(buf).__name__}")
+
+
+def mark_written(buf: Any) -> None:
+    """Count a collective's write into ``buf`` in its autograd version counter, as a torch
+    in-place op would: a tensor saved for backward and then overwritten makes backward raise
+    instead of using the new values. Numpy arrays and tensors autograd does not track: nothing."""
+    if isinstance(buf, np.ndarray) or not getattr(buf, "requires_grad", False):
+        return
+    from torch.autograd.graph import increment_version
+
+    increment_version(buf)
 
 
 def reducer(op: str, dtype: str) -> Reducer:

@@ -133,6 +133,17 @@ def broadcast(
     walk(t, buf, plan, members, None, header, deadline)
 
 
+def agree(t: Transport, header: CallHeader, deadline: float) -> None:
+    """Every rank sends its call header to the next rank and checks the previous one's: equal
+    around the ring is equal everywhere, else MismatchError. One message time, for calls in
+    which some rank would not hear from another (a broadcast's root only sends; two ranks that
+    each take the other for the root only receive) or whose bytes move outside ringtrain's
+    transport (algorithm "native")."""
+    p, r = t.world_size, t.rank
+    empty = np.empty(0, dtype=np.uint8)
+    t.sendrecv((r + 1) % p, empty, (r - 1) % p, np.empty(0, dtype=np.uint8), header, deadline)
+
+
 def barrier(t: Transport, header: CallHeader, deadline: float, group: Optional[Sequence[int]] = None) -> None:
     """Return once every group member has entered the barrier (dissemination, log2 p rounds)."""
     from . import tree

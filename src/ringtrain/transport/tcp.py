@@ -654,13 +654,13 @@ class TcpTransport(Transport):
             return
         frame = wire.encode_abort(error)
         end = time.monotonic() + ABORT_BUDGET
-        for conn in self._conns.values():
-            if conn.dead is not None or conn.midframe:
-                continue
-            self._send_abort(conn, frame, end)
+        told = [conn for conn in self._conns.values()
+                if conn.dead is None and not conn.midframe and self._send_abort(conn, frame, end)]
+        self._drain_until_closed(told, end)
         self.close()
 
-    def _send_abort(self, conn: _Conn, frame: bytes, end: float) -> None:
+    def _send_abort(self, conn: _Conn, frame: bytes, end: float) -> bool:
+        """Send ``frame`` and shut our side of ``conn`` for writing; True if the frame went out."""
         view = memoryview(frame)
         sent = 0
         try:
@@ -669,20 +669,34 @@ class TcpTransport(Transport):
                     sent += conn.sock.send(view[sent:])
                 except (BlockingIOError, InterruptedError):
                     if remaining(end) <= 0:
-                        return
+                        return False
                     _wait_fd(conn.fd, _OUT, min(0.05, remaining(end)))
-            # Read what the peer already sent us so that close() sends FIN, not a reset that
-            # could destroy our ABORT in flight.
-            sink = bytearray(1 << 16)
-            try:
-                for _ in range(64):
-                    if not conn.sock.recv_into(sink):
-                        break
-            except (BlockingIOError, InterruptedError):
-                pass
             conn.sock.shutdown(socket.SHUT_WR)
-        except (BlockingIOError, InterruptedError, OSError):
-            return
+        except OSError:
+            return False
+        return True
+
+    @staticmethod
+    def _drain_until_closed(conns: list[_Conn], end: float) -> None:
+        """Read and drop what the peers send until each closes its side (it has read our ABORT and
+        failed in turn) or ``end``: closing a socket with unread bytes sends a reset, and a reset
+        can destroy our ABORT before the peer reads it (it would see PeerLost, not our error)."""
+        open_fds = {conn.fd: conn for conn in conns}
+        poller = select.poll()
+        for fd in open_fds:
+            poller.register(fd, _IN)
+        sink = bytearray(1 << 16)
+        while open_fds and remaining(end) > 0:
+            for fd, _ in poller.poll(max(1, math.ceil(remaining(end) * 1000))):
+                try:
+                    n = open_fds[fd].sock.recv_into(sink)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    n = 0
+                if not n:
+                    poller.unregister(fd)
+                    del open_fds[fd]
 
     def close(self) -> None:
         if self._closed:
