@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 from thread_harness import raise_first, run_comms
-from ringtrain.ddp import DistributedDataParallel, draw_timeline, trace_path
+from ringtrain.ddp import DDPOptions, DistributedDataParallel, draw_timeline, trace_path
 from ringtrain.ddp.timeline import TraceRecorder, hidden_fraction, overlap
 from test_ddp_support import make_model, rank_batch
 
@@ -37,6 +40,47 @@ def test_recorder_stops_after_its_iterations(tmp_path):
     assert [e["ts"] for e in spans] == [0.0, 1e6] and spans[0]["dur"] == 5e5
     with pytest.raises(ValueError):
         TraceRecorder(tmp_path / "t.json", 0, 0)
+
+
+def _comm_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("ringtrain-ddp-comm")}
+
+
+@pytest.mark.parametrize("parent", ["file", "file/sub"])
+def test_a_timeline_under_a_regular_file_is_refused_at_construction(tmp_path, parent):
+    """Not at the first flush, from inside a backward pass ten iterations later; no thread left."""
+    (tmp_path / "file").write_text("")
+    target = tmp_path / parent / "t.json"
+    before = _comm_threads()
+
+    def body(comm):
+        with pytest.raises(ValueError) as caught:
+            DistributedDataParallel(nn.Linear(4, 2), comm, timeline=target)
+        return str(caught.value)
+
+    why, = raise_first(run_comms(1, body))
+    assert f"{tmp_path / parent / 't.rank0.json'}" in why and "is a regular file" in why, why
+    assert _comm_threads() == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a folder without write permission")
+def test_a_timeline_in_a_folder_without_write_permission_is_refused(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o555)
+    with pytest.raises(ValueError, match=r"ro/t\.rank0\.json: Permission denied"):
+        TraceRecorder(folder / "t.json", 0, 3)
+
+
+def test_a_timeline_folder_is_made(tmp_path):
+    rec = TraceRecorder(tmp_path / "a" / "b" / "t.json", 2, 3)
+    assert rec.path.parent.is_dir() and list(rec.path.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("cap", [True, math.inf, math.nan, -1.0, 0, "25"])
+def test_bucket_cap_mb_must_be_a_finite_positive_number(cap):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=.*finite number of MiB > 0"):
+        DDPOptions(bucket_cap_mb=cap)
+    assert DDPOptions(bucket_cap_mb=1).bucket_cap_mb == 1
 
 
 @pytest.mark.timeout(60)

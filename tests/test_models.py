@@ -149,6 +149,35 @@ def test_make_batch_defaults_fit_the_model(name):
         assert torch.equal(x[:, 1:], y[:, :-1])
 
 
+@pytest.mark.parametrize("name, x, words", [
+    ("charlm-transformer", torch.zeros(12, dtype=torch.long), ["(batch, seq_len) int64", "(12,)", "unsqueeze(0)"]),
+    ("charlm-transformer", torch.zeros(2, 3, 8, dtype=torch.long), ["(batch, seq_len) int64", "(2, 3, 8)"]),
+    ("charlm-transformer", torch.zeros(2, 8), ["(batch, seq_len) int64", "torch.float32"]),
+    ("charlm-lstm", torch.zeros(12, dtype=torch.long), ["(batch, seq_len) int64", "(12,)", "unsqueeze(0)"]),
+    ("resnet", torch.zeros(2, 1, 8, 8), ["(batch, 3, height, width)", "(2, 1, 8, 8)"]),
+    ("resnet", torch.zeros(3, 8, 8), ["(batch, 3, height, width)", "(3, 8, 8)", "unsqueeze(0)"]),
+    ("mlp", torch.zeros(2, 100), ["(batch, 16) float", "(2, 100)"]),
+    ("mlp", torch.zeros(16), ["(batch, 16) float", "(16,)", "unsqueeze(0)"]),
+])
+def test_an_input_of_the_wrong_shape_is_a_value_error_naming_the_expected_one(name, x, words):
+    model = models.build(name, **SMALL[name])
+    with pytest.raises(ValueError) as caught:
+        model(x)
+    assert all(w in str(caught.value) for w in words), (str(caught.value), words)
+
+
+def test_make_batch_and_describe_respect_a_shorter_max_seq_len():
+    model = models.build("charlm", max_seq_len=32)
+    x, y = models.make_batch(model)
+    assert x.shape == y.shape == (32, 32)
+    assert model.loss(model(x), y).dim() == 0
+    assert models.make_batch("charlm", max_seq_len=16)[0].shape == (32, 16)
+    assert models.describe("charlm", max_seq_len=16)["seq_len"] == 16
+    assert models.describe("charlm")["seq_len"] == 64
+    with pytest.raises(ValueError, match="seq_len=64 exceeds this model's max_seq_len=32"):
+        model.make_batch(2, seq_len=64)
+
+
 @pytest.mark.timeout(90)
 def test_charlm_learns_the_stdlib_text():
     """The reference workload trains: a tiny LM's loss drops well below uniform (ln 256 = 5.55)."""

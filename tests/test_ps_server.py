@@ -467,6 +467,39 @@ def test_a_sync_checkpoint_puts_every_worker_at_the_shards_step(tmp_path):
     thread.join(10)
 
 
+def test_resuming_with_another_worker_count_is_refused_and_every_worker_hears_why(tmp_path):
+    """A checkpoint of 1 worker, a job of 2: each worker raises the server's reason (no bare EOFError)."""
+    server, thread, out = start_server(checkpoint_dir=str(tmp_path))
+    model = tiny()
+    ps = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=1, secret=SECRET)
+    model(torch.ones(2, 4)).sum().backward()
+    ps.step()
+    ps.save_checkpoint()
+    ps.close()
+    thread.join(10)
+    server, thread, out = start_server(workers=2, checkpoint_dir=str(tmp_path), resume=True)
+    errors: dict = {}
+
+    def worker(w: int) -> None:
+        try:
+            ParameterServerTraining(tiny(), servers=[server.endpoint], worker=w, workers=2, secret=SECRET)
+        except Exception as exc:
+            errors[w] = exc
+
+    workers = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(15)
+    why = (f"parameter server 0: the checkpoint in {tmp_path / 'server-0'} was made with 1 worker, "
+           "this job has 2: resume with 1 worker")
+    assert sorted(errors) == [0, 1], errors
+    for w, exc in errors.items():
+        assert isinstance(exc, CommError) and why in str(exc) and "new checkpoint directory" in str(exc), (w, exc)
+    thread.join(15)
+    assert not thread.is_alive() and why in out["stats"]["failed"]
+
+
 def test_a_channel_receives_idle_for_ever_while_it_sends_with_deadlines():
     """Sends and receives share a socket: a send's deadline must not become the idle receive's."""
     a, b = socket.socketpair()

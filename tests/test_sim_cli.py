@@ -101,6 +101,27 @@ def test_plan_bad_options(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+def _help(command: str, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    return " ".join(out[out.index("options:"):].split())  # the options, argparse's line breaks undone
+
+
+def test_plan_help_says_one_model_and_one_cluster_and_its_own_default(capsys):
+    text = _help("plan", capsys)
+    model = text[text.index("--model MODEL"): text.index("--device DEVICE")]
+    cluster = text[text.index("--cluster CLUSTER"): text.index("--gpus-per-node")]
+    assert "exactly one (required)" in model and "trace file" in model
+    assert "exactly one" in cluster and "(default 10GbE;" in cluster
+    for shared in ("comma-separated", "'all'", "repeatable", "1GbE,10GbE,100Gb-IB"):
+        assert shared not in model + cluster, shared
+    # simulate keeps the shared wording
+    text = _help("simulate", capsys)
+    assert "comma-separated zoo models" in text and "repeatable (default 1GbE,10GbE,100Gb-IB)" in text
+
+
 @pytest.mark.parametrize("models, names", [
     ("resnet50,{p}", ["resnet50", "resnet50@h100"]),
     ("{p},{p},{p}", ["resnet50", "resnet50@h100", "resnet50@h100#2"]),

@@ -96,6 +96,7 @@ class TraceRecorder:
         if max_iterations < 1:
             raise ValueError(f"timeline_iterations must be >= 1, got {max_iterations}")
         self.path = trace_path(path, rank)
+        _check_writable(self.path)
         self.rank = rank
         self.max_iterations = max_iterations
         self.origin = time.perf_counter() if origin is None else origin
@@ -149,6 +150,24 @@ class TraceRecorder:
         if not self.recording:
             self._written = True
         return self.path
+
+
+def _check_writable(path: Path) -> None:
+    """Make ``path``'s folder and try a file in it: a trace that cannot be written fails now, not
+    at its first flush from inside a backward pass."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory")
+        probe = path.with_name(path.name + f".tmp{os.getpid()}")
+        probe.touch()
+        probe.unlink()
+    except (FileExistsError, NotADirectoryError):  # (mkdir's errors where a folder of the path is a file)
+        raise ValueError(f"timeline: cannot write the trace file {path}: {path.parent} is not a folder "
+                         "(it, or a folder above it, is a regular file); give a path in a writable folder") from None
+    except OSError as exc:
+        raise ValueError(f"timeline: cannot write the trace file {path}: {exc.strerror or exc}; "
+                         "give a path in a writable folder") from None
 
 
 _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "wait": "#999999", "copy": "#8172b2",

@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -154,8 +155,9 @@ class DDPOptions:
             raise ValueError(f"schedule={self.schedule!r}: accepted values are {', '.join(SCHEDULES)}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={self.algorithm!r}: accepted values are {', '.join(ALGORITHMS)}")
-        if not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: it must be a number > 0")
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"bucket_cap_mb={cap!r}: it must be a finite number of MiB > 0 (e.g. 25)")
         for name, low in (("timeline_iterations", 1), ("warmup_iterations", 0), ("profile_iterations", 1),
                           ("replan_interval", 0), ("verify_iterations", 0)):
             value = getattr(self, name)
@@ -211,6 +213,11 @@ class DistributedDataParallel(nn.Module):
         self.rank = comm.rank
         self.world_size = comm.world_size
         self._timeout = comm.timeout + 10.0
+        self._recorder = None
+        if opts.timeline is not None:  # before any thread or hook: an unwritable path fails here (ValueError)
+            # Origin 0 of perf_counter (CLOCK_MONOTONIC on Linux, shared by the processes of a
+            # host): the ranks of one host line up in Perfetto and in draw_timeline.
+            self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
         self._thread = CommThread(f"ringtrain-ddp-comm-{comm.rank}")
         self._hooks: list = []
         self._closed = False
@@ -253,11 +260,6 @@ class DistributedDataParallel(nn.Module):
             self._reset_iteration()
             self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, pid))
                            for pid, p in enumerate(self._params)]
-            self._recorder = None
-            if opts.timeline is not None:
-                # Origin 0 of perf_counter (CLOCK_MONOTONIC on Linux, shared by the processes of a
-                # host): the ranks of one host line up in Perfetto and in draw_timeline.
-                self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
         except BaseException:  # a failed broadcast or sweep (ranks disagree, a peer lost): leave nothing behind
             for h in self._hooks:
                 h.remove()

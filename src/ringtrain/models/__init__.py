@@ -115,7 +115,14 @@ def make_batch(model: str | ReferenceModel, batch_size: int | None = None, seed:
         model = build(model, **model_kwargs)
     else:
         s = spec(model.family)
-    return model.make_batch(batch_size or s.batch_size, seed=seed, **s.batch_kwargs)
+    return model.make_batch(batch_size or s.batch_size, seed=seed, **_batch_kwargs(s, model))
+
+
+def _batch_kwargs(s: ModelSpec, model: ReferenceModel) -> dict[str, Any]:
+    """The spec's ``batch_kwargs`` as far as this model takes them: the same values that
+    :func:`dataset_for` uses (a transformer's ``seq_len`` capped at its ``max_seq_len``)."""
+    fits = model.dataset_kwargs()
+    return {k: fits.get(k, v) for k, v in s.batch_kwargs.items()}
 
 
 def dataset_for(model: ReferenceModel, split: str = "train", seed: int = 0, **overrides: Any) -> data.Dataset:
@@ -137,7 +144,7 @@ def describe(name: str, **kwargs: Any) -> dict[str, Any]:
         "gradient_bytes": 4 * model.num_params,
         "batch_size": s.batch_size,
         "dataset": s.dataset,
-        **s.batch_kwargs,
+        **_batch_kwargs(s, model),
     }
 
 

@@ -75,6 +75,7 @@ class CharTransformer(ReferenceModel):
         self.head = nn.Linear(d_model, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        check_tokens(tokens)
         t = tokens.shape[1]
         if t > self.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len={self.max_seq_len}")
@@ -86,6 +87,8 @@ class CharTransformer(ReferenceModel):
         return self.head(self.ln_f(x))
 
     def make_batch(self, batch_size: int, seed: int = 0, seq_len: int = 64):
+        if isinstance(seq_len, int) and seq_len > self.max_seq_len:
+            raise ValueError(f"seq_len={seq_len} exceeds this model's max_seq_len={self.max_seq_len}")
         return random_text_batch(batch_size, seq_len, seed)
 
     def dataset_kwargs(self):
@@ -106,6 +109,7 @@ class CharLSTM(ReferenceModel):
         self.head = nn.Linear(hidden_size, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        check_tokens(tokens)
         y, _ = self.lstm(self.embed(tokens))
         return self.head(y)
 
@@ -114,6 +118,14 @@ class CharLSTM(ReferenceModel):
 
     def dataset_kwargs(self):
         return {"seq_len": 64}
+
+
+def check_tokens(tokens: torch.Tensor) -> None:
+    """Raise ValueError unless ``tokens`` is a (batch, seq_len) tensor of integer token ids."""
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        hint = "; for one sequence pass tokens.unsqueeze(0)" if tokens.dim() == 1 else ""
+        raise ValueError(f"expected a (batch, seq_len) int64 tensor of token ids (bytes 0..255), got shape "
+                         f"{tuple(tokens.shape)} of {tokens.dtype}{hint}")
 
 
 def random_text_batch(batch_size: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,9 @@ class MLP(ReferenceModel):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            hint = "; for one vector pass x.unsqueeze(0)" if x.shape == (self.in_features,) else ""
+            raise ValueError(f"expected a (batch, {self.in_features}) float tensor, got shape {tuple(x.shape)}{hint}")
         return self.net(x)
 
     def make_batch(self, batch_size: int, seed: int = 0):

@@ -99,6 +99,11 @@ class ResNet(ReferenceModel):
         self.fc = nn.Linear(c_in, num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dim() != 4 or images.shape[1] != self.in_channels:
+            one = images.dim() == 3 and images.shape[0] == self.in_channels
+            hint = "; for one image pass images.unsqueeze(0)" if one else ""
+            raise ValueError(f"expected a (batch, {self.in_channels}, height, width) float tensor of images, "
+                             f"got shape {tuple(images.shape)}{hint}")
         x = torch.relu(self.stem(images))
         x = self.blocks(x)
         return self.fc(x.mean(dim=(2, 3)))

@@ -191,13 +191,21 @@ class ParameterServer:
         self._part_version = dict.fromkeys(self._views, 0)  # sync: steps applied, per partition
         self._undo: dict[int, tuple] = {}  # sync: values and momentum before this step's update
         self._want: list[Optional[int]] = [None] * W  # sync: the step each worker's pull asks for
-        self._settings = {k: hello.get(k) for k in keys}
+        # Configured only once the checkpoint is taken: one it refuses (MismatchError) leaves the
+        # server unconfigured, so every worker's HELLO meets the same refusal and reports it.
         if self._resume_payload is not None:
             self._restore(self._resume_payload, layout.digest())
+        self._settings = {k: hello.get(k) for k in keys}
 
     def _restore(self, payload: dict, digest: str) -> None:
         if payload.get("layout") != digest:
             raise MismatchError(f"{self.name}: the checkpoint in {self.cfg.shard_dir} is of another model layout")
+        made_with, W = len(payload["clocks"]), self.cfg.workers
+        if made_with != W:
+            raise MismatchError(
+                f"{self.name}: the checkpoint in {self.cfg.shard_dir} was made with {made_with} "
+                f"worker{'s' * (made_with != 1)}, this job has {W}: resume with {made_with} "
+                f"worker{'s' * (made_with != 1)} (--workers {made_with}) or start a new checkpoint directory")
         self.params.copy_(payload["params"])
         if payload.get("momentum") is not None:
             momentum = payload["momentum"]

@@ -34,16 +34,30 @@ from .traces import Trace, load, profile_reference
 DEFAULT_CLUSTERS = "1GbE,10GbE,100Gb-IB"
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``simulate`` and ``plan``: model, device, cluster."""
-    parser.add_argument("--model", default="all",
-                        help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all', trace files (.json/.csv), "
-                             "or profile:NAME to profile a ringtrain.models model on this CPU")
+def add_common(parser: argparse.ArgumentParser, one_cluster: str | None = None) -> None:
+    """Options shared by ``simulate`` and ``plan``: model, device, cluster.
+
+    ``one_cluster``: None for ``simulate`` (lists of models and clusters, 'all'); for ``plan`` the
+    cluster it uses by default: its --model and --cluster then take exactly one each (no default model).
+    """
+    if one_cluster is None:
+        parser.add_argument("--model", default="all",
+                            help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all', trace files "
+                                 "(.json/.csv), or profile:NAME to profile a ringtrain.models model on this CPU")
+    else:
+        parser.add_argument("--model", default=None,
+                            help=f"exactly one (required): a zoo model ({', '.join(MODELS)}), a trace file "
+                                 "(.json/.csv), or profile:NAME to profile a ringtrain.models model on this CPU")
     parser.add_argument("--device", default="v100", help=f"GPU profile for zoo models: {', '.join(DEVICES)} (default v100)")
-    parser.add_argument("--cluster", action="append", default=None,
-                        help=f"network name ({', '.join(costs.NETWORKS)}; comma-separated for several), "
-                             "'alpha=S,beta=S_PER_BYTE[,gamma=..,gpus_per_node=..,servers=..]', or a "
-                             f"'bench allreduce --json' file; repeatable (default {DEFAULT_CLUSTERS})")
+    clusters = "'alpha=S,beta=S_PER_BYTE[,gamma=..,gpus_per_node=..,servers=..]', or a 'bench allreduce --json' file"
+    if one_cluster is None:
+        parser.add_argument("--cluster", action="append", default=None,
+                            help=f"network name ({', '.join(costs.NETWORKS)}; comma-separated for several), "
+                                 f"{clusters}; repeatable (default {DEFAULT_CLUSTERS})")
+    else:
+        parser.add_argument("--cluster", action="append", default=None,
+                            help=f"exactly one: a network name ({', '.join(costs.NETWORKS)}), {clusters} "
+                                 f"(default {one_cluster}; or --alpha/--beta instead)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node for hierarchical (default 8)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of the fixed schedule, MiB (default 25)")
 

@@ -21,10 +21,13 @@ from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
 
 
+#: The network of a plan without --cluster or --alpha/--beta.
+DEFAULT_CLUSTER = "10GbE"
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_common(parser)
+    add_common(parser, one_cluster=DEFAULT_CLUSTER)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.set_defaults(model=None)
     parser.add_argument("--alpha", type=float, help="link start-up time, seconds (instead of --cluster)")
     parser.add_argument("--beta", type=float, help="link time per byte, seconds (with --alpha)")
     parser.add_argument("--gpus", type=int, default=16, help="GPU count (default 16)")
@@ -37,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if not args.model or args.model.lower() == "all" or "," in args.model:
-            raise ValueError("--model: give exactly one zoo model or trace file")
+            raise ValueError("--model: give exactly one zoo model, trace file or profile:NAME")
         if args.gpus < 1:
             raise ValueError(f"--gpus: the GPU count must be an integer >= 1, got {args.gpus}")
         if args.max_groups < 0:
@@ -69,7 +72,7 @@ def _cluster(args: argparse.Namespace) -> clusters_mod.Cluster:
         if args.cluster:
             raise ValueError("give --cluster or --alpha/--beta, not both")
         return clusters_mod.custom(f"alpha={args.alpha},beta={args.beta},gpus_per_node={args.gpus_per_node}")
-    found = clusters_mod.resolve_many(args.cluster or ["10GbE"], args.gpus_per_node)
+    found = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTER], args.gpus_per_node)
     if len(found) != 1:
         raise ValueError("--cluster: give exactly one cluster")
     return found[0]
