@@ -258,6 +258,31 @@ def test_saving_an_earlier_step_never_deletes_what_it_wrote(tmp_path):
         assert checkpoint.latest(tmp_path).step == 6
 
 
+def test_supersede_moves_every_checkpoint_and_the_named_entries_aside(tmp_path):
+    """A fresh run in an old directory: nothing is overwritten, and latest() no longer finds the old run."""
+    for step in (20, 40):
+        checkpoint.save(tmp_path, step, {"s": torch.tensor(step)})
+    checkpoint.save(tmp_path / "servers" / "server-0", 40, {"s": torch.tensor(40)})
+    (tmp_path / "notes.txt").write_text("kept")
+    target, steps = checkpoint.supersede(tmp_path, also=("servers", "absent"))
+    assert steps == [20, 40] and target.parent == tmp_path and target.name.startswith("superseded-")
+    assert checkpoint.latest(tmp_path) is None and checkpoint.latest(target).step == 40
+    assert checkpoint.latest(target / "servers" / "server-0").step == 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["notes.txt", target.name])
+    checkpoint.save(tmp_path, 20, {"s": torch.tensor(-1)})
+    assert checkpoint.load(target / checkpoint.checkpoint_name(20)).payload["s"] == 20
+
+
+def test_supersede_twice_in_one_second_makes_two_subdirectories(tmp_path):
+    checkpoint.save(tmp_path, 1, {"s": torch.tensor(1)})
+    first, _ = checkpoint.supersede(tmp_path)
+    checkpoint.save(tmp_path, 1, {"s": torch.tensor(2)})
+    second, _ = checkpoint.supersede(tmp_path)
+    assert first != second and checkpoint.latest(first).payload["s"] == 1 and checkpoint.latest(second).payload["s"] == 2
+    assert checkpoint.supersede(tmp_path) is None  # nothing left to move
+    assert checkpoint.supersede(tmp_path / "absent") is None
+
+
 # --- exact resume across real processes ------------------------------------------------------
 
 _TRAINER = textwrap.dedent("""

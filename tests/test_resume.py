@@ -213,3 +213,24 @@ def test_ps_resume_takes_the_servers_step_when_the_workers_checkpoint_of_it_is_m
     assert a["params"].equal(b["params"]) and a["momentum"].equal(b["momentum"])
     again = run_to_end(ps_command(victim, 10))
     assert "nothing to do: the checkpoint is already at step 10" in again, again[-2000:]
+
+
+def one_worker_command(directory: Path, steps: int, *more: str) -> list[str]:
+    return [sys.executable, "-m", "ringtrain.cli", "train", "--workers", "1", "--model", "charlm", "--batch-size", "4",
+            "--steps", str(steps), "--checkpoint-every", "2", "--checkpoint-dir", str(directory), "--no-progress",
+            "--timeout", "30", *more]
+
+
+@pytest.mark.timeout(300)
+def test_a_run_after_no_resume_continues_the_fresh_run_not_the_old_ones_later_steps(tmp_path):
+    """--no-resume in a directory of later checkpoints moves them aside: the next plain run resumes
+    the fresh run's step 2, not the old run's step 4, and the old files are kept."""
+    run_to_end(one_worker_command(tmp_path, 4))
+    assert checkpoints(tmp_path) == ["ckpt-000000002.pt", "ckpt-000000004.pt"]
+    out = run_to_end(one_worker_command(tmp_path, 2, "--no-resume"))
+    (aside,) = tmp_path.glob("superseded-*")
+    assert f"moved the checkpoints of steps [2, 4] in {tmp_path} to {aside}" in out, out[-2000:]
+    assert checkpoints(aside) == ["ckpt-000000002.pt", "ckpt-000000004.pt"]
+    assert checkpoints(tmp_path) == ["ckpt-000000002.pt"]
+    out = run_to_end(one_worker_command(tmp_path, 3))
+    assert f"resumed from {tmp_path / 'ckpt-000000002.pt'} at step 2" in out, out[-2000:]

@@ -21,6 +21,9 @@ Words:
   Checkpoints of later steps (a run resumed from an older checkpoint because the newer ones
   were damaged, or a fresh run in an old directory) are left alone, with a warning, so a
   save never deletes the file it just wrote.
+- *superseded*: a run that starts afresh in a directory of checkpoints first moves them
+  (:func:`supersede`) into ``<directory>/superseded-<UTC time>/``, so it neither overwrites
+  them nor leaves later steps behind that a later resume would prefer to its own.
 - *latest valid*: :func:`latest` tries checkpoints from the highest step down; a file that
   is truncated, corrupt or not a checkpoint is skipped with a warning, never raised, so a
   resume always starts from the newest checkpoint that is whole.
@@ -51,6 +54,7 @@ import random
 import re
 import socket
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,9 +219,37 @@ def latest(directory: str | os.PathLike[str]) -> Checkpoint | None:
     return None
 
 
+def supersede(directory: str | os.PathLike[str], also: tuple[str, ...] = ()) -> tuple[Path, list[int]] | None:
+    """Move every checkpoint file of ``directory`` (and the entries named in ``also``, such as a
+    subdirectory of other checkpoints) into a new ``superseded-<UTC time>`` subdirectory, so that
+    a fresh run there overwrites nothing and a later resume finds only its checkpoints.
+    Returns that subdirectory and the steps moved, or None when there was nothing to move."""
+    directory = Path(directory)
+    moving = [path for _, path in list_checkpoints(directory)]
+    moving += [directory / name for name in also if (directory / name).exists()]
+    if not moving:
+        return None
+    target = _new_subdirectory(directory, "superseded-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    for path in moving:
+        os.rename(path, target / path.name)  # same file system: atomic, nothing copied
+    _fsync_dir(directory)
+    return target, [step for step, _ in list_checkpoints(target)]
+
+
+def _new_subdirectory(directory: Path, name: str) -> Path:
+    """``directory/name``, or ``name-2``, ``name-3`` ... when taken; made empty."""
+    for n in range(1, 1000):
+        target = directory / (name if n == 1 else f"{name}-{n}")
+        try:
+            target.mkdir()
+            return target
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{directory}: too many {name}-* subdirectories")
+
+
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
-
 
 
 def _remove_stale_temporaries(directory: Path) -> None:

@@ -10,6 +10,8 @@ without an authenticated channel.
     ringtrain launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 \\
         --nproc-per-node 8 --secret-file ~/.ringtrain-secret train.py  # on each node (node-rank 0, 1)
 
+A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
+failed (exit code N)``; torchrun's own errors (a --master-port in use) are one line too.
 For torchrun's other options (elastic rendezvous, restarts), call ``torchrun`` itself with
 RINGTRAIN_SECRET set in the environment.
 """
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
+import sys
 from pathlib import Path
+from typing import Callable
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -80,10 +85,69 @@ def run(args: argparse.Namespace) -> int:
     try:
         validate(args)
         secret = job_secret(args)
+        if not Path(args.script).is_file():
+            raise ValueError(f"{args.script}: no such file (the training script to start)")
     except ValueError as exc:
         raise SystemExit(f"ringtrain launch: {exc}")
     os.environ["RINGTRAIN_SECRET"] = secret  # inherited by the workers, never printed
-    from torch.distributed import run as torchrun
+    return run_torchrun(torchrun_argv(args), "ringtrain launch")
 
-    torchrun.main(torchrun_argv(args))
+
+def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None = None) -> int:
+    """``torchrun.main(argv)``; returns the exit status. A failure is reported on stderr as one line
+    ``<prog>: ...`` per failed rank (first failure first; ``role(rank)`` names what the rank was)
+    or, when torchrun itself failed (a port in use), one line with its own error. The status is
+    the first failed rank's exit code (128 + N for signal N), 1 for torchrun's own errors."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.main(argv)
+    except ChildFailedError as exc:
+        failures = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        for rank, failure in failures:
+            print(f"{prog}: {describe_failure(rank, failure, role)}", file=sys.stderr)
+        return _exit_status(failures[0][1].exitcode)
+    except Exception as exc:  # the agent's own failure, before or between the workers
+        print(f"{prog}: {agent_error(exc)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _exit_status(exitcode: int) -> int:
+    """A failed child's exit code as a shell reports it: 128 + N for signal N, never 0."""
+    if exitcode < 0:
+        return 128 - exitcode
+    return exitcode or 1
+
+
+def describe_failure(rank: int, failure, role: Callable[[int], str] | None = None) -> str:
+    """One line for a torchrun ProcessFailure: who, how it ended, and the exception it recorded
+    (with ``torch.distributed.elastic.multiprocessing.errors.record``), where it was raised."""
+    who = f"rank {rank}" + (f" ({role(rank)})" if role else "")
+    how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by {failure.signal_name()}"
+    message, where = failure.message, ""
+    if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {"py_callstack"}}
+        message, where = message.get("message", ""), _last_frame(message.get("extraInfo", {}).get("py_callstack", ""))
+    elif failure.error_file == "<N/A>":  # no error file: torch's stand-in text, not the rank's
+        message = ""
+    lines = str(message).strip().splitlines()
+    text = lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+    return f"{who} failed ({how})" + (f": {text}" if text else "") + (f" [{where}]" if where else "")
+
+
+def _last_frame(callstack: str) -> str:
+    """``path:line in function`` of the innermost frame of a formatted traceback ('' if none)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', callstack)
+    if not frames:
+        return ""
+    path, line, function = frames[-1]
+    inside = path.rfind("/ringtrain/")
+    return f"{path[inside + 1:] if inside >= 0 else Path(path).name}:{line} in {function}"
+
+
+def agent_error(exc: Exception) -> str:
+    """One line for an error torchrun raised itself (its text is the cause)."""
+    text = " ".join(str(exc).split()) or "(no message)"
+    hint = "; choose another --master-port" if "EADDRINUSE" in text else ""
+    return f"torchrun failed: {type(exc).__name__}: {text}{hint}"

@@ -1,7 +1,12 @@
 """`ringtrain train`: the main job — train a reference model on N local workers.
 
     ringtrain train                              # 2 workers, the character LM, optimal schedule
-    ringtrain train --workers 4 --steps 200      # run again: resumes from the last checkpoint
+    ringtrain train --steps 200                  # run again: resumes from the last checkpoint
+    ringtrain train --steps 300 --workers 4 --batch-size 16   # resumes on 4 workers, same global batch (64)
+
+A resumed run keeps the global batch (workers x batch size), the seed, the model and the
+strategy of the checkpoints it continues; ``--no-resume`` starts afresh and first moves the
+directory's checkpoints into a ``superseded-<time>`` subdirectory.
 
 The parent starts the workers through torch's own launcher (torch.distributed.run). Each
 worker joins with ``ringtrain.init``, wraps the model in ``ringtrain.DistributedDataParallel``
@@ -53,11 +58,12 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0
     """Bucket size for schedule='fixed'."""
     checkpoint_dir: str = ""
-    """Where checkpoints go; '' = runs/<model>."""
+    """Where checkpoints go; '' = runs/<model> (runs/<model>-<strategy> for parameter servers)."""
     checkpoint_every: int = 20
     """Steps between checkpoints (0 = never)."""
     resume: bool = True
-    """Continue from the newest valid checkpoint in checkpoint_dir."""
+    """Continue from the newest valid checkpoint in checkpoint_dir (--no-resume: start afresh, the
+    old checkpoints moved into a superseded-<time> subdirectory)."""
     timeline: str = ""
     """Write a Chrome trace of compute and communication to this path (per rank)."""
     timeout: float = 120.0
@@ -90,8 +96,8 @@ class TrainConfig:
             raise ValueError(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
         if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"--seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.servers < 0:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if self.strategy == "ring" and self.servers:
@@ -105,7 +111,21 @@ class TrainConfig:
             if not self.servers:
                 self.servers = 2 if self.strategy == "ps-sharded" else 1
         if not self.checkpoint_dir:
-            self.checkpoint_dir = str(Path("runs") / (self.model if self.strategy == "ring" else f"{self.model}-{self.strategy}"))
+            self.checkpoint_dir = str(_default_checkpoint_dir(self.model, self.strategy))
+
+
+def _default_checkpoint_dir(model: str, strategy: str) -> Path:
+    """runs/<canonical model name>[-<strategy>], so a model's aliases share one directory; a
+    directory of an alias made before that (runs/charlm) is kept while the canonical one is absent."""
+    from . import models
+
+    canonical = models.spec(model).name
+    suffix = "" if strategy == "ring" else f"-{strategy}"
+    aliases = [n for n in models.names() if n != canonical and models.spec(n).name == canonical]
+    for name in [canonical, *aliases]:
+        if (Path("runs") / f"{name}{suffix}").is_dir():
+            return Path("runs") / f"{name}{suffix}"
+    return Path("runs") / f"{canonical}{suffix}"
 
 
 def _field_docs(cls) -> dict[str, str]:
@@ -139,7 +159,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.worker:
-        return worker(TrainConfig(**json.loads(args.worker)), json_summary=args.json)
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        # record: an exception of any rank goes to torchrun's error file, which the parent reports
+        return record(_run_worker)(args.worker, args.json)
     fields = {k: getattr(args, k) for k in TrainConfig.__dataclass_fields__}
     try:
         cfg = TrainConfig(**fields)
@@ -147,38 +170,192 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         if not 0 <= args.master_port <= 65535:
             raise ValueError(f"--master-port must be in 1..65535 (0: a free one), got {args.master_port}")
+        _check_batch_fits(cfg, args.workers)
         if cfg.checkpoint_every:
-            _check_writable(Path(cfg.checkpoint_dir))
+            _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
+        if cfg.timeline:
+            _check_writable(Path(cfg.timeline).parent, f"--timeline {cfg.timeline}: its directory")
+        _prepare_checkpoint_dir(cfg, args.workers)
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
     from .bench.procs import free_port
-    from .launch import job_secret
+    from .launch import job_secret, run_torchrun
 
     port = args.master_port or free_port()
     os.environ["RINGTRAIN_SECRET"] = job_secret(argparse.Namespace(secret_file=None, nnodes=1))
+    # Only rank 0's output is shown (one progress bar, one summary); a rank that fails records its
+    # exception for run_torchrun to print.
     argv = [f"--nproc-per-node={args.workers + cfg.servers}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
             "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker", json.dumps(asdict(cfg))]
     if args.json:
         argv.append("--json")
-    from torch.distributed import run as torchrun
-
-    try:
-        torchrun.main(argv)
-    except Exception as exc:  # torchrun's ChildFailedError already printed each rank's error
-        print(f"ringtrain train: {type(exc).__name__}: the workers failed (see above)", file=sys.stderr)
-        return 1
-    return 0
+    return run_torchrun(argv, "ringtrain train",
+                        role=lambda rank: "worker" if rank < args.workers else "parameter server")
 
 
-def _check_writable(directory: Path) -> None:
-    """Make the checkpoint directory now, so that a path that cannot hold checkpoints is an error
+def _run_worker(config_json: str, json_summary: bool) -> int:
+    return worker(TrainConfig(**json.loads(config_json)), json_summary=json_summary)
+
+
+def _check_writable(directory: Path, what: str) -> None:
+    """Make ``directory`` now, so that a path that cannot hold checkpoints (or traces) is an error
     before training, not after the first ``checkpoint_every`` steps."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{what} {directory}: not a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--checkpoint-dir {directory}: cannot make it ({exc.strerror or exc})") from None
+        raise ValueError(f"{what} {directory}: cannot make it ({exc.strerror or exc})") from None
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"--checkpoint-dir {directory}: not writable")
+        raise ValueError(f"{what} {directory}: not writable")
+
+
+def _check_batch_fits(cfg: TrainConfig, workers: int) -> None:
+    """One global batch (workers x batch size) must fit in the model's data set."""
+    from . import data, models
+
+    spec = models.spec(cfg.model)
+    batch = cfg.batch_size or spec.batch_size
+    num_samples = len(data.dataset(spec.dataset, seed=cfg.seed, **spec.batch_kwargs))
+    if workers * batch > num_samples:
+        raise ValueError(f"--batch-size {batch} x --workers {workers} = {workers * batch} samples per step, but the "
+                         f"{spec.dataset} data set of {spec.name} holds {num_samples}: use --batch-size <= "
+                         f"{num_samples // workers}")
+
+
+# --- the checkpoint directory, checked before any worker starts --------------------------------
+
+def _strategy_family(strategy: str) -> str:
+    return "ring" if strategy == "ring" else "parameter-server"
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """What the parent needs to know of one checkpoint in the directory."""
+
+    path: Path
+    step: int
+    strategy: str
+    """_strategy_family of the run that saved it."""
+    model: str | None
+    """Canonical model name (None in checkpoints made before it was recorded)."""
+    model_shapes: dict[str, tuple[int, ...]]
+    data: dict | None
+    """The sampler's state (global batch size, seed)."""
+
+
+def _saved_checkpoints(directory: Path) -> list[_Saved]:
+    """The valid checkpoints in ``directory``, newest first. Checkpoints made before the strategy
+    was recorded tell it apart by the optimizer state: parameter-server workers save none."""
+    import warnings
+
+    from . import checkpoint
+
+    saved = []
+    for _, path in reversed(checkpoint.list_checkpoints(directory)):
+        try:
+            payload = checkpoint.load(path).payload
+        except checkpoint.CheckpointError as exc:
+            warnings.warn(f"skipping {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        if not isinstance(payload.get("model"), dict):
+            raise ValueError(f"--checkpoint-dir {directory}: {path.name} is not a checkpoint of `ringtrain train` "
+                             "(it holds no model state): give this run another --checkpoint-dir")
+        extra = payload.get("extra") or {}
+        strategy = extra.get("strategy") or ("ring" if payload.get("optimizer") is not None else "ps")
+        shapes = {k: tuple(v.shape) for k, v in payload["model"].items()}
+        saved.append(_Saved(path, int(payload["step"]), _strategy_family(strategy), extra.get("model_name"), shapes,
+                            payload.get("data")))
+    return saved
+
+
+def _prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> None:
+    """Resuming: refuse checkpoints this run cannot continue (another strategy, model, global
+    batch or seed). Starting afresh (--no-resume): move the old checkpoints aside."""
+    from . import checkpoint
+
+    directory = Path(cfg.checkpoint_dir)
+    if not cfg.resume:
+        if cfg.checkpoint_every:
+            try:
+                moved = checkpoint.supersede(directory, also=("servers",))
+            except OSError as exc:
+                raise ValueError(f"--no-resume: cannot move the old checkpoints in {directory} aside "
+                                 f"({exc.strerror or exc}): remove them or give another --checkpoint-dir") from None
+            if moved:
+                print(f"--no-resume: moved the checkpoints of steps {moved[1]} in {directory} to {moved[0]}",
+                      file=sys.stderr)
+        return
+    saved = _saved_checkpoints(directory)
+    if saved:
+        _check_same_strategy(cfg, saved)
+        _check_same_model(cfg, saved[0])
+        _check_same_data(cfg, workers, saved[0])
+    if cfg.strategy != "ring":
+        _check_servers_hold_checkpoints(cfg, saved)
+
+
+def _restart_hint() -> str:
+    return "or start afresh with --no-resume (which moves them into a superseded-* subdirectory)"
+
+
+def _check_same_strategy(cfg: TrainConfig, saved: list[_Saved]) -> None:
+    mine = _strategy_family(cfg.strategy)
+    other = [s.step for s in saved if s.strategy != mine]
+    if other:
+        theirs = "parameter-server" if mine == "ring" else "ring"
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds checkpoints of a {theirs} run (steps "
+                         f"{sorted(other)}); --strategy {cfg.strategy} cannot resume them and would overwrite them: "
+                         f"give this run another --checkpoint-dir, {_restart_hint()}")
+
+
+def _check_same_model(cfg: TrainConfig, newest: _Saved) -> None:
+    from . import models
+
+    mine = models.spec(cfg.model).name
+    if newest.model is not None:
+        differs = newest.model != mine
+    else:  # an older checkpoint: compare the tensors' names and shapes
+        differs = newest.model_shapes != {k: tuple(v.shape) for k, v in models.build(mine).state_dict().items()}
+    if differs:
+        theirs = f"model {newest.model}" if newest.model else "another model"
+        use = f"pass --model {newest.model}, " if newest.model else ""
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: {newest.path.name} is of {theirs}, not {mine}: "
+                         f"{use}give this run another --checkpoint-dir, {_restart_hint()}")
+
+
+def _check_same_data(cfg: TrainConfig, workers: int, newest: _Saved) -> None:
+    """The sampler resumes only the same global batch and seed (ringtrain.data.sampler)."""
+    from . import models
+
+    if not newest.data:
+        return
+    where = f"--checkpoint-dir {cfg.checkpoint_dir}: {newest.path.name}"
+    if int(newest.data["seed"]) != cfg.seed:
+        raise ValueError(f"{where} was made with --seed {int(newest.data['seed'])}, not {cfg.seed}: pass "
+                         f"--seed {int(newest.data['seed'])}, {_restart_hint()}")
+    saved = int(newest.data["global_batch_size"])
+    batch = cfg.batch_size or models.spec(cfg.model).batch_size
+    if saved == workers * batch:
+        return
+    if saved % workers == 0:
+        fix = f"resume with --batch-size {saved // workers} (the same global batch on --workers {workers})"
+    else:
+        fix = f"no batch size gives {saved} on {workers} workers: use a --workers that divides {saved}"
+    raise ValueError(f"{where} has a global batch of {saved} samples per step; --workers {workers} x --batch-size "
+                     f"{batch} = {workers * batch} would change it: {fix}, {_restart_hint()}")
+
+
+def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]) -> None:
+    """Parameter-server workers resume at the servers' step; with worker checkpoints but none of
+    the servers', the run would start at step 0 and overwrite the workers' checkpoints."""
+    from . import checkpoint
+
+    servers = Path(cfg.checkpoint_dir) / "servers"
+    if saved and not any(checkpoint.list_checkpoints(d) for d in servers.glob("server-*")):
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds worker checkpoints (steps "
+                         f"{sorted(s.step for s in saved)}) but no parameter-server checkpoints in {servers}, so "
+                         f"there is nothing to resume: give this run another --checkpoint-dir, {_restart_hint()}")
 
 
 def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
@@ -223,6 +400,14 @@ def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, l
     if summary["samples_per_s"]:
         summary["scaling_efficiency"] = summary["samples_per_s"] / (p * one_rate)
     return summary
+
+
+def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
+    """checkpoint.training_state plus what the parent checks before resuming (_prepare_checkpoint_dir)."""
+    from . import checkpoint, models
+
+    return checkpoint.training_state(step, model, opt, loader, strategy=cfg.strategy,
+                                     model_name=models.spec(cfg.model).name)
 
 
 def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
@@ -299,7 +484,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         return loss
 
     def save(step):
-        checkpoint.save(cfg.checkpoint_dir, step, checkpoint.training_state(step, model, opt, loader))
+        checkpoint.save(cfg.checkpoint_dir, step, _training_state(cfg, step, model, opt, loader))
 
     times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} x{p}")
 
@@ -361,7 +546,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     def save(step):
         pst.save_checkpoint()  # every server saves its shard at this step
-        checkpoint.save(cfg.checkpoint_dir, step, checkpoint.training_state(step, model, None, loader))
+        checkpoint.save(cfg.checkpoint_dir, step, _training_state(cfg, step, model, None, loader))
 
     times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} {cfg.strategy} x{p}")
     pst.wait()
@@ -382,9 +567,9 @@ def _resume_ps_worker(cfg: TrainConfig, rank: int, model, loader, step: int) -> 
 
     saved = dict(checkpoint.list_checkpoints(cfg.checkpoint_dir))
     if step == 0:
-        if saved and rank == 0:
-            print(f"the parameter servers hold no checkpoint: starting at step 0 "
-                  f"(worker checkpoints up to step {max(saved)} in {cfg.checkpoint_dir} are left alone)", file=sys.stderr)
+        if saved and rank == 0:  # the parent refuses this case, unless every file of the servers is damaged
+            print(f"the parameter servers hold no valid checkpoint: starting at step 0; the worker checkpoints up to "
+                  f"step {max(saved)} in {cfg.checkpoint_dir} are replaced as this run saves", file=sys.stderr)
         return
     loader.seek(step)
     payload = None

@@ -1,0 +1,312 @@
+"""`ringtrain train` and `ringtrain launch` before and after the workers: what the parent checks
+and how a failure reaches the user.
+
+Before starting workers, `ringtrain train` refuses a checkpoint directory it cannot continue
+(checkpoints of another strategy, another model, another global batch or seed), a --timeline
+it cannot write, and a batch larger than the data set; --no-resume moves old checkpoints
+aside instead of overwriting them. Each refusal is one ``ringtrain train: ...`` line and
+leaves the files as they were. After the workers, a failed rank is reported with its rank,
+exit code and exception; torchrun's own errors (a port in use) with their text.
+
+Most tests run the CLI in this process with torch's launcher replaced by a recorder; the
+checkpoints they check are real ones, written by the functions the workers use. The tests
+that need a real launcher start only torchrun's agent or a one-line script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringtrain import checkpoint, cli, train
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """torchrun.main replaced by a recorder: the list of argv it was called with."""
+    import torch.distributed.run as torchrun
+
+    calls = []
+    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)  # `ringtrain train` sets it
+    monkeypatch.setattr(torchrun, "main", lambda argv: calls.append(argv))
+    return calls
+
+
+def refusal(argv: list[str], launches, capsys) -> str:
+    """Run `ringtrain ARGV`, which must fail before launching: its one-line message."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert not launches, f"{argv}: launched"
+    message = info.value.code
+    assert isinstance(message, str) and message.startswith(f"ringtrain {argv[0]}: "), message
+    assert "\n" not in message and "Traceback" not in message + capsys.readouterr().err, message
+    return message
+
+
+def save_run(directory: Path, steps=(1, 2), strategy: str = "ring", model: str = "charlm", workers: int = 1,
+             batch: int = 4, seed: int = 0, legacy: bool = False) -> None:
+    """Checkpoints as the workers of such a run save them (``legacy``: without the fields a
+    checkpoint records since the parent checks them)."""
+    cfg = train.TrainConfig(model=model, strategy=strategy, batch_size=batch, seed=seed, checkpoint_dir=str(directory))
+    net, loader, _ = train._workload(cfg, 0, workers)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if strategy == "ring" else None
+    for step in steps:
+        if legacy:
+            payload = checkpoint.training_state(step, net, opt, loader)
+        else:
+            payload = train._training_state(cfg, step, net, opt, loader)
+        checkpoint.save(directory, step, payload)
+
+
+def fingerprint(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` and its SHA-256."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def train_argv(directory: Path, *more: str) -> list[str]:
+    return ["train", "--workers", "1", "--batch-size", "4", "--checkpoint-dir", str(directory), "--no-progress", *more]
+
+
+# --- 1. another strategy's checkpoints ----------------------------------------------------------
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["recorded", "older-checkpoints"])
+def test_a_parameter_server_run_refuses_a_ring_runs_directory_and_leaves_it_alone(tmp_path, legacy, launches, capsys):
+    save_run(tmp_path, legacy=legacy)
+    before = fingerprint(tmp_path)
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sync"), launches, capsys)
+    assert "ring run" in message and "--checkpoint-dir" in message and "[1, 2]" in message, message
+    assert fingerprint(tmp_path) == before
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["recorded", "older-checkpoints"])
+def test_a_ring_run_refuses_a_parameter_server_runs_directory(tmp_path, legacy, launches, capsys):
+    save_run(tmp_path, strategy="ps-sync", legacy=legacy)
+    before = fingerprint(tmp_path)
+    message = refusal(train_argv(tmp_path), launches, capsys)
+    assert "parameter-server run" in message and "--checkpoint-dir" in message, message
+    assert fingerprint(tmp_path) == before
+
+
+def test_a_parameter_server_run_without_server_checkpoints_refuses_to_overwrite_its_workers_files(
+        tmp_path, launches, capsys):
+    save_run(tmp_path, strategy="ps-sync")
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sync"), launches, capsys)
+    assert "no parameter-server checkpoints" in message, message
+
+
+def test_runs_of_the_same_strategy_resume(tmp_path, launches, capsys):
+    save_run(tmp_path / "ring")
+    assert cli.main(train_argv(tmp_path / "ring")) == 0
+    save_run(tmp_path / "ps", strategy="ps-sync")
+    checkpoint.save(tmp_path / "ps" / "servers" / "server-0", 2, {"version": 2})
+    assert cli.main(train_argv(tmp_path / "ps", "--strategy", "ps-async")) == 0
+    assert len(launches) == 2
+
+
+def test_checkpoints_record_strategy_and_canonical_model(tmp_path):
+    save_run(tmp_path, model="charlm", strategy="ps-sharded")
+    extra = checkpoint.latest(tmp_path).payload["extra"]
+    assert extra == {"strategy": "ps-sharded", "model_name": "charlm-transformer"}
+
+
+# --- 2. a failed rank, torchrun's own errors --------------------------------------------------
+
+def recorded_failure(tmp_path: Path, monkeypatch, rank: int, exc: Exception):
+    """A ProcessFailure as torchrun makes it for a rank whose entry point (under @record) raised ``exc``."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure, record
+
+    error_file = tmp_path / f"error-{rank}.json"
+
+    def entry():
+        raise exc
+
+    with monkeypatch.context() as m:
+        m.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        with pytest.raises(type(exc)):
+            record(entry)()
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=str(error_file))
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # pytest's captured stderr has no fileno
+def test_a_failed_server_rank_is_reported_with_its_exception(tmp_path, monkeypatch, capsys):
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {2: recorded_failure(tmp_path, monkeypatch, 2, IndexError("list index out of range")),
+                0: ProcessFailure(local_rank=0, pid=1000, exitcode=-15, error_file="/nonexistent")}
+    failures[0].timestamp = failures[2].timestamp + 1  # the server failed first
+
+    def fail(argv):
+        raise ChildFailedError("ringtrain.cli", failures)
+
+    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
+    monkeypatch.setattr(torchrun, "main", fail)
+    code = cli.main(train_argv(tmp_path / "ck", "--strategy", "ps-sync"))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert lines[-2].startswith("ringtrain train: rank 2 (parameter server) failed (exit code 1): "
+                                "IndexError: list index out of range ["), lines
+    assert "test_train_entry.py:" in lines[-2], lines
+    assert lines[-1] == "ringtrain train: rank 0 (worker) failed (killed by SIGTERM)", lines
+
+
+def test_a_worker_records_its_exception_for_the_parent(tmp_path):
+    """The --worker entry point runs under torch's @record: its exception lands in the error file."""
+    error_file = tmp_path / "error.json"
+    env = dict(os.environ, TORCHELASTIC_ERROR_FILE=str(error_file))
+    proc = subprocess.run([sys.executable, "-m", "ringtrain.cli", "train", "--worker", json.dumps({"model": "gpt5"})],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode != 0
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message.startswith("ValueError: model must be one of"), message
+
+
+def busy_port() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def run_cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RINGTRAIN_SECRET", None)
+    return subprocess.run([sys.executable, "-m", "ringtrain.cli", *argv], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=90)
+
+
+@pytest.mark.multiprocess
+def test_train_on_a_busy_port_says_so_in_one_line(tmp_path):
+    with busy_port() as s:
+        proc = run_cli(train_argv(tmp_path / "ck", "--master-port", str(s.getsockname()[1])), tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ringtrain train: torchrun failed: DistNetworkError: ") and "EADDRINUSE" in last, last
+    assert "--master-port" in last, last
+
+
+# --- 3. another global batch or seed -------------------------------------------------------------
+
+def test_resuming_on_more_workers_suggests_the_batch_size_that_keeps_the_global_batch(tmp_path, launches, capsys):
+    save_run(tmp_path, workers=2, batch=4)  # global batch 8
+    message = refusal(["train", "--workers", "4", "--checkpoint-dir", str(tmp_path)], launches, capsys)
+    assert "global batch of 8" in message and "--batch-size 2" in message, message
+    assert cli.main(["train", "--workers", "4", "--batch-size", "2", "--checkpoint-dir", str(tmp_path)]) == 0
+    assert len(launches) == 1
+
+
+def test_a_global_batch_no_worker_count_divides_is_refused(tmp_path, launches, capsys):
+    save_run(tmp_path, workers=2, batch=4)
+    message = refusal(["train", "--workers", "3", "--batch-size", "4", "--checkpoint-dir", str(tmp_path)],
+                      launches, capsys)
+    assert "global batch of 8" in message and "--workers that divides 8" in message, message
+
+
+def test_resuming_with_another_seed_is_refused(tmp_path, launches, capsys):
+    save_run(tmp_path, seed=5)
+    message = refusal(train_argv(tmp_path, "--seed", "6"), launches, capsys)
+    assert "--seed 5" in message, message
+
+
+def test_the_help_example_of_a_resume_on_more_workers_keeps_the_global_batch():
+    example = next(line for line in train.__doc__.splitlines() if "--workers 4" in line)
+    assert "--batch-size 16" in example, example  # 2 x 32 (the default) = 4 x 16
+
+
+# --- 4. --timeline ----------------------------------------------------------------------------
+
+def test_an_unwritable_timeline_is_refused_before_training(tmp_path, launches, capsys):
+    (tmp_path / "afile").touch()
+    message = refusal(train_argv(tmp_path / "ck", "--timeline", str(tmp_path / "afile" / "trace.json")),
+                      launches, capsys)
+    assert "--timeline" in message and "not a directory" in message, message
+
+
+def test_the_timelines_directory_is_made(tmp_path, launches):
+    assert cli.main(train_argv(tmp_path / "ck", "--timeline", str(tmp_path / "traces" / "t.json"))) == 0
+    assert (tmp_path / "traces").is_dir() and len(launches) == 1
+
+
+# --- 5. --no-resume -------------------------------------------------------------------------------
+
+def test_no_resume_moves_the_old_checkpoints_aside(tmp_path, launches, capsys):
+    save_run(tmp_path, steps=(20, 40))
+    checkpoint.save(tmp_path / "servers" / "server-0", 40, {"version": 40})
+    before = fingerprint(tmp_path)
+    assert cli.main(train_argv(tmp_path, "--no-resume")) == 0
+    assert len(launches) == 1
+    assert checkpoint.list_checkpoints(tmp_path) == [] and not (tmp_path / "servers").exists()
+    (aside,) = tmp_path.glob("superseded-*")
+    assert {f"{aside.name}/{k}": v for k, v in before.items()} == fingerprint(tmp_path)
+    assert f"moved the checkpoints of steps [20, 40] in {tmp_path} to {aside}" in capsys.readouterr().err
+
+
+# --- 6. `ringtrain launch` ------------------------------------------------------------------------
+
+def test_launch_refuses_a_missing_script(tmp_path, launches, capsys):
+    message = refusal(["launch", "--master-port", "29999", str(tmp_path / "nonexistent.py")], launches, capsys)
+    assert "nonexistent.py: no such file" in message, message
+
+
+@pytest.mark.multiprocess
+def test_launch_returns_the_scripts_exit_code_in_one_line(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    with busy_port() as s:
+        port = s.getsockname()[1]
+    proc = run_cli(["launch", "--nproc-per-node", "2", "--master-port", str(port), str(script)], tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("ringtrain launch: rank "), proc.stderr
+    assert "failed (exit code 3)" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_launch_on_a_busy_port_says_so_in_one_line(tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    with busy_port() as s:
+        proc = run_cli(["launch", "--master-port", str(s.getsockname()[1]), str(script)], tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "EADDRINUSE" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+# --- 7. a batch larger than the data set --------------------------------------------------------
+
+def test_a_global_batch_larger_than_the_data_set_is_refused(tmp_path, launches, capsys):
+    message = refusal(["train", "--workers", "2", "--batch-size", "100000", "--checkpoint-dir", str(tmp_path)],
+                      launches, capsys)
+    assert "--batch-size" in message and "200000" in message, message
+
+
+# --- 8. another model; one directory for a model's aliases ---------------------------------------
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["recorded", "older-checkpoints"])
+def test_resuming_another_models_checkpoint_is_refused(tmp_path, legacy, launches, capsys):
+    save_run(tmp_path, model="charlm", legacy=legacy)
+    message = refusal(train_argv(tmp_path, "--model", "charlm-lstm"), launches, capsys)
+    assert "charlm-lstm" in message and "--checkpoint-dir" in message, message
+    if not legacy:
+        assert "--model charlm-transformer" in message, message
+
+
+def test_a_models_aliases_share_the_default_checkpoint_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dirs = {train.TrainConfig(model=m).checkpoint_dir for m in ("charlm", "charlm-transformer")}
+    assert dirs == {str(Path("runs") / "charlm-transformer")}
+    assert train.TrainConfig(model="charlm", strategy="ps-sync").checkpoint_dir == "runs/charlm-transformer-ps-sync"
+    (tmp_path / "runs" / "charlm").mkdir(parents=True)  # made by a version that named it after the alias
+    assert train.TrainConfig(model="charlm-transformer").checkpoint_dir == str(Path("runs") / "charlm")
