@@ -106,16 +106,26 @@ def test_synchronous_server_rows_get_the_simulators_prediction_from_the_ring_job
 
 
 @pytest.mark.timeout(180)
-def test_bench_train_times_parameter_servers_round_by_round(capsys):
+def test_bench_train_times_parameter_servers_round_by_round(capsys, tmp_path):
+    from pathlib import Path
+
+    import numpy as np
+
     from ringtrain import cli
 
     rc = cli.main(["bench", "train", "--strategies", "ring,ps-sync", "--schedules", "optimal", "--models", "charlm",
                    "--world-size", "2", "--batch-size", "4", "--steps", "1", "--rounds", "2", "--no-torch-ddp",
-                   "--out", "", "--json"])
+                   "--out", str(tmp_path), "--json"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     ring, alone, row = doc["rows"]
     assert (ring["impl"], alone["impl"]) == ("ringtrain", "alone")
+    # Every row's median is numpy's (torch's median of an even count is the lower middle value).
+    for r in doc["rows"]:
+        assert r["median_iter_s"] == pytest.approx(float(np.median(r["iter_s"])), rel=1e-12)
+    # The timelines are named after the run's result file (they were per model only: overwritten).
+    stem = Path(doc["saved_to"]).stem
+    assert Path(ring["timeline"]).name.startswith(f"{stem}-charlm"), (ring["timeline"], stem)
     # The ring job's compute-alone trace is the simulator's input for the server row.
     assert Trace.from_dict(alone["trace"]).grad_bytes == 4 * 891904
     assert row["sim_iter_s"] > 0 and row["sim_error"] == pytest.approx(
@@ -128,3 +138,17 @@ def test_bench_train_times_parameter_servers_round_by_round(capsys):
     assert row["worker_bytes_sent"] >= row["steps_total"] * 4 * 891904
     for way in ("sent", "received"):
         assert 4 * 891904 <= per_step[way] < 1.01 * 4 * 891904
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "train", "--models", ""], "--models: give at least one"),
+    (["bench", "train", "--out", "/proc/version/x"], "--out /proc/version/x"),
+    (["bench", "allreduce", "--out", "/proc/version/x"], "--out /proc/version/x"),
+    (["bench", "allreduce", "--sizes", "inf"], "--sizes: cannot read"),
+])
+def test_bench_arguments_are_checked_before_anything_runs(argv, match):
+    # An unwritable --out was found only when the finished run was saved (its results lost).
+    from ringtrain import cli
+
+    with pytest.raises(SystemExit, match=match):
+        cli.main(argv)

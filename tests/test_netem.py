@@ -355,6 +355,60 @@ def test_ctrl_c_and_sigterm_clean_up_then_end_the_process(sig):
 
 
 @needs_root
+@pytest.mark.timeout(40)
+def test_two_networks_closed_first_in_first_out_keep_the_handler_and_leave_nothing():
+    prefix = _prefix()
+    before = _root_state()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    a = EmulatedNetwork(2, prefix=prefix).__enter__()
+    b = EmulatedNetwork(2, prefix=prefix).__enter__()
+    try:
+        installed = signal.getsignal(signal.SIGTERM)
+        a.close()  # not the last one open: B still needs the handler
+        assert signal.getsignal(signal.SIGTERM) is installed
+    finally:
+        a.close()
+        b.close()
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    # /etc/netns, made by A, goes once empty, whichever network closes last
+    _assert_left_as_found(before, prefix)
+
+
+TWO_NETWORKS = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, sys.argv[2])
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from ringtrain.bench.netem import EmulatedNetwork
+    a = EmulatedNetwork(2, prefix=sys.argv[1]).__enter__()
+    b = EmulatedNetwork(2, prefix=sys.argv[1]).__enter__()
+    a.close()
+    print(b.popen(0, ["sleep", "60"]).pid, flush=True)
+    time.sleep(60)
+""")
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_sigterm_cleans_the_network_still_open_after_another_closed():
+    prefix = _prefix()
+    before = _root_state()
+    proc = subprocess.Popen([sys.executable, "-c", TWO_NETWORKS, prefix, SRC], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        sleeper = int(proc.stdout.readline())
+        assert len(_ours(prefix)) == 3
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=45)
+        assert proc.returncode == -signal.SIGTERM, err
+        _assert_left_as_found(before, prefix)
+        assert _gone(sleeper)
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+        cleanup_stale(prefix)
+
+
+@needs_root
 @pytest.mark.timeout(20)
 def test_cleanup_stale_removes_only_dead_harnesses_leftovers():
     prefix = _prefix()

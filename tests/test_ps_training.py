@@ -236,3 +236,22 @@ def test_a_module_off_the_cpu_is_refused_before_connecting():
     module = nn.Linear(3, 2, device="meta")
     with pytest.raises(ValueError, match=r"'weight' is on meta.*CPU"):
         ParameterServerTraining(module, servers=[("127.0.0.1", 9)], worker=0, workers=1)
+
+
+def test_benchmark_refuses_fewer_than_one_step():
+    from ringtrain.ps.launch import benchmark
+
+    with pytest.raises(ValueError, match="steps"):
+        benchmark("mlp", steps=0)  # once a nan median and no error
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("steps, timed", [(4, 4), (5, 3)])
+def test_benchmark_times_the_steps_its_docstring_says(steps, timed):
+    from ringtrain.ps.launch import benchmark
+
+    r = benchmark("mlp", "sync", servers=1, workers=2, steps=steps, timeout=60)
+    rows = np.array(r["worker_step_s"])
+    assert rows.shape == (2, steps)
+    # 2 warm-up steps are dropped only when more than 4 were run, so that at least 3 are timed
+    assert r["median_step_s"] == float(np.median(np.max(rows[:, steps - timed:], axis=0)))

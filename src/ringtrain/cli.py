@@ -52,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     module.configure(full)
     args = full.parse_args(argv[len(words):])
-    return int(module.run(args) or 0)
+    from .bench.netem import NetemUnavailable
+
+    try:
+        return int(module.run(args) or 0)
+    except NetemUnavailable as exc:  # not a bug: say why in one line (e.g. --net without root)
+        raise SystemExit(f"{full.prog}: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def parse_size(text: str) -> int:
     number = text[:-1] if text[-1:] in "KMG" else text
     try:
         value = int(float(number) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         raise ValueError(f"--sizes: cannot read {text!r} (examples: 4K, 64M, 1G)") from None
     if value < 4 or value % 4:
         raise ValueError(f"--sizes: {text!r} must be a positive multiple of 4 bytes (float32)")
@@ -92,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats must be >= 1")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise SystemExit(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
+    if args.out:
+        from .machine import check_out_dir
+
+        try:
+            check_out_dir(args.out)
+        except ValueError as exc:
+            raise SystemExit(f"ringtrain bench allreduce: {exc}")
     repeats = 5 if args.quick and args.repeats == 7 else args.repeats
     if args.net != "none" and "shm" in transports:
         transports = [t for t in transports if t != "shm"]  # ranks are separate hosts: no shared memory

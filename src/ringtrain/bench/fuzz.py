@@ -293,7 +293,8 @@ def memory(pid: int) -> dict:
     return out
 
 
-def send_case(endpoint, data: bytes, handshake_as: Optional[int] = None, ps_world: int = 2) -> bool:
+def send_case(endpoint, data: bytes, handshake_as: Optional[int] = None, ps_world: int = 2,
+              job: str = JOB) -> bool:
     """Connect, (optionally) handshake genuinely, send ``data``, half-close, read until the target
     closes. Returns False if the target kept the connection open past CASE_TIMEOUT (a hang)."""
     from ..transport import tcp_setup
@@ -302,7 +303,7 @@ def send_case(endpoint, data: bytes, handshake_as: Optional[int] = None, ps_worl
     s = socket.create_connection(endpoint, timeout=CASE_TIMEOUT)
     try:
         if handshake_as is not None:
-            me = tcp_setup.Identity(handshake_as, ps_world, JOB if ps_world == 2 else PS_JOB, SECRET)
+            me = tcp_setup.Identity(handshake_as, ps_world, job, SECRET)
             tcp_setup.connect_handshake(s, me, 0, deadline)
             s.setblocking(True)
         s.settimeout(CASE_TIMEOUT)
@@ -324,14 +325,26 @@ def send_case(endpoint, data: bytes, handshake_as: Optional[int] = None, ps_worl
         s.close()
 
 
+def _serve(target, pipe, *args) -> None:
+    """Run ``target`` in the child, which dies with the fuzzer (daemon children outlive a SIGTERM)."""
+    from ..lifecycle import die_with_parent
+
+    die_with_parent()
+    target(pipe, *args)
+
+
 def _start(target, *args):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc = ctx.Process(target=_serve, args=(target, child, *args), daemon=True)
     proc.start()
-    if not parent.poll(60):
-        proc.kill()
-        raise RuntimeError(f"{target.__name__} did not start")
+    deadline = time.monotonic() + 60
+    while not parent.poll(0.1):
+        if not proc.is_alive():
+            raise RuntimeError(f"{target.__name__} exited with status {proc.exitcode} before it started")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{target.__name__} did not start")
     return proc, parent, parent.recv()
 
 
@@ -350,7 +363,7 @@ def fuzz_target(name: str, cases: int, seed: int, progress: bool = False) -> dic
     families: Counter[str] = Counter()
     hangs = 0
     if name == "ps":
-        authenticated = int(cases * PS_AUTHENTICATED)
+        authenticated = max(1, int(cases * PS_AUTHENTICATED))  # a server needs at least one worker
         proc, pipe, endpoint = _start(serve_ps, authenticated)
     else:
         authenticated = 0
@@ -375,7 +388,7 @@ def fuzz_target(name: str, cases: int, seed: int, progress: bool = False) -> dic
         else:
             worker = i - (cases - authenticated)
             family, data = ps_message_case(rng, worker)
-            ok = send_case(endpoint, data, handshake_as=1 + worker, ps_world=1 + authenticated)
+            ok = send_case(endpoint, data, handshake_as=1 + worker, ps_world=1 + authenticated, job=PS_JOB)
         families[family] += 1
         hangs += not ok
         if progress and (i + 1) % 10_000 == 0:

@@ -53,8 +53,29 @@ def git_commit() -> str | None:
         return None
 
 
-def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks") -> Path:
-    """Write ``doc`` (plus machine, command, commit, time) to out_dir/<kind>-<UTC time>.json."""
+def run_stamp() -> str:
+    """The UTC time that names a run's files (its result and its timelines)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Make ``--out`` now and check it takes files: a run that cannot be saved fails before it
+    runs, not after (its results lost)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot make it ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: not writable")
+    return out
+
+
+def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks", stamp: str | None = None) -> Path:
+    """Write ``doc`` (plus machine, command, commit, time) to out_dir/<kind>-<stamp>.json, the
+    stamp by default the UTC time now (:func:`run_stamp`)."""
     now = _dt.datetime.now(_dt.timezone.utc)
     full = {
         "benchmark": kind,
@@ -66,6 +87,6 @@ def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks") -> Pat
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path = out / f"{kind}-{stamp or now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(full, indent=1) + "\n")
     return path

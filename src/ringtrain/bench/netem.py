@@ -128,6 +128,10 @@ _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _NETWORK_SEQ = itertools.count()
 #: Signals after which the network cleans up, then lets the signal do what it did before.
 _CLEANUP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Networks open in this process; one process-wide handler cleans them all up on a signal. It is
+#: installed when the first opens and the handlers it replaced come back when the last closes.
+_OPEN_NETWORKS: list[EmulatedNetwork] = []
+_PREVIOUS_HANDLERS: dict[int, object] = {}
 
 
 class NetemUnavailable(RuntimeError):
@@ -387,8 +391,6 @@ class EmulatedNetwork:
         self._made: list[str] = []              # namespaces created so far, in order
         self._processes: list[subprocess.Popen] = []
         self._lock_fd: int | None = None
-        self._made_etc_netns = False             # whether this network created /etc/netns itself
-        self._previous_handlers: dict[int, object] = {}
         self._open = False
 
     # ---- what callers use -------------------------------------------------------------
@@ -534,11 +536,10 @@ class EmulatedNetwork:
             for ns in self._made:
                 shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
             self._made.clear()
-            if self._made_etc_netns:
-                try:
-                    os.rmdir(ETC_NETNS)  # only if empty: another network may be using it
-                except OSError:
-                    pass
+            try:  # whoever made it: the network that did may have closed while this one used it
+                os.rmdir(ETC_NETNS)  # only if empty: another network may be using it
+            except OSError:
+                pass
             self._release_lock()
             atexit.unregister(self.close)
             self._restore_signal_handlers()
@@ -606,9 +607,6 @@ class EmulatedNetwork:
         identities = {self.host_id(i): self.addr(i) for i in range(self.n_hosts)}
         hostname = socket.gethostname()
         try:
-            if not os.path.isdir(ETC_NETNS):
-                os.makedirs(ETC_NETNS, exist_ok=True)
-                self._made_etc_netns = True
             for i, ns in enumerate(self.host_namespaces):
                 os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
                 with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
@@ -642,24 +640,31 @@ class EmulatedNetwork:
                 pass
 
     def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; atexit and __exit__ remain
+        _OPEN_NETWORKS.append(self)
+        if _PREVIOUS_HANDLERS or threading.current_thread() is not threading.main_thread():
+            return  # already installed; or off the main thread, where atexit and __exit__ remain
         for sig in _CLEANUP_SIGNALS:
-            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+            _PREVIOUS_HANDLERS[sig] = signal.signal(sig, _on_signal)
 
     def _restore_signal_handlers(self) -> None:
-        for sig, handler in self._previous_handlers.items():
+        if self in _OPEN_NETWORKS:
+            _OPEN_NETWORKS.remove(self)
+        if _OPEN_NETWORKS or threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in _PREVIOUS_HANDLERS.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self._previous_handlers.clear()
+        _PREVIOUS_HANDLERS.clear()
 
-    def _on_signal(self, signum: int, frame) -> None:
-        """Clean up, then do what the signal did before: raise KeyboardInterrupt, die, or chain on."""
-        previous = self._previous_handlers.get(signum, signal.SIG_DFL)
-        if previous == signal.SIG_IGN:
-            return
-        self.close()  # (a no-op in a forked child, which then just gets the old behaviour)
-        if callable(previous):
-            previous(signum, frame)
-            return
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+
+def _on_signal(signum: int, frame) -> None:
+    """Clean up every open network, then do what the signal did before: raise KeyboardInterrupt, die, or chain on."""
+    previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)
+    if previous == signal.SIG_IGN:
+        return
+    for net in list(_OPEN_NETWORKS):
+        net.close()  # (a no-op in a forked child, which then just gets the old behaviour)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -10,8 +10,12 @@ Words:
   of (seed, i, world size), so every rank makes the same call without talking.
 - *input*: rank r's buffer for op i, integer valued and small (0..15, or 1..2 for ``prod``),
   so that the reduction is exact in every dtype (float16 and bfloat16 included) whatever
-  the order of the additions. Every rank computes the expected result of op i from every
-  rank's input itself, and compares it with what the allreduce gave, element for element.
+  the order of the additions and whatever the world size: for ``sum`` and ``mean`` at most
+  SUM_TERMS ranks give an element a nonzero value (16 * 15 = 240 fits uint8 and bfloat16's
+  exact integers), for ``prod`` at most PROD_TWOS ranks give it a 2 (2^7 fits uint8); which
+  ranks rotates with the element, so every rank's data is checked. Every rank computes the
+  expected result of op i from every rank's input itself, and compares it with what the
+  allreduce gave, element for element.
 - *error*: an op whose result differs from the expected one anywhere, or that raised.
   A CommError ends the run (the communicator is broken after it).
 - *sample*: open file descriptors (``/proc/self/fd``) and resident memory
@@ -43,6 +47,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"
 ALGORITHMS = ("ring", "naive", "central", "halving_doubling", "hierarchical", "native", "auto")
 TRANSPORTS = ("tcp", "shm", "torch")
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
+#: Ranks that may give one element a nonzero value in a sum, or a 2 in a product (see *input*).
+SUM_TERMS = 16
+PROD_TWOS = 7
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,15 +114,20 @@ def _power_of_two(p: int) -> bool:
     return p & (p - 1) == 0
 
 
-def rank_input(p: OpPlan, i: int, rank: int) -> np.ndarray:
-    """Rank ``rank``'s values for op i, as int64 (small integers: exact in every dtype)."""
-    base = np.arange(p.numel, dtype=np.int64) * 7 + i + 3 * rank
-    return 1 + base % 2 if p.op == "prod" else base % 16
+def rank_input(p: OpPlan, i: int, rank: int, world_size: int) -> np.ndarray:
+    """Rank ``rank``'s values for op i, as int64 (small integers whose reduction is exact in every dtype)."""
+    j = np.arange(p.numel, dtype=np.int64)
+    base = j * 7 + i + 3 * rank
+    if p.op in ("min", "max"):
+        return base % 16
+    limit = PROD_TWOS if p.op == "prod" else SUM_TERMS
+    contributes = (j + i + rank) % world_size < limit  # min(limit, world_size) ranks per element
+    return np.where(contributes, 1 + base % 2, 1) if p.op == "prod" else np.where(contributes, base % 16, 0)
 
 
 def expected(p: OpPlan, i: int, world_size: int) -> np.ndarray:
     """The exact result of op i, as float64 (every value is exactly representable)."""
-    inputs = np.stack([rank_input(p, i, r) for r in range(world_size)]) if p.numel else np.zeros((world_size, 0))
+    inputs = np.stack([rank_input(p, i, r, world_size) for r in range(world_size)]) if p.numel else np.zeros((world_size, 0))
     fold = {"sum": np.sum, "mean": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[p.op]
     out = fold(inputs, axis=0).astype(np.float64)
     return out / world_size if p.op == "mean" else out
@@ -154,7 +166,7 @@ def soak_rank(comm, cfg: SoakConfig) -> dict:
     done = 0
     for i in range(cfg.ops):
         p = plan(cfg, i)
-        buf = make_buffer(p, rank_input(p, i, comm.rank))
+        buf = make_buffer(p, rank_input(p, i, comm.rank, comm.world_size))
         try:
             comm.allreduce(buf, op=p.op, algorithm=p.algorithm)
         except CommError as exc:
@@ -210,8 +222,10 @@ def worker(cfg: SoakConfig) -> int:
 
     import ringtrain
 
+    from ..lifecycle import die_with_parent
     from .procs import emit
 
+    die_with_parent()  # an interrupted soak must not leave its ranks running
     torch.set_num_threads(1)
     comm = ringtrain.init(transport=cfg.transport, timeout=cfg.timeout)
     mine = soak_rank(comm, cfg)

@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .machine import check_out_dir, run_stamp
 from .procs import emit, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         names = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not names:
+            raise ValueError(f"--models: give at least one reference model, got {args.models!r}")
         for m in names:
             models.spec(m)
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -96,14 +99,16 @@ def run(args: argparse.Namespace) -> int:
         if not (math.isfinite(args.timeout) and args.timeout > 0):
             raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
         strategies = parse_strategies(args.strategies)
+        out_dir = check_out_dir(args.out) if args.out else None
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench train: {exc}")
-    out_dir = Path(args.out) if args.out else None
+    stamp = run_stamp()  # names the result and its timelines
+    kind = f"train-{args.net}-{args.world_size}r"
     cfg = {
         "models": names, "schedules": schedules, "torch_ddp": not args.no_torch_ddp,
         "transport": "tcp" if (args.net != "none" and args.transport == "shm") else args.transport,
         "algorithm": args.algorithm, "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
-        "timeline_dir": str(out_dir / "timelines") if out_dir else "",
+        "timeline_dir": str(out_dir / "timelines") if out_dir else "", "timeline_stem": f"{kind}-{stamp}",
     }
     worker_args = ["bench", "train", "--worker", json.dumps(cfg)]
     rows = []
@@ -128,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if out_dir:
         from .machine import save_result
 
-        path = save_result(f"train-{args.net}-{args.world_size}r", doc, out_dir)
+        path = save_result(kind, doc, out_dir, stamp=stamp)
         doc["saved_to"] = str(path)
         doc["charts"] = _charts(rows, path.with_suffix(""))
     if args.json:
@@ -294,7 +299,7 @@ def _worker(cfg: dict) -> int:
             model = copy.deepcopy(base)
             timeline = ""
             if sched == "optimal" and cfg["timeline_dir"]:
-                timeline = str(Path(cfg["timeline_dir"]) / f"{name}-{p}r.json")
+                timeline = str(Path(cfg["timeline_dir"]) / f"{cfg['timeline_stem']}-{name}.json")
             ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
                                                     timeline=timeline or None, timeline_iterations=TIMELINE_STEPS,
                                                     cost=cost)
@@ -359,7 +364,7 @@ def _worker(cfg: dict) -> int:
             t = torch.tensor(c["times"], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
             c["times_max"] = t
-            medians[c["impl"], c["schedule"]] = float(t.median())
+            medians[c["impl"], c["schedule"]] = float(np.median(t.numpy()))  # torch's median is the lower one
             if c["impl"] == "ringtrain":  # the wrapper's own account of the timed iterations
                 c["stats"] = list(c["wrapped"].stats)[-len(c["times"]):]
         compute_only = medians["alone", "no communication"]
@@ -377,7 +382,7 @@ def _worker(cfg: dict) -> int:
                                             float(np.median([s.broadcast_s for s in timed])))
         for c in configs:
             t = c["times_max"]
-            med = float(t.median())
+            med = float(np.median(t.numpy()))
             row = {"model": name, "impl": c["impl"], "schedule": c["schedule"], "batch_size": batch,
                    "median_iter_s": med, "iter_s": t.tolist(), "samples_per_s": p * batch / med,
                    "scaling_efficiency": compute_only / med, "compute_only_s": compute_only,

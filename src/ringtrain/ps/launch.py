@@ -235,11 +235,14 @@ def benchmark(model: str = "mlp", strategy: str = "sync", servers: int = 1, work
               **settings: Any) -> dict:
     """Train ``model`` for ``steps`` steps with local servers and worker processes; timings and bytes.
 
-    Returns median step time (after 2 warm-up steps), per-worker step times and losses, bytes per
-    worker and per server, and the staleness histogram (async).
+    Returns median step time (after 2 warm-up steps when ``steps`` > 4; with 4 or fewer every step
+    is timed, so that at least 3 are), per-worker step times and losses, bytes per worker and per
+    server, and the staleness histogram (async).
     """
     import numpy as np
 
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     opts = PSOptions(strategy=strategy, timeout=timeout, **settings)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -270,7 +273,7 @@ def benchmark(model: str = "mlp", strategy: str = "sync", servers: int = 1, work
                     p.kill()
                 p.join(5)
     rows = [out[w]["step_s"] for w in range(workers)]
-    steady = np.max(np.array(rows)[:, 2:] if steps > 4 else np.array(rows), axis=0)
+    steady = np.max(np.array(rows)[:, 2:] if steps > 4 else np.array(rows), axis=0)  # the slowest worker
     bs = batch_size or _default_batch(model)
     median = float(np.median(steady))
     return {

@@ -1,0 +1,25 @@
+"""The benchmark tools' command line: failures a user can fix end in one line, not a traceback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ringtrain.cli import main
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv", [
+    ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K", "--algorithms", "ring", "--transports", "tcp",
+     "--repeats", "1", "--net", "1gbit", "--out", ""],
+    ["bench", "train", "--models", "mlp", "--world-size", "2", "--steps", "1", "--rounds", "1", "--net", "1gbit",
+     "--out", ""],
+])
+def test_net_without_root_is_a_one_line_error(monkeypatch, argv):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    message = info.value.code
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith(f"ringtrain bench {argv[1]}: network emulation needs root"), message
