@@ -300,11 +300,8 @@ def test_a_closed_wrapper_refuses_forward_and_a_failed_one_leaves_nothing_behind
         with pytest.raises(RuntimeError, match="was closed"):
             ddp(torch.ones(2, 12))
         other = nn.Linear(3, 3 + comm.rank)  # the ranks' models differ: the first broadcast fails
-        if comm.rank == 1:  # (the root of a broadcast only sends: it learns at its next collective)
-            with pytest.raises(MismatchError):
-                DistributedDataParallel(other, comm, **FAST)
-        else:
-            DistributedDataParallel(other, comm, **FAST).close()
+        with pytest.raises(MismatchError):  # on every rank (the root too: the broadcast checks calls first)
+            DistributedDataParallel(other, comm, **FAST)
         return [p._post_accumulate_grad_hooks for p in other.parameters()]
 
     for hooks in raise_first(run_comms(2, body, timeout=5.0)):
