@@ -200,14 +200,9 @@ def _run_worker(config_json: str, json_summary: bool) -> int:
 def _check_writable(directory: Path, what: str) -> None:
     """Make ``directory`` now, so that a path that cannot hold checkpoints (or traces) is an error
     before training, not after the first ``checkpoint_every`` steps."""
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{what} {directory}: not a directory")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{what} {directory}: cannot make it ({exc.strerror or exc})") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {directory}: not writable")
+    from .bench.machine import check_writable_dir
+
+    check_writable_dir(directory, what)
 
 
 def _check_batch_fits(cfg: TrainConfig, workers: int) -> None:

@@ -61,16 +61,21 @@ def run_stamp() -> str:
 def check_out_dir(out_dir: str | Path) -> Path:
     """Make ``--out`` now and check it takes files: a run that cannot be saved fails before it
     runs, not after (its results lost)."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: not a directory")
+    return check_writable_dir(Path(out_dir), "--out")
+
+
+def check_writable_dir(directory: Path, what: str) -> Path:
+    """Make ``directory`` (``what`` names it in errors) and check it takes files: ValueError if
+    it is not a directory, cannot be made or is not writable."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{what} {directory}: not a directory")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--out {out}: cannot make it ({exc.strerror or exc})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: not writable")
-    return out
+        raise ValueError(f"{what} {directory}: cannot make it ({exc.strerror or exc})") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {directory}: not writable")
+    return directory
 
 
 def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks", stamp: str | None = None) -> Path:
