@@ -28,8 +28,9 @@ def test_permutation_is_fixed_across_versions_and_machines():
     assert permutation(1000, 0, 0).tolist() != permutation(1000, 0, 1).tolist()
     assert permutation(1000, 0, 0).tolist() != permutation(1000, 1, 0).tolist()
     assert data.mix(1, 2) != data.mix(2, 1)
-    with pytest.raises(ValueError, match="non-negative"):
-        data.mix(-1)
+    assert data.mix(-1) == data.mix(2**64 - 1)  # values are taken modulo 2**64
+    with pytest.raises(ValueError, match="integers"):
+        data.mix(0.5)
 
 
 # --- the sampler -------------------------------------------------------------------------

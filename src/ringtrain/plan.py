@@ -589,13 +589,24 @@ def _check_layers(backward_times: Sequence[float], sizes_bytes: Sequence[float])
 
 
 def check_vector(name: str, values: Sequence[float]) -> np.ndarray:
-    """``values`` as a 1-D float64 array, or a ValueError naming ``name`` and the bad entry."""
+    """``values`` as a 1-D float64 array, or a ValueError naming ``name`` and the bad entry.
+
+    The entries must be integers or floats: bools, strings and other objects are refused
+    rather than converted (``"1e3"`` or ``True`` in a list of sizes is a caller's mistake).
+    """
     try:
-        array = np.asarray(values, dtype=np.float64)
+        raw = np.asarray(values)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name} must be a sequence of numbers: {exc}") from None
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if raw.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {raw.shape}")
+    numeric = raw.dtype.kind in "iuf"
+    if not numeric or isinstance(values, (list, tuple)):  # numpy turns [1.5, True] into floats
+        entries = values if isinstance(values, (list, tuple)) else raw.tolist()
+        for i, v in enumerate(entries):
+            if isinstance(v, (bool, np.bool_)) or not (numeric or isinstance(v, (int, float, np.integer, np.floating))):
+                raise ValueError(f"{name}[{i}] = {v!r}; every entry must be an integer or a float")
+    array = raw.astype(np.float64)
     bad = np.flatnonzero(~(np.isfinite(array) & (array >= 0.0)))
     if bad.size:
         raise ValueError(f"{name}[{bad[0]}] = {array[bad[0]]!r}; every entry must be finite and >= 0")

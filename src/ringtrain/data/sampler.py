@@ -42,12 +42,16 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def mix(*values: int) -> int:
-    """A 63-bit integer that depends on every value in order (for seeding per-sample generators)."""
+    """A 63-bit integer that depends on every value in order (for seeding per-sample generators).
+
+    Each value is an integer (Python or numpy, of any size or sign) taken modulo 2**64, as a
+    64-bit register holds it: -1 and 2**64 - 1 mix alike.
+    """
     h = np.zeros(1, dtype=np.uint64)
     for v in values:
-        if v < 0:
-            raise ValueError(f"seeds and indices must be non-negative, got {v}")
-        h = splitmix64(h ^ np.array([v % 2**64], dtype=np.uint64))
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"seeds and indices must be integers, got {v!r}")
+        h = splitmix64(h ^ np.array([int(v) % 2**64], dtype=np.uint64))
     return int(h[0] >> np.uint64(1))
 
 

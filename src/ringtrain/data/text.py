@@ -7,11 +7,15 @@ Words:
 
 - *corpus*: the concatenated bytes of the ``.py`` files under the standard-library
   directory (``sysconfig.get_paths()["stdlib"]``), walked in a fixed order (directories and
-  files sorted by name), skipping ``site-packages``, ``dist-packages`` and ``__pycache__``
-  (their contents vary between installs), and cut at ``max_bytes``.
-- *digest*: SHA-256 of the corpus. The corpus is the same on two machines exactly when
-  they run the same Python build; ranks on different hosts can compare digests before
-  training.
+  files sorted by name), cut at ``max_bytes``. Skipped, because their contents vary between
+  installs or builds of one Python version: the directories ``site-packages``,
+  ``dist-packages``, ``__pycache__`` and ``config-*`` (the build's Makefile and
+  ``python-config.py``), and the files ``_sysconfigdata*.py`` (the build's compiler flags and
+  paths), ``site.py``, ``sitecustomize.py``, ``usercustomize.py`` and
+  ``_distutils_system_mod.py`` (rewritten by distributions and environments).
+- *digest*: SHA-256 of the corpus. Distributions still patch some standard modules, so two
+  machines can read different corpora; ``check_same_corpus`` compares digests and lengths
+  across the ranks of a job before training.
 - *window* ``i``: bytes ``[i·L, i·L + L + 1)`` of a split, for sequence length ``L``; its
   first ``L`` bytes are the input and its last ``L`` the next-byte targets. Windows do
   not overlap, so the split holds ``(len - 1) // L`` samples.
@@ -23,10 +27,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +40,9 @@ DEFAULT_MAX_BYTES = 4 * 2**20
 SPLITS = ("train", "val")
 _VAL_FRACTION = 0.05
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_SKIP_DIR_PREFIXES = ("config-",)
+_SKIP_FILES = frozenset({"site.py", "sitecustomize.py", "usercustomize.py", "_distutils_system_mod.py"})
+_SKIP_FILE_PREFIXES = ("_sysconfigdata",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +75,31 @@ def stdlib_dir() -> Path:
 
 def _walk_py_files(root: Path):
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(_SKIP_DIR_PREFIXES))
         for name in sorted(filenames):
-            if name.endswith(".py"):
+            if name.endswith(".py") and name not in _SKIP_FILES and not name.startswith(_SKIP_FILE_PREFIXES):
                 yield Path(dirpath, name)
+
+
+def _no_stdlib_source(base: Path) -> str:
+    """Why the standard library's source cannot be read from ``base``, and what to do."""
+    if not base.is_dir():
+        found = "that directory does not exist"
+    elif any(base.glob("*.pyc")) or any(base.glob("__pycache__/*.pyc")):
+        found = "it holds compiled .pyc files but no .py source (a stripped install)"
+    else:
+        found = "it holds no .py files"
+    zips = [p for p in sys.path if p.endswith(".zip") and os.path.isfile(p)]
+    if zips:
+        found += f"; this Python imports its standard library from {zips[0]}, which is not read"
+    return (
+        f"the 'text' data set reads the Python standard library's .py source, looked for in {str(base)!r} "
+        f"(sysconfig's stdlib path of {sys.executable}), but {found}. Install the standard library's "
+        f"source for Python {sys.version_info.major}.{sys.version_info.minor} (a full build: python.org, "
+        "pyenv, conda, or the distribution's complete python package), pass root=DIRECTORY of .py files "
+        "(ringtrain.data.text_corpus, dataset('text', root=...)), or use a model on the 'images' or "
+        "'vectors' data set"
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -79,6 +108,8 @@ def text_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> 
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2:
         raise ValueError(f"max_bytes must be an integer >= 2, got {max_bytes!r}")
     base = Path(root) if root is not None else stdlib_dir()
+    if root is None and not base.is_dir():
+        raise ValueError(_no_stdlib_source(base))
     if not base.is_dir():
         raise ValueError(f"root must be a directory, got {str(base)!r}")
     chunks: list[bytes] = []
@@ -96,7 +127,7 @@ def text_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> 
         if size >= max_bytes:
             break
     if size < 2:
-        raise ValueError(f"no .py source found under {str(base)!r}")
+        raise ValueError(_no_stdlib_source(base) if root is None else f"no .py source found under {str(base)!r}")
     return TextCorpus(b"".join(chunks), tuple(files), str(base))
 
 
@@ -115,6 +146,11 @@ class TextWindows:
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 of the text (as ``TextCorpus.digest``)."""
+        return hashlib.sha256(self.tokens.numpy()).hexdigest()
+
     def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, both ``(len(indices), seq_len)`` int64."""
         idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
@@ -122,3 +158,46 @@ class TextWindows:
             raise IndexError(f"sample index out of range [0, {len(self)})")
         windows = self.tokens[idx[:, None] * self.seq_len + self._offsets].long()
         return windows[:, :-1], windows[:, 1:]
+
+
+_DIGEST_BYTES = 32
+
+
+def check_same_corpus(comm: Any, text: Any) -> None:
+    """Raise ``ValueError`` on every rank of ``comm`` unless all of them hold the same text.
+
+    ``text``: a ``TextCorpus``, ``TextWindows`` or bytes; its SHA-256 and length are gathered
+    from every rank (one ``allgather`` of 40 bytes each) and compared, and the error names the
+    ranks that differ from rank 0. Anything else (the synthetic data sets, a pure function of
+    the seed) is not compared and nothing is sent: every rank must pass the same kind.
+    """
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        digest, length = hashlib.sha256(text).hexdigest(), len(text)
+    elif isinstance(text, TextCorpus):
+        digest, length = text.digest, len(text.data)
+    elif isinstance(text, TextWindows):
+        digest, length = text.digest, len(text.tokens)
+    else:
+        return
+    width = _DIGEST_BYTES + 8
+    mine = bytes.fromhex(digest) + length.to_bytes(8, "little")
+    table = np.zeros(comm.world_size * width, dtype=np.uint8)
+    table[comm.rank * width:(comm.rank + 1) * width] = np.frombuffer(mine, dtype=np.uint8)
+    comm.allgather(table)
+    ranks_of: dict[bytes, list[int]] = {}
+    for r, row in enumerate(table.reshape(comm.world_size, width)):
+        ranks_of.setdefault(row.tobytes(), []).append(r)
+    if len(ranks_of) == 1:
+        return
+    groups = [
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+        f"{int.from_bytes(key[_DIGEST_BYTES:], 'little')} bytes, sha256 {key[:6].hex()}..."
+        for key, ranks in ranks_of.items()
+    ]
+    differ = [r for key, ranks in ranks_of.items() for r in ranks if 0 not in ranks]
+    raise ValueError(
+        f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, sorted(differ)))} read a different text "
+        f"corpus from rank 0 ({'; '.join(groups)}). The 'text' data set is the Python standard library's "
+        "source, which differs between Python builds and distributions: run every rank with the same "
+        "Python build, or give every rank the same root= directory"
+    )

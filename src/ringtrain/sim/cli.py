@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -131,6 +132,10 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before a sweep that may take minutes
+        print("ringtrain simulate: --plot needs matplotlib, which is not installed here; "
+              "install it (pip install matplotlib) or leave out --plot", file=sys.stderr)
+        return 2
     try:
         traces = load_traces(args.model, args.device)
         clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], args.gpus_per_node)

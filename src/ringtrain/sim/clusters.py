@@ -15,9 +15,12 @@ Words used here:
     ``mgwfbp-10GbE-16``;
   - ``alpha=SECONDS,beta=SECONDS_PER_BYTE`` with optional ``gamma=``, ``gpus_per_node=``,
     ``nics_per_node=``, ``intra_alpha=``, ``intra_beta=``, ``servers=``, ``name=`` —
-    user-given constants;
+    user-given constants (named, unless ``name=`` is given, by every field not at its default);
   - the path of a ``ringtrain bench allreduce --json`` file: α and β fitted to its rows
     (``from_bench``).
+
+Results are keyed by cluster name, so ``resolve_many`` adds ``#2``, ``#3``... to a name that
+repeats (two bench files of one stem, a name given twice).
 
 Profiles published as *fitted allreduce times* (``fitted_world_size`` set, e.g. the MG-WFBP
 authors' ``a + b*n`` on 16 workers) are turned into the link constants that give exactly that
@@ -27,6 +30,7 @@ The same conversion is used for α/β fitted from a bench file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,8 +145,19 @@ def custom(spec: str, gpus_per_node: int = 8) -> Cluster:
             raise ValueError(f"--cluster {spec!r}: {key}={value!r} is not a number") from None
     if "alpha" not in fields or "beta" not in fields:
         raise ValueError(f"--cluster {spec!r}: both alpha= and beta= are required")
-    name = fields.pop("name", f"alpha={fields['alpha']:g},beta={fields['beta']:g}")
+    name = fields.pop("name") if "name" in fields else auto_name(fields, gpus_per_node)
     return Cluster(name, source="user-given", **fields)
+
+
+def auto_name(fields: dict[str, Any], gpus_per_node: int = 8) -> str:
+    """``alpha=..,beta=..`` and every other field of ``fields`` that is not its default (for
+    ``gpus_per_node``: the run's ``--gpus-per-node``), so clusters that differ get different
+    names. Numbers are written in full (``%g`` where that loses nothing)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Cluster)} | {"gpus_per_node": gpus_per_node}
+    keys = ("alpha", "beta", "gamma", "gpus_per_node", "nics_per_node", "intra_alpha", "intra_beta", "servers")
+    return ",".join(
+        f"{k}={_exact(fields[k])}" for k in keys if k in fields and (k in ("alpha", "beta") or fields[k] != defaults[k])
+    )
 
 
 def load_bench_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -217,4 +232,23 @@ def resolve_many(specs: list[str], gpus_per_node: int = 8) -> list[Cluster]:
         out += [resolve(s, gpus_per_node) for s in parts]
     if not out:
         raise ValueError(f"--cluster: needs at least one value, got {specs!r}")
+    return unique_names(out)
+
+
+def _exact(value: float) -> str:
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
+
+
+def unique_names(clusters: list[Cluster]) -> list[Cluster]:
+    """``clusters`` with ``#2``, ``#3``... added to repeated names: results are keyed by the
+    cluster's name, so two clusters of one name would overwrite each other's rows."""
+    out: list[Cluster] = []
+    taken: set[str] = set()
+    for c in clusters:
+        name, k = c.name, 2
+        while name in taken:
+            name, k = f"{c.name}#{k}", k + 1
+        taken.add(name)
+        out.append(c if name == c.name else dataclasses.replace(c, name=name))
     return out

@@ -168,6 +168,8 @@ class NetworkProfile:
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             _check_number(name, getattr(self, name))
+        if self.fitted_world_size is not None and _check_world(self.fitted_world_size) < 2:
+            raise ValueError(f"fitted_world_size={self.fitted_world_size!r}; a fitted allreduce needs >= 2 workers")
 
     @property
     def bandwidth(self) -> float:
@@ -177,8 +179,11 @@ class NetworkProfile:
     def cost(self, world_size: int, algorithm: str = "ring", **options: Any) -> Callable[[Any], Any]:
         """``cost(nbytes) -> seconds`` of one allreduce on this network, for ``plan.merge``.
 
-        A link profile goes through the ``algorithm``'s model; a fitted profile is already the
-        time of one allreduce, ``alpha + beta * n``, valid at its own world size only.
+        A link profile goes through the ``algorithm``'s model. A fitted profile is the time of
+        one allreduce at its own world size only, read as a ring allreduce's (as
+        ``sim.clusters`` reads it): for ``ring`` exactly ``alpha + (beta + gamma) * n``; for
+        another algorithm, or with ``options``, that algorithm's model on the link constants
+        that give the fitted ring time (``ring_link_from_fit``).
         """
         if self.fitted_world_size is None:
             return allreduce_cost(world_size, algorithm, self.alpha, self.beta, self.gamma, **options)
@@ -187,7 +192,21 @@ class NetworkProfile:
                 f"network {self.name!r} was fitted on {self.fitted_world_size} workers, not "
                 f"world_size={world_size}; use a link profile for other sizes"
             )
-        return LinearCost(self.alpha, self.beta, self.gamma)
+        if algorithm == "ring" and not options:
+            return LinearCost(self.alpha, self.beta, self.gamma)
+        link = ring_link_from_fit(self.alpha, self.beta, self.gamma, world_size)
+        return allreduce_cost(world_size, algorithm, *link, **options)
+
+
+def ring_link_from_fit(a: float, b: float, c: float, world_size: int) -> tuple[float, float, float]:
+    """Link (alpha, beta, gamma) whose ring allreduce on ``world_size`` ranks takes ``a + (b + c)·n``.
+
+    Inverts 2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ term by term (Patarasuk & Yuan 2009).
+    """
+    p = _check_world(world_size)
+    if p < 2:
+        raise ValueError(f"a fitted allreduce needs world_size >= 2, got {world_size}")
+    return a / (2 * (p - 1)), b * p / (2 * (p - 1)), c * p / (p - 1)
 
 
 _LINE_RATE = "nominal line rate; alpha an assumed typical per-message latency"

@@ -148,6 +148,12 @@ def predict_with_cost(
     free overlap)."""
     if world_size < 1:
         raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
+    base = single_gpu_iteration(trace)
+    if not base > 0:  # throughput and speedup are ratios to the one-GPU iteration
+        raise ValueError(
+            f"trace {trace.model}: forward, backward and optimizer times are all 0, so throughput and "
+            "speedup are undefined; give the layers their compute times"
+        )
     _, times, sizes = trace.gradient_layers()
     servers = world_size > 1 and getattr(cost, "algorithm", None) == "ps"
     # A parameter server's exchanges queue behind the pushes only (sim.costs, "ps").
@@ -156,7 +162,6 @@ def predict_with_cost(
                         interference if world_size > 1 else None, planned_with if world_size > 1 else None)
     drain = getattr(cost, "drain", None)
     tail = float(drain(plan.group_bytes[-1])) if world_size > 1 and drain is not None and plan.group_bytes else 0.0
-    base = single_gpu_iteration(trace)
     # Backward slowed by the launches before its last group (0 without interference).
     delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
     backward = trace.backward_s + delay

@@ -231,7 +231,13 @@ def profile_module(
 
     ``make_batch()`` returns the model's inputs followed by the target; ``loss_fn(output,
     target)`` gives a scalar. A layer is each leaf module (and each module that holds
-    parameters directly), in order of its first forward call.
+    parameters directly). Layers are ordered by what was measured, not by the module tree:
+    gradient layers by the median time their gradient became ready, latest first, so that
+    backward order (``reversed(layers)``) is the order of arrival in ``loss.backward()`` — a
+    parameter used at the input (a root's ``pos_embed``), one held by a module that is not a
+    leaf (``nn.MultiheadAttention.in_proj_weight``) or by a leaf whose forward is never called
+    (its ``out_proj``) lands where its gradient really arrives. Each parameter-free leaf
+    follows the gradient leaf it followed in the first forward call (``_forward_order``).
 
     * forward: the time between a leaf's forward pre-hook and forward hook, summed over
       calls; forward time spent outside every leaf (functional ops) becomes a last layer
@@ -240,7 +246,8 @@ def profile_module(
       been accumulated (``register_post_accumulate_grad_hook``); a gradient layer's backward
       time is its ready time minus the previous ready time, so the running sum matches what
       a bucketed allreduce would see. Backward after the last ready gradient is given to
-      the first layer.
+      the first layer. A gradient layer whose gradient never arrives (unused in forward) is
+      ready first, with no backward time.
     * gradient bytes: numel x element size of each trainable parameter, counted once for
       shared parameters (at the first module that holds them).
 
@@ -337,7 +344,7 @@ def profile_module(
             timings.ready.clear()
             t0, t1, t2, opt_s = iteration()
             if i >= warmup:
-                samples.append(_one_iteration(timings, owners, order, t0, t1, t2, opt_s))
+                samples.append(_one_iteration(timings, owners, t0, t1, t2, opt_s))
     finally:
         for h in handles:
             h.remove()
@@ -356,15 +363,18 @@ def profile_module(
             plain_f.append(t1 - t0)
             plain_b.append(t2 - t1)
 
-    med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    med = {k: statistics.median(s[k] for s in samples) for k in samples[0] if not k.startswith("r:")}
     hooked_f = sum(v for k, v in med.items() if k.startswith("f:"))
     hooked_b = sum(v for k, v in med.items() if k.startswith("b:"))
     fs = statistics.median(plain_f) / hooked_f if hooked_f > 0 else 1.0
     bs = statistics.median(plain_b) / hooked_b if hooked_b > 0 else 1.0
-    names = order + [n for n in owners if n not in order and grad_bytes[n]]
-    layers = [
-        Layer(n, fs * med.get(f"f:{n}", 0.0), bs * med.get(f"b:{n}", 0.0), grad_bytes[n], params[n]) for n in names
-    ]
+    ready_at = {n: statistics.median(s[f"r:{n}"] for s in samples if f"r:{n}" in s)
+                for n in owners if any(f"r:{n}" in s for s in samples)}
+    names = _forward_order(order, [n for n in owners if grad_bytes[n]], ready_at)
+    back = {n: med.get(f"b:{n}", 0.0) for n in names}
+    if names:  # else Trace below says what is missing
+        back[names[0]] += med["b:(tail)"]
+    layers = [Layer(n, fs * med.get(f"f:{n}", 0.0), bs * back[n], grad_bytes[n], params[n]) for n in names]
     if med["f:(other)"] > 0:
         layers.append(Layer("(other)", fs * med["f:(other)"], 0.0, 0, 0))
     return Trace(
@@ -392,18 +402,48 @@ def _device_name(on_cuda: bool) -> str:
 
 
 def _one_iteration(
-    timings: _Timings, owners: dict[str, Any], order: list[str], t0: float, t1: float, t2: float, opt_s: float
+    timings: _Timings, owners: dict[str, Any], t0: float, t1: float, t2: float, opt_s: float
 ) -> dict[str, float]:
+    """One hooked iteration's numbers: ``f:NAME`` forward seconds, ``b:NAME`` seconds from the
+    previous ready gradient to NAME's, ``r:NAME`` NAME's ready time from the start of backward
+    (only for gradients that arrived), ``b:(tail)`` backward after the last one, ``optimizer``."""
     out: dict[str, float] = {f"f:{n}": timings.forward.get(n, 0.0) for n in owners}
     out.update({f"b:{n}": 0.0 for n in owners})
     out["f:(other)"] = max(0.0, (t1 - t0) - sum(timings.forward.values()))
     prev = t1
     for n, t in sorted(timings.ready.items(), key=lambda kv: kv[1]):
         out[f"b:{n}"] = t - prev
+        out[f"r:{n}"] = t - t1
         prev = t
-    first = order[0] if order else next(iter(owners))
-    out[f"b:{first}"] = out.get(f"b:{first}", 0.0) + max(0.0, t2 - prev)
+    out["b:(tail)"] = max(0.0, t2 - prev)
     out["optimizer"] = opt_s
+    return out
+
+
+def _forward_order(order: list[str], gradient: list[str], ready_at: dict[str, float]) -> list[str]:
+    """Layer names in the forward order whose reverse is the measured backward order.
+
+    ``order``: leaves in order of their first forward call; ``gradient``: the layers that hold
+    gradient bytes, in module order; ``ready_at``: seconds from the start of backward to each
+    gradient's arrival (absent: it never arrived). Gradient layers are sorted latest-ready
+    first (never-ready ones last: they are ready at once), ties in first-call then module
+    order; every parameter-free leaf of ``order`` keeps its place after the gradient leaf
+    that preceded it there (at the front if none did).
+    """
+    first_call = {n: i for i, n in enumerate(order)}
+    rank = {n: (first_call.get(n, len(order)), i) for i, n in enumerate(gradient)}
+    grads = sorted(gradient, key=lambda n: (-ready_at.get(n, -math.inf), rank[n]))
+    is_grad = set(gradient)
+    after: dict[str | None, list[str]] = {}
+    anchor: str | None = None
+    for n in order:
+        if n in is_grad:
+            anchor = n
+        else:
+            after.setdefault(anchor, []).append(n)
+    out = list(after.get(None, []))
+    for n in grads:
+        out += [n] + after.get(n, [])
     return out
 
 
