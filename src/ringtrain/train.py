@@ -443,13 +443,14 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import torch
 
     import ringtrain
-    from . import checkpoint
+    from . import checkpoint, data
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     comm = ringtrain.init(transport=cfg.transport, timeout=cfg.timeout)
     rank, p = comm.rank, comm.world_size
     model, loader, batch_size = _workload(cfg, rank, p)
+    data.check_same_corpus(comm, loader.dataset)  # the stdlib text differs between Python builds
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
 
     start = 0
