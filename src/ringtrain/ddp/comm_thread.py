@@ -82,7 +82,8 @@ class CommThread:
             return
         self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:  # (a wrapper collected on this thread closes it)
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         while True:

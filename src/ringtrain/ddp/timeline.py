@@ -15,9 +15,11 @@ Words used here:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -90,7 +92,10 @@ def trace_path(path: str | os.PathLike, rank: int) -> Path:
 
 
 class TraceRecorder:
-    """Collects spans of the first ``max_iterations`` recorded iterations; writes one file."""
+    """Collects spans of the first ``max_iterations`` recorded iterations; writes one file.
+
+    A write that fails (the disk full, the folder removed) warns once, naming the file, and ends
+    the recording: a trace is not worth a training run."""
 
     def __init__(self, path: str | os.PathLike, rank: int, max_iterations: int, origin: Optional[float] = None):
         if max_iterations < 1:
@@ -103,10 +108,11 @@ class TraceRecorder:
         self.iterations = 0
         self.events: list[dict[str, Any]] = []
         self._written = False
+        self.failed = False  # a write failed: nothing more is recorded or written
 
     @property
     def recording(self) -> bool:
-        return self.iterations < self.max_iterations
+        return not self.failed and self.iterations < self.max_iterations
 
     def span(self, name: str, cat: str, lane: str, start: float, end: float, **args: Any) -> None:
         """Record [start, end] (perf_counter seconds) on ``lane``."""
@@ -143,13 +149,26 @@ class TraceRecorder:
             for lane, tid in LANES.items()
         ]
         doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms"}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            self._give_up(exc, tmp)
+            return None
         if not self.recording:
             self._written = True
         return self.path
+
+    def _give_up(self, exc: OSError, tmp: Path) -> None:
+        """A write failed: warn (once: nothing is written after it) and stop recording."""
+        self.failed = True
+        self.events = []
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        warnings.warn(f"timeline: cannot write the trace file {self.path}: {exc.strerror or exc}; "
+                      "this rank's timeline is no longer recorded (training goes on)", RuntimeWarning, stacklevel=3)
 
 
 def _check_writable(path: Path) -> None:

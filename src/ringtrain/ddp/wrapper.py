@@ -27,7 +27,9 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    communication failed raises that CommError, and every later ``forward`` raises a
    CommError that names it (the communicator is broken; nothing more can be averaged). Only a
    backward begun by the wrapper's ``forward`` is averaged: one through the module itself
-   afterwards stays local, as with torch's DDP.
+   afterwards stays local, as with torch's DDP. The backward averaged is that of the last
+   synchronizing forward: a forward under ``torch.no_grad()`` or ``no_sync()`` in between (an
+   evaluation) changes nothing.
 4. *Planning*: the first ``warmup_iterations + profile_iterations`` iterations use one bucket
    (reduced after backward, so the hooks time backward undisturbed), laid out in reverse
    registration order. Then the profile (per-parameter backward times, mean over ranks, rank
@@ -84,7 +86,7 @@ from torch import nn
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
 from ..comm import ALGORITHMS, Communicator
-from ..errors import CommError
+from ..errors import CommError, CommTimeout
 from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread
@@ -115,7 +117,9 @@ class DDPOptions:
     timeline_iterations: int = 10
     """Iterations recorded in the trace (from the first one with the measured plan)."""
     find_unused_parameters: bool = False
-    """Find, at each forward, the parameters that will get no gradient; they contribute zeros."""
+    """Find, at each forward, the parameters that will get no gradient; they contribute zeros (or
+    what ``no_sync()`` accumulated in their ``.grad``). One that no rank has a gradient for keeps
+    its ``.grad`` (None stays None), as with torch's DDP."""
     broadcast_buffers: bool = True
     """Copy rank 0's module buffers to every rank at each forward (torch DDP's default)."""
     warmup_iterations: int = 1
@@ -258,14 +262,17 @@ class DistributedDataParallel(nn.Module):
             # Mutable state lives in one plain object: nn.Module.__setattr__ is too slow for hooks.
             self._s = _State(n)
             self._reset_iteration()
-            self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, pid))
+            # The hooks hold the wrapper weakly: the module outlives it, and a wrapper it kept alive
+            # would never be collected (nor its communication thread stopped).
+            me = weakref.ref(self)
+            self._hooks = [p.register_post_accumulate_grad_hook(partial(_grad_hook, me, pid))
                            for pid, p in enumerate(self._params)]
         except BaseException:  # a failed broadcast or sweep (ranks disagree, a peer lost): leave nothing behind
             for h in self._hooks:
                 h.remove()
             self._thread.close()
             raise
-        self._finalizer = weakref.finalize(self, _shutdown, self._thread, self._recorder)
+        self._finalizer = weakref.finalize(self, _shutdown, self._thread, self._recorder, self._hooks)
 
     # --- public ------------------------------------------------------------------------------
 
@@ -325,28 +332,38 @@ class DistributedDataParallel(nn.Module):
         if self._closed:
             raise RuntimeError("ringtrain.DistributedDataParallel: this wrapper was closed; its gradients would no "
                                "longer be averaged. Wrap the module again (or call the module itself for local work).")
-        self._s.retired.clear()
-        if self._s.failed is not None:
+        st = self._s
+        st.retired.clear()
+        if st.failed is not None:
             raise self._failed_backward_error()
-        if self._s.active:
+        if st.active:
             raise self._missing_gradients_error()
         t0 = time.perf_counter()
         if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers:
             self._broadcast_tensors(self._module_buffers, "broadcast buffers")
-        self._s.broadcast_s = time.perf_counter() - t0
+        broadcast_s = time.perf_counter() - t0
         out = self.module(*inputs, **kwargs)
-        self._s.armed = self._s.sync and torch.is_grad_enabled()
-        if self._s.armed:
-            outputs = [t for t in _tensors(out) if t.grad_fn is not None]
-            for t in outputs:
-                t.register_hook(self._on_backward_start)
-            if self.options.find_unused_parameters:
-                # No tensor with a graph found in the output: nothing to walk, all are expected.
-                used = _reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
-                self._s.expected = len(used)
-                self._s.unused = {pid for pid in range(len(self._params)) if pid not in used}
-        self._s.forward_span = (t0, time.perf_counter())
+        if st.sync and torch.is_grad_enabled():
+            self._arm(out)
+            st.broadcast_s = broadcast_s
+            st.forward_span = (t0, time.perf_counter())
         return out
+
+    def _arm(self, out: Any) -> None:
+        """Make the backward of a synchronizing forward's outputs average the gradients. Only such
+        a forward arms (and sets what it expects): one under ``torch.no_grad()`` or ``no_sync()``
+        between it and its backward (an evaluation, say) leaves that backward armed."""
+        st = self._s
+        st.armed = True
+        outputs = [t for t in _tensors(out) if t.grad_fn is not None]
+        me = weakref.ref(self)
+        for t in outputs:
+            t.register_hook(partial(_backward_start_hook, me))
+        if self.options.find_unused_parameters:
+            # No tensor with a graph found in the output: nothing to walk, all are expected.
+            used = _reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
+            st.expected = len(used)
+            st.unused = {pid for pid in range(len(self._params)) if pid not in used}
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -362,11 +379,8 @@ class DistributedDataParallel(nn.Module):
         """Write the trace file, remove the hooks, stop the communication thread (idempotent).
         The communicator stays open: it belongs to the caller."""
         self._closed = True
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         self._s.retired.clear()
-        self._finalizer()
+        self._finalizer()  # (removes the hooks)
 
     # --- hooks -------------------------------------------------------------------------------
 
@@ -381,43 +395,85 @@ class DistributedDataParallel(nn.Module):
             return
         now = time.perf_counter()
         with self._lock:
-            if not st.active:
-                self._begin_backward(now)
-            if pid in st.unused:
-                raise self._unused_got_gradient_error(pid)
-            if st.got[pid]:
-                # A second gradient before the first backward ended: that one lacked some.
-                raise self._missing_gradients_error()
-            st.got[pid] = 1
-            st.stamps[pid] = now
-            st.last = now
-            st.ready += 1
-            if self.world_size > 1:
-                grad = param.grad
-                if grad.is_sparse:
-                    raise ValueError(f"parameter {self._names[pid]!r} has a sparse gradient; "
-                                     "ringtrain.DistributedDataParallel reduces dense gradients only")
-                slot = self._slots[pid]
-                if grad.data_ptr() != slot.data_ptr():  # (accumulated in place into the slot: nothing to copy)
-                    slot.copy_(grad)
-                    if self.options.gradient_as_bucket_view and grad.stride() == slot.stride():
-                        # The slot becomes the gradient: when the bucket's allreduce ends, .grad
-                        # already holds the mean, with no copy back (torch's gradient_as_bucket_view).
-                        param.grad = slot
-                        st.retired.append(grad)  # freed at the next forward (see _State.retired)
-                self._mark_ready(self._bucket_index[pid])
-            st.hooks_s += time.perf_counter() - now
-            if st.ready == st.expected:
-                self._end_backward()
+            try:
+                self._take_gradient(pid, param, now)
+            except BaseException:
+                # The backward stops here: abandon the iteration (its own errors already did), so
+                # that this error, not "missing gradients" at the next forward, is what is seen.
+                if st.active:
+                    self._abandon_iteration()
+                raise
+
+    def _take_gradient(self, pid: int, param: torch.Tensor, now: float) -> None:
+        st = self._s
+        if not st.active:
+            self._begin_backward(now)
+        if pid in st.unused:
+            raise self._unused_got_gradient_error(pid)
+        if st.got[pid]:
+            # A second gradient before the first backward ended: that one lacked some.
+            raise self._missing_gradients_error()
+        st.got[pid] = 1
+        st.stamps[pid] = now
+        st.last = now
+        st.ready += 1
+        if self.world_size > 1:
+            self._into_slot(pid, param, param.grad)
+            self._mark_ready(self._bucket_index[pid])
+        st.hooks_s += time.perf_counter() - now
+        if st.ready == st.expected:
+            self._end_backward()
+
+    def _into_slot(self, pid: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Copy ``grad`` into the parameter's bucket slot, which becomes its ``.grad`` where the
+        layouts agree (``gradient_as_bucket_view``)."""
+        if grad.is_sparse:
+            raise ValueError(f"parameter {self._names[pid]!r} has a sparse gradient; "
+                             "ringtrain.DistributedDataParallel reduces dense gradients only")
+        slot = self._slots[pid]
+        if grad.data_ptr() == slot.data_ptr():  # accumulated in place into the slot: nothing to copy
+            return
+        slot.copy_(grad)
+        if self.options.gradient_as_bucket_view and grad.stride() == slot.stride():
+            # The slot becomes the gradient: when the bucket's allreduce ends, .grad already
+            # holds the mean, with no copy back (torch's gradient_as_bucket_view).
+            param.grad = slot
+            self._s.retired.append(grad)  # freed at the next forward (see _State.retired)
 
     def _begin_backward(self, now: float) -> None:
         st = self._s
         st.active = True
         st.first = now
-        if self.world_size > 1:
-            for pid in st.unused:  # find_unused_parameters: they contribute zeros
+        if self.world_size == 1:
+            return
+        if self.options.find_unused_parameters:
+            self._launch_used_bitmap()  # before any bucket: every rank queues it first
+        for pid in st.unused:  # find_unused_parameters: no gradient from this backward
+            param = self._params[pid]
+            if param.grad is None:  # it contributes zeros
                 self._slots[pid].zero_()
-                self._mark_ready(self._bucket_index[pid])
+            else:  # it contributes what no_sync() accumulated
+                self._into_slot(pid, param, param.grad)
+            self._mark_ready(self._bucket_index[pid])
+
+    def _launch_used_bitmap(self) -> None:
+        """Queue the allreduce (max) of which parameters have a gradient on this rank: used in
+        this backward, or accumulated under ``no_sync()``. One that no rank has keeps its
+        ``.grad`` (None stays None), as torch's DDP does."""
+        st = self._s
+        st.used = np.ones(len(self._params), dtype=np.uint8)
+        for pid in st.unused:
+            st.used[pid] = self._params[pid].grad is not None
+        st.used_job = self._thread.submit("allreduce used parameters",
+                                          partial(self.comm.allreduce, st.used, "max", "auto"), st.used.nbytes)
+
+    def _unused_everywhere(self) -> set[int]:
+        """Ids of the parameters no rank has a gradient for (after :meth:`_launch_used_bitmap`)."""
+        st = self._s
+        if st.used_job is None:
+            return set()
+        st.used_job.wait(self._timeout)  # queued before every bucket: normally over already
+        return {pid for pid in st.unused if not st.used[pid]}
 
     def _mark_ready(self, bucket: int) -> None:
         st = self._s
@@ -451,48 +507,72 @@ class DistributedDataParallel(nn.Module):
             if st.launched != len(self._specs):
                 raise RuntimeError(f"internal error: {st.launched} of {len(self._specs)} buckets launched at the "
                                    "end of backward")
+            unused = self._unused_everywhere()
             for k, job in enumerate(st.jobs):
-                if not self._needs_copy(self._specs[k]):
+                if not self._needs_copy(self._specs[k], unused):
                     continue  # its .grad is a view of the bucket: nothing to wait for here
                 # Copy bucket k back while the communication thread reduces the next ones.
                 job.wait(self._timeout)
                 t0 = time.perf_counter()
-                self._copy_back(self._specs[k])
+                self._copy_back(self._specs[k], unused)
                 copies.append((f"bucket {k}", t0, time.perf_counter()))
-            # One wake-up for the rest: jobs run in order, so once the last has ended every one
-            # has, and the waits in order return at once (re-raising the first error, not the
-            # later ones' "communicator is broken"). A wait per bucket woke this thread once
-            # per allreduce on every rank: wfbp on the CNN at 4 ranks / 10 Gbit/s (107
-            # allreduces) left 3-4 ms per iteration between allreduces on the communication
-            # thread, 0.6 ms with the one wait.
-            if st.jobs:
-                st.jobs[-1].settle(self._timeout)
-            for job in st.jobs:
+            self._settle(st.jobs)
+            for job in st.jobs:  # (all ended: re-raises the first error, not the later ones' "communicator is broken")
                 job.wait(self._timeout)
             t1 = time.perf_counter()
             copies.append(("the last allreduce", t1, t1))  # a wait, nothing to copy
         t_done = time.perf_counter()
-        self._record(t_last, copies, t_done)
+        traced = self._record(t_last, copies, t_done)
         self._profile()
         st.iteration += 1
         self._reset_iteration()
+        if traced:  # last, once the iteration is accounted for: this may write the trace file
+            self._recorder.end_iteration()
 
-    def _needs_copy(self, spec: bucketing.BucketSpec) -> bool:
+    def _settle(self, jobs: list) -> None:
+        """Block until every job has ended, each within a deadline of its own: ``self._timeout``
+        from the end of the job before it (or from now, if that one ended before). Allreduces that
+        are each slow but within the deadline are no timeout, however many there are.
+
+        Jobs run in order, so waiting for the last one waits for all: normally one wake-up. A
+        wait per bucket woke this thread once per allreduce on every rank: wfbp on the CNN at 4
+        ranks / 10 Gbit/s (107 allreduces) left 3-4 ms per iteration between allreduces on the
+        communication thread, 0.6 ms with the one wait."""
+        start = time.perf_counter()
+        k = 0  # the first job not ended
+        while True:
+            while k < len(jobs) and jobs[k].done:
+                k += 1
+            if k == len(jobs):
+                return
+            since = max(start, jobs[k - 1].ended) if k else start
+            left = since + self._timeout - time.perf_counter()
+            if left <= 0:
+                raise CommTimeout(f"communication job {jobs[k].label!r} did not finish within {self._timeout:.1f} s")
+            with contextlib.suppress(CommTimeout):  # (then: has the first one not ended moved on?)
+                jobs[-1].settle(left)
+
+    def _needs_copy(self, spec: bucketing.BucketSpec, unused: set[int]) -> bool:
         """Whether some parameter of the bucket needs ``_copy_back`` (a ``.grad`` that is not
-        its slot)."""
+        its slot; ``unused``: the parameters no rank has a gradient for, left alone)."""
         for pid in spec.pids:
             grad = self._params[pid].grad
-            if grad is None or grad.data_ptr() != self._slots[pid].data_ptr():
+            if grad is None:
+                if pid not in unused:
+                    return True
+            elif grad.data_ptr() != self._slots[pid].data_ptr():
                 return True
         return False
 
-    def _copy_back(self, spec: bucketing.BucketSpec) -> None:
-        """Every parameter of the bucket gets the mean over ranks as its ``.grad``."""
+    def _copy_back(self, spec: bucketing.BucketSpec, unused: set[int]) -> None:
+        """Every parameter of the bucket gets the mean over ranks as its ``.grad``, but those
+        in ``unused`` (no rank has a gradient for them: their ``.grad`` stays None)."""
         with torch.no_grad():
             for pid in spec.pids:
                 p, slot = self._params[pid], self._slots[pid]
                 if p.grad is None:  # find_unused_parameters: unused here, maybe used elsewhere
-                    p.grad = slot if self.options.gradient_as_bucket_view else slot.clone()
+                    if pid not in unused:
+                        p.grad = slot if self.options.gradient_as_bucket_view else slot.clone()
                 elif p.grad.data_ptr() != slot.data_ptr():  # a gradient laid out unlike its slot
                     p.grad.copy_(slot)
 
@@ -506,6 +586,8 @@ class DistributedDataParallel(nn.Module):
         st.pending = list(self._counts)
         st.launched = 0
         st.jobs = []
+        st.used_job = None
+        st.used = None
         st.ready = 0
         st.got = bytearray(n)
         st.stamps = [_NAN] * n
@@ -525,32 +607,52 @@ class DistributedDataParallel(nn.Module):
         return error
 
     def _unused_got_gradient_error(self, pid: int) -> RuntimeError:
-        self._abandon_iteration()
-        return RuntimeError(
+        cause = self._abandon_iteration()
+        error = RuntimeError(
             f"ringtrain.DistributedDataParallel: parameter {self._names[pid]!r} got a gradient, but the forward's "
             "outputs do not reach it, so find_unused_parameters=True counted it as unused and its bucket was "
             "already averaged with zeros for it. Compute every term of the loss from the wrapper's outputs "
             "(not from the module's parameters directly), or run that part inside the wrapper's forward.")
+        error.__cause__ = cause
+        return error
 
-    def _abandon_iteration(self) -> None:
-        """Let launched buckets finish before their buffers are reused, and start afresh."""
-        for job in self._s.jobs:
-            with contextlib.suppress(Exception):
+    def _abandon_iteration(self) -> Optional[BaseException]:
+        """Let launched jobs finish before their buffers are reused, and start afresh. The first
+        error a job ended with (its communication failed: the communicator is broken) is kept for
+        the next forward to report, and returned: the error being raised names it as its cause."""
+        st = self._s
+        error = None
+        for job in ([st.used_job] if st.used_job is not None else []) + st.jobs:
+            try:
                 job.wait(self._timeout)
+            except Exception as exc:  # noqa: BLE001 - kept and chained, not dropped
+                error = error or exc
         self._reset_iteration()
+        if error is not None and st.failed is None:
+            st.failed = error
+        return error
 
     def _missing_gradients_error(self) -> RuntimeError:
-        missing = [self._names[pid] for pid in range(len(self._params)) if not self._s.got[pid]]
-        self._abandon_iteration()
+        st = self._s
+        # (those find_unused_parameters counted unused got none, as expected: not missing)
+        missing = [self._names[pid] for pid in range(len(self._params)) if not st.got[pid] and pid not in st.unused]
+        expected = len(self._params) - len(st.unused)
+        cause = self._abandon_iteration()
         hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
                 "autograd graph) but did not" if self.options.find_unused_parameters else
                 "Pass find_unused_parameters=True to DistributedDataParallel if some parameters legitimately get no "
                 "gradient in some iterations (they then contribute zeros), or make every parameter reach the loss")
-        return RuntimeError(
+        error = RuntimeError(
             f"ringtrain.DistributedDataParallel: the previous backward pass ended without a gradient for "
-            f"{len(missing)} of {len(self._params)} parameters, so their allreduce never ran: {missing}. {hint}.")
+            f"{len(missing)} of the {expected} parameters expected, so their allreduce never ran: {missing}. "
+            f"{hint}. (A backward that raised an exception outside this wrapper's hooks ends so too: "
+            "then that exception is the one to fix.)")
+        error.__cause__ = cause
+        return error
 
-    def _record(self, t_last: float, copies: list[tuple[str, float, float]], t_done: float) -> None:
+    def _record(self, t_last: float, copies: list[tuple[str, float, float]], t_done: float) -> bool:
+        """Append the iteration's stats and record its spans in the trace; True when it did (the
+        trace's iteration then still has to be ended)."""
         st = self._s
         start = st.first if st.bwd_start is None else st.bwd_start
         end = t_last
@@ -565,10 +667,10 @@ class DistributedDataParallel(nn.Module):
             forward_backward_s=t_done - fwd[0], broadcast_s=st.broadcast_s, hooks_s=st.hooks_s))
         rec = self._recorder
         if rec is None or not rec.recording:
-            return
+            return False
         it = st.iteration
         if not self.settled:  # the plan in force, not the profiling or the trial's probes
-            return
+            return False
         rec.span("forward", "forward", "compute", fwd[0], fwd[1], iteration=it)
         prev = start
         stamps = np.array(st.stamps)
@@ -588,7 +690,7 @@ class DistributedDataParallel(nn.Module):
             if b > a:
                 rec.span(f"copy back {what}", "copy", "compute", a, b, iteration=it)
             prev = max(prev, b)
-        rec.end_iteration()
+        return True  # (the caller ends the trace's iteration)
 
     def _profile(self) -> None:
         opts = self.options
@@ -850,8 +952,8 @@ class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
     __slots__ = ("sync", "armed", "expected", "unused", "forward_span", "iteration", "failed", "active", "pending",
-                 "launched", "jobs", "ready", "got", "stamps", "bwd_start", "first", "last", "broadcast_s", "hooks_s",
-                 "retired")
+                 "launched", "jobs", "used", "used_job", "ready", "got", "stamps", "bwd_start", "first", "last",
+                 "broadcast_s", "hooks_s", "retired")
 
     def __init__(self, n: int):
         self.sync = True  # False inside no_sync()
@@ -862,6 +964,8 @@ class _State:
         self.broadcast_s = 0.0  # of the last forward
         self.iteration = 0
         self.failed: Optional[BaseException] = None  # the CommError a backward pass ended with
+        self.used: Optional[np.ndarray] = None  # find_unused_parameters: 1 where some rank has a gradient
+        self.used_job = None  # its allreduce (queued before every bucket)
         self.first = self.last = float("nan")  # first and last gradient stamps
         # Gradients autograd made that a bucket slot replaced as .grad, kept until the next forward:
         # plain torch frees its gradients there (zero_grad), and its allocator reuses the memory
@@ -875,12 +979,31 @@ def _cost_text(cost: planner.CostFn) -> str:
     return describe() if callable(describe) else repr(cost)
 
 
-def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder]) -> None:
+def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list) -> None:
+    """Remove the hooks, write the trace file, stop the communication thread (``close``, or
+    the wrapper collected)."""
+    for h in hooks:
+        h.remove()
+    hooks.clear()
     try:
         if recorder is not None:
             recorder.flush()
     finally:
         thread.close()
+
+
+def _grad_hook(ddp: weakref.ref, pid: int, param: torch.Tensor) -> None:
+    """Parameter ``pid``'s post-accumulate-grad hook; it holds the wrapper weakly."""
+    wrapper = ddp()
+    if wrapper is not None:
+        wrapper._on_grad_ready(pid, param)
+
+
+def _backward_start_hook(ddp: weakref.ref, grad: torch.Tensor) -> None:
+    """An output's gradient hook (the backward start); it holds the wrapper weakly."""
+    wrapper = ddp()
+    if wrapper is not None:
+        wrapper._on_backward_start(grad)
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

@@ -1,0 +1,407 @@
+"""DistributedDataParallel: the findings of a code review, each pinned by a test that failed
+before its fix (on threads over the local transport).
+
+The expected gradients are the mean over ranks of what each rank's model computes alone (one
+process, no wrapper): the wrapper's mean of two ranks is (a + b) / 2 as torch computes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import time
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from thread_harness import raise_first, run_comms
+from ringtrain.ddp import DistributedDataParallel
+from ringtrain.errors import CommError
+from test_ddp_support import make_model, rank_batch
+
+FAST = dict(alpha=2e-5, beta=1e-9, warmup_iterations=0, profile_iterations=1)
+pytestmark = pytest.mark.timeout(60)
+
+
+def _comm_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ringtrain-ddp-comm") and t.is_alive()]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    before = set(_comm_threads())
+    yield
+    assert set(_comm_threads()) <= before, "a wrapper's communication thread outlived its test"
+
+
+class Branchy(nn.Module):
+    """A trunk, and a branch taken only when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+
+    def forward(self, x, use_branch=True):
+        h = torch.tanh(self.trunk(x))
+        return self.branch(h) if use_branch else h
+
+
+def _rank_x(rank: int, salt: int = 0) -> torch.Tensor:
+    """A distinct input per rank (and per salt)."""
+    return (torch.arange(8.0).reshape(2, 4) + 3 * rank + 7 * salt) / 8
+
+
+def _mean(per_rank: list[dict]) -> dict:
+    return {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
+
+
+def _assert_grads(got: dict, want: dict) -> None:
+    for k, w in want.items():
+        if w is None:
+            assert got[k] is None, f"{k}: expected no gradient, got {got[k]}"
+        else:
+            # Not bitwise: the reference's local gradients come from another thread, where torch
+            # may split its reductions otherwise (the mean itself is exact at 2 ranks).
+            torch.testing.assert_close(got[k], w, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+
+
+def _grads(model: nn.Module) -> dict:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+# --- 1. a forward that does not synchronize leaves the armed backward armed ----------------------
+
+@pytest.mark.parametrize("between", ["no_grad", "no_sync"])
+def test_a_forward_that_does_not_sync_between_forward_and_backward_keeps_it_averaged(between):
+    base = make_model("mlp")
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        grads = []
+        for step in range(3):  # the one-bucket iteration, then the planned layout
+            x, y = rank_batch("mlp", step, 2, comm.rank)
+            model.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            with torch.no_grad() if between == "no_grad" else ddp.no_sync():
+                ddp(x)  # an evaluation between the training forward and its backward
+            loss.backward()
+            grads.append(_grads(model))
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    for step in range(3):
+        local = []
+        for rank in range(2):
+            alone = copy.deepcopy(base)
+            x, y = rank_batch("mlp", step, 2, rank)
+            nn.functional.mse_loss(alone(x), y).backward()
+            local.append(_grads(alone))
+        _assert_grads(results[0][step], _mean(local))
+        assert all(torch.equal(results[0][step][k], results[1][step][k]) for k in local[0])
+
+
+# --- 2. no_sync gradients of a parameter unused in the synchronizing pass ------------------------
+
+@pytest.mark.parametrize("as_view, set_to_none", [(True, True), (True, False), (False, True)])
+def test_no_sync_gradients_of_a_parameter_unused_in_the_syncing_pass_are_averaged(as_view, set_to_none):
+    """The branch gets gradients under no_sync() only; the synchronizing pass skips it: its
+    accumulated gradient must be averaged, not replaced by zeros."""
+    torch.manual_seed(3)
+    base = Branchy()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, gradient_as_bucket_view=as_view,
+                                      **FAST)
+        grads = []
+        for _ in range(3):  # through profiling into the planned layout
+            model.zero_grad(set_to_none=set_to_none)
+            with ddp.no_sync():
+                ddp(_rank_x(comm.rank), True).sum().backward()
+            ddp(_rank_x(comm.rank, 1), False).sum().backward()
+            grads.append(_grads(model))
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    local = []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        alone(_rank_x(rank), True).sum().backward()
+        alone(_rank_x(rank, 1), False).sum().backward()
+        local.append(_grads(alone))
+    want = _mean(local)
+    assert want["branch.weight"].abs().sum() > 0
+    for per_step in results:
+        for got in per_step:
+            _assert_grads(got, want)
+
+
+# --- 3. a parameter no rank uses keeps no gradient -------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["single", "wfbp"])
+@pytest.mark.parametrize("as_view", [True, False])
+def test_a_parameter_unused_on_every_rank_keeps_no_gradient(as_view, schedule):
+    """As with torch's DDP: None stays None (not zeros); the used ones get the mean."""
+    base = make_model("unused")
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, gradient_as_bucket_view=as_view,
+                                      schedule=schedule, **FAST)
+        grads = []
+        for step in range(3):
+            x, y = rank_batch("unused", step, 2, comm.rank)
+            model.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            grads.append(_grads(model))
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    for step in range(3):
+        local = []
+        for rank in range(2):
+            alone = copy.deepcopy(base)
+            x, y = rank_batch("unused", step, 2, rank)
+            nn.functional.mse_loss(alone(x), y).backward()
+            local.append(_grads(alone))
+        want = {k: None if v is None else sum(g[k] for g in local) / 2 for k, v in local[0].items()}
+        assert want["unused.weight"] is None and want["unused.bias"] is None
+        for rank in range(2):
+            _assert_grads(results[rank][step], want)
+
+
+# --- 4. a wrapper dropped by its user is collected ------------------------------------------------
+
+def test_a_dropped_wrapper_is_collected_its_thread_ends_and_its_hooks_go():
+    def body(comm):
+        model = make_model("mlp")
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        x, y = rank_batch("mlp", 0, 2, comm.rank)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        ref, thread = weakref.ref(ddp), ddp._thread._thread
+        del ddp
+        gc.collect()
+        collected = ref() is None
+        thread.join(5.0)
+        hooks = [p._post_accumulate_grad_hooks for p in model.parameters()]
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()  # the module alone trains on
+        return collected, thread.is_alive(), hooks
+
+    for collected, alive, hooks in raise_first(run_comms(2, body)):
+        assert collected, "the module's hooks kept the wrapper alive"
+        assert not alive, "the communication thread of a collected wrapper must end"
+        assert all(not h for h in hooks)
+
+
+# --- 5. a trace file that cannot be written ---------------------------------------------------------
+
+def test_a_trace_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path):
+    def body(comm):
+        model = make_model("mlp")
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", timeline=tmp_path / "t.json",
+                                      timeline_iterations=1, **FAST)
+        ddp.timeline_path.mkdir()  # a folder where the file goes: the write after the first traced iteration fails
+        try:
+            for step in range(4):
+                x, y = rank_batch("mlp", step, 2, comm.rank)
+                model.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+            return ddp.iteration, len(ddp.stats), _grads(model)
+        finally:
+            ddp.close()  # (writes nothing either)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = raise_first(run_comms(2, body))
+    for iterations, stats, _ in results:
+        assert iterations == 4 and stats == 4
+    assert all(torch.equal(g, results[1][2][k]) for k, g in results[0][2].items())
+    messages = sorted(str(w.message) for w in caught if "trace file" in str(w.message))
+    assert len(messages) == 2, messages  # once per rank
+    for rank, message in enumerate(messages):
+        assert str(tmp_path / f"t.rank{rank}.json") in message and "no longer recorded" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.rank0.json", "t.rank1.json"]  # (no temporary left)
+
+
+# --- 6. each bucket's allreduce has its own deadline -------------------------------------------------
+
+def test_slow_allreduces_each_within_the_deadline_are_no_timeout():
+    delay = 0.2  # per allreduce; the deadline is 2.5 of them, the four buckets take 4
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", **FAST)
+        x = _rank_x(comm.rank)
+        ddp(x).sum().backward()  # the one-bucket iteration: then one bucket per parameter
+        real = comm.allreduce
+
+        def slow(*args, **kwargs):
+            time.sleep(delay)
+            return real(*args, **kwargs)
+
+        comm.allreduce = slow
+        ddp._timeout = 2.5 * delay
+        try:
+            model.zero_grad()
+            ddp(x).sum().backward()
+            return ddp.last_stats.buckets, _grads(model)
+        finally:
+            ddp.close()
+
+    results = raise_first(run_comms(2, body))
+    assert results[0][0] == 4
+    assert all(torch.equal(g, results[1][1][k]) for k, g in results[0][1].items())
+
+
+# --- 7. an error met while abandoning an iteration is kept and chained ------------------------------
+
+def test_a_comm_error_met_while_abandoning_an_iteration_is_chained_and_kept():
+    """Rank 0's backward reaches the branch only (launching its buckets); rank 1 is gone, so they
+    fail. The next forward's "missing gradients" error names that CommError as its cause, and
+    the forward after it reports the failed communication (the communicator is broken)."""
+    class Boom(Exception):
+        pass
+
+    torch.manual_seed(3)
+    base = Branchy()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", **FAST)
+        try:
+            ddp(_rank_x(comm.rank)).sum().backward()  # the branch's gradients come first: its buckets too
+            if comm.rank == 1:
+                raise Boom("rank 1 stops")
+            ddp(_rank_x(0)).sum().backward(inputs=[model.branch.weight, model.branch.bias])
+            with pytest.raises(RuntimeError, match="without a gradient") as missing:
+                ddp(_rank_x(0))
+            with pytest.raises(CommError, match="communication failed") as failed:
+                ddp(_rank_x(0))
+            return missing.value, failed.value
+        finally:
+            ddp.close()
+
+    results = run_comms(2, body, timeout=5.0, thread_timeout=50.0)
+    assert isinstance(results[1], Boom), results[1]
+    missing, failed = results[0]
+    assert isinstance(missing.__cause__, CommError), missing.__cause__
+    assert "'trunk.weight'" in str(missing) and "'branch.weight'" not in str(missing)
+    assert failed.__cause__ is missing.__cause__
+
+
+# --- 8. an error raised in the middle of backward ---------------------------------------------------
+
+class _SparseBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 3, sparse=True)
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, idx):
+        return self.lin(self.emb(idx)).sum()
+
+
+def test_an_error_in_the_wrappers_hook_is_what_the_user_sees_and_the_next_iteration_is_clean():
+    def body(comm):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(_SparseBag(), comm, **FAST)
+        idx = torch.tensor([1, 2 + comm.rank])
+        seen = []
+        try:
+            for _ in range(2):  # the same error each time, never "missing gradients"
+                out = ddp(idx)
+                with pytest.raises(ValueError, match="'emb.weight' has a sparse gradient"):
+                    out.backward()
+                seen.append(ddp._s.active)
+            return seen
+        finally:
+            ddp.close()
+
+    for seen in raise_first(run_comms(2, body)):
+        assert seen == [False, False]
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises (an autograd error outside the wrapper's hooks)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("backward failed")
+
+
+def test_after_an_error_outside_the_hooks_the_next_forward_says_it_may_be_the_cause():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.b(_FailingBackward.apply(self.a(x)))
+
+    def body(comm):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(Model(), comm, **FAST)
+        with pytest.raises(ArithmeticError):
+            ddp(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(RuntimeError, match="without a gradient") as info:
+            ddp(torch.ones(1, 2))
+        ddp(torch.ones(1, 2))  # the iteration after it starts clean
+        ddp.close()
+        return str(info.value)
+
+    for message in raise_first(run_comms(1, body)):
+        assert "'a.weight'" in message and "'b.weight'" not in message
+        assert "raised an exception" in message
+
+
+# --- 9. the missing-gradients error names the missing parameters, not the unused ones --------------
+
+def test_missing_gradients_are_named_without_the_parameters_counted_unused():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 2)
+            self.b = nn.Linear(3, 2)
+            self.unused = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    def body(comm):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(TwoHeads(), comm, find_unused_parameters=True, **FAST)
+        x = _rank_x(comm.rank)[:, :3]
+        out_a, _ = ddp(x)
+        out_a.sum().backward()  # b is in the graph (expected) but gets no gradient
+        with pytest.raises(RuntimeError, match="without a gradient") as info:
+            ddp(x)
+        ddp.zero_grad()
+        out_a, out_b = ddp(x)
+        (out_a.sum() + out_b.sum()).backward()  # whole again
+        grads = _grads(ddp.module)
+        ddp.close()
+        return str(info.value), grads
+
+    results = raise_first(run_comms(2, body))
+    for message, _ in results:
+        assert "'b.weight'" in message and "'b.bias'" in message, message
+        assert "'unused." not in message, message
+        assert "2 of the 4 parameters expected" in message, message
+    assert results[0][1]["unused.weight"] is None
+    assert all(torch.equal(g, results[1][1][k]) for k, g in results[0][1].items() if g is not None)
