@@ -92,6 +92,10 @@ class LocalServers:
             self.stats[k] = value
         else:
             self.errors[k] = value
+            if self.endpoints[k] is None:  # it will never listen: say why now, not at the deadline
+                code = self.procs[k].exitcode
+                raise CommError(f"parameter server {k} failed to start"
+                                f"{'' if code is None else f' (exit code {code})'}: {_tail(value)}")
 
     def join(self, timeout: float = 60.0) -> list[Optional[dict]]:
         """Wait for every server to finish; return their counters (None for a failed one)."""
@@ -114,6 +118,13 @@ class LocalServers:
 
     def __exit__(self, *exc: Any) -> None:
         self.kill()
+
+
+def _tail(report: str, lines: int = 12) -> str:
+    """The error line and the last ``lines`` lines of a child's traceback report."""
+    first, _, rest = report.partition("\n")
+    tail = rest.strip().splitlines()[-lines:]
+    return first + ("\n" + "\n".join(tail) if tail else "")
 
 
 def launch_local(servers: int, workers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 0,

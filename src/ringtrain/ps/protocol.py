@@ -20,7 +20,9 @@ module only adds what travels inside a DATA frame's payload):
   ``step`` - 1, asynchronous ones answer with the whole shard once the staleness bound allows),
   PARAMS (server -> worker: some partitions of the shard, any order, for the pull of ``step``,
   at ``version``; ``extra`` = workers still alive), SAVE / SAVED (checkpoint the
-  shard at ``step``), BYE (worker -> server, then server -> worker with its counters as JSON).
+  shard at ``step``; a SAVED with ``extra`` = 1 says the save failed, its JSON body
+  ``{"error": why}``, and the connection goes on), BYE (worker -> server, then server -> worker
+  with its counters as JSON).
   Errors go back as the wire's ABORT frames, so a worker raises the same error type the server
   had, with the server's text.
 - *channel*: one connected, authenticated socket with a send lock and byte counters (every byte
@@ -54,7 +56,7 @@ MAGIC = b"RTPS"
 HELLO, WELCOME, INIT, PUSH, PULL, PARAMS, SAVE, SAVED, BYE = range(1, 10)
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", INIT: "INIT", PUSH: "PUSH", PULL: "PULL",
               PARAMS: "PARAMS", SAVE: "SAVE", SAVED: "SAVED", BYE: "BYE"}
-JSON_KINDS = (HELLO, WELCOME, BYE)
+JSON_KINDS = (HELLO, WELCOME, BYE, SAVED)  # (SAVED: only a failed save's)
 #: The largest JSON body (HELLO carries one integer per parameter tensor).
 MAX_JSON = 4 << 20
 
@@ -195,8 +197,10 @@ class Channel:
             raise ProtocolError(f"{self.peer} sent a {head.body}-byte {head.name} body (at most {MAX_JSON})")
         try:
             value = json.loads(self._recv_exact(head.body, self.timeout).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except ValueError as exc:  # (not UTF-8, not JSON, or an integer of more digits than Python converts)
             raise ProtocolError(f"{self.peer} sent a {head.name} body that is not JSON: {exc}") from None
+        except RecursionError:  # (deeply nested arrays or objects)
+            raise ProtocolError(f"{self.peer} sent a {head.name} body nested too deeply to parse") from None
         if not isinstance(value, dict):
             raise ProtocolError(f"{self.peer} sent a {head.name} body that is not a JSON object")
         return value

@@ -27,6 +27,19 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   of the slowest live worker's waits (stale-synchronous parallel). A lost worker is dropped and
   the rest go on; the server logs it and tells workers how many remain with every answer.
 
+- *checkpoint of step s* (SAVE): the shard as it was at version s, whatever came in since:
+  synchronous, partitions already stepped past s are saved with their values and momentum from
+  before that step (kept from the last step, ``_prev``, and the step in progress, ``_undo``), so a
+  worker that saves between backward and ``step()`` saves a consistent shard. Every worker's
+  clock is saved as s, asynchronous too (async has no global step: every worker resumes at the
+  saving worker's step, on every server alike). The strategy is saved, and a job of the other kind
+  refuses the checkpoint. A save that fails (no checkpoint directory, a write error) is answered
+  with the reason and the job goes on.
+- *resume*: the servers' shard folders are siblings (``<checkpoint_dir>/server-<k>``); each server
+  resumes at the newest step whose file is whole in every sibling folder it can see, so a save
+  cut short on some servers resumes at the step before it on all of them. (A folder that does not
+  exist at all is taken for one on another machine's disk and not consulted.)
+
 Threads: one per connection reads that worker's messages in order; synchronous servers add
 one *outbox* sender per worker, so that answering one worker's pull never stalls reading another
 worker's push. Every wait ends by ``timeout`` with CommTimeout naming who is missing.
@@ -35,6 +48,7 @@ worker's push. Every wait ends by ``timeout`` with CommTimeout naming who is mis
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import socket
 import threading
@@ -51,11 +65,21 @@ from .. import checkpoint
 from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
 from ..transport import tcp_setup
 from . import protocol as P
-from .sharding import make_layout
+from .sharding import ITEMSIZE, layout_digest, make_layout, partition_count
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("sync", "async", "sharded")
+#: Sanity bounds on what a HELLO may ask for (larger is a corrupt or hostile HELLO, not a model).
+MAX_PARAMETERS = 1 << 20
+MAX_NUMEL = 1 << 40
+MAX_PARTITIONS = 1 << 20
+_HELLO_KEYS = ("digest", "numels", "partition_bytes", "lr", "momentum", "weight_decay", "strategy")
+_NOTHING = object()  # (the send loop: no item taken ahead)
+
+
+class _SaveRefused(Exception):
+    """A checkpoint this server cannot write: answered to the worker that asked, serving goes on."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,31 +169,50 @@ class ParameterServer:
 
     # --- set-up -------------------------------------------------------------------------------
     def _load_resume(self) -> Optional[dict]:
+        """The payload of the newest step whose shard file is whole in every server's folder (see
+        *resume* above); None: start afresh."""
         if not (self.cfg.resume and self.cfg.shard_dir):
             return None
-        found = checkpoint.latest(self.cfg.shard_dir)
-        return None if found is None else found.payload
+        root, me = Path(self.cfg.checkpoint_dir), self.cfg.index
+        folders = {k: root / f"server-{k}" for k in range(self.cfg.servers)}
+        saved = {k: dict(checkpoint.list_checkpoints(d)) for k, d in folders.items() if k == me or d.is_dir()}
+        for step in sorted(set.intersection(*(set(files) for files in saved.values())), reverse=True):
+            try:
+                found = {k: checkpoint.load(files[step]) for k, files in saved.items()}
+            except checkpoint.CheckpointError as exc:
+                log.warning("%s: skipping step %d, not whole on every server: %s", self.name, step, exc)
+                continue
+            if step != max(saved[me]):
+                log.warning("%s resumes at step %d, the newest step every server saved (its own newest is %d)",
+                            self.name, step, max(saved[me]))
+            return found[me].payload
+        if saved[me]:
+            log.warning("%s: no step is saved whole by every server in %s: starting afresh", self.name, root)
+        return None
 
     def _configure(self, hello: dict) -> None:
-        """First HELLO: build the layout and optimizer. Later ones must agree with it (caller holds lock)."""
-        keys = ("numels", "partition_bytes", "lr", "momentum", "weight_decay", "strategy", "digest")
+        """First HELLO (checked by check_hello): build the layout and optimizer. Later ones must agree
+        with it, the layout digest first (caller holds lock)."""
         if self._settings is not None:
-            mine = {k: self._settings[k] for k in keys}
-            theirs = {k: hello.get(k) for k in keys}
-            if mine != theirs:
-                diff = sorted(k for k in keys if mine[k] != theirs[k])
-                raise MismatchError(f"worker {hello.get('worker')} disagrees with the other workers about {diff}")
+            diff = [k for k in _HELLO_KEYS if self._settings[k] != hello[k]]
+            if diff:
+                raise MismatchError(f"worker {hello['worker']} disagrees with the other workers about {diff}")
             return
+        numels, partition_bytes = hello["numels"], hello["partition_bytes"]
+        if layout_digest(numels, self.cfg.servers, partition_bytes) != hello["digest"]:
+            raise MismatchError("the worker's layout digest differs from the one this server computes "
+                                f"for {self.cfg.servers} server(s)")
+        if hello["strategy"] != self.cfg.strategy:
+            raise MismatchError(f"worker uses strategy {hello['strategy']!r}, this server {self.cfg.strategy!r}")
+        parts = partition_count(numels, partition_bytes)
+        if parts > MAX_PARTITIONS:
+            raise ProtocolError(f"HELLO asks for {parts} partitions, more than a server serves ({MAX_PARTITIONS}): "
+                                "use larger partitions")
         try:
-            numels = [int(n) for n in hello["numels"]]
-            layout = make_layout(numels, self.cfg.servers, int(hello["partition_bytes"]))
-            lr, momentum, wd = float(hello["lr"]), float(hello["momentum"]), float(hello["weight_decay"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed HELLO: {exc}") from None
-        if layout.digest() != hello.get("digest"):
-            raise MismatchError("the worker's layout digest differs from the one this server computes")
-        if hello.get("strategy") != self.cfg.strategy:
-            raise MismatchError(f"worker uses strategy {hello.get('strategy')!r}, this server {self.cfg.strategy!r}")
+            layout = make_layout(numels, self.cfg.servers, partition_bytes)
+        except ValueError as exc:
+            raise MismatchError(f"{self.name} cannot serve this model: {exc}") from None
+        lr, momentum, wd = hello["lr"], hello["momentum"], hello["weight_decay"]
         self.layout = layout
         self.shard = layout.shard(self.cfg.index)
         self.shard_ids = np.array([p.id for p in self.shard], dtype=np.int64)
@@ -190,16 +233,29 @@ class ParameterServer:
         self._count = dict.fromkeys(self._views, 0)  # sync: workers' gradients in, per partition
         self._part_version = dict.fromkeys(self._views, 0)  # sync: steps applied, per partition
         self._undo: dict[int, tuple] = {}  # sync: values and momentum before this step's update
+        self._prev: dict[int, tuple] = {}  # sync: the same for the last step completed (for SAVE)
         self._want: list[Optional[int]] = [None] * W  # sync: the step each worker's pull asks for
         # Configured only once the checkpoint is taken: one it refuses (MismatchError) leaves the
         # server unconfigured, so every worker's HELLO meets the same refusal and reports it.
         if self._resume_payload is not None:
-            self._restore(self._resume_payload, layout.digest())
-        self._settings = {k: hello.get(k) for k in keys}
+            try:
+                self._restore(self._resume_payload, layout.digest())
+            except MismatchError as exc:
+                if not self.cfg.synchronous:  # (synchronous: every lost worker fails the job anyway)
+                    self._fail(exc)
+                raise
+        self._settings = {k: hello[k] for k in _HELLO_KEYS}
 
     def _restore(self, payload: dict, digest: str) -> None:
         if payload.get("layout") != digest:
             raise MismatchError(f"{self.name}: the checkpoint in {self.cfg.shard_dir} is of another model layout")
+        made_by = payload.get("strategy")  # (None: saved before the strategy was recorded)
+        if made_by is not None and (made_by == "async") != (self.cfg.strategy == "async"):
+            kind = "an asynchronous" if made_by == "async" else "a synchronous"
+            raise MismatchError(
+                f"{self.name}: the checkpoint in {self.cfg.shard_dir} was made by {kind} job (strategy "
+                f"{made_by!r}), this job's strategy is {self.cfg.strategy!r}: resume with strategy {made_by!r} "
+                "or start a new checkpoint directory")
         made_with, W = len(payload["clocks"]), self.cfg.workers
         if made_with != W:
             raise MismatchError(
@@ -239,8 +295,17 @@ class ParameterServer:
                     if now - failed_at > self.cfg.timeout:  # workers told; do not wait for ever
                         break
                 self._cond.wait(0.2)
-        self._listener.close()
+        self._close_listener()
+        acceptor.join(1.0)
         return self.stats()
+
+    def _close_listener(self) -> None:
+        """Shut the listener down first: close() alone does not wake a thread blocked in accept()."""
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
 
     def _drop_absent(self, now: float, holding_up: Sequence[int] = ()) -> None:
         """Lose the workers the job cannot wait for any longer (caller holds the lock): one that has
@@ -264,8 +329,11 @@ class ParameterServer:
                 self._channels[w].close()  # its reader wakes up and ends
 
     def _finished(self) -> bool:
+        """Every worker said BYE or was lost; a failed job also ends once none is connected, but still
+        listens for workers that have not connected yet (up to ``timeout``), so that they hear why
+        instead of finding the port closed."""
         if self.failed is not None:
-            return not any(s == "connected" for s in self._status)
+            return not any(s in ("connected", "waiting") for s in self._status)
         return all(s in ("bye", "lost") for s in self._status)
 
     def stats(self) -> dict:
@@ -302,7 +370,7 @@ class ParameterServer:
         try:
             rank = tcp_setup.accept_handshake(sock, self._me, expected, self._seen_nonces,
                                         time.monotonic() + min(self.cfg.timeout, tcp_setup.HANDSHAKE_TIMEOUT))
-        except (CommError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a stranger's bytes raise, it is refused
             with self._cond:
                 self.refused += 1
             log.warning("%s refused a connection from %r: %s: %s", self.name, addr, type(exc).__name__, exc)
@@ -335,6 +403,11 @@ class ParameterServer:
             ch.send_abort(exc)  # best effort: a worker that is gone does not read it
         except OSError as exc:  # its socket closed under the read (_drop_absent) or reset
             self._lost(w, f"connection failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug or input no check foresaw: never a silent hang
+            log.exception("%s: serving worker %d failed", self.name, w)
+            error = ProtocolError(f"{self.name} could not serve worker {w}: {type(exc).__name__}: {exc}")
+            self._lost(w, str(error))
+            ch.send_abort(error)
         finally:
             outbox.put(None)
             sender.join(self.cfg.timeout)
@@ -344,29 +417,35 @@ class ParameterServer:
                 self._cond.notify_all()
 
     def _send_loop(self, w: int, ch: P.Channel, outbox: queue.Queue) -> None:
-        """Worker w's outbox: streamed partitions (merged while they queue up) and the BYE answer."""
-        later = None  # an item taken while merging, handled next
+        """Worker w's outbox: streamed partitions (merged while they queue up) and the BYE answer;
+        None ends it, also when it was taken while merging."""
+        later = _NOTHING  # an item taken while merging, handled next
         try:
             while True:
-                item, later = later or outbox.get(), None
+                item, later = outbox.get() if later is _NOTHING else later, _NOTHING
                 if item is None:
                     return
                 if item[0] == "bye":
                     ch.send(P.BYE, body=P.encode_json(self.stats()))
                     return
                 _, step, ids = item
-                while later is None:  # partitions applied while the last message was on the wire go out together
+                while True:  # partitions applied while the last message was on the wire go out together
                     try:
-                        later = outbox.get_nowait()
+                        taken = outbox.get_nowait()
                     except queue.Empty:
                         break
-                    if later is not None and later[0] == "params" and later[1] == step:
-                        ids, later = ids + later[2], None
+                    if taken is not None and taken[0] == "params" and taken[1] == step:
+                        ids = ids + taken[2]
+                    else:
+                        later = taken
+                        break
                 with self._cond:
                     live = sum(s != "lost" for s in self._status)
                 self._send_params(ch, w, step, step, live, ids, self.params)
         except CommError as exc:
             self._lost(w, f"{type(exc).__name__}: {exc}")
+        except OSError as exc:
+            self._lost(w, f"connection failed: {exc}")
 
     def _send_params(self, ch: P.Channel, w: int, step: int, version: int, live: int, ids: list[int],
                      values: torch.Tensor) -> None:
@@ -394,7 +473,8 @@ class ParameterServer:
             self._cond.notify_all()
 
     def _fail(self, error: CommError, but: Optional[int] = None) -> None:
-        """End a synchronous job: roll the step in progress back, tell every connected worker (caller holds lock)."""
+        """End the job (any synchronous failure; an asynchronous job that cannot start): roll the step in
+        progress back, tell every connected worker (caller holds lock)."""
         if self.failed is not None:
             return
         self.failed = error
@@ -409,9 +489,9 @@ class ParameterServer:
         head = ch.recv_header(self.cfg.timeout)
         if head.kind != P.HELLO:
             raise ProtocolError(f"worker {w} sent {head.name} before HELLO")
-        hello = ch.recv_json(head)
-        if hello.get("worker") != w:
-            raise ProtocolError(f"worker {w} authenticated as ps rank {w + self.cfg.servers} but says worker {hello.get('worker')}")
+        hello = check_hello(ch.recv_json(head), f"worker {w}")
+        if hello["worker"] != w:
+            raise ProtocolError(f"worker {w} authenticated as ps rank {w + self.cfg.servers} but says worker {hello['worker']}")
         with self._cond:
             self._configure(hello)
             welcome = {"version": self.version, "clock": self._clock[w],
@@ -535,7 +615,7 @@ class ParameterServer:
             if self._want[u] == step and self._status[u] == "connected":
                 outbox.put(("params", step, ready))
         if len(self._undo) == len(self.shard_ids):  # every partition has taken step `version`
-            self._undo.clear()
+            self._prev, self._undo = self._undo, {}
             self._complete = [False] * W
             self.version = step
             self.updates += 1
@@ -661,36 +741,125 @@ class ParameterServer:
                 if s in ("connected", "waiting") and u != w and step - self._clock[u] > self.cfg.max_staleness]
 
     def _on_save(self, w: int, ch: P.Channel, head) -> None:
+        """Checkpoint the shard as it was at step ``head.step`` and answer SAVED; a save that cannot be
+        made is answered with the reason (SAVED, extra 1) and serving goes on."""
         if head.body:
             raise ProtocolError(f"worker {w} sent a SAVE with a body")
-        if self.cfg.shard_dir is None:
-            raise ProtocolError(f"{self.name} was started without a checkpoint directory")
-        if self.cfg.synchronous:
-            self._wait_until(w, lambda: None if self.version >= head.step
-                             else f"step {head.step} was not reached for a checkpoint")
+        if head.step < 0:
+            raise ProtocolError(f"worker {w} asked for a checkpoint of step {head.step}")
+        try:
+            if self.cfg.shard_dir is None:
+                raise _SaveRefused(f"{self.name} was started without a checkpoint directory, so it cannot save "
+                                   f"step {head.step}: start the servers with one")
+            if self.cfg.synchronous:
+                self._wait_until(w, lambda: None if self.version >= head.step
+                                 else f"step {head.step} was not reached for a checkpoint")
+            self._save(head.step)
+        except _SaveRefused as exc:
+            log.error("%s", exc)
+            ch.send(P.SAVED, worker=w, step=head.step, version=self.version, extra=1,
+                    body=P.encode_json({"error": str(exc)}))
+            return
+        ch.send(P.SAVED, worker=w, step=head.step, version=head.step if self.cfg.synchronous else self.version)
+
+    def _save(self, step: int) -> None:
+        """Write the checkpoint of ``step`` (see *checkpoint of step s* above); _SaveRefused if it cannot be."""
         with self._cond:
-            momenta = [self.opt.state.get(v, {}).get("momentum_buffer") for v in self._views.values()]
+            version, params, momentum = self._state_at(step) if self.cfg.synchronous else self._state_now()
             payload = {
                 "server": self.cfg.index,
                 "servers": self.cfg.servers,
                 "layout": self.layout.digest(),
-                "version": self.version,
-                # Synchronous: the shard is at step `version`, and so is every worker that resumes
-                # from it (a worker that pushed step `version` already, whole or in part, pushes it
-                # again); its own count may be one ahead while worker 0 saves.
-                "clocks": [self.version] * self.cfg.workers if self.cfg.synchronous else list(self._clock),
-                "params": self.params.clone(),
-                "momentum": None if any(m is None for m in momenta) else torch.cat(momenta),
+                "strategy": self.cfg.strategy,
+                "version": version,
+                # Every worker resumes at `step`: synchronous, the shard's step (a worker that pushed
+                # step `step` already, whole or in part, pushes it again); asynchronous, the saving
+                # worker's, on every server alike (their counts of the others differ from server to
+                # server while the save goes round).
+                "clocks": [step] * self.cfg.workers,
+                "params": params,
+                "momentum": momentum,
                 "staleness": {str(k): v for k, v in self.staleness.items()},
             }
-            version = self.version
-        checkpoint.save(self.cfg.shard_dir, head.step, payload)
-        ch.send(P.SAVED, worker=w, step=head.step, version=version)
+        try:
+            checkpoint.save(self.cfg.shard_dir, step, payload)
+        except OSError as exc:
+            raise _SaveRefused(f"{self.name} could not write the checkpoint of step {step} to "
+                               f"{self.cfg.shard_dir}: {exc}") from None
+
+    def _state_now(self) -> tuple[int, torch.Tensor, Optional[torch.Tensor]]:
+        """Version, values and momentum of the shard as they are (caller holds the lock)."""
+        return self.version, self.params.clone(), self._momentum({})
+
+    def _state_at(self, step: int) -> tuple[int, torch.Tensor, Optional[torch.Tensor]]:
+        """Sync: version, values and momentum of the shard at version ``step`` (caller holds the lock).
+
+        A SAVE of step s comes after the saving worker's pushes of step s-1 and before those of
+        step s+1, so the shard is at version s, with some partitions perhaps stepped past it
+        already (``_undo`` has their values before), or at version s+1 (``_prev`` has every
+        partition's values before it)."""
+        if self.version == step:
+            before = self._undo
+        elif self.version == step + 1 and len(self._prev) == len(self.shard_ids):
+            before = self._prev
+        else:
+            raise _SaveRefused(f"{self.name} cannot save step {step}: it is at step {self.version}")
+        params = self.params.clone()
+        for i, (values, _) in before.items():
+            params[self.offsets[i]: self.offsets[i] + self.numel_of[i]].copy_(values)
+        return step, params, self._momentum(before)
+
+    def _momentum(self, before: dict) -> Optional[torch.Tensor]:
+        """The momentum of the whole shard, partition i's from ``before[i]`` where given (None: none yet)."""
+        momenta = [before[i][1] if i in before else self.opt.state.get(view, {}).get("momentum_buffer")
+                   for i, view in self._views.items()]
+        return None if any(m is None for m in momenta) else torch.cat(momenta)
 
 
 def _tell_all(channels: list, error: CommError) -> None:
     for ch in channels:
         ch.send_abort(error)
+
+
+def check_hello(hello: dict, who: str) -> dict:
+    """A HELLO's fields, checked (types, finite, in range) and normalized; ProtocolError naming the
+    first bad one. (What the fields must agree with is _configure's business.)"""
+    def bad(key: str, why: str) -> ProtocolError:
+        return ProtocolError(f"{who} sent a HELLO whose {key!r} {why}, got {str(hello.get(key))[:80]}")
+
+    def integer(key: str, low: int, high: int, value=_NOTHING) -> int:
+        value = hello.get(key) if value is _NOTHING else value
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise bad(key, f"must be an integer in [{low}, {high}]")
+        return value
+
+    def number(key: str, positive: bool) -> float:
+        value = hello.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(key, "must be a number")
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise bad(key, f"must be finite and {'> 0' if positive else '>= 0'}")
+        return value
+
+    numels = hello.get("numels")
+    if not isinstance(numels, list) or len(numels) > MAX_PARAMETERS:
+        raise bad("numels", f"must be a list of at most {MAX_PARAMETERS} parameter sizes")
+    out = {"worker": integer("worker", 0, 1 << 31),
+           "numels": [integer("numels", 0, MAX_NUMEL, n) for n in numels],
+           "partition_bytes": integer("partition_bytes", ITEMSIZE, MAX_NUMEL),
+           "lr": number("lr", positive=True),
+           "momentum": number("momentum", positive=False),
+           "weight_decay": number("weight_decay", positive=False)}
+    for key, allowed in (("strategy", STRATEGIES), ("digest", None)):
+        value = hello.get(key)
+        if not isinstance(value, str) or (allowed is not None and value not in allowed):
+            raise bad(key, f"must be {'one of ' + str(allowed) if allowed else 'a string'}")
+        out[key] = value
+    return out
 
 
 def sum_in_order(grads: list[torch.Tensor]) -> torch.Tensor:

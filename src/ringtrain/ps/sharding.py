@@ -11,7 +11,8 @@ Words:
   and is what travels on the wire.
 - *shard*: the partitions one server owns. Partitions go to servers by bytes, largest first,
   each to the server that holds the fewest bytes so far (ties: the lower server): the classic
-  longest-processing-time rule, within 4/3 of the best possible balance.
+  longest-processing-time rule, within 4/3 of the best possible balance. Every shard holds at
+  least one partition: a layout with more servers than partitions is refused.
 - *shard order*: a shard's partitions sorted by id, i.e. by parameter and then start. A
   server keeps its shard as one flat float32 array in that order (a partition's *offset* is
   where it begins there) and answers a pull in that order, so the first layers arrive first.
@@ -81,8 +82,7 @@ class Layout:
 
     def digest(self) -> str:
         """A short hex digest that differs when any size, count or cut differs."""
-        text = f"{self.servers};{self.partition_bytes};{','.join(map(str, self.numels))}"
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        return layout_digest(self.numels, self.servers, self.partition_bytes)
 
     def bytes_per_server(self) -> list[int]:
         totals = [0] * self.servers
@@ -101,6 +101,19 @@ def cut(numel: int, partition_bytes: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, numel)) for s in range(0, numel, size)]
 
 
+def layout_digest(numels: Sequence[int], servers: int, partition_bytes: int) -> str:
+    """The digest of the layout ``make_layout(numels, servers, partition_bytes)`` would build,
+    without building it (a server checks a worker's claim before it spends anything on it)."""
+    text = f"{servers};{partition_bytes};{','.join(map(str, numels))}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def partition_count(numels: Sequence[int], partition_bytes: int) -> int:
+    """How many partitions ``numels`` are cut into (without cutting them)."""
+    cap = max(1, partition_bytes // ITEMSIZE)
+    return sum(-(-int(n) // cap) for n in numels if int(n) > 0)
+
+
 def make_layout(numels: Sequence[int], servers: int, partition_bytes: int = DEFAULT_PARTITION_BYTES) -> Layout:
     """Cut every parameter into partitions and deal them to ``servers`` balanced by bytes."""
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
@@ -111,6 +124,13 @@ def make_layout(numels: Sequence[int], servers: int, partition_bytes: int = DEFA
     if any(n < 0 for n in numels):
         raise ValueError(f"parameter sizes must be >= 0, got {numels}")
     pieces = [(param, s, e) for param, n in enumerate(numels) for s, e in cut(n, partition_bytes) if e > s]
+    if not pieces:
+        raise ValueError(f"no parameter elements to serve (parameter sizes {list(numels)})")
+    if len(pieces) < servers:  # a server without a partition would have nothing to serve or step
+        n = len(pieces)
+        raise ValueError(f"{servers} servers but only {n} partition{'s' * (n != 1)} ({sum(numels)} elements in "
+                         f"{len(numels)} parameters, {partition_bytes}-byte partitions); use at most "
+                         f"{n} server{'s' * (n != 1)}")
     # Longest first; ties by id so that the result does not depend on the sort's stability.
     order = sorted(range(len(pieces)), key=lambda i: (-(pieces[i][2] - pieces[i][1]), i))
     load = [0] * servers

@@ -114,6 +114,7 @@ class _Link:
         self.version = 0  # of the last parameters pulled
         self.clock = 0  # this worker's steps as the server counts them (from WELCOME)
         self.saved = -1
+        self.save_error: Optional[str] = None  # why the server could not save (SAVED with extra 1)
         self.bye: Optional[dict] = None
         self.threads: list[threading.Thread] = []
 
@@ -180,6 +181,7 @@ class ParameterServerTraining:
                  "digest": self.layout.digest(), "strategy": opts.strategy, "lr": opts.lr,
                  "momentum": opts.momentum, "weight_decay": opts.weight_decay}
         links = []
+        k, endpoint = 0, servers[0]
         try:
             for k, endpoint in enumerate(servers):
                 sock = P.dial(endpoint, me, k, opts.timeout)
@@ -187,6 +189,7 @@ class ParameterServerTraining:
                 links.append(_Link(k, ch))
                 ch.send(P.HELLO, worker=self.worker, body=P.encode_json(hello))
             for link in links:
+                k, endpoint = link.k, servers[link.k]
                 head = link.ch.recv_header(opts.timeout)
                 if head.kind != P.WELCOME:
                     raise ProtocolError(f"{link.ch.peer} answered HELLO with {head.name}")
@@ -195,11 +198,19 @@ class ParameterServerTraining:
                 link.clock = int(welcome["clock"])
                 if welcome.get("needs_init"):
                     self._send_values(link, P.INIT)
+        except EOFError:
+            self._close_links(links)
+            raise PeerLost(f"worker {self.worker}: parameter server {k} at {endpoint[0]}:{endpoint[1]} closed the "
+                           "connection before it answered HELLO (it stopped or refused this worker)") from None
         except BaseException:
-            for link in links:
-                link.ch.close()
+            self._close_links(links)
             raise
         return links
+
+    @staticmethod
+    def _close_links(links: list[_Link]) -> None:
+        for link in links:
+            link.ch.close()
 
     def _agreed_clock(self) -> int:
         clocks = {link.clock for link in self._links}
@@ -364,9 +375,15 @@ class ParameterServerTraining:
         self._wait_params(range(len(self.params)))
 
     def save_checkpoint(self) -> None:
-        """Have every server checkpoint its shard at this worker's step (call from one worker)."""
+        """Have every server checkpoint its shard at this worker's step (call from one worker).
+
+        A server that cannot save (no checkpoint directory, a write error) says why: raised as a
+        CommError naming it; the connections stay up and training may go on."""
         self._raise_if_closed()
         step = self.step_count
+        with self._cond:  # (a save of the same step again waits for its own answers)
+            for link in self._links:
+                link.saved, link.save_error = -1, None
         for link in self._links:
             link.jobs.put(("save", step))
         deadline = time.monotonic() + self.opts.timeout
@@ -376,6 +393,9 @@ class ParameterServerTraining:
                 if time.monotonic() > deadline:
                     raise CommTimeout(f"worker {self.worker}: servers did not save step {step} in time")
                 self._cond.wait(0.5)
+            failed = [f"{link.ch.peer}: {link.save_error}" for link in self._links if link.save_error]
+        if failed:
+            raise CommError(f"worker {self.worker}: the checkpoint of step {step} was not saved: " + "; ".join(failed))
 
     def close(self) -> dict:
         """Say BYE to every server, wait for their answers, release everything; return stats()."""
@@ -467,7 +487,11 @@ class ParameterServerTraining:
                     link.version = head.version
                     self._note_live(head.extra, link)
                 elif head.kind == P.SAVED:
+                    why = None
+                    if head.extra or head.body:  # a save that failed, and why
+                        why = str(link.ch.recv_json(head).get("error"))[:2000]
                     with self._cond:
+                        link.save_error = why
                         link.saved = head.step
                         self._cond.notify_all()
                 elif head.kind == P.BYE:

@@ -1,0 +1,445 @@
+"""Parameter servers under the faults a review found: bad layouts and HELLOs, servers that close or
+fail to start, checkpoints cut short, of the other strategy or taken between backward and step,
+saves that cannot be written, and threads that must end.
+
+Servers run in threads of this process and workers are ParameterServerTraining objects or raw
+protocol channels (as in test_ps_server.py); only the start-up failure uses a real process.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ringtrain import checkpoint
+from ringtrain.errors import CommError, MismatchError, PeerLost, ProtocolError
+from ringtrain.ps import ParameterServer, ParameterServerTraining, ServerConfig, launch_local
+from ringtrain.ps import protocol as P
+from ringtrain.ps.server import check_hello
+from ringtrain.ps.sharding import layout_digest, make_layout
+from ringtrain.transport import tcp_setup
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = b"review-secret"
+ONE_ELEMENT = 4 / (1 << 20)  # partition_mb of 1-element partitions: every server gets some of tiny()
+
+
+def tiny(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def start_server(**kw) -> tuple[ParameterServer, threading.Thread, dict]:
+    cfg = ServerConfig(**{"index": 0, "servers": 1, "workers": 1, "secret": SECRET, "timeout": 10.0, **kw})
+    server = ParameterServer(cfg)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("stats", server.serve()), daemon=True)
+    t.start()
+    return server, t, out
+
+
+def start_servers(n: int, **kw) -> list[tuple[ParameterServer, threading.Thread, dict]]:
+    return [start_server(index=k, servers=n, **kw) for k in range(n)]
+
+
+def join_all(started, timeout: float = 10.0) -> None:
+    for _, thread, _ in started:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a server did not finish"
+
+
+def worker(endpoints, w: int = 0, workers: int = 1, **kw) -> ParameterServerTraining:
+    kw = {"secret": SECRET, "lr": 0.1, "timeout": 10.0, **kw}
+    return ParameterServerTraining(kw.pop("model", None) or tiny(), servers=endpoints, worker=w, workers=workers, **kw)
+
+
+def train(ps: ParameterServerTraining, steps: int, save_after: tuple[int, ...] = ()) -> None:
+    """Steps ps.step_count .. steps-1 on inputs that depend on the step only; save after the listed ones."""
+    for s in range(ps.step_count, steps):
+        ps.module(torch.full((2, 4), float(s + 1))).pow(2).sum().backward()
+        ps.step()
+        if s + 1 in save_after:
+            ps.save_checkpoint()
+    ps.wait()
+
+
+def hello_of(layout, w: int = 0, strategy: str = "sync", **over) -> dict:
+    return {"worker": w, "numels": list(layout.numels), "partition_bytes": layout.partition_bytes,
+            "digest": layout.digest(), "strategy": strategy, "lr": 0.5, "momentum": 0.9, "weight_decay": 0.0,
+            **over}
+
+
+def dial(server: ParameterServer, w: int, workers: int) -> P.Channel:
+    K, k = server.cfg.servers, server.cfg.index
+    sock = P.dial(server.endpoint, P.ps_identity(K + w, K + workers, "ps", SECRET), k, 5.0)
+    return P.Channel(sock, f"server {k}", 5.0)
+
+
+def raw_worker(server: ParameterServer, hello: dict, workers: int = 1) -> P.Channel:
+    """A worker speaking the protocol by hand: handshake, HELLO, WELCOME read."""
+    ch = dial(server, hello["worker"], workers)
+    ch.send(P.HELLO, worker=hello["worker"], body=P.encode_json(hello))
+    head = ch.recv_header(5.0)
+    assert head.kind == P.WELCOME, head.name
+    ch.recv_json(head)
+    return ch
+
+
+def recv_params(ch: P.Channel, layout) -> tuple[int, dict]:
+    head = ch.recv_header(5.0)
+    assert head.kind == P.PARAMS, head.name
+    out = {}
+    for i in ch.recv_ids(head, len(layout.partitions)).tolist():
+        out[i] = np.empty(layout.partitions[i].numel, dtype=np.float32)
+        ch.recv_into(out[i])
+    return head.step, out
+
+
+def recv_partitions(ch: P.Channel, layout, ids) -> None:
+    got: set = set()
+    while len(got) < len(ids):
+        got.update(recv_params(ch, layout)[1])
+    assert sorted(got) == sorted(ids)
+
+
+def wait_for(condition, what: str, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def shard_file(root, k: int, step: int):
+    return root / f"server-{k}" / checkpoint.checkpoint_name(step)
+
+
+# --- 1. more servers than partitions ------------------------------------------------------------
+
+def test_more_servers_than_partitions_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match=r"4 servers but only 2 partitions .*; use at most 2 servers"):
+        make_layout([12, 3], 4)
+    with pytest.raises(ValueError, match="no parameter elements"):
+        make_layout([0, 0], 1)
+    with pytest.raises(ValueError, match="use at most 4 servers"):  # before any connection is tried
+        ParameterServerTraining(tiny(), servers=[("127.0.0.1", 9)] * 5, worker=0, workers=1)
+
+
+def test_a_server_left_without_partitions_refuses_the_hello_and_ends():
+    """Server 3 of 4 for a model of 2 partitions: the worker hears why, the server does not hang."""
+    server, thread, out = start_server(index=3, servers=4)
+    pb = 4 << 20
+    hello = {"worker": 0, "numels": [12, 3], "partition_bytes": pb, "digest": layout_digest([12, 3], 4, pb),
+             "strategy": "sync", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}
+    ch = dial(server, 0, 1)
+    ch.send(P.HELLO, worker=0, body=P.encode_json(hello))
+    with pytest.raises(MismatchError, match="4 servers but only 2 partitions"):
+        ch.recv_header(5.0)
+    ch.close()
+    thread.join(10)
+    assert not thread.is_alive() and "use at most 2 servers" in out["stats"]["failed"]
+
+
+# --- 2. whatever goes wrong in a connection thread ends the job cleanly ---------------------------
+
+NESTED = b'{"worker":0,"numels":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("body, word", [
+    (NESTED, "nested too deeply"),
+    ({"lr": -0.1}, "'lr' must be finite and > 0"),
+    ({"lr": float("inf")}, "'lr' must be finite and > 0"),
+    ({"momentum": float("nan")}, "'momentum' must be finite"),
+    ({"numels": [1e400, 3]}, "'numels' must be an integer"),
+    ({"numels": [12.0, 3]}, "'numels' must be an integer"),
+    ({"numels": [12, -3]}, "'numels' must be an integer in \\[0, "),
+    ({"partition_bytes": 2}, "'partition_bytes' must be an integer in \\[4, "),
+    ({"strategy": ["sync"]}, "'strategy' must be one of"),
+    ({"worker": True}, "'worker' must be an integer"),
+    ({"numels": [13, 3]}, "layout digest differs"),  # checked before any layout is built
+], ids=["nested", "lr<0", "lr=inf", "momentum=nan", "numel=1e400", "numel=12.0", "numel<0", "partition_bytes",
+        "strategy", "worker=true", "digest"])
+def test_a_bad_hello_is_refused_naming_the_field_and_the_server_ends(body, word):
+    server, thread, out = start_server()
+    layout = make_layout([12, 3], 1, 16)
+    if isinstance(body, dict):
+        body = P.encode_json(hello_of(layout, **body))
+    ch = dial(server, 0, 1)
+    ch.send(P.HELLO, worker=0, body=body)
+    with pytest.raises((ProtocolError, MismatchError), match=word):
+        ch.recv_header(5.0)
+    ch.close()
+    thread.join(10)
+    assert not thread.is_alive() and "worker 0 was lost" in out["stats"]["failed"]
+
+
+def test_check_hello_normalizes_a_good_hello():
+    hello = check_hello(hello_of(make_layout([12, 3], 1, 16), lr=1, momentum=0), "worker 0")
+    assert hello["lr"] == 1.0 and isinstance(hello["lr"], float) and hello["numels"] == [12, 3]
+
+
+def test_an_unexpected_exception_in_a_connection_is_reported_and_every_peer_told(monkeypatch):
+    """A bug (any exception) while serving worker 1: worker 1 gets a ProtocolError with the cause,
+    worker 0 the job's end, and the server finishes instead of waiting for ever."""
+    server, thread, out = start_server(workers=2)
+    layout = make_layout([12, 3], 1, 16)
+    a, b = (raw_worker(server, hello_of(layout, w), workers=2) for w in (0, 1))
+
+    def broken(w, ch, head):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(server, "_on_pull", broken)
+    b.send(P.PULL, worker=1, step=0)
+    with pytest.raises(ProtocolError, match="could not serve worker 1: RuntimeError: boom"):
+        b.recv_header(5.0)
+    with pytest.raises(PeerLost, match="worker 1 was lost"):
+        a.recv_header(5.0)
+    for ch in (a, b):
+        ch.close()
+    thread.join(10)
+    assert not thread.is_alive() and "boom" in out["stats"]["failed"]
+
+
+# --- 3. a server that closes during the handshake -------------------------------------------------
+
+def test_a_server_closing_before_welcome_is_peer_lost_naming_it():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def close_after_handshake():
+        sock, _ = listener.accept()
+        try:
+            tcp_setup.accept_handshake(sock, P.ps_identity(0, 2, "ps", SECRET), {1}, set(), time.monotonic() + 5)
+            sock.settimeout(5)
+            sock.recv(1 << 16)  # the HELLO (so the worker's send succeeded), never answered
+        finally:
+            sock.close()
+
+    t = threading.Thread(target=close_after_handshake, daemon=True)
+    t.start()
+    with pytest.raises(PeerLost, match=f"parameter server 0 at 127.0.0.1:{port} closed the connection"):
+        worker([("127.0.0.1", port)])
+    t.join(5)
+    listener.close()
+
+
+# --- 4. async checkpoints over several servers ----------------------------------------------------
+
+def test_an_async_checkpoint_over_two_servers_resumes(tmp_path):
+    """Worker 1 has pushed step 0 to server 0 but not yet to server 1 when worker 0 saves step 0:
+    both servers save every worker at step 0, and a resumed job starts (servers agree)."""
+    started = start_servers(2, workers=2, strategy="async", checkpoint_dir=str(tmp_path))
+    endpoints = [s.endpoint for s, _, _ in started]
+    ps = worker(endpoints, 0, 2, strategy="async", momentum=0.0)
+    ps.wait()
+    hello = hello_of(ps.layout, 1, "async", lr=0.1, momentum=0.0, weight_decay=0.0)
+    chans = [raw_worker(s, hello, workers=2) for s, _, _ in started]
+    ids = ps._ids[0]
+    chans[0].send(P.PUSH, worker=1, step=0, ids=ids,
+                  values=[np.ones(sum(ps.layout.partitions[i].numel for i in ids), dtype=np.float32)])
+    wait_for(lambda: started[0][0]._clock[1] == 1, "server 0 to take worker 1's push")
+    ps.save_checkpoint()
+    clocks = [checkpoint.load(shard_file(tmp_path, k, 0)).payload["clocks"] for k in range(2)]
+    assert clocks == [[0, 0], [0, 0]]
+    ps.close()
+    for ch in chans:
+        ch.close()
+    join_all(started)
+
+    started = start_servers(2, workers=2, strategy="async", checkpoint_dir=str(tmp_path), resume=True)
+    endpoints = [s.endpoint for s, _, _ in started]
+    results: dict = {}
+
+    def run(w):
+        try:
+            with worker(endpoints, w, 2, strategy="async", momentum=0.0) as p:
+                results[w] = p.step_count
+                train(p, 1)
+        except Exception as exc:  # noqa: BLE001
+            results[w] = exc
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results == {0: 0, 1: 0}
+    join_all(started)
+
+
+# --- 5. a sync save cut short on some servers -----------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_save_cut_short_on_one_server_resumes_all_at_the_step_before(tmp_path, damage):
+    started = start_servers(2, checkpoint_dir=str(tmp_path))
+    ps = worker([s.endpoint for s, _, _ in started], momentum=0.9, partition_mb=ONE_ELEMENT)
+    train(ps, 3, save_after=(1, 2))
+    want = [p.detach().clone() for p in ps.module.parameters()]
+    ps.close()
+    join_all(started)
+    late = shard_file(tmp_path, 1, 2)  # server 0 wrote step 2, server 1 did not (or not whole)
+    if damage == "missing":
+        late.unlink()
+    else:
+        late.write_bytes(late.read_bytes()[:100])
+
+    started = start_servers(2, checkpoint_dir=str(tmp_path), resume=True)
+    ps = worker([s.endpoint for s, _, _ in started], momentum=0.9, partition_mb=ONE_ELEMENT, model=tiny(seed=7))
+    assert ps.step_count == 1
+    train(ps, 3)
+    for got, exact in zip(ps.module.parameters(), want):
+        assert torch.equal(got, exact)
+    ps.close()
+    join_all(started)
+
+
+# --- 6. a checkpoint of the other strategy ---------------------------------------------------------
+
+def test_an_async_checkpoint_is_refused_by_a_sync_job_at_the_start(tmp_path):
+    server, thread, _ = start_server(strategy="async", checkpoint_dir=str(tmp_path))
+    ps = worker([server.endpoint], strategy="async")
+    train(ps, 1, save_after=(1,))
+    ps.close()
+    thread.join(10)
+    assert checkpoint.load(shard_file(tmp_path, 0, 1)).payload["strategy"] == "async"
+    server, thread, out = start_server(strategy="sync", checkpoint_dir=str(tmp_path), resume=True)
+    with pytest.raises(MismatchError, match=r"made by an asynchronous job \(strategy 'async'\), this job's "
+                                            r"strategy is 'sync': resume with strategy 'async'"):
+        worker([server.endpoint], strategy="sync")
+    thread.join(10)
+    assert not thread.is_alive() and "asynchronous" in out["stats"]["failed"]
+
+
+# --- 7. a save between backward and step ----------------------------------------------------------
+
+def test_a_save_between_backward_and_step_holds_the_shard_before_the_step(tmp_path):
+    """One worker: its whole step-1 push is applied before the SAVE of step 1 arrives."""
+    server, thread, _ = start_server(checkpoint_dir=str(tmp_path))
+    ps = worker([server.endpoint], momentum=0.9)
+    train(ps, 1)
+    before = torch.cat([p.detach().reshape(-1) for p in ps.module.parameters()])
+    momentum = torch.cat([server.opt.state[v]["momentum_buffer"] for v in server._views.values()])
+    ps.module(torch.ones(2, 4)).sum().backward()
+    wait_for(lambda: server.version == 2, "the server to apply step 1")
+    ps.save_checkpoint()  # step_count is still 1
+    ps.step()
+    saved = checkpoint.load(shard_file(tmp_path, 0, 1)).payload
+    assert saved["version"] == 1 and saved["clocks"] == [1]
+    assert torch.equal(saved["params"], before) and torch.equal(saved["momentum"], momentum)
+    ps.close()
+    thread.join(10)
+
+
+def test_a_save_while_a_step_is_half_applied_holds_the_shard_before_the_step(tmp_path):
+    """Two workers: partitions 0 and 1 have taken step 1 (values and momentum), the rest not."""
+    server, thread, out = start_server(workers=2, checkpoint_dir=str(tmp_path))
+    layout = make_layout([12, 3, 6, 2], 1, 16)
+    ids = np.arange(len(layout.partitions))
+    start = np.arange(23, dtype=np.float32)
+    a, b = (raw_worker(server, hello_of(layout, w), workers=2) for w in (0, 1))
+    a.send(P.INIT, worker=0, ids=ids, values=[start])
+    twos = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=0)
+        recv_params(ch, layout)
+        ch.send(P.PULL, worker=w, step=1)
+        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=twos)
+    for ch in (a, b):
+        recv_partitions(ch, layout, ids.tolist())
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=2)
+    b.send(P.PUSH, worker=1, step=1, ids=ids, values=twos)
+    a.send(P.PUSH, worker=0, step=1, ids=ids[:2], values=twos[:2])
+    recv_partitions(a, layout, [0, 1])  # stepped: step 1 is half applied
+    a.send(P.SAVE, worker=0, step=1)
+    head = a.recv_header(5.0)
+    assert (head.kind, head.step, head.extra) == (P.SAVED, 1, 0)
+    saved = checkpoint.load(shard_file(tmp_path, 0, 1)).payload
+    # after step 0 (lr 0.5, momentum 0.9, gradient 2 everywhere): values start - 1, momentum 2
+    assert saved["version"] == 1 and saved["clocks"] == [1, 1]
+    assert torch.equal(saved["params"], torch.from_numpy(start - 1))
+    assert torch.equal(saved["momentum"], torch.full((23,), 2.0))
+    for ch in (a, b):
+        ch.close()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+# --- 8. a server that cannot start ----------------------------------------------------------------
+
+@pytest.mark.multiprocess
+def test_a_server_that_cannot_start_is_an_error_at_once_not_a_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match=r"parameter server 0 failed to start.*OSError"):
+        launch_local(1, 1, host="203.0.113.7", timeout=60)  # TEST-NET-3: not an address of this host
+    assert time.monotonic() - t0 < 30
+
+
+# --- 9, 10. threads end ---------------------------------------------------------------------------
+
+class _Recorder:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, kind, **kw):
+        self.sent.append((kind, kw["step"], kw["ids"].tolist()))
+
+
+def test_the_outbox_ends_on_the_shutdown_sentinel_taken_while_merging():
+    import queue
+
+    server = ParameterServer(ServerConfig(index=0, servers=1, workers=1, timeout=5.0))
+    layout = make_layout([12, 3, 6, 2], 1, 16)
+    with server._cond:
+        server._configure(check_hello(hello_of(layout), "worker 0"))
+    outbox: queue.Queue = queue.Queue()
+    for item in (("params", 1, [0]), ("params", 1, [2]), None):
+        outbox.put(item)
+    ch = _Recorder()
+    sender = threading.Thread(target=server._send_loop, args=(0, ch, outbox), daemon=True)
+    sender.start()
+    sender.join(2)
+    alive = sender.is_alive()
+    if alive:
+        outbox.put(None)  # (release it: no thread left behind)
+        sender.join(2)
+    server._close_listener()
+    assert not alive, "the sender thread swallowed the None sentinel"
+    assert ch.sent == [(P.PARAMS, 1, [0, 2])]  # still merged into one message
+
+
+def test_serve_returning_ends_the_accept_thread():
+    before = set(threading.enumerate())
+    server, thread, out = start_server(timeout=0.3)  # no worker ever comes
+    thread.join(10)
+    assert not thread.is_alive() and "no worker connected" in out["stats"]["failed"]
+    wait_for(lambda: not [t for t in threading.enumerate() if t not in before and t.name.endswith("-accept")],
+             "the accept thread to end", timeout=2)
+
+
+# --- 11, 12. a save that cannot be made fails that call only --------------------------------------
+
+@pytest.mark.parametrize("where", ["unwritable", "none"])
+def test_a_save_that_cannot_be_made_fails_that_call_only(tmp_path, where):
+    if where == "unwritable":
+        (tmp_path / "file").write_text("not a directory")
+        server, thread, out = start_server(checkpoint_dir=str(tmp_path / "file" / "ckpt"))
+        why = f"could not write the checkpoint of step 1 to {tmp_path / 'file' / 'ckpt' / 'server-0'}"
+    else:
+        server, thread, out = start_server()
+        why = "started without a checkpoint directory"
+    ps = worker([server.endpoint])
+    train(ps, 1)
+    for _ in range(2):  # asked again, it fails again (not an answer left over from the first time)
+        with pytest.raises(CommError, match=f"step 1 was not saved: parameter server 0 .*{re.escape(why)}"):
+            ps.save_checkpoint()
+    train(ps, 3)  # the job goes on
+    stats = ps.close()
+    thread.join(10)
+    assert stats["steps"] == 3 and out["stats"]["failed"] is None and out["stats"]["version"] == 3
