@@ -76,7 +76,7 @@ def _grads(model: nn.Module) -> dict:
 
 # --- 1. a forward that does not synchronize leaves the armed backward armed ----------------------
 
-@pytest.mark.parametrize("between", ["no_grad", "no_sync"])
+@pytest.mark.parametrize("between", ["no_grad", "inference_mode"])
 def test_a_forward_that_does_not_sync_between_forward_and_backward_keeps_it_averaged(between):
     base = make_model("mlp")
 
@@ -88,7 +88,7 @@ def test_a_forward_that_does_not_sync_between_forward_and_backward_keeps_it_aver
             x, y = rank_batch("mlp", step, 2, comm.rank)
             model.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
-            with torch.no_grad() if between == "no_grad" else ddp.no_sync():
+            with torch.no_grad() if between == "no_grad" else torch.inference_mode():
                 ddp(x)  # an evaluation between the training forward and its backward
             loss.backward()
             grads.append(_grads(model))
@@ -105,6 +105,41 @@ def test_a_forward_that_does_not_sync_between_forward_and_backward_keeps_it_aver
             local.append(_grads(alone))
         _assert_grads(results[0][step], _mean(local))
         assert all(torch.equal(results[0][step][k], results[1][step][k]) for k in local[0])
+
+
+def test_a_no_sync_pass_after_a_synchronizing_forward_without_backward_stays_local():
+    """A synchronizing forward whose output is dropped (a validation pass that tracks gradients),
+    then a no_sync() forward and backward: that backward accumulates locally, as no_sync() says;
+    the next synchronizing backward averages what accumulated."""
+    base = make_model("mlp")
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        x, y = rank_batch("mlp", 0, 2, comm.rank)
+        ddp(x)  # synchronizing forward, no backward
+        with ddp.no_sync():
+            nn.functional.mse_loss(ddp(x), y).backward()
+        local = _grads(model)
+        x1, y1 = rank_batch("mlp", 1, 2, comm.rank)
+        nn.functional.mse_loss(ddp(x1), y1).backward()
+        ddp.close()
+        return local, _grads(model)
+
+    results = raise_first(run_comms(2, body))
+    expect_local, expect_sum = [], []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        x, y = rank_batch("mlp", 0, 2, rank)
+        nn.functional.mse_loss(alone(x), y).backward()
+        expect_local.append(_grads(alone))
+        x1, y1 = rank_batch("mlp", 1, 2, rank)
+        nn.functional.mse_loss(alone(x1), y1).backward()
+        expect_sum.append(_grads(alone))
+    for rank in range(2):
+        _assert_grads(results[rank][0], expect_local[rank])  # not averaged
+    _assert_grads(results[0][1], _mean(expect_sum))
+    assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in expect_sum[0])
 
 
 # --- 2. no_sync gradients of a parameter unused in the synchronizing pass ------------------------

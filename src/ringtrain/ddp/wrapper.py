@@ -6,7 +6,10 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
 1. ``forward`` runs the wrapped module (after broadcasting its buffers from rank 0, as torch's
    DDP does), puts a hook on the output's gradient to stamp the *backward start*, and, with
    ``find_unused_parameters=True``, walks the autograd graph from the output to learn which
-   parameters will get a gradient (the *expected* ones).
+   parameters will get a gradient (the *expected* ones). Then, at the first gradient, one small
+   allreduce (max) of which parameters have a gradient on each rank is queued ahead of every
+   bucket: the others contribute zeros (or what ``no_sync()`` accumulated), and one that no
+   rank has keeps ``.grad`` None, as with torch's DDP (``find_unused_parameters`` only).
 2. Each parameter's ``Tensor.register_post_accumulate_grad_hook`` (public API) fires when its
    ``.grad`` is final for this backward: the hook stamps the time, copies ``.grad`` into the
    parameter's slot of its bucket and makes the slot the ``.grad`` (a view of the bucket, as
@@ -27,9 +30,10 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    communication failed raises that CommError, and every later ``forward`` raises a
    CommError that names it (the communicator is broken; nothing more can be averaged). Only a
    backward begun by the wrapper's ``forward`` is averaged: one through the module itself
-   afterwards stays local, as with torch's DDP. The backward averaged is that of the last
-   synchronizing forward: a forward under ``torch.no_grad()`` or ``no_sync()`` in between (an
-   evaluation) changes nothing.
+   afterwards stays local, as with torch's DDP. A forward under ``torch.no_grad()`` between a
+   synchronizing forward and its backward (an evaluation) changes nothing; a forward that
+   tracks gradients under ``no_sync()`` starts a local pass: the backward after it accumulates
+   without communicating.
 4. *Planning*: the first ``warmup_iterations + profile_iterations`` iterations use one bucket
    (reduced after backward, so the hooks time backward undisturbed), laid out in reverse
    registration order. Then the profile (per-parameter backward times, mean over ranks, rank
@@ -343,16 +347,19 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_tensors(self._module_buffers, "broadcast buffers")
         broadcast_s = time.perf_counter() - t0
         out = self.module(*inputs, **kwargs)
-        if st.sync and torch.is_grad_enabled():
-            self._arm(out)
-            st.broadcast_s = broadcast_s
-            st.forward_span = (t0, time.perf_counter())
+        if torch.is_grad_enabled():
+            if st.sync:
+                self._arm(out)
+                st.broadcast_s = broadcast_s
+                st.forward_span = (t0, time.perf_counter())
+            else:  # a no_sync() pass: the backward that follows accumulates locally
+                st.armed = False
         return out
 
     def _arm(self, out: Any) -> None:
         """Make the backward of a synchronizing forward's outputs average the gradients. Only such
-        a forward arms (and sets what it expects): one under ``torch.no_grad()`` or ``no_sync()``
-        between it and its backward (an evaluation, say) leaves that backward armed."""
+        a forward arms (and sets what it expects): one under ``torch.no_grad()`` between it and
+        its backward (an evaluation, say) leaves that backward armed."""
         st = self._s
         st.armed = True
         outputs = [t for t in _tensors(out) if t.grad_fn is not None]
@@ -641,7 +648,8 @@ class DistributedDataParallel(nn.Module):
         hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
                 "autograd graph) but did not" if self.options.find_unused_parameters else
                 "Pass find_unused_parameters=True to DistributedDataParallel if some parameters legitimately get no "
-                "gradient in some iterations (they then contribute zeros), or make every parameter reach the loss")
+                "gradient in some iterations (they then contribute zeros; one no rank uses keeps .grad None), or "
+                "make every parameter reach the loss")
         error = RuntimeError(
             f"ringtrain.DistributedDataParallel: the previous backward pass ended without a gradient for "
             f"{len(missing)} of the {expected} parameters expected, so their allreduce never ran: {missing}. "
