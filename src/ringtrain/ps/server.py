@@ -178,14 +178,17 @@ class ParameterServer:
         saved = {k: dict(checkpoint.list_checkpoints(d)) for k, d in folders.items() if k == me or d.is_dir()}
         for step in sorted(set.intersection(*(set(files) for files in saved.values())), reverse=True):
             try:
-                found = {k: checkpoint.load(files[step]) for k, files in saved.items()}
+                mine = checkpoint.load(saved[me][step])
+                for k, files in saved.items():  # whole there too? (one at a time, each dropped at once)
+                    if k != me:
+                        checkpoint.load(files[step])
             except checkpoint.CheckpointError as exc:
                 log.warning("%s: skipping step %d, not whole on every server: %s", self.name, step, exc)
                 continue
             if step != max(saved[me]):
                 log.warning("%s resumes at step %d, the newest step every server saved (its own newest is %d)",
                             self.name, step, max(saved[me]))
-            return found[me].payload
+            return mine.payload
         if saved[me]:
             log.warning("%s: no step is saved whole by every server in %s: starting afresh", self.name, root)
         return None
@@ -615,7 +618,8 @@ class ParameterServer:
             if self._want[u] == step and self._status[u] == "connected":
                 outbox.put(("params", step, ready))
         if len(self._undo) == len(self.shard_ids):  # every partition has taken step `version`
-            self._prev, self._undo = self._undo, {}
+            # (kept for a SAVE that comes after the step: only where the server can save)
+            self._prev, self._undo = (self._undo if self.cfg.shard_dir else {}), {}
             self._complete = [False] * W
             self.version = step
             self.updates += 1
