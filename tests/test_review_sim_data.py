@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import re
 import sys
@@ -152,7 +151,7 @@ def test_check_vector_still_takes_numbers_of_any_numeric_type():
 def test_a_fitted_profile_applies_the_algorithm_and_its_options():
     fitted = costs.network("mgwfbp-10GbE-16")
     n = np.array([1e3, 1e6, 1e8])
-    link = costs.ring_link_from_fit(fitted.alpha, fitted.beta, fitted.gamma, 16)
+    link = costs.link_from_fit(fitted.alpha, fitted.beta + fitted.gamma, 16)  # the same inversion as sim.clusters'
     assert fitted.cost(16)(n) == pytest.approx(9.08e-4 + 7.40e-10 * n, rel=1e-12)  # ring: the fit itself
     assert costs.allreduce_time(n, 16, "ring", *link) == pytest.approx(fitted.cost(16)(n), rel=1e-12)
     for algorithm, options in [("halving_doubling", {}), ("naive", {}), ("ps", {"servers": 1}), ("ps", {"servers": 4})]:
@@ -216,10 +215,61 @@ def test_check_same_corpus_does_not_communicate_for_synthetic_data():
     data.check_same_corpus(NoComm(), data.dataset("vectors"))
 
 
-def test_the_ring_worker_compares_corpora_before_training():
-    from ringtrain import train
+def test_check_same_corpus_in_store_compares_the_workers_of_a_job():
+    """Through a real store (torch's HashStore: get waits for the key): the same text passes;
+    rank 1's other text is an error on both ranks, naming rank 1; synthetic data sets nothing."""
+    from datetime import timedelta
 
-    assert "data.check_same_corpus(comm, loader.dataset)" in inspect.getsource(train.worker)
+    import torch.distributed as dist
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(texts):
+        store = dist.HashStore()
+        store.set_timeout(timedelta(seconds=10))
+
+        def one(rank):
+            try:
+                data.check_same_corpus_in_store(store, rank, len(texts), texts[rank])
+            except ValueError as exc:
+                return str(exc)
+
+        with ThreadPoolExecutor(len(texts)) as pool:  # each rank waits for the others' keys
+            return list(pool.map(one, range(len(texts)))), store
+
+    assert run([b"abc" * 9, b"abc" * 9])[0] == [None, None]
+    msgs, _ = run([b"abc" * 9, b"abd" * 9])
+    assert msgs[0] is not None and msgs[1] is not None and msgs[1].startswith("rank 1 read a different text corpus")
+    _, store = run([data.dataset("vectors"), data.dataset("vectors")])
+    assert store.num_keys() == 0
+
+
+def test_the_ring_worker_compares_corpora_before_training(monkeypatch):
+    """train.worker on two thread ranks whose text corpora differ (rank 1's digest): both raise
+    the corpus error before anything trains (wrapping the model would fail the test)."""
+    import threading
+
+    import ringtrain
+    from ringtrain import lifecycle, train
+
+    local = threading.local()
+    monkeypatch.setattr(ringtrain, "init", lambda **kw: local.comm)
+    monkeypatch.setattr(lifecycle, "die_with_parent", lambda: None)
+    monkeypatch.setattr(text_mod.TextWindows, "digest", property(lambda self: f"{local.comm.rank == 1:064x}"))
+
+    def trained(*args, **kwargs):
+        raise AssertionError("training started before the corpora were compared")
+
+    monkeypatch.setattr(ringtrain, "DistributedDataParallel", trained)
+    cfg = train.TrainConfig(model="charlm", batch_size=4, steps=2, checkpoint_every=0)
+
+    def body(comm):
+        local.comm = comm
+        with pytest.raises(ValueError, match="rank 1 read a different text corpus from rank 0") as info:
+            train.worker(cfg)
+        return str(info.value)
+
+    raise_first(run_comms(2, body))
 
 
 def _stdlib_error(monkeypatch, base):

@@ -105,6 +105,21 @@ def test_a_parameter_server_run_without_server_checkpoints_refuses_to_overwrite_
     assert "no parameter-server checkpoints" in message, message
 
 
+def test_a_parameter_server_run_whose_servers_share_no_saved_step_refuses(tmp_path, launches, capsys):
+    # The first save was cut short: server 0 wrote step 2, server 1 only step 1. The servers would
+    # start at step 0 (no step whole on both) and overwrite the workers' checkpoints.
+    save_run(tmp_path, strategy="ps-sharded")
+    checkpoint.save(tmp_path / "servers" / "server-0", 2, {"version": 2})
+    checkpoint.save(tmp_path / "servers" / "server-1", 1, {"version": 1})
+    before = fingerprint(tmp_path)
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", "2"), launches, capsys)
+    assert "no step is saved by every parameter server" in message and "server-1: [1]" in message, message
+    assert fingerprint(tmp_path) == before
+    checkpoint.save(tmp_path / "servers" / "server-1", 2, {"version": 2})  # now step 2 is on both
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", "2")) == 0
+    assert len(launches) == 1
+
+
 def test_runs_of_the_same_strategy_resume(tmp_path, launches, capsys):
     save_run(tmp_path / "ring")
     assert cli.main(train_argv(tmp_path / "ring")) == 0
@@ -117,7 +132,24 @@ def test_runs_of_the_same_strategy_resume(tmp_path, launches, capsys):
 def test_checkpoints_record_strategy_and_canonical_model(tmp_path):
     save_run(tmp_path, model="charlm", strategy="ps-sharded")
     extra = checkpoint.latest(tmp_path).payload["extra"]
+    corpus = extra.pop("corpus")  # the text's sha256: a resume on other text says so
     assert extra == {"strategy": "ps-sharded", "model_name": "charlm-transformer"}
+    assert isinstance(corpus, str) and len(corpus) == 64
+
+
+def test_a_resume_on_another_text_corpus_says_so(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    save_run(tmp_path, model="charlm")
+    payload = checkpoint.latest(tmp_path).payload
+    same = SimpleNamespace(dataset=SimpleNamespace(digest=payload["extra"]["corpus"]))
+    train._note_other_corpus(payload, same, 0)
+    assert capsys.readouterr().err == ""
+    other = SimpleNamespace(dataset=SimpleNamespace(digest="0" * 64))
+    train._note_other_corpus(payload, other, 1)  # (rank 0 speaks)
+    assert capsys.readouterr().err == ""
+    train._note_other_corpus(payload, other, 0)
+    assert "another text corpus" in capsys.readouterr().err
 
 
 # --- 2. a failed rank, torchrun's own errors --------------------------------------------------

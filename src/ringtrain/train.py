@@ -347,10 +347,22 @@ def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]) -> No
     from . import checkpoint
 
     servers = Path(cfg.checkpoint_dir) / "servers"
-    if saved and not any(checkpoint.list_checkpoints(d) for d in servers.glob("server-*")):
+    if not saved:
+        return
+    # (A server's folder that does not exist is on another machine's disk, as ps.server reads it.)
+    folders = [servers / f"server-{k}" for k in range(cfg.servers)]
+    steps = {d.name: {step for step, _ in checkpoint.list_checkpoints(d)} for d in folders if d.is_dir()}
+    if not any(steps.values()):
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds worker checkpoints (steps "
                          f"{sorted(s.step for s in saved)}) but no parameter-server checkpoints in {servers}, so "
                          f"there is nothing to resume: give this run another --checkpoint-dir, {_restart_hint()}")
+    # Servers resume at the newest step every one of them saved (ps.server, *resume*): with none in
+    # common (the first save cut short) they would start at step 0 and overwrite the workers' files.
+    if not set.intersection(*steps.values()):
+        held = "; ".join(f"{name}: {sorted(s)}" for name, s in steps.items())
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: no step is saved by every parameter server "
+                         f"in {servers} ({held}), so there is nothing to resume: give this run "
+                         f"another --checkpoint-dir, {_restart_hint()}")
 
 
 def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
@@ -402,7 +414,20 @@ def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
     from . import checkpoint, models
 
     return checkpoint.training_state(step, model, opt, loader, strategy=cfg.strategy,
-                                     model_name=models.spec(cfg.model).name)
+                                     model_name=models.spec(cfg.model).name,
+                                     corpus=getattr(loader.dataset, "digest", None))
+
+
+def _note_other_corpus(payload: dict, loader, rank: int) -> None:
+    """Say (rank 0) when the text the checkpoint was trained on is not this run's: the data
+    position resumes, the bytes at it differ (another Python build, or a ringtrain that reads
+    other files of the standard library)."""
+    saved = (payload.get("extra") or {}).get("corpus")
+    mine = getattr(loader.dataset, "digest", None)
+    if rank == 0 and saved is not None and mine is not None and saved != mine:
+        print(f"note: the checkpoint was trained on another text corpus (sha256 {saved[:12]}...) than this run "
+              f"reads ({mine[:12]}...): training goes on from the same data position on this text, so the "
+              "resumed run is not the uninterrupted one", file=sys.stderr)
 
 
 def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
@@ -458,6 +483,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         found = checkpoint.latest(cfg.checkpoint_dir)
         if found is not None:
             start = checkpoint.restore_training_state(found.payload, model, opt, loader)
+            _note_other_corpus(found.payload, loader, rank)
             saved_lr = {g["lr"] for g in opt.param_groups}
             for g in opt.param_groups:  # the command line's --lr, not the one the checkpoint was made with
                 g["lr"] = cfg.lr
@@ -515,7 +541,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import numpy as np
     import torch
 
-    from . import checkpoint, ps, rendezvous
+    from . import checkpoint, data, ps, rendezvous
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -527,6 +553,8 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     info = rendezvous.job_info()
     rank, p = info.rank, info.world_size - cfg.servers
     model, loader, batch_size = _workload(cfg, rank, p)
+    # (the workers share no communicator: they compare the text through the job's store)
+    data.check_same_corpus_in_store(rendezvous.job_store(info, cfg.timeout), rank, p, loader.dataset)
     one_rate = _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size)))
     pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
                              schedule=cfg.schedule, timeout=cfg.timeout)
@@ -583,6 +611,7 @@ def _resume_ps_worker(cfg: TrainConfig, rank: int, model, loader, step: int) -> 
     params = {name for name, _ in model.named_parameters()}
     model.load_state_dict({k: v for k, v in payload["model"].items() if k not in params}, strict=False)
     checkpoint.restore_rng(payload["rng"])
+    _note_other_corpus(payload, loader, rank)
     if rank == 0:
         print(f"resumed at step {step} (parameter servers and {saved[step]})", file=sys.stderr)
 

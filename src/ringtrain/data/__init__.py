@@ -17,7 +17,8 @@ from typing import Any
 from .loader import Dataset, ShardedLoader
 from .sampler import ShardedSampler, mix, permutation, splitmix64
 from .synthetic import SyntheticImages, SyntheticVectors
-from .text import DEFAULT_MAX_BYTES, TextCorpus, TextWindows, check_same_corpus, stdlib_dir, text_corpus
+from .text import (DEFAULT_MAX_BYTES, TextCorpus, TextWindows, check_same_corpus, check_same_corpus_in_store,
+                   stdlib_dir, text_corpus)
 
 KINDS = ("text", "images", "vectors")
 
@@ -49,5 +50,5 @@ def dataset(kind: str, split: str = "train", seed: int = 0, **kwargs: Any) -> Da
 
 
 __all__ = ["DEFAULT_MAX_BYTES", "KINDS", "Dataset", "ShardedLoader", "ShardedSampler", "SyntheticImages",
-           "SyntheticVectors", "TextCorpus", "TextWindows", "check_same_corpus", "dataset", "mix", "permutation",
-           "splitmix64", "stdlib_dir", "text_corpus"]
+           "SyntheticVectors", "TextCorpus", "TextWindows", "check_same_corpus", "check_same_corpus_in_store", "dataset",
+           "mix", "permutation", "splitmix64", "stdlib_dir", "text_corpus"]

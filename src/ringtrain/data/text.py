@@ -163,14 +163,8 @@ class TextWindows:
 _DIGEST_BYTES = 32
 
 
-def check_same_corpus(comm: Any, text: Any) -> None:
-    """Raise ``ValueError`` on every rank of ``comm`` unless all of them hold the same text.
-
-    ``text``: a ``TextCorpus``, ``TextWindows`` or bytes; its SHA-256 and length are gathered
-    from every rank (one ``allgather`` of 40 bytes each) and compared, and the error names the
-    ranks that differ from rank 0. Anything else (the synthetic data sets, a pure function of
-    the seed) is not compared and nothing is sent: every rank must pass the same kind.
-    """
+def _fingerprint(text: Any) -> bytes | None:
+    """SHA-256 (32 bytes) and length (8, little-endian) of a text; None for anything else."""
     if isinstance(text, (bytes, bytearray, memoryview)):
         digest, length = hashlib.sha256(text).hexdigest(), len(text)
     elif isinstance(text, TextCorpus):
@@ -178,15 +172,15 @@ def check_same_corpus(comm: Any, text: Any) -> None:
     elif isinstance(text, TextWindows):
         digest, length = text.digest, len(text.tokens)
     else:
-        return
-    width = _DIGEST_BYTES + 8
-    mine = bytes.fromhex(digest) + length.to_bytes(8, "little")
-    table = np.zeros(comm.world_size * width, dtype=np.uint8)
-    table[comm.rank * width:(comm.rank + 1) * width] = np.frombuffer(mine, dtype=np.uint8)
-    comm.allgather(table)
+        return None
+    return bytes.fromhex(digest) + length.to_bytes(8, "little")
+
+
+def _raise_if_differ(rows: Sequence[bytes]) -> None:
+    """The ValueError of check_same_corpus when the ranks' fingerprints ``rows`` differ."""
     ranks_of: dict[bytes, list[int]] = {}
-    for r, row in enumerate(table.reshape(comm.world_size, width)):
-        ranks_of.setdefault(row.tobytes(), []).append(r)
+    for r, row in enumerate(rows):
+        ranks_of.setdefault(bytes(row), []).append(r)
     if len(ranks_of) == 1:
         return
     groups = [
@@ -201,3 +195,33 @@ def check_same_corpus(comm: Any, text: Any) -> None:
         "source, which differs between Python builds and distributions: run every rank with the same "
         "Python build, or give every rank the same root= directory"
     )
+
+
+def check_same_corpus(comm: Any, text: Any) -> None:
+    """Raise ``ValueError`` on every rank of ``comm`` unless all of them hold the same text.
+
+    ``text``: a ``TextCorpus``, ``TextWindows`` or bytes; its SHA-256 and length are gathered
+    from every rank (one ``allgather`` of 40 bytes each) and compared, and the error names the
+    ranks that differ from rank 0. Anything else (the synthetic data sets, a pure function of
+    the seed) is not compared and nothing is sent: every rank must pass the same kind.
+    """
+    mine = _fingerprint(text)
+    if mine is None:
+        return
+    width = len(mine)
+    table = np.zeros(comm.world_size * width, dtype=np.uint8)
+    table[comm.rank * width:(comm.rank + 1) * width] = np.frombuffer(mine, dtype=np.uint8)
+    comm.allgather(table)
+    _raise_if_differ([row.tobytes() for row in table.reshape(comm.world_size, width)])
+
+
+def check_same_corpus_in_store(store: Any, rank: int, world_size: int, text: Any,
+                               key: str = "ringtrain/corpus") -> None:
+    """``check_same_corpus`` through a key-value store (``torch.distributed.TCPStore``: ``set``,
+    and ``get`` that waits for the key within the store's timeout), for ranks with no
+    communicator among them (the workers of a parameter-server job)."""
+    mine = _fingerprint(text)
+    if mine is None:
+        return
+    store.set(f"{key}/{rank}", mine)
+    _raise_if_differ([store.get(f"{key}/{r}") for r in range(world_size)])

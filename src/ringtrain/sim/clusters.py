@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from . import costs
+from .costs import link_from_fit  # (re-exported: bench.train imports it from here)
 from .calibrate import fit_alpha_beta
 
 INTRA_NODE = "NVLink"
@@ -94,22 +95,6 @@ class Cluster:
                 f"--gpus: {world_size} GPUs do not fill nodes of {self.gpus_per_node} (algorithm hierarchical)"
             )
         return costs.allreduce_cost(world_size, algorithm, self.alpha, self.beta, self.gamma, **self.options(algorithm))
-
-
-def link_from_fit(a: float, b: float, world_size: int, algorithm: str = "ring") -> tuple[float, float]:
-    """Link (alpha, beta) whose ``algorithm`` allreduce on ``world_size`` takes ``a + b*n``.
-
-    Every formula in ``sim.costs`` is linear in alpha and in beta, so the coefficients are read
-    off the formula itself: ``allreduce_time`` with (alpha=1, beta=0) and (alpha=0, beta=1).
-    """
-    if world_size < 2:
-        raise ValueError(f"a fitted allreduce needs world_size >= 2, got {world_size}")
-    n = 1e6
-    per_alpha = float(costs.allreduce_time(n, world_size, algorithm, alpha=1.0, beta=0.0))
-    per_beta = float(costs.allreduce_time(n, world_size, algorithm, alpha=0.0, beta=1.0)) / n
-    if per_alpha <= 0 or per_beta <= 0:
-        raise ValueError(f"cannot convert a fit for algorithm {algorithm!r} to link constants")
-    return a / per_alpha, b / per_beta
 
 
 def named(name: str, gpus_per_node: int = 8) -> Cluster:

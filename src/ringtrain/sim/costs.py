@@ -183,7 +183,7 @@ class NetworkProfile:
         one allreduce at its own world size only, read as a ring allreduce's (as
         ``sim.clusters`` reads it): for ``ring`` exactly ``alpha + (beta + gamma) * n``; for
         another algorithm, or with ``options``, that algorithm's model on the link constants
-        that give the fitted ring time (``ring_link_from_fit``).
+        that give the fitted ring time (``link_from_fit``).
         """
         if self.fitted_world_size is None:
             return allreduce_cost(world_size, algorithm, self.alpha, self.beta, self.gamma, **options)
@@ -194,19 +194,25 @@ class NetworkProfile:
             )
         if algorithm == "ring" and not options:
             return LinearCost(self.alpha, self.beta, self.gamma)
-        link = ring_link_from_fit(self.alpha, self.beta, self.gamma, world_size)
-        return allreduce_cost(world_size, algorithm, *link, **options)
+        # (gamma, per byte reduced, is a time per byte like beta: converted with beta's coefficient)
+        alpha, beta_gamma = link_from_fit(self.alpha, self.beta + self.gamma, world_size)
+        return allreduce_cost(world_size, algorithm, alpha, beta_gamma, **options)
 
 
-def ring_link_from_fit(a: float, b: float, c: float, world_size: int) -> tuple[float, float, float]:
-    """Link (alpha, beta, gamma) whose ring allreduce on ``world_size`` ranks takes ``a + (b + c)·n``.
+def link_from_fit(a: float, b: float, world_size: int, algorithm: str = "ring") -> tuple[float, float]:
+    """Link (alpha, beta) whose ``algorithm`` allreduce on ``world_size`` takes ``a + b*n``.
 
-    Inverts 2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ term by term (Patarasuk & Yuan 2009).
+    Every formula here is linear in alpha and in beta, so the coefficients are read off the
+    formula itself: ``allreduce_time`` with (alpha=1, beta=0) and (alpha=0, beta=1).
     """
-    p = _check_world(world_size)
-    if p < 2:
+    if world_size < 2:
         raise ValueError(f"a fitted allreduce needs world_size >= 2, got {world_size}")
-    return a / (2 * (p - 1)), b * p / (2 * (p - 1)), c * p / (p - 1)
+    n = 1e6
+    per_alpha = float(allreduce_time(n, world_size, algorithm, alpha=1.0, beta=0.0))
+    per_beta = float(allreduce_time(n, world_size, algorithm, alpha=0.0, beta=1.0)) / n
+    if per_alpha <= 0 or per_beta <= 0:
+        raise ValueError(f"cannot convert a fit for algorithm {algorithm!r} to link constants")
+    return a / per_alpha, b / per_beta
 
 
 _LINE_RATE = "nominal line rate; alpha an assumed typical per-message latency"
