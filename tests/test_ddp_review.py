@@ -60,6 +60,17 @@ def _mean(per_rank: list[dict]) -> dict:
     return {k: sum(g[k] for g in per_rank) / len(per_rank) for k in per_rank[0]}
 
 
+def _local_grads(base: nn.Module, kind: str, step: int, world_size: int = 2) -> list[dict]:
+    """Each rank's gradients of its batch of ``step`` on a copy of ``base``, without communication."""
+    out = []
+    for rank in range(world_size):
+        alone = copy.deepcopy(base)
+        x, y = rank_batch(kind, step, world_size, rank)
+        nn.functional.mse_loss(alone(x), y).backward()
+        out.append(_grads(alone))
+    return out
+
+
 def _assert_grads(got: dict, want: dict) -> None:
     for k, w in want.items():
         if w is None:
@@ -97,12 +108,7 @@ def test_a_forward_that_does_not_sync_between_forward_and_backward_keeps_it_aver
 
     results = raise_first(run_comms(2, body))
     for step in range(3):
-        local = []
-        for rank in range(2):
-            alone = copy.deepcopy(base)
-            x, y = rank_batch("mlp", step, 2, rank)
-            nn.functional.mse_loss(alone(x), y).backward()
-            local.append(_grads(alone))
+        local = _local_grads(base, "mlp", step)
         _assert_grads(results[0][step], _mean(local))
         assert all(torch.equal(results[0][step][k], results[1][step][k]) for k in local[0])
 
@@ -202,12 +208,7 @@ def test_a_parameter_unused_on_every_rank_keeps_no_gradient(as_view, schedule):
 
     results = raise_first(run_comms(2, body))
     for step in range(3):
-        local = []
-        for rank in range(2):
-            alone = copy.deepcopy(base)
-            x, y = rank_batch("unused", step, 2, rank)
-            nn.functional.mse_loss(alone(x), y).backward()
-            local.append(_grads(alone))
+        local = _local_grads(base, "unused", step)
         want = {k: None if v is None else sum(g[k] for g in local) / 2 for k, v in local[0].items()}
         assert want["unused.weight"] is None and want["unused.bias"] is None
         for rank in range(2):

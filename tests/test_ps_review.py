@@ -16,7 +16,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from ringtrain import checkpoint
 from ringtrain.errors import CommError, MismatchError, PeerLost, ProtocolError
@@ -25,24 +24,16 @@ from ringtrain.ps import protocol as P
 from ringtrain.ps.server import check_hello
 from ringtrain.ps.sharding import layout_digest, make_layout
 from ringtrain.transport import tcp_setup
+import ps_harness
+from ps_harness import tiny
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"review-secret"
 ONE_ELEMENT = 4 / (1 << 20)  # partition_mb of 1-element partitions: every server gets some of tiny()
 
 
-def tiny(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-
-
 def start_server(**kw) -> tuple[ParameterServer, threading.Thread, dict]:
-    cfg = ServerConfig(**{"index": 0, "servers": 1, "workers": 1, "secret": SECRET, "timeout": 10.0, **kw})
-    server = ParameterServer(cfg)
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.setdefault("stats", server.serve()), daemon=True)
-    t.start()
-    return server, t, out
+    return ps_harness.start_server(SECRET, **kw)
 
 
 def start_servers(n: int, **kw) -> list[tuple[ParameterServer, threading.Thread, dict]]:

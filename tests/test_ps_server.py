@@ -20,23 +20,15 @@ from ringtrain.errors import AuthError, CommError, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
 from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
+import ps_harness
+from ps_harness import tiny
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = b"test-secret"
 
 
-def tiny(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-
-
 def start_server(**kw) -> tuple[ParameterServer, threading.Thread, dict]:
-    cfg = ServerConfig(**{"index": 0, "servers": 1, "workers": 1, "secret": SECRET, "timeout": 10.0, **kw})
-    server = ParameterServer(cfg)
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.setdefault("stats", server.serve()), daemon=True)
-    t.start()
-    return server, t, out
+    return ps_harness.start_server(SECRET, **kw)
 
 
 def train_one(endpoint, steps: int = 3, **kw) -> dict:
