@@ -307,6 +307,19 @@ def test_an_async_checkpoint_is_refused_by_a_sync_job_at_the_start(tmp_path):
     assert not thread.is_alive() and "asynchronous" in out["stats"]["failed"]
 
 
+def test_a_checkpoint_of_two_servers_resumed_by_one_says_how_many_servers_made_it(tmp_path):
+    started = start_servers(2, checkpoint_dir=str(tmp_path))
+    ps = worker([s.endpoint for s, _, _ in started], partition_mb=ONE_ELEMENT)
+    train(ps, 1, save_after=(1,))
+    ps.close()
+    join_all(started)
+    server, thread, out = start_server(checkpoint_dir=str(tmp_path), resume=True)
+    with pytest.raises(MismatchError, match=r"was made by 2 servers, this job has 1: resume with 2 servers"):
+        worker([server.endpoint], partition_mb=ONE_ELEMENT)
+    thread.join(10)
+    assert not thread.is_alive()
+
+
 # --- 7. a save between backward and step ----------------------------------------------------------
 
 def test_a_save_between_backward_and_step_holds_the_shard_before_the_step(tmp_path):

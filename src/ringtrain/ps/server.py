@@ -251,6 +251,12 @@ class ParameterServer:
 
     def _restore(self, payload: dict, digest: str) -> None:
         if payload.get("layout") != digest:
+            made_by = payload.get("servers")
+            if isinstance(made_by, int) and made_by != self.cfg.servers:  # the likeliest cause: say it
+                raise MismatchError(
+                    f"{self.name}: the checkpoint in {self.cfg.shard_dir} was made by {made_by} servers, this job has "
+                    f"{self.cfg.servers}: resume with {made_by} servers (--servers {made_by}), or start a new "
+                    "checkpoint directory")
             raise MismatchError(f"{self.name}: the checkpoint in {self.cfg.shard_dir} is of another model layout")
         made_by = payload.get("strategy")  # (None: saved before the strategy was recorded)
         if made_by is not None and (made_by == "async") != (self.cfg.strategy == "async"):
