@@ -427,6 +427,38 @@ def test_serve_returning_ends_the_accept_thread():
              "the accept thread to end", timeout=2)
 
 
+def test_serve_returns_after_every_connection_thread_ended(monkeypatch):
+    """A connection thread still closing its channel when the last worker's BYE is in: serve()
+    waits for it, so no thread of the server outlives serve() (the process may exit next, and a
+    daemon thread cut off at interpreter exit inside C++ aborts it)."""
+    closed = P.Channel.close
+
+    def slow_close(ch):
+        if ch.peer.startswith("worker"):  # the server's side of a connection
+            time.sleep(1.0)
+        closed(ch)
+
+    monkeypatch.setattr(P.Channel, "close", slow_close)
+    before = set(threading.enumerate())
+    server, thread, out = start_server(workers=2)
+    ps = [None, None]
+
+    def run(w):
+        ps[w] = worker([server.endpoint], w, 2)
+        train(ps[w], 2)
+        ps[w].close()
+
+    workers = [threading.Thread(target=run, args=(w,)) for w in range(2)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(20)
+    thread.join(20)
+    assert not thread.is_alive()
+    assert not [t for t in threading.enumerate() if t not in before and t not in workers], "threads outlived serve()"
+    assert all(b["sent"] > 0 and b["received"] > 0 for b in out["stats"]["bytes_per_worker"].values())
+
+
 # --- 11, 12. a save that cannot be made fails that call only --------------------------------------
 
 @pytest.mark.parametrize("where", ["unwritable", "none"])

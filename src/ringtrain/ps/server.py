@@ -156,6 +156,7 @@ class ParameterServer:
         self._serving: set[int] = set()  # workers whose message waits in _wait_until
         self._first_connected: Optional[float] = None
         self._channels: dict[int, P.Channel] = {}
+        self._threads: list[threading.Thread] = []  # connection threads (serve() joins them)
         self._outboxes: dict[int, queue.Queue] = {}
         self._bytes = {w: [0, 0] for w in range(W)}  # sent to, received from
         self.failed: Optional[CommError] = None
@@ -306,7 +307,23 @@ class ParameterServer:
                 self._cond.wait(0.2)
         self._close_listener()
         acceptor.join(1.0)
+        self._join_connections()
         return self.stats()
+
+    def _join_connections(self, limit: float = 5.0) -> None:
+        """Wait (at most ``limit`` s) for every connection thread to end: stats() then counts every
+        worker's bytes, and no thread of this server still runs when serve() returns (the process
+        may exit next, and a daemon thread cut off inside torch at interpreter exit aborts it). A
+        failed job's workers still connected are cut off first (they were told why)."""
+        with self._cond:
+            threads = list(self._threads)
+            if self.failed is not None:
+                for w, ch in self._channels.items():
+                    if self._status[w] == "connected":
+                        ch.close()  # its reader wakes up and ends
+        deadline = time.monotonic() + limit
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _close_listener(self) -> None:
         """Shut the listener down first: close() alone does not wake a thread blocked in accept()."""
@@ -369,7 +386,11 @@ class ParameterServer:
                 sock, addr = self._listener.accept()
             except OSError:
                 return  # listener closed
-            threading.Thread(target=self._connection, args=(sock, addr), daemon=True).start()
+            thread = threading.Thread(target=self._connection, args=(sock, addr), daemon=True,
+                                      name=f"ps{self.cfg.index}-connection")
+            with self._cond:
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
 
     def _connection(self, sock: socket.socket, addr) -> None:
         """Handshake, HELLO, then this worker's messages in order, until BYE or loss."""
