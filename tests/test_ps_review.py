@@ -24,6 +24,7 @@ from ringtrain.ps import protocol as P
 from ringtrain.ps.server import check_hello
 from ringtrain.ps.sharding import layout_digest, make_layout
 from ringtrain.transport import tcp_setup
+from ringtrain.transport.local import on_threads
 import ps_harness
 from ps_harness import tiny
 
@@ -245,22 +246,14 @@ def test_an_async_checkpoint_over_two_servers_resumes(tmp_path):
 
     started = start_servers(2, workers=2, strategy="async", checkpoint_dir=str(tmp_path), resume=True)
     endpoints = [s.endpoint for s, _, _ in started]
-    results: dict = {}
 
     def run(w):
-        try:
-            with worker(endpoints, w, 2, strategy="async", momentum=0.0) as p:
-                results[w] = p.step_count
-                train(p, 1)
-        except Exception as exc:  # noqa: BLE001
-            results[w] = exc
+        with worker(endpoints, w, 2, strategy="async", momentum=0.0) as p:
+            resumed_at = p.step_count
+            train(p, 1)
+        return resumed_at
 
-    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert results == {0: 0, 1: 0}
+    assert on_threads(2, run, timeout=20) == [0, 0]
     join_all(started)
 
 
@@ -441,21 +434,16 @@ def test_serve_returns_after_every_connection_thread_ended(monkeypatch):
     monkeypatch.setattr(P.Channel, "close", slow_close)
     before = set(threading.enumerate())
     server, thread, out = start_server(workers=2)
-    ps = [None, None]
 
     def run(w):
-        ps[w] = worker([server.endpoint], w, 2)
-        train(ps[w], 2)
-        ps[w].close()
+        ps = worker([server.endpoint], w, 2)
+        train(ps, 2)
+        ps.close()
 
-    workers = [threading.Thread(target=run, args=(w,)) for w in range(2)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join(20)
+    assert on_threads(2, run, timeout=20) == [None, None]
     thread.join(20)
     assert not thread.is_alive()
-    assert not [t for t in threading.enumerate() if t not in before and t not in workers], "threads outlived serve()"
+    assert not [t for t in threading.enumerate() if t not in before], "threads outlived serve()"
     assert all(b["sent"] > 0 and b["received"] > 0 for b in out["stats"]["bytes_per_worker"].values())
 
 

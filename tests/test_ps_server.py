@@ -20,6 +20,7 @@ from ringtrain.errors import AuthError, CommError, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
 from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
+from ringtrain.transport.local import on_threads
 import ps_harness
 from ps_harness import tiny
 
@@ -231,19 +232,7 @@ def test_a_sync_worker_ahead_waits_for_a_module_another_workers_step_still_pushe
             ps.wait()
             return [p.detach().clone() for p in model.parameters()]
 
-    results = [None, None]
-
-    def run(w):
-        try:
-            results[w] = worker(w)
-        except BaseException as exc:  # noqa: BLE001
-            results[w] = exc
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    results = on_threads(2, worker, timeout=30)
     thread.join(10)
     assert not isinstance(results[0], BaseException), results[0]
     assert not isinstance(results[1], BaseException), results[1]
