@@ -243,7 +243,7 @@ class ParameterServer:
         # server unconfigured, so every worker's HELLO meets the same refusal and reports it.
         if self._resume_payload is not None:
             try:
-                self._restore(self._resume_payload, layout.digest())
+                self._restore(self._resume_payload, hello["digest"])  # (checked equal to the layout's above)
             except MismatchError as exc:
                 if not self.cfg.synchronous:  # (synchronous: every lost worker fails the job anyway)
                     self._fail(exc)

@@ -91,12 +91,17 @@ class Layout:
         return totals
 
 
+def _piece_count(numel: int, partition_bytes: int) -> int:
+    """How many pieces ``cut`` makes of a parameter of ``numel`` > 0 elements."""
+    cap = max(1, partition_bytes // ITEMSIZE)
+    return -(-numel // cap)
+
+
 def cut(numel: int, partition_bytes: int) -> list[tuple[int, int]]:
     """``[start, stop)`` pieces of a parameter of ``numel`` elements, each at most partition_bytes."""
-    cap = max(1, partition_bytes // ITEMSIZE)
-    if numel <= cap:
+    pieces = _piece_count(numel, partition_bytes)
+    if pieces <= 1:
         return [(0, numel)]
-    pieces = math.ceil(numel / cap)
     size = math.ceil(numel / pieces)  # equal sizes; the last one may be shorter
     return [(s, min(s + size, numel)) for s in range(0, numel, size)]
 
@@ -110,8 +115,7 @@ def layout_digest(numels: Sequence[int], servers: int, partition_bytes: int) -> 
 
 def partition_count(numels: Sequence[int], partition_bytes: int) -> int:
     """How many partitions ``numels`` are cut into (without cutting them)."""
-    cap = max(1, partition_bytes // ITEMSIZE)
-    return sum(-(-int(n) // cap) for n in numels if int(n) > 0)
+    return sum(_piece_count(int(n), partition_bytes) for n in numels if int(n) > 0)
 
 
 def make_layout(numels: Sequence[int], servers: int, partition_bytes: int = DEFAULT_PARTITION_BYTES) -> Layout:
