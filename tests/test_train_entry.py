@@ -2,7 +2,8 @@
 and how a failure reaches the user.
 
 Before starting workers, `ringtrain train` refuses a checkpoint directory it cannot continue
-(checkpoints of another strategy, another model, another global batch or seed), a --timeline
+(checkpoints of another strategy, another model, another global batch or seed, or parameter
+servers' checkpoints of another number of servers or the other kind of job), a --timeline
 it cannot write, and a batch larger than the data set; --no-resume moves old checkpoints
 aside instead of overwriting them. Each refusal is one ``ringtrain train: ...`` line and
 leaves the files as they were. After the workers, a failed rank is reported with its rank,
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from ringtrain import checkpoint, cli, train
+import ps_harness
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,6 +120,45 @@ def test_a_parameter_server_run_whose_servers_share_no_saved_step_refuses(tmp_pa
     checkpoint.save(tmp_path / "servers" / "server-1", 2, {"version": 2})  # now step 2 is on both
     assert cli.main(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", "2")) == 0
     assert len(launches) == 1
+
+
+def save_servers(directory: Path, servers: int, strategy: str = "sync") -> None:
+    """Real parameter servers (threads) save step 1 into ``directory``/servers, as a run's do."""
+    from ringtrain.ps import ParameterServerTraining
+
+    started = [ps_harness.start_server(b"entry", index=k, servers=servers, strategy=strategy,
+                                       checkpoint_dir=str(directory / "servers")) for k in range(servers)]
+    ps = ParameterServerTraining(ps_harness.tiny(), servers=[s.endpoint for s, _, _ in started], worker=0, workers=1,
+                                 secret=b"entry", strategy=strategy, timeout=10.0, partition_mb=4 / (1 << 20))
+    ps.module(torch.ones(2, 4)).sum().backward()
+    ps.step()
+    ps.save_checkpoint()
+    ps.close()
+    for _, thread, _ in started:
+        thread.join(10)
+
+
+@pytest.mark.parametrize("saved, run", [(2, 1), (1, 2)])
+def test_a_parameter_server_run_with_another_number_of_servers_refuses_before_launching(
+        tmp_path, saved, run, launches, capsys):
+    # The servers refused it too, but only once every rank had started (and the workers had waited).
+    save_run(tmp_path, steps=(1,), strategy="ps-sharded")
+    save_servers(tmp_path, saved)
+    before = fingerprint(tmp_path)
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", str(run)), launches, capsys)
+    assert f"was made by {saved} server{'s' * (saved > 1)}, this run has {run}" in message, message
+    assert f"resume with --servers {saved}" in message, message
+    assert fingerprint(tmp_path) == before
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", str(saved))) == 0
+    assert len(launches) == 1
+
+
+def test_a_synchronous_parameter_server_run_refuses_an_asynchronous_runs_servers(tmp_path, launches, capsys):
+    save_run(tmp_path, steps=(1,), strategy="ps-async")
+    save_servers(tmp_path, 1, strategy="async")
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sync"), launches, capsys)
+    assert "made by an asynchronous job (--strategy ps-async), not --strategy ps-sync" in message, message
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-async")) == 0
 
 
 def test_runs_of_the_same_strategy_resume(tmp_path, launches, capsys):

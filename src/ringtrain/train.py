@@ -266,7 +266,7 @@ def _saved_checkpoints(directory: Path) -> list[_Saved]:
 
 def _prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> None:
     """Resuming: refuse checkpoints this run cannot continue (another strategy, model, global
-    batch or seed). Starting afresh (--no-resume): move the old checkpoints aside."""
+    batch, seed or number of servers). Starting afresh (--no-resume): move the old checkpoints aside."""
     from . import checkpoint
 
     directory = Path(cfg.checkpoint_dir)
@@ -351,18 +351,43 @@ def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]) -> No
         return
     # (A server's folder that does not exist is on another machine's disk, as ps.server reads it.)
     folders = [servers / f"server-{k}" for k in range(cfg.servers)]
-    steps = {d.name: {step for step, _ in checkpoint.list_checkpoints(d)} for d in folders if d.is_dir()}
+    files = {d.name: dict(checkpoint.list_checkpoints(d)) for d in folders if d.is_dir()}
+    steps = {name: set(held) for name, held in files.items()}
     if not any(steps.values()):
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds worker checkpoints (steps "
                          f"{sorted(s.step for s in saved)}) but no parameter-server checkpoints in {servers}, so "
                          f"there is nothing to resume: give this run another --checkpoint-dir, {_restart_hint()}")
     # Servers resume at the newest step every one of them saved (ps.server, *resume*): with none in
     # common (the first save cut short) they would start at step 0 and overwrite the workers' files.
-    if not set.intersection(*steps.values()):
+    common = set.intersection(*steps.values())
+    if not common:
         held = "; ".join(f"{name}: {sorted(s)}" for name, s in steps.items())
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: no step is saved by every parameter server "
                          f"in {servers} ({held}), so there is nothing to resume: give this run "
                          f"another --checkpoint-dir, {_restart_hint()}")
+    _check_same_servers(cfg, next(held for held in files.values() if held)[max(common)], max(common))
+
+
+def _check_same_servers(cfg: TrainConfig, path: Path, step: int) -> None:
+    """The servers refuse a shard saved by another number of servers, or a synchronous job's by an
+    asynchronous one (ps.server), but only once every rank has started: say it here, before."""
+    from . import checkpoint
+
+    try:
+        saved = checkpoint.load(path).payload
+    except checkpoint.CheckpointError:
+        return  # (the server skips a damaged file and says so itself)
+    where = f"--checkpoint-dir {cfg.checkpoint_dir}: the parameter servers' checkpoint of step {step}"
+    made_by = saved.get("servers")
+    if isinstance(made_by, int) and made_by != cfg.servers:
+        raise ValueError(f"{where} was made by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}: "
+                         f"resume with --servers {made_by}, {_restart_hint()}")
+    strategy = saved.get("strategy")  # (None: saved before the strategy was recorded)
+    if strategy is not None and (strategy == "async") != (cfg.strategy == "ps-async"):
+        theirs = "ps-async" if strategy == "async" else "ps-sync or ps-sharded"
+        kind = "an asynchronous" if strategy == "async" else "a synchronous"
+        raise ValueError(f"{where} was made by {kind} job (--strategy {theirs}), not --strategy {cfg.strategy}: "
+                         f"resume with --strategy {theirs}, {_restart_hint()}")
 
 
 def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
