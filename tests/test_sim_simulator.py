@@ -120,16 +120,35 @@ def test_parameter_servers_queue_pushes_then_drain_the_last_pull_and_step_on_the
     # toy() with 2 workers and one server, partitions of 16 bytes, alpha 1/4 s, beta 1/64 s/B:
     # D(n) = 2(1/4 + n/64). wfbp pushes C (64 B) from 1 to 1 + 2.5 = 3.5, B (128 B) from 3.5 to
     # 3.5 + 4.5 = 8, A (192 B) from 8 to 8 + 6.5 = 14.5; then the pull of A's last partition,
-    # D(16) = 1. The workers take no optimizer step: iteration = 8 + max(6, 15.5) = 23.5.
+    # D(16) = 1 (in the last group's end). The workers take no optimizer step: iteration =
+    # 8 + max(6, 15.5) = 23.5.
     cost = costs.allreduce_cost(2, "ps", alpha=0.25, beta=1 / 64, partition_bytes=16)
     p = predict_with_cost(toy(), cost, 2, "wfbp", algorithm="ps")
-    assert p.plan.ends == [3.5, 8.0, 14.5]
+    assert p.plan.ends == [3.5, 8.0, 15.5]
     assert (p.comm_end_s, p.optimizer_s, p.iteration_s) == (15.5, 0.0, 23.5)
     assert p.comm_s == 2.5 + 4.5 + 6.5 + 1.0
     # Each push alone: push then pull of its last partition, as allreduce_time says.
     assert cost(64) == 2.5 + 1.0
     # One worker has no server to talk to: its own optimizer step, as for every algorithm.
     assert predict_with_cost(toy(), cost, 1, "wfbp", algorithm="ps").iteration_s == 14.5
+
+
+@pytest.mark.parametrize("gpus", [4, 64, 2048])
+@pytest.mark.parametrize("model", ["resnet50", "googlenet", "bert-large"])
+def test_the_optimal_schedule_is_never_worse_than_another_with_parameter_servers(model, gpus):
+    # The planner grouped pushes by their whole exchange (push and pull) while the prediction
+    # overlaps every pull but the last with the next push: wfbp or fixed beat "optimal" by up to
+    # 16% (resnet50 on 1GbE at 4 GPUs: 3313 against 3426 ms). It now plans with that drain.
+    import dataclasses
+
+    t = build_trace(model, DEVICES["v100"])
+    for net in ("1GbE", "100Gb-IB"):
+        for servers in (1, 4):
+            cost = dataclasses.replace(named(net), servers=servers).cost(gpus, "ps")
+            best = predict_with_cost(t, cost, gpus, "optimal", algorithm="ps").iteration_s
+            for schedule in ("single", "wfbp", "fixed", "mgwfbp"):
+                other = predict_with_cost(t, cost, gpus, schedule, algorithm="ps").iteration_s
+                assert best <= other, (net, servers, schedule, best, other)
 
 
 def test_bad_input_is_a_clear_error():

@@ -19,6 +19,12 @@ Words used here:
   ``max(ready[last of g], end of group g-1)`` and ends ``cost(bytes of g)`` later. The
   plan's ``end_time`` is the end of its last allreduce. :func:`evaluate` is the only place
   this model is written down; every method builds a grouping and asks evaluate for its timing.
+- *drain* (optional, ``drain(nbytes) -> seconds``): what an exchange takes after it leaves the
+  stream, overlapping the next one: a parameter server's pull of the last partitions of a push
+  (``ringtrain.sim.costs``, ``AllreduceCost.drain``; ``cost`` is then its occupancy of the
+  stream). Only the last group's drain is waited for, so the plan ends at the last group's end
+  plus its drain (that group's entry in ``ends`` includes it). The prefix program stays exact:
+  the drain adds a function of the last group alone to the last step.
 - *interference* (optional, :class:`Interference`): compute time that each allreduce launched
   while backward still runs takes from the rest of backward, ``per_message + per_byte * b``
   seconds. Where the transport shares cores with the computation (CPU training on a few cores),
@@ -183,7 +189,7 @@ class Plan:
     starts: list[float]
     """Start time of each group's allreduce, seconds."""
     ends: list[float]
-    """End time of each group's allreduce, seconds."""
+    """End time of each group's allreduce, seconds (the last group's with its drain, if any)."""
     group_bytes: list[float]
     """Bytes of each group's allreduce."""
     ready: list[float]
@@ -278,9 +284,10 @@ def evaluate(
     cost: CostFn | None = None,
     method: str = "custom",
     interference: Interference | None = None,
+    drain: CostFn | None = None,
 ) -> Plan:
     """The timing of any grouping under the one-stream model (see the module docstring),
-    with ``interference`` charged if given.
+    with ``interference`` and the last group's ``drain`` charged if given.
 
     Give either ``alpha`` and ``beta`` (and optionally ``gamma``) or ``cost``.
     """
@@ -288,7 +295,7 @@ def evaluate(
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
     pairs = [tuple(g) for g in groups]
     _check_groups(pairs, len(times))
-    return _evaluate(times, sizes, pairs, cost_fn, method, _check_interference(interference))
+    return _evaluate(times, sizes, pairs, cost_fn, method, _check_interference(interference), drain)
 
 
 def merge(
@@ -304,6 +311,7 @@ def merge(
     first_bucket_mb: float | None = None,
     interference: Interference | None = None,
     planned_with: Interference | None = None,
+    drain: CostFn | None = None,
 ) -> Plan:
     """Group the layers' gradients into allreduces with ``method`` (one of ``METHODS``).
 
@@ -311,7 +319,8 @@ def merge(
     ``interference`` is charged by every method's timing; only ``optimal`` plans around it
     (the other methods' rules are as their authors wrote them), or around ``planned_with``
     where that is given (e.g. ``Interference()``: the optimum of free overlap, timed with
-    what overlapping really costs).
+    what overlapping really costs). ``drain``: see the module docstring (every method's timing
+    and the optimum count it).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}: accepted values are {', '.join(METHODS)}")
@@ -326,8 +335,8 @@ def merge(
     ready = np.cumsum(times)
     if method == "optimal":
         counted = planning.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
-        groups = (_optimal_groups_counted(ready, sizes, cost_fn, planning) if counted
-                  else _optimal_groups(ready, sizes, cost_fn, planning))
+        groups = (_optimal_groups_counted(ready, sizes, cost_fn, planning, drain) if counted
+                  else _optimal_groups(ready, sizes, cost_fn, planning, drain))
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
     elif method == "wfbp":
@@ -336,14 +345,14 @@ def merge(
         groups = _fixed_groups(sizes, bucket_cap_mb, first_bucket_mb)
     else:  # single
         groups = [(0, n - 1)] if n else []
-    return _evaluate(times, sizes, groups, cost_fn, method, slow)
+    return _evaluate(times, sizes, groups, cost_fn, method, slow, drain)
 
 
 # --- the methods -------------------------------------------------------------------------
 
 
 def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
-                    slow: Interference | None = None) -> list[tuple[int, int]]:
+                    slow: Interference | None = None, drain: CostFn | None = None) -> list[tuple[int, int]]:
     """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1 (a per-byte
     interference delays a group's layers by per_byte * the bytes before it: a function of i;
     comm_slowdown makes the end a non-decreasing function of the start, :func:`_end`).
@@ -373,6 +382,8 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # the launches up to this one's, or, for the last group, up to the one before it.
         until = end0 + delay[j] if j < n else end0 + delay[:j]
         ends = _end(np.maximum(ready[j - 1] + delay[:j], best[:j]), costs, until, slow.comm_slowdown)
+        if j == n and drain is not None:  # the last group's drain is waited for
+            ends = ends + _cost_array(drain, prefix[n] - prefix[:n])
         i = int(np.argmin(ends))
         best[j] = ends[i]
         split[j] = i
@@ -385,7 +396,7 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
 
 
 def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
-                            slow: Interference) -> list[tuple[int, int]]:
+                            slow: Interference, drain: CostFn | None = None) -> list[tuple[int, int]]:
     """The prefix DP once per group count (a per-message interference; module docstring)."""
     n = len(sizes)
     if n == 0:
@@ -401,6 +412,9 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
     bytes_after = slow.per_byte * prefix[rows]  # the bytes up to the end of the candidate group
     end0 = float(ready[-1])
     last_row = slice(int(row_start[-1]), len(rows))  # the candidates i..n-1 for the last group
+    tail = np.zeros(len(rows))  # the last group's drain, waited for (module docstring)
+    if drain is not None:
+        tail[last_row] = _cost_array(drain, prefix[n] - prefix[cols[last_row]])
     prev = np.full(n + 1, np.inf)
     prev[0] = 0.0  # zero groups cover the empty prefix
     splits: list[np.ndarray] = []
@@ -412,6 +426,8 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # Slowed until backward's end as known at the launch (_evaluate's expressions).
         until = np.where(rows < n, end0 + (slow.per_message * g + bytes_after), end0 + delay)
         ends = _end(np.maximum(ready_rows + delay, prev[cols]), costs, until, slow.comm_slowdown)
+        if drain is not None:
+            ends = ends + tail
         cur = np.full(n + 1, np.inf)
         cur[1:] = np.minimum.reduceat(ends, row_start)
         # The first i reaching the row's minimum (as the 1-D program's argmin).
@@ -428,7 +444,8 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # any such plan's end in floats too (it starts after ready[n-1]: nothing slows it). And
         # the stream carries g allreduces (in exact arithmetic; a margin of 1e-9 covers the
         # rounding of the sum).
-        last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[last_row]) + costs[last_row])
+        last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[last_row]) + costs[last_row]
+                      + tail[last_row])
         chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
         if max(last, chain * (1.0 - 1e-9)) >= best_end:
             break
@@ -489,7 +506,7 @@ def _fixed_groups(
 
 def _evaluate(
     times: np.ndarray, sizes: np.ndarray, groups: list[tuple[int, int]], cost: CostFn, method: str,
-    slow: Interference | None = None,
+    slow: Interference | None = None, drain: CostFn | None = None,
 ) -> Plan:
     slow = slow or NO_INTERFERENCE
     ready = np.cumsum(times)
@@ -513,6 +530,8 @@ def _evaluate(
         else:
             until = end0 + (slow.per_message * g + slow.per_byte * prefix[first])
         prev_end = _end(start, costs[g], until, slow.comm_slowdown)
+        if g == last_group and drain is not None:  # (the program's expression: + the drain)
+            prev_end = prev_end + _cost_array(drain, nbytes[g:])[0]
         starts.append(float(start))
         ends.append(float(prev_end))
     return Plan(

@@ -115,14 +115,14 @@ def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 
 
 def _plan_layers(times: list[float], sizes: list[int], schedule: str, cost: CostFn, bucket_cap_mb: float,
                  interference: planner.Interference | None,
-                 planned_with: planner.Interference | None = None) -> planner.Plan:
+                 planned_with: planner.Interference | None = None, drain: CostFn | None = None) -> planner.Plan:
     """make_plan on the gradient layers' times and bytes (``Trace.gradient_layers``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--schedules: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     ab = affine_or_none(cost)
     rate = dict(alpha=ab[0], beta=ab[1]) if ab is not None else dict(cost=cost)
     return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, interference=interference,
-                         planned_with=planned_with, **rate)
+                         planned_with=planned_with, drain=drain, **rate)
 
 
 def single_gpu_iteration(trace: Trace) -> float:
@@ -156,17 +156,17 @@ def predict_with_cost(
         )
     _, times, sizes = trace.gradient_layers()
     servers = world_size > 1 and getattr(cost, "algorithm", None) == "ps"
-    # A parameter server's exchanges queue behind the pushes only (sim.costs, "ps").
+    # A parameter server's exchanges queue behind the pushes only, the last one's pull then
+    # waited for (sim.costs, "ps"; the planner's drain).
     occupancy = getattr(cost, "occupancy", cost) if world_size > 1 else _free
+    drain = getattr(cost, "drain", None) if servers else None
     plan = _plan_layers(times, sizes, schedule, occupancy, bucket_cap_mb,
-                        interference if world_size > 1 else None, planned_with if world_size > 1 else None)
-    drain = getattr(cost, "drain", None)
-    tail = float(drain(plan.group_bytes[-1])) if world_size > 1 and drain is not None and plan.group_bytes else 0.0
+                        interference if world_size > 1 else None, planned_with if world_size > 1 else None, drain)
     # Backward slowed by the launches before its last group (0 without interference).
     delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
     backward = trace.backward_s + delay
     optimizer = 0.0 if servers else trace.optimizer_s
-    iteration = trace.forward_s + max(backward, plan.end_time + tail) + optimizer
+    iteration = trace.forward_s + max(backward, plan.end_time) + optimizer
     throughput = world_size * trace.batch_size / iteration
     speedup = base / iteration * world_size
     return Prediction(
@@ -178,8 +178,8 @@ def predict_with_cost(
         batch_size=trace.batch_size,
         forward_s=trace.forward_s,
         backward_s=backward,
-        comm_s=plan.comm_time + tail,
-        comm_end_s=plan.end_time + tail,
+        comm_s=plan.comm_time,
+        comm_end_s=plan.end_time,
         optimizer_s=optimizer,
         iteration_s=iteration,
         samples_per_s=throughput,
