@@ -64,6 +64,8 @@ def test_simulate_plots(tmp_path, capsys):
     (["--device", "p100"], "--device"),
     (["--cluster", ""], "--cluster"),
     (["--cluster", ","], "--cluster"),
+    (["--gpus", "4,,8"], "--gpus: '4,,8' has an empty value"),  # (was taken as 4,8)
+    (["--model", "resnet50", "--gpus-per-node", "0"], "--gpus-per-node: must be an integer >= 1"),  # (named --cluster)
     (["--model", "resnet50", "--cluster", "10GbE", "--gpus", "4", "--csv", "/nonexistent/dir/x.csv"], "/nonexistent"),
 ])
 def test_simulate_bad_options_exit_2_naming_the_option(argv, match, capsys):
@@ -95,6 +97,8 @@ def test_plan_json_with_alpha_beta(capsys):
     (["--model", "resnet50,vgg16"], "--model"),
     (["--model", "resnet50", "--alpha", "1e-5"], "--alpha"),
     (["--model", "resnet50", "--cluster", "1GbE,10GbE"], "--cluster"),
+    (["--model", "resnet50", "--algorithm", "tree"], "--algorithm: unknown algorithm 'tree'"),  # (named --algorithms)
+    (["--model", "resnet50", "--gpus-per-node", "0"], "--gpus-per-node: must be"),
 ])
 def test_plan_bad_options(argv, match, capsys):
     assert main(["plan", *argv]) == 2
@@ -163,3 +167,34 @@ def test_a_bench_file_row_without_numbers_is_a_clear_error(tmp_path, capsys):
     path.write_text(json.dumps({"rows": [{"algorithm": "ring", "world_size": 2, "nbytes": None, "median_s": 0.1}]}))
     assert main(["simulate", "--model", "resnet50", "--cluster", str(path), "--gpus", "4"]) == 2
     assert "not a number" in capsys.readouterr().err
+
+
+def test_a_trace_without_its_required_fields_names_the_missing_one(tmp_path, capsys):
+    # (Trace.__init__'s TypeError "missing 2 required positional arguments" reached the user)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"layers": []}))
+    assert main(["simulate", "--model", str(path), "--cluster", "1GbE", "--gpus", "4"]) == 2
+    assert "trace is missing the field 'model'" in capsys.readouterr().err
+
+
+def test_a_bench_file_of_one_size_says_what_the_fit_needs(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"rows": [{"algorithm": "ring", "world_size": 2, "nbytes": 4096, "median_s": 1e-4}]}))
+    assert main(["simulate", "--model", "resnet50", "--cluster", str(path), "--gpus", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"--cluster {path}: cannot fit alpha and beta" in err and "at least two --sizes" in err, err
+
+
+def test_a_sweep_without_zoo_models_names_no_gpu_profile(tmp_path, capsys):
+    from ringtrain.sim.models_zoo import build_trace
+    from ringtrain.sim.devices import DEVICES
+    from ringtrain.sim.traces import save
+
+    path = tmp_path / "mine.json"
+    save(build_trace("resnet50", DEVICES["a100"]), path)
+    assert main(["simulate", "--model", str(path), "--cluster", "1GbE", "--gpus", "4"]) == 0
+    assert "timed on" not in capsys.readouterr().out.splitlines()[0]
+    assert main(["simulate", "--model", str(path), "--cluster", "1GbE", "--gpus", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"] is None
+    assert main(["simulate", "--model", f"{path},vgg16", "--cluster", "1GbE", "--gpus", "4"]) == 0
+    assert "zoo models timed on v100" in capsys.readouterr().out.splitlines()[0]

@@ -64,7 +64,7 @@ def test_hierarchical_needs_full_nodes():
     assert c.cost(4, "hierarchical")(1e6) > 0  # one node: a ring on NVLink
     with pytest.raises(ValueError, match="--gpus"):
         c.cost(12, "hierarchical")
-    with pytest.raises(ValueError, match="--algorithms"):
+    with pytest.raises(ValueError, match="unknown algorithm 'butterfly'"):  # (no flag: plan says --algorithm)
         c.cost(8, "butterfly")
 
 

@@ -75,9 +75,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def split(value: str, option: str, accepted: Sequence[str] | None = None) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
+    items = [v.strip() for v in value.split(",")]
+    if not any(items):
         raise ValueError(f"{option}: needs at least one value")
+    if not all(items):
+        raise ValueError(f"{option}: {value!r} has an empty value between commas")
     if accepted is not None:
         for v in items:
             if v not in accepted:
@@ -98,6 +100,13 @@ def parse_gpus(value: str) -> list[int]:
     return out
 
 
+def check_gpus_per_node(value: int) -> int:
+    """``--gpus-per-node``: an integer >= 1."""
+    if value < 1:
+        raise ValueError(f"--gpus-per-node: must be an integer >= 1, got {value}")
+    return value
+
+
 def check_bucket_mb(value: float) -> float:
     """``--bucket-mb``, the fixed schedule's bucket cap in MiB: a finite number > 0."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -108,10 +117,9 @@ def check_bucket_mb(value: float) -> float:
 def load_traces(value: str, device_name: str) -> list[Trace]:
     """Zoo models on ``device_name``, trace files, or ``profile:NAME`` (a ringtrain.models model
     profiled on this machine's CPU)."""
-    names = list(MODELS) if value.strip().lower() == "all" else split(value, "--model")
     device = get_device(device_name)
     out: list[Trace] = []
-    for n in names:
+    for n in model_names(value):
         if n.lower().endswith((".json", ".csv")):
             trace = load(n)
             tag = Path(n).stem
@@ -131,6 +139,17 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
     return out
 
 
+def model_names(value: str) -> list[str]:
+    """``--model``'s items ('all': every zoo model)."""
+    return list(MODELS) if value.strip().lower() == "all" else split(value, "--model")
+
+
+def zoo_device(value: str, device: str) -> str | None:
+    """``device`` where ``--model`` names a zoo model (the others bring their own times), else None."""
+    zoo = [n for n in model_names(value) if not n.lower().endswith((".json", ".csv")) and not n.startswith("profile:")]
+    return device if zoo else None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before a sweep that may take minutes
         print("ringtrain simulate: --plot needs matplotlib, which is not installed here; "
@@ -138,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         traces = load_traces(args.model, args.device)
-        clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], args.gpus_per_node)
+        device = zoo_device(args.model, args.device)
+        clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], check_gpus_per_node(args.gpus_per_node))
         gpus = parse_gpus(args.gpus)
         schedules = split(args.schedules, "--schedules", SCHEDULES)
         algorithms = split(args.algorithms, "--algorithms", costs.ALGORITHMS)
@@ -159,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"ringtrain simulate: cannot write {e.filename or 'the output'}: {e.strerror or e}", file=sys.stderr)
         return 2
     if args.json:
-        emit(json.dumps(document(predictions, traces, clusters, args.device), indent=1))
+        emit(json.dumps(document(predictions, traces, clusters, device), indent=1))
     else:
-        emit(format_table(predictions, schedules, args.device))
+        emit(format_table(predictions, schedules, device))
     return 0
 
 
@@ -175,7 +195,9 @@ def emit(text: str) -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def document(predictions: list[Prediction], traces: list[Trace], clusters: list[Any], device: str) -> dict[str, Any]:
+def document(predictions: list[Prediction], traces: list[Trace], clusters: list[Any],
+             device: str | None) -> dict[str, Any]:
+    """The --json document; ``device``: the GPU profile of the zoo models (None without any)."""
     return {
         "device": device,
         "models": [
@@ -199,8 +221,9 @@ def write_csv(predictions: list[Prediction], path: str | Path) -> None:
         writer.writerows(rows)
 
 
-def format_table(predictions: list[Prediction], schedules: Sequence[str], device: str) -> str:
-    """One line per model x cluster x algorithm x GPU count; a column per schedule."""
+def format_table(predictions: list[Prediction], schedules: Sequence[str], device: str | None) -> str:
+    """One line per model x cluster x algorithm x GPU count; a column per schedule (``device``:
+    the zoo models' GPU profile, None without zoo models)."""
     cells: dict[tuple, dict[str, Prediction]] = {}
     for p in predictions:
         cells.setdefault((p.model, p.cluster, p.algorithm, p.world_size), {})[p.schedule] = p
@@ -208,7 +231,7 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
     cw = max([16] + [len(p.cluster) for p in predictions])
     head = f"{'model':<{mw}} {'cluster':<{cw}} {'algorithm':<10} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
     lines = [
-        f"iteration time in ms (scaling efficiency) per schedule; zoo models timed on {device}",
+        "iteration time in ms (scaling efficiency) per schedule" + (f"; zoo models timed on {device}" if device else ""),
         head + f"  {'best':<8} {'samples/s':>10}",
     ]
     for (model, cluster, algorithm, p), by_schedule in cells.items():

@@ -89,7 +89,7 @@ class Cluster:
     def cost(self, world_size: int, algorithm: str = "ring") -> costs.AllreduceCost:
         """``cost(nbytes) -> seconds`` of one allreduce on ``world_size`` GPUs of this cluster."""
         if algorithm not in costs.ALGORITHMS:
-            raise ValueError(f"--algorithms: unknown algorithm {algorithm!r}; choose from {', '.join(costs.ALGORITHMS)}")
+            raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(costs.ALGORITHMS)}")
         if algorithm == "hierarchical" and world_size > self.gpus_per_node and world_size % self.gpus_per_node:
             raise ValueError(
                 f"--gpus: {world_size} GPUs do not fill nodes of {self.gpus_per_node} (algorithm hierarchical)"
@@ -191,7 +191,11 @@ def from_bench(
         sizes, times = [float(r["nbytes"]) for r in rows], [float(r["median_s"]) for r in rows]
     except (TypeError, ValueError):
         raise ValueError(f"--cluster {path}: a row's nbytes or median_s is not a number") from None
-    a, b = fit_alpha_beta(sizes, times)
+    try:
+        a, b = fit_alpha_beta(sizes, times)
+    except ValueError as e:
+        raise ValueError(f"--cluster {path}: cannot fit alpha and beta to its {algorithm} rows at {p} ranks "
+                         f"({e}): run bench allreduce with at least two --sizes") from None
     alpha, beta = link_from_fit(a, b, p, algorithm if algorithm in costs.ALGORITHMS else "ring")
     return Cluster(
         f"bench:{Path(path).stem}", alpha, beta, gpus_per_node=gpus_per_node,

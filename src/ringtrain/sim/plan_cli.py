@@ -16,7 +16,7 @@ import json
 import sys
 from . import clusters as clusters_mod
 from . import costs
-from .cli import add_common, check_bucket_mb, emit, load_traces, split
+from .cli import add_common, check_bucket_mb, check_gpus_per_node, emit, load_traces, split
 from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
 
@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         if args.max_groups < 0:
             raise ValueError(f"--max-groups: the groups listed per method must be >= 0, got {args.max_groups}")
         check_bucket_mb(args.bucket_mb)
+        check_gpus_per_node(args.gpus_per_node)
+        if args.algorithm not in costs.ALGORITHMS:
+            raise ValueError(f"--algorithm: unknown algorithm {args.algorithm!r}; choose from {', '.join(costs.ALGORITHMS)}")
         trace = load_traces(args.model, args.device)[0]
         cluster = _cluster(args)
         methods = split(args.methods, "--methods", SCHEDULES)

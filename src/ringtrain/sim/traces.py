@@ -129,6 +129,9 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trace":
+        missing = [k for k in ("model", "batch_size", "layers") if k not in d]  # (the constructor's required fields)
+        if missing:
+            raise ValueError(f"trace is missing the field {missing[0]!r}")
         try:
             layers = [Layer(**{k: _typed(k, row[k]) for k in LAYER_FIELDS}) for row in d["layers"]]
             meta = {k: _typed(k, d[k]) for k in TRACE_FIELDS if k in d}
