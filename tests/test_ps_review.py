@@ -1,6 +1,7 @@
 """Parameter servers under the faults a review found: bad layouts and HELLOs, servers that close or
 fail to start, checkpoints cut short, of the other strategy or taken between backward and step,
-saves that cannot be written, and threads that must end.
+saves that cannot be written, threads that must end, a local optimizer's step, and servers
+started at a script's top level.
 
 Servers run in threads of this process and workers are ParameterServerTraining objects or raw
 protocol channels (as in test_ps_server.py); only the start-up failure uses a real process.
@@ -378,6 +379,23 @@ def test_a_server_that_cannot_start_is_an_error_at_once_not_a_timeout():
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.multiprocess
+def test_servers_started_at_a_scripts_top_level_say_to_guard_the_call(tmp_path):
+    """Spawn imports the script again in each server, which starts servers again: multiprocessing
+    refuses, the server exits with code 1 before any of its code ran, and the error says why."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from ringtrain import ps\nwith ps.launch_local(1, 1, timeout=30):\n    pass\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "bootstrapping phase" in run.stderr  # the server's own traceback
+    assert re.search(r"CommError: parameter server\(s\) \[0\] exited \(code \[1\]\) before they could start: they "
+                     r"died starting up, .*main module " + re.escape(str(script)) + r".*launch_local\(\) at its top "
+                     r"level, put the call under `if __name__ == \"__main__\":`", run.stderr), run.stderr[-2000:]
+
+
 # --- 9, 10. threads end ---------------------------------------------------------------------------
 
 class _Recorder:
@@ -467,3 +485,26 @@ def test_a_save_that_cannot_be_made_fails_that_call_only(tmp_path, where):
     stats = ps.close()
     thread.join(10)
     assert stats["steps"] == 3 and out["stats"]["failed"] is None and out["stats"]["version"] == 3
+
+
+# --- 13. a local optimizer's step --------------------------------------------------------------------
+
+@pytest.mark.parametrize("when", ["after backward", "after the next values arrived"])
+def test_a_local_optimizer_step_is_refused_naming_the_parameters(when):
+    """The pull for step t+1 is written into the parameters while step t's backward and step() run;
+    a local step() mixed with it corrupted 1 run in 4 silently. Refused whichever came first."""
+    server, thread, out = start_server()
+    ps = worker([server.endpoint])
+    model = ps.module
+    train(ps, 1)
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    if when == "after the next values arrived":  # (1 worker: its pushes are all the server waits for)
+        wait_for(lambda: min(ps._arrived) == ps.step_count + 1, "the values of step 2")
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(RuntimeError, match=r"parameters 0\.weight, 0\.bias, 2\.weight, 2\.bias were changed in "
+                                           r"place on this worker.*do not step a local optimizer"):
+        ps.step()
+    ps.close()
+    thread.join(10)
+    assert not thread.is_alive()
+

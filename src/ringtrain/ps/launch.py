@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import sys
 import time
 import traceback
 from dataclasses import replace
@@ -41,6 +42,7 @@ _STORE_KEY = "ringtrain-ps/{job}/server/{k}"
 
 
 def _server_child(cfg: ServerConfig, results) -> None:
+    results.put((cfg.index, "started", None))  # past the spawn bootstrap (see LocalServers._died)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -64,6 +66,7 @@ class LocalServers:
         self.endpoints: list[Optional[tuple[str, int]]] = [None] * len(configs)
         self.stats: list[Optional[dict]] = [None] * len(configs)
         self.errors: dict[int, str] = {}
+        self.started = [False] * len(configs)
         deadline = time.monotonic() + timeout
         try:
             while any(e is None for e in self.endpoints):
@@ -81,12 +84,13 @@ class LocalServers:
             if dead:
                 time.sleep(0.2)
                 if self._results.empty():
-                    raise CommError(f"parameter server(s) {dead} exited (code {[self.procs[k].exitcode for k in dead]}) "
-                                    f"before they could {what}")
+                    raise CommError(self._died(dead, what))
             if time.monotonic() > deadline:
                 raise CommTimeout(f"parameter servers did not {what} in time")
             return
-        if kind == "ready":
+        if kind == "started":
+            self.started[k] = True
+        elif kind == "ready":
             self.endpoints[k] = (value[0], int(value[1]))
         elif kind == "done":
             self.stats[k] = value
@@ -96,6 +100,20 @@ class LocalServers:
                 code = self.procs[k].exitcode
                 raise CommError(f"parameter server {k} failed to start"
                                 f"{'' if code is None else f' (exit code {code})'}: {_tail(value)}")
+
+    def _died(self, dead: list[int], what: str) -> str:
+        """Why servers ``dead`` exited without a word. One that never sent "started" died in the spawn
+        bootstrap, which imports the caller's main module again: with code 1, that import raised,
+        most often because the script starts servers at its top level, so the import starts them
+        again and multiprocessing refuses (the child's stderr says "bootstrapping phase")."""
+        codes = [self.procs[k].exitcode for k in dead]
+        text = f"parameter server(s) {dead} exited (code {codes}) before they could {what}"
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        if main and any(not self.started[k] and self.procs[k].exitcode == 1 for k in dead):
+            text += (f": they died starting up, before any server code ran. The spawn start method imports the main "
+                     f"module {main} again in each server process (the traceback is on stderr); if that script calls "
+                     "ps.launch_local() at its top level, put the call under `if __name__ == \"__main__\":`")
+        return text
 
     def join(self, timeout: float = 60.0) -> list[Optional[dict]]:
         """Wait for every server to finish; return their counters (None for a failed one)."""

@@ -27,6 +27,10 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   module's own parameters (``overlap_pull``).
 - The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
   the gradients (set to None). A parameter that got no gradient is pushed as zeros.
+- *version*: a tensor's in-place write counter (``Tensor._version``). The receiver writes
+  through numpy views, which leave it alone, so a parameter whose version moved was written by
+  the caller (a local ``optimizer.step()``, ``load_state_dict``): ``step()`` refuses it, as it
+  refuses a gradient whose version moved after its push.
 
 Every wait ends by ``timeout``. A lost server is a PeerLost naming it, raised by the next
 forward, ``step()``, ``wait()`` or ``close()``; an error a server reports (a lost worker in a
@@ -134,6 +138,7 @@ class ParameterServerTraining:
         self.module, self.opts, self.worker, self.workers = module, opts, worker, workers
         self.num_servers = K = len(servers)
         self.params = _unique_params(module)
+        self._versions = [p._version for p in self.params]  # nothing of ours writes them in place
         names = {id(p): n for n, p in module.named_parameters()}
         self._names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
         self.layout = make_layout([p.numel() for p in self.params], K, opts.partition_bytes)
@@ -295,6 +300,7 @@ class ParameterServerTraining:
             raise RuntimeError("backward ran twice before step(): gradient accumulation is not supported "
                                "with parameter servers; call ps.step() after every backward")
         self._check_pushed_grads()
+        self._check_params_unwritten()
         left = [g for g, pushed in enumerate(self._pushed) if not pushed]
         if left:  # parameters without a gradient: pushed as zeros, once their values of this step are in
             self._wait_params([i for g in left for i in self._groups[g]])
@@ -323,6 +329,20 @@ class ParameterServerTraining:
                 "servers, which may have received them half changed. With parameter servers, gradients go out "
                 "during backward: change them in a hook before they are accumulated (Tensor.register_hook), "
                 "not between backward() and step()")
+
+    def _check_params_unwritten(self) -> None:
+        """A parameter written in place on this worker (a local optimizer's step) is overwritten by
+        the servers' values, or mixed with them when the pull is being written into it: refuse it."""
+        changed = [self._names[i] for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+        if changed:
+            self._versions = [p._version for p in self.params]
+            shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+            raise RuntimeError(
+                f"worker {self.worker}: parameters {shown} were changed in place on this worker (a local "
+                "optimizer's step(), load_state_dict, or another in-place write) since the last ps.step() or the "
+                "start. The parameter servers own the parameters and the optimizer (ParameterServerTraining's lr, "
+                "momentum, weight_decay) and their pulled values are written into the same memory, so such a change "
+                "is lost or mixed with them: do not step a local optimizer; ps.step() is the optimizer step")
 
     def _plan(self) -> None:
         """Group parameters for pushes from the first step's backward timings."""
