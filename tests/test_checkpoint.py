@@ -153,6 +153,16 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, how):
     assert got.step == 1 and torch.equal(got.payload["w"], torch.arange(1000, dtype=torch.float32) + 1)
 
 
+def test_an_unreadable_file_is_named_in_one_short_line_without_torchs_advice(tmp_path):
+    """torch's own text for a file its safe unpickler refuses is pages long and recommends
+    weights_only=False, which would run code from the file: only its type is kept."""
+    path = tmp_path / checkpoint.checkpoint_name(99)
+    path.write_text("garbage\n")
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load(path)
+    assert str(info.value) == f"{path}: not a readable checkpoint (UnpicklingError)"
+
+
 def test_no_valid_checkpoint_gives_none(tmp_path):
     assert checkpoint.latest(tmp_path) is None
     assert checkpoint.latest(tmp_path / "missing") is None

@@ -172,6 +172,24 @@ def test_cli_rejects_bad_value_naming_the_option(argv, words, capsys):
     assert not missing, f"{argv}: the message does not list {missing}: {message!r}"
 
 
+@pytest.mark.parametrize("steps", ["0", "-5"])
+def test_train_gives_one_bound_for_steps(steps, capsys):
+    assert cli_failure(["train", "--steps", steps], capsys) == f"ringtrain train: --steps must be >= 1, got {steps}"
+
+
+def test_train_names_the_model_flag(capsys):
+    message = cli_failure(["train", "--model", "nope"], capsys)
+    assert message.startswith("ringtrain train: --model must be one of ["), message
+
+
+@pytest.mark.parametrize("argv", [argv for argv, _ in CLI_CASES if argv[:2] == ["bench", "allreduce"]
+                                  and argv[2] != "--net"],  # (--net: argparse's own choices error)
+                         ids=" ".join)
+def test_bench_allreduce_errors_name_the_subcommand(argv, capsys):
+    message = cli_failure(argv, capsys)
+    assert message.startswith("ringtrain bench allreduce: "), message
+
+
 # --- library entry points ---------------------------------------------------------------------
 
 def value_error(fn, *words):

@@ -234,3 +234,46 @@ def test_a_run_after_no_resume_continues_the_fresh_run_not_the_old_ones_later_st
     assert checkpoints(tmp_path) == ["ckpt-000000002.pt"]
     out = run_to_end(one_worker_command(tmp_path, 3))
     assert f"resumed from {tmp_path / 'ckpt-000000002.pt'} at step 2" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps-sync"])
+def test_ctrl_c_ends_the_run_in_one_line_with_status_130_and_leaves_no_process(tmp_path, strategy):
+    """SIGINT to the launcher's process group (what Ctrl-C in a terminal does; torch's launcher
+    passes it on to the ranks, which run in sessions of their own): no traceback, one line that
+    says where the run was and where the same command resumes, exit status 130, no rank left."""
+    import re
+
+    from faults.harness import alive
+
+    argv = command(tmp_path / "run", steps=100_000) + ["--strategy", strategy]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not checkpoints(tmp_path / "run"):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 60 s"
+            time.sleep(0.05)
+        pids = job_pids(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=45)
+        left = sorted(pid for pid in pids - {proc.pid} if alive(pid))
+    finally:
+        if proc.poll() is None:
+            kill_job(proc, job_pids(proc.pid))
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"[IWE]\d{4} ", line)]
+    assert len(lines) == 1, err[-3000:]  # (torch's log lines: its OMP_NUM_THREADS banner)
+    said = re.fullmatch(r"ringtrain train: interrupted at step (\d+); run the same command again to resume from "
+                        r"step (\d+) \(the last checkpoint\)", lines[0])
+    assert said, lines
+    newest = int(checkpoints(tmp_path / "run")[-1][5:14])
+    assert int(said[2]) == newest <= int(said[1]), (lines, checkpoints(tmp_path / "run"))
+    assert "death signal" not in err and "closing signal" not in err, err[-3000:]
+    assert proc.returncode == 130, err[-3000:]
+    assert not left, f"processes {left} of the job still running after it ended"

@@ -170,6 +170,35 @@ def test_runs_of_the_same_strategy_resume(tmp_path, launches, capsys):
     assert len(launches) == 2
 
 
+def test_a_damaged_checkpoint_is_named_in_one_line_kept_and_skipped(tmp_path, launches, capsys):
+    """One line naming the file (not torch's advice, nor a Python warning with its source line);
+    the file stays for the user to remove; the workers resume from the newest whole checkpoint."""
+    import warnings
+
+    save_run(tmp_path, steps=(1, 2))
+    bad = tmp_path / checkpoint.checkpoint_name(99)
+    bad.write_text("garbage\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli.main(train_argv(tmp_path)) == 0
+        assert train._resume_point(str(tmp_path)).step == 2  # (the workers' choice: quiet, named once above)
+    assert capsys.readouterr().err.splitlines() == [
+        f"skipping {bad}: not a readable checkpoint (UnpicklingError); remove it"]
+    assert len(launches) == 1 and bad.read_text() == "garbage\n"
+
+
+def test_the_help_names_the_checkpoint_directory_a_run_uses(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # (no runs/ of older runs here)
+    monkeypatch.setenv("COLUMNS", "400")  # (argparse would break lines at hyphens)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for strategy in ("ring", "ps-sync"):
+        used = train.TrainConfig(model="charlm", strategy=strategy).checkpoint_dir
+        assert f" {used} " in text or f"({used})" in text, (used, text)
+    assert "runs/<model>" not in text
+
+
 def test_checkpoints_record_strategy_and_canonical_model(tmp_path):
     save_run(tmp_path, model="charlm", strategy="ps-sharded")
     extra = checkpoint.latest(tmp_path).payload["extra"]
@@ -242,7 +271,7 @@ def test_a_worker_records_its_exception_for_the_parent(tmp_path):
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode != 0
     message = json.loads(error_file.read_text())["message"]["message"]
-    assert message.startswith("ValueError: model must be one of"), message
+    assert message.startswith("ValueError: --model must be one of"), message
 
 
 def busy_port() -> socket.socket:

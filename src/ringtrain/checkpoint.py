@@ -195,7 +195,9 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
     try:
         record = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a truncated or foreign file
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {exc})") from exc
+        # Its type only: torch's text (chained, for a debugger) is pages long and, for a file the
+        # safe unpickler refuses, recommends weights_only=False, which would run code from the file.
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__})") from exc
     if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT_VERSION:
         raise CheckpointError(f"{path}: not a ringtrain checkpoint of format {FORMAT_VERSION}")
     payload = record.get("payload")

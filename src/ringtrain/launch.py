@@ -11,7 +11,8 @@ without an authenticated channel.
         --nproc-per-node 8 --secret-file ~/.ringtrain-secret train.py  # on each node (node-rank 0, 1)
 
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
-failed (exit code N)``; torchrun's own errors (a --master-port in use) are one line too.
+failed (exit code N)``; torchrun's own errors (a --master-port in use) are one line too, and so
+is Ctrl-C (torchrun passes SIGINT on to every rank; exit status 130).
 For torchrun's other options (elastic rendezvous, restarts), call ``torchrun`` itself with
 RINGTRAIN_SECRET set in the environment.
 """
@@ -19,9 +20,11 @@ RINGTRAIN_SECRET set in the environment.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import secrets
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -93,14 +96,21 @@ def run(args: argparse.Namespace) -> int:
     return run_torchrun(torchrun_argv(args), "ringtrain launch")
 
 
-def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None = None) -> int:
+def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None = None,
+                 interrupted: Callable[[signal.Signals], str] | None = None) -> int:
     """``torchrun.main(argv)``; returns the exit status. A failure is reported on stderr as one line
     ``<prog>: ...`` per failed rank (first failure first; ``role(rank)`` names what the rank was)
     or, when torchrun itself failed (a port in use), one line with its own error. The status is
-    the first failed rank's exit code (128 + N for signal N), 1 for torchrun's own errors."""
+    the first failed rank's exit code (128 + N for signal N), 1 for torchrun's own errors.
+    Ctrl-C (SIGINT) or SIGTERM of this process: torchrun passes the signal on to the ranks and
+    waits for them to end; then one line, ``interrupted(signal)`` or "interrupted", and 128 + N."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    quiet = _QuietShutdown()
+    for name in _QuietShutdown.LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         torchrun.main(argv)
     except ChildFailedError as exc:
@@ -108,10 +118,28 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         for rank, failure in failures:
             print(f"{prog}: {describe_failure(rank, failure, role)}", file=sys.stderr)
         return _exit_status(failures[0][1].exitcode)
+    except (SignalException, KeyboardInterrupt) as exc:  # (KeyboardInterrupt: before torchrun's handler)
+        sig = signal.Signals(exc.sigval if isinstance(exc, SignalException) else signal.SIGINT)
+        print(f"{prog}: {interrupted(sig) if interrupted else f'interrupted ({sig.name})'}", file=sys.stderr)
+        return 128 + sig
     except Exception as exc:  # the agent's own failure, before or between the workers
         print(f"{prog}: {agent_error(exc)}", file=sys.stderr)
         return 1
+    finally:
+        for name in _QuietShutdown.LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
     return 0
+
+
+class _QuietShutdown(logging.Filter):
+    """Drops torchrun's warnings that it is stopping the ranks (after a signal, or a failed rank):
+    run_torchrun says what happened in one line. Its warning that a rank would not stop stays."""
+
+    LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+    NOTES = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.NOTES
 
 
 def _exit_status(exitcode: int) -> int:

@@ -13,7 +13,9 @@ worker joins with ``ringtrain.init``, wraps the model in ``ringtrain.Distributed
 and trains on its slice of every global batch. Rank 0 shows a progress bar (loss, samples/s),
 writes a checkpoint every K steps (atomic: write, fsync, rename; model, optimizer, data
 position and RNG state) and ends with a summary: samples/s, scaling against one worker, and
-the share of communication hidden behind backward.
+the share of communication hidden behind backward (over the steps run under the plan in force
+at the end, not those that profiled backward or tried candidate plans). Ctrl-C stops every
+worker and says, in one line, where the same command resumes (exit status 130).
 
 *Scaling against one worker*: before and after training, every worker times a few steps of
 the same model without communication, all at once, so that the one-worker rate is measured
@@ -24,11 +26,15 @@ under the same load on the CPU (the faster of the two counts); scaling = measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
 import os
+import secrets
+import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,14 +64,18 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0
     """Bucket size for schedule='fixed'."""
     checkpoint_dir: str = ""
-    """Where checkpoints go; '' = runs/<model> (runs/<model>-<strategy> for parameter servers)."""
+    """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers: --model
+    charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync); a runs/charlm of older runs is kept."""
     checkpoint_every: int = 20
     """Steps between checkpoints (0 = never)."""
     resume: bool = True
     """Continue from the newest valid checkpoint in checkpoint_dir (--no-resume: start afresh, the
     old checkpoints moved into a superseded-<time> subdirectory)."""
     timeline: str = ""
-    """Write a Chrome trace of compute and communication to this path (per rank)."""
+    """Write a Chrome trace of compute and communication to this path (one file per rank, <stem>.rank<r><suffix>).
+    It holds the first 10 steps run under the settled plan: after 3 steps that time backward and, with --schedule
+    optimal on several workers, the trial of plans (up to some 70 steps); a run that ends sooner writes no step and
+    says so."""
     timeout: float = 120.0
     """Seconds any communication may wait before it fails."""
     progress: bool = True
@@ -80,16 +90,17 @@ class TrainConfig:
         from .comm import ALGORITHMS
         from .transport import TRANSPORTS
 
-        models.spec(self.model)  # ValueError naming the models
+        try:
+            models.spec(self.model)
+        except ValueError:
+            raise ValueError(f"--model must be one of {models.names()}, got {self.model!r}") from None
         for name, value, allowed in (("schedule", self.schedule, SCHEDULES), ("algorithm", self.algorithm, ALGORITHMS),
                                      ("transport", self.transport, TRANSPORTS), ("strategy", self.strategy, STRATEGIES)):
             if value not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {value!r}")
-        for name in ("steps", "checkpoint_every", "batch_size"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.steps == 0:
-            raise ValueError("--steps must be >= 1")
+        for name, low in (("steps", 1), ("checkpoint_every", 0), ("batch_size", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
@@ -147,6 +158,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--interrupt-file", default=None, help=argparse.SUPPRESS)  # (_Interrupted)
     docs = _field_docs(TrainConfig)
     for name, field in TrainConfig.__dataclass_fields__.items():
         value = field.default  # the declared default, before __post_init__ derives anything
@@ -157,12 +169,41 @@ def configure(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=type(value), default=value, help=f"{docs.get(name, '')} (default {value!r})")
 
 
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training: the parent's torchrun passes its SIGINT on to every rank. Rank 0
+    writes the steps it had done to the parent's --interrupt-file; the parent says it in one line."""
+
+    def __init__(self, step: int, rank: int):
+        super().__init__(step, rank)
+        self.step, self.rank = step, rank
+
+
 def run(args: argparse.Namespace) -> int:
     if args.worker:
-        from torch.distributed.elastic.multiprocessing.errors import record
+        return _worker_entry(args)
+    try:
+        return _launch(args)
+    except KeyboardInterrupt:  # before torchrun took over SIGINT (it stops the workers and says so itself)
+        print("ringtrain train: interrupted before training started", file=sys.stderr)
+        return 130
 
+
+def _worker_entry(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    try:
         # record: an exception of any rank goes to torchrun's error file, which the parent reports
         return record(_run_worker)(args.worker, args.json)
+    except KeyboardInterrupt as exc:  # no traceback: the parent says it in one line (_interrupted)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if isinstance(exc, _Interrupted) and exc.rank == 0 and args.interrupt_file:
+            # A new file (never through a link put there); without it the parent's line omits the step.
+            with contextlib.suppress(OSError), open(args.interrupt_file, "x") as f:
+                f.write(str(exc.step))
+        return 128 + signal.SIGINT
+
+
+def _launch(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in TrainConfig.__dataclass_fields__}
     try:
         cfg = TrainConfig(**fields)
@@ -185,12 +226,45 @@ def run(args: argparse.Namespace) -> int:
     os.environ["RINGTRAIN_SECRET"] = job_secret(argparse.Namespace(secret_file=None, nnodes=1))
     # Only rank 0's output is shown (one progress bar, one summary); a rank that fails records its
     # exception for run_torchrun to print.
+    # Made by rank 0 on Ctrl-C only (so a launcher killed outright leaves no file behind)
+    interrupt_file = Path(tempfile.gettempdir()) / f"ringtrain-train-{os.getpid()}-{secrets.token_hex(8)}.step"
     argv = [f"--nproc-per-node={args.workers + cfg.servers}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
-            "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker", json.dumps(asdict(cfg))]
+            "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker", json.dumps(asdict(cfg)),
+            "--interrupt-file", str(interrupt_file)]
     if args.json:
         argv.append("--json")
-    return run_torchrun(argv, "ringtrain train",
-                        role=lambda rank: "worker" if rank < args.workers else "parameter server")
+    try:
+        return run_torchrun(argv, "ringtrain train",
+                            role=lambda rank: "worker" if rank < args.workers else "parameter server",
+                            interrupted=lambda sig: _interrupted(cfg, sig, interrupt_file))
+    finally:
+        interrupt_file.unlink(missing_ok=True)
+
+
+def _interrupted(cfg: TrainConfig, sig: signal.Signals, interrupt_file: Path) -> str:
+    """The line for a run stopped by a signal (after torchrun stopped the workers): where it was,
+    where the same command resumes."""
+    done = interrupt_file.read_text().strip() if interrupt_file.is_file() else ""
+    what = f"interrupted at step {done}" if done else ("interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}")
+    if not cfg.checkpoint_every:
+        return f"{what}; checkpoints were off (--checkpoint-every 0): the same command starts again from step 0"
+    newest = _resume_point(cfg.checkpoint_dir)
+    if newest is None:
+        return (f"{what}; no checkpoint yet (one every {cfg.checkpoint_every} steps): the same command starts "
+                "again from step 0")
+    again = "the same command again" if cfg.resume else "it again without --no-resume"
+    return f"{what}; run {again} to resume from step {newest.step} (the last checkpoint)"
+
+
+def _resume_point(directory: str):
+    """The newest whole checkpoint in ``directory`` (a checkpoint.Checkpoint), or None. Quiet: the
+    parent has named every damaged file already (_saved_checkpoints)."""
+    from . import checkpoint
+
+    for _, path in reversed(checkpoint.list_checkpoints(directory)):
+        with contextlib.suppress(checkpoint.CheckpointError):
+            return checkpoint.load(path)
+    return None
 
 
 def _run_worker(config_json: str, json_summary: bool) -> int:
@@ -240,10 +314,10 @@ class _Saved:
 
 
 def _saved_checkpoints(directory: Path) -> list[_Saved]:
-    """The valid checkpoints in ``directory``, newest first. Checkpoints made before the strategy
-    was recorded tell it apart by the optimizer state: parameter-server workers save none."""
-    import warnings
-
+    """The valid checkpoints in ``directory``, newest first; each damaged one is named in one line
+    (once per run: the workers skip them quietly) and left for the user to remove. Checkpoints
+    made before the strategy was recorded tell it apart by the optimizer state: parameter-server
+    workers save none."""
     from . import checkpoint
 
     saved = []
@@ -251,7 +325,7 @@ def _saved_checkpoints(directory: Path) -> list[_Saved]:
         try:
             payload = checkpoint.load(path).payload
         except checkpoint.CheckpointError as exc:
-            warnings.warn(f"skipping {exc}", RuntimeWarning, stacklevel=2)
+            print(f"skipping {exc}; remove it", file=sys.stderr)
             continue
         if not isinstance(payload.get("model"), dict):
             raise ValueError(f"--checkpoint-dir {directory}: {path.name} is not a checkpoint of `ringtrain train` "
@@ -434,6 +508,24 @@ def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, l
     return summary
 
 
+def _communication(ddp, ran: list[tuple]) -> dict:
+    """How the wrapper's communication went, measured on the steps run under the plan in force at
+    the end only (``ran``: per step, the plan in force, whether it had settled, its stats), not on
+    the steps that timed backward to make a plan or the trial's candidates (ddp.wrapper, items 4-5)."""
+    import numpy as np
+
+    measured = [st for plan, settled, st in ran if settled and plan is ddp.plan]
+    opts = ddp.options
+    comm = {"plan_in_force": ddp.plan.method, "settled": ddp.settled, "fell_back": ddp.fell_back,
+            "profiling_steps": opts.warmup_iterations + opts.profile_iterations, "steps_measured": len(measured)}
+    if measured:
+        median = lambda field: float(np.median([getattr(st, field) for st in measured]))  # noqa: E731
+        comm.update({field: median(field) for field in ("hidden_fraction", "comm_s", "exposed_s", "backward_s",
+                                                         "measured_end_s")})
+        comm.update(buckets=measured[-1].buckets, predicted_end_s=measured[-1].predicted_end_s)
+    return comm
+
+
 def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
     """checkpoint.training_state plus what the parent checks before resuming (_prepare_checkpoint_dir)."""
     from . import checkpoint, models
@@ -441,6 +533,18 @@ def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
     return checkpoint.training_state(step, model, opt, loader, strategy=cfg.strategy,
                                      model_name=models.spec(cfg.model).name,
                                      corpus=getattr(loader.dataset, "digest", None))
+
+
+def _save(cfg: TrainConfig, step: int, payload: dict) -> None:
+    """checkpoint.save, without its warning at every save about files of later steps: a ring run
+    resumes from the newest whole checkpoint, so those are damaged ones, named once by the parent."""
+    import warnings
+
+    from . import checkpoint
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".* holds checkpoints of later steps", category=RuntimeWarning)
+        checkpoint.save(cfg.checkpoint_dir, step, payload)
 
 
 def _note_other_corpus(payload: dict, loader, rank: int) -> None:
@@ -458,28 +562,34 @@ def _note_other_corpus(payload: dict, loader, rank: int) -> None:
 def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
     """Steps ``start`` .. cfg.steps: ``step_fn(x, y) -> loss`` on each batch, a progress bar and
     ``save(step)`` every cfg.checkpoint_every steps and after the last on rank 0. Returns step
-    times and losses."""
+    times and losses; Ctrl-C raises _Interrupted with the steps done."""
     bar = None
     if rank == 0 and cfg.progress and start < cfg.steps:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", file=sys.stderr)
     times, losses = [], []
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        x, y = loader.next_batch()
-        loss = step_fn(x, y)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+    done = start
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            x, y = loader.next_batch()
+            loss = step_fn(x, y)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+            done = step + 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}")
+            if rank == 0 and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                save(done)
+        if rank == 0 and cfg.checkpoint_every and start < cfg.steps and cfg.steps % cfg.checkpoint_every:
+            save(cfg.steps)  # the last step too, so that the same command run again has nothing to do
+    except KeyboardInterrupt:
+        raise _Interrupted(done, rank) from None
+    finally:
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}")
-        if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save(step + 1)
-    if rank == 0 and cfg.checkpoint_every and start < cfg.steps and cfg.steps % cfg.checkpoint_every:
-        save(cfg.steps)  # the last step too, so that the same command run again has nothing to do
-    if bar is not None:
-        bar.close()
+            bar.close()
     return times, losses
 
 
@@ -505,7 +615,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     start = 0
     if cfg.resume:
-        found = checkpoint.latest(cfg.checkpoint_dir)
+        found = _resume_point(cfg.checkpoint_dir)
         if found is not None:
             start = checkpoint.restore_training_state(found.payload, model, opt, loader)
             _note_other_corpus(found.payload, loader, rank)
@@ -523,17 +633,25 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         timeline=cfg.timeline or None,
     )
 
+    ran = []  # per step: the plan in force, whether it had settled, the step's IterationStats
+
     def step_fn(x, y):
+        plan, settled = ddp.plan, ddp.settled  # (the wrapper changes plans only between steps)
         opt.zero_grad(set_to_none=True)
         loss = model.loss(ddp(x), y)
         loss.backward()
         opt.step()
+        ran.append((plan, settled, ddp.last_stats))
         return loss
 
     def save(step):
-        checkpoint.save(cfg.checkpoint_dir, step, _training_state(cfg, step, model, opt, loader))
+        _save(cfg, step, _training_state(cfg, step, model, opt, loader))
 
     times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} x{p}")
+    if rank == 0 and cfg.timeline and ran and not any(settled for _, settled, _ in ran):
+        print(f"warning: --timeline {ddp.timeline_path}: no step traced: the trace starts at the first step run under "
+              f"the settled plan (see --help), and this run's {len(ran)} steps ended before it; run more --steps",
+              file=sys.stderr)
 
     # Timed again after training (warm caches, same load); the faster of the two is the fair
     # one-worker rate, so scaling is never flattered by a cold first measurement.
@@ -541,19 +659,8 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     rate_buf = np.array([one_rate], dtype=np.float64)
     comm.allreduce(rate_buf, op="mean")
     summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]), start)
-    steady = times[2:] if len(times) > 4 else times
-    planned = [st for st in list(ddp.stats)[-len(steady):] if st.buckets]
-    if planned:
-        summary["communication"] = {
-            "hidden_fraction": float(np.median([st.hidden_fraction for st in planned])),
-            "comm_s": float(np.median([st.comm_s for st in planned])),
-            "exposed_s": float(np.median([st.exposed_s for st in planned])),
-            "backward_s": float(np.median([st.backward_s for st in planned])),
-            "buckets": planned[-1].buckets,
-            "plan_in_force": ddp.plan.method,
-            "predicted_end_s": planned[-1].predicted_end_s,
-            "measured_end_s": float(np.median([st.measured_end_s for st in planned])),
-        }
+    if p > 1 and ran:
+        summary["communication"] = _communication(ddp, ran)
     ddp.close()
     comm.close()
     if rank == 0:
@@ -659,12 +766,24 @@ def _print_summary(s: dict) -> None:
     print(f"  one worker         {s['one_worker_samples_per_s']:.0f} samples/s (compute only, same load)")
     print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on {s['workers']} workers "
           f"({100 * s['scaling_efficiency']:.0f}% efficiency)")
-    comm = s.get("communication") or {}
-    if "hidden_fraction" in comm:
-        plan = comm.get("plan_in_force")
-        how = (f", {comm['buckets']} allreduces per step" if plan == s["schedule"] else
-               f" (the {s['schedule']} plan was timed against one allreduce after backward and lost here)")
-        print(f"  communication      {100 * comm['hidden_fraction']:.0f}% hidden behind backward{how}")
+    if s.get("communication"):
+        print(f"  communication      {_communication_text(s)}")
+
+
+def _communication_text(s: dict) -> str:
+    comm, n = s["communication"], s["communication"]["steps_measured"]
+    if n:
+        k = comm["buckets"]
+        plan = ("one allreduce after backward: the optimal plan was timed against it and lost here"
+                if comm["fell_back"] else f"the {comm['plan_in_force']} plan")
+        return (f"{100 * comm['hidden_fraction']:.0f}% hidden behind backward, {k} allreduce{'s' * (k != 1)} per "
+                f"step (median of the last {n} step{'s' * (n != 1)}, those run under the plan in force: {plan})")
+    if s["steps_run"] <= comm["profiling_steps"]:
+        return (f"not measured: the first {comm['profiling_steps']} steps time backward (one allreduce after it) to "
+                f"make the {s['schedule']} plan, and this run had {s['steps_run']}")
+    if not comm["settled"]:
+        return f"not measured: the trial of plans had not finished ({s['steps_run']} steps); run more --steps"
+    return "not measured: no step ran under the plan in force (it was made after the last step)"
 
 
 if __name__ == "__main__":

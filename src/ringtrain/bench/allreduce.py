@@ -76,29 +76,26 @@ def run(args: argparse.Namespace) -> int:
     from ..transport import TRANSPORTS
 
     try:
-        world_sizes = [int(w) for w in args.world_sizes.split(",")]
-        if any(w < 2 for w in world_sizes):
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"--world-sizes: expected integers >= 2, got {args.world_sizes!r}")
-    try:
+        try:
+            world_sizes = [int(w) for w in args.world_sizes.split(",")]
+        except ValueError:
+            world_sizes = []
+        if not world_sizes or any(w < 2 for w in world_sizes):
+            raise ValueError(f"--world-sizes: expected integers >= 2, got {args.world_sizes!r}")
         sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")]
         algorithms = _csv("ring,auto" if args.quick and args.algorithms == DEFAULT_ALGORITHMS else args.algorithms,
                           ALGORITHMS, "--algorithms")
         transports = _csv(args.transports, TRANSPORTS, "--transports")
-    except ValueError as exc:
-        raise SystemExit(str(exc))
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise SystemExit(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
-    if args.out:
-        from .machine import check_out_dir
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
+        if args.out:
+            from .machine import check_out_dir
 
-        try:
             check_out_dir(args.out)
-        except ValueError as exc:
-            raise SystemExit(f"ringtrain bench allreduce: {exc}")
+    except ValueError as exc:
+        raise SystemExit(f"ringtrain bench allreduce: {exc}")
     repeats = 5 if args.quick and args.repeats == 7 else args.repeats
     if args.net != "none" and "shm" in transports:
         transports = [t for t in transports if t != "shm"]  # ranks are separate hosts: no shared memory

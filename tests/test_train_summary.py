@@ -1,0 +1,108 @@
+"""The end-of-run summary of `ringtrain train`: its communication line describes the plan in force.
+
+The wrapper times backward for a few steps, then (schedule "optimal", several workers) runs a
+trial of candidate plans (probes of 3, 24 or 96 groups, one allreduce after backward, ...) before
+one settles. Hidden share and allreduces per step are medians over the steps run under the plan
+in force at the end only; a run that ended during the profiling steps or the trial says so
+instead of printing the figures of whatever candidate happened to run last. A --timeline run
+that ended before the plan settled says, in one line, that it traced no step.
+
+The formatting tests feed the summary functions a stand-in wrapper; the two end-to-end tests run
+`ringtrain train` on 2 workers for a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ringtrain import train
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def stats(hidden: float, buckets: int) -> SimpleNamespace:
+    """An IterationStats of the fields the summary reads."""
+    return SimpleNamespace(hidden_fraction=hidden, comm_s=0.01, exposed_s=0.0, backward_s=0.1, measured_end_s=0.1,
+                           buckets=buckets, predicted_end_s=0.1)
+
+
+def wrapper(plan, settled: bool, fell_back: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(plan=plan, settled=settled, fell_back=fell_back,
+                           options=SimpleNamespace(warmup_iterations=1, profile_iterations=2))
+
+
+def summary_text(communication: dict, steps_run: int, schedule: str = "optimal") -> str:
+    return train._communication_text({"communication": communication, "steps_run": steps_run, "schedule": schedule})
+
+
+def test_hidden_share_and_allreduces_count_only_the_steps_under_the_plan_in_force():
+    trial_plan, single = SimpleNamespace(method="custom"), SimpleNamespace(method="single")
+    # 3 profiling steps, 5 trial steps of a 24-group probe that hid 90%, then 4 steps of the single allreduce kept
+    ran = ([(single, False, stats(1.0, 1))] * 3 + [(trial_plan, False, stats(0.9, 24))] * 5
+           + [(single, False, stats(0.8, 1))] * 2  # the single allreduce as a trial candidate
+           + [(single, True, stats(0.0, 1))] * 4)
+    comm = train._communication(wrapper(single, settled=True, fell_back=True), ran)
+    assert comm["steps_measured"] == 4 and comm["hidden_fraction"] == 0.0 and comm["buckets"] == 1, comm
+    text = summary_text(comm, steps_run=len(ran))
+    assert text.startswith("0% hidden behind backward, 1 allreduce per step (median of the last 4 steps, those run "
+                           "under the plan in force: one allreduce after backward"), text
+    assert text.endswith("the optimal plan was timed against it and lost here)"), text
+
+
+def test_a_run_that_ended_during_the_trial_says_so_and_shows_no_share():
+    probe = SimpleNamespace(method="custom")
+    ran = [(probe, False, stats(0.77, 24))] * 20
+    comm = train._communication(wrapper(probe, settled=False), ran)
+    assert comm["steps_measured"] == 0 and "hidden_fraction" not in comm and "buckets" not in comm, comm
+    text = summary_text(comm, steps_run=20)
+    assert text == "not measured: the trial of plans had not finished (20 steps); run more --steps", text
+
+
+def test_a_run_that_ended_while_profiling_names_the_profiling_steps():
+    single, wfbp = SimpleNamespace(method="single"), SimpleNamespace(method="wfbp")
+    comm = train._communication(wrapper(wfbp, settled=True), [(single, False, stats(0.0, 1))] * 3)
+    text = summary_text(comm, steps_run=3, schedule="wfbp")
+    assert "allreduces per step" not in text and "1 allreduce" not in text, text
+    assert text.startswith("not measured: the first 3 steps time backward"), text
+
+
+def run_train(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RINGTRAIN_SECRET", None)
+    proc = subprocess.run([sys.executable, "-m", "ringtrain.cli", "train", "--workers", "2", "--batch-size", "4",
+                           "--checkpoint-every", "0", "--no-progress", *argv],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def own_lines(stderr: str) -> list[str]:
+    """stderr without torch's log lines (its OMP_NUM_THREADS banner)."""
+    return [line for line in stderr.splitlines() if line.strip() and not re.match(r"[IWE]\d{4} ", line)]
+
+
+@pytest.mark.multiprocess
+def test_a_short_optimal_run_with_a_timeline_says_the_trial_had_not_finished_and_nothing_was_traced(tmp_path):
+    proc = run_train(tmp_path, "--steps", "8", "--timeline", str(tmp_path / "trace.json"))
+    line = next(l for l in proc.stdout.splitlines() if l.strip().startswith("communication"))
+    assert line.split(None, 1)[1] == "not measured: the trial of plans had not finished (8 steps); run more --steps"
+    warnings = [l for l in own_lines(proc.stderr) if "--timeline" in l]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: --timeline {tmp_path / 'trace.rank0.json'}: "
+                                                         "no step traced"), proc.stderr
+    assert "run more --steps" in warnings[0], warnings
+
+
+@pytest.mark.multiprocess
+def test_a_wfbp_run_that_ended_while_profiling_reports_no_allreduce_count(tmp_path):
+    proc = run_train(tmp_path, "--model", "mlp", "--steps", "3", "--schedule", "wfbp", "--json")
+    comm = json.loads(proc.stdout)["communication"]
+    assert comm["plan_in_force"] == "wfbp" and comm["steps_measured"] == 0, comm
+    assert "hidden_fraction" not in comm and "buckets" not in comm, comm
