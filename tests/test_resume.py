@@ -72,6 +72,18 @@ def kill_job(proc: subprocess.Popen, pids: set[int]) -> None:
     proc.communicate(timeout=10)
 
 
+def end_job(proc: subprocess.Popen, pids: set[int]) -> None:
+    """A test's last word on its job: kill the launcher's group if it still runs, then every
+    process of the job seen earlier that outlived it."""
+    from faults.harness import alive
+
+    if proc.poll() is None:
+        kill_job(proc, job_pids(proc.pid))
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def checkpoints(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("ckpt-*.pt")) if directory.is_dir() else []
 
@@ -169,11 +181,7 @@ def test_killing_the_launchers_process_group_leaves_no_worker_behind(tmp_path):
         orphans = sorted(pid for pid in pids if alive(pid))
         after = checkpoints(tmp_path / "run")
     finally:
-        if proc.poll() is None:
-            kill_job(proc, job_pids(proc.pid))
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_job(proc, pids)
     assert not orphans and after == at_kill, (
         f"workers {orphans} still running 3 s after their launcher's group was killed; "
         f"checkpoints written since: {sorted(set(after) - set(at_kill))}")
@@ -261,11 +269,7 @@ def test_ctrl_c_ends_the_run_in_one_line_with_status_130_and_leaves_no_process(t
         _, err = proc.communicate(timeout=45)
         left = sorted(pid for pid in pids - {proc.pid} if alive(pid))
     finally:
-        if proc.poll() is None:
-            kill_job(proc, job_pids(proc.pid))
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_job(proc, pids)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip() and not re.match(r"[IWE]\d{4} ", line)]
     assert len(lines) == 1, err[-3000:]  # (torch's log lines: its OMP_NUM_THREADS banner)
