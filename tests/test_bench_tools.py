@@ -23,3 +23,15 @@ def test_net_without_root_is_a_one_line_error(monkeypatch, argv):
     message = info.value.code
     assert isinstance(message, str) and "\n" not in message
     assert message.startswith(f"ringtrain bench {argv[1]}: network emulation needs root"), message
+
+
+@pytest.mark.multiprocess
+def test_a_benchmark_whose_ranks_run_out_of_time_is_one_message_not_a_traceback(capsys):
+    # (RankFailed reached the user as a traceback of the parent's own frames)
+    from ringtrain import cli
+
+    rc = cli.main(["bench", "allreduce", "--world-sizes", "2", "--sizes", "64M", "--repeats", "50", "--timeout", "1",
+                   "--no-mpi", "--transports", "tcp", "--algorithms", "ring"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err[-2000:]
+    assert "ringtrain bench allreduce: ranks [0, 1] still running after 1s" in err, err[-2000:]

@@ -53,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     module.configure(full)
     args = full.parse_args(argv[len(words):])
     from .bench.netem import NetemUnavailable
+    from .bench.procs import RankFailed
 
     try:
         return int(module.run(args) or 0)
     except NetemUnavailable as exc:  # not a bug: say why in one line (e.g. --net without root)
         raise SystemExit(f"{full.prog}: {exc}") from None
+    except RankFailed as exc:  # a benchmark's rank failed or ran out of time: its own log tail, not ours
+        print(f"{full.prog}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
