@@ -465,6 +465,38 @@ def test_serve_returns_after_every_connection_thread_ended(monkeypatch):
     assert all(b["sent"] > 0 and b["received"] > 0 for b in out["stats"]["bytes_per_worker"].values())
 
 
+def test_ctrl_c_on_a_server_waits_for_its_connections_before_the_process_ends():
+    """KeyboardInterrupt in serve()'s wait (Ctrl-C of a server rank) went straight out: the
+    listener stayed open and the connection threads, one maybe writing a shard, were cut off at
+    exit (its temporary file left behind)."""
+    server = ParameterServer(ServerConfig(index=0, servers=1, workers=1, secret=SECRET, timeout=10.0))
+    wait = server._cond.wait
+
+    def interrupted_wait(timeout=None):
+        wait(timeout)
+        if server._status[0] == "connected":
+            raise KeyboardInterrupt
+
+    server._cond.wait = interrupted_wait
+    before = set(threading.enumerate())
+    out: dict = {}
+
+    def serve():
+        try:
+            server.serve()
+        except KeyboardInterrupt:
+            out["interrupted"] = server._listener.fileno() == -1  # closed before it went out
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ps = worker([server.endpoint])
+    train(ps, 2)  # (the connection goes on serving while serve() waits for it)
+    ps.close()
+    thread.join(10)
+    assert out == {"interrupted": True}
+    assert not [t for t in threading.enumerate() if t not in before], "a server thread outlived serve()"
+
+
 # --- 11, 12. a save that cannot be made fails that call only --------------------------------------
 
 @pytest.mark.parametrize("where", ["unwritable", "none"])

@@ -16,9 +16,11 @@ that need a real launcher start only torchrun's agent or a one-line script.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -412,3 +414,82 @@ def test_a_models_aliases_share_the_default_checkpoint_directory(tmp_path, monke
     assert train.TrainConfig(model="charlm", strategy="ps-sync").checkpoint_dir == "runs/charlm-transformer-ps-sync"
     (tmp_path / "runs" / "charlm").mkdir(parents=True)  # made by a version that named it after the alias
     assert train.TrainConfig(model="charlm-transformer").checkpoint_dir == str(Path("runs") / "charlm")
+
+
+# --- Ctrl-C: what the parent says, and a save it does not cut short --------------------------------
+
+def interrupted_line(directory: Path, *flags: str, step: str = "") -> str:
+    """The parent's line for a run of ``train_argv(directory, *flags)`` stopped by Ctrl-C at ``step``."""
+    parser = argparse.ArgumentParser()
+    train.configure(parser)
+    args = parser.parse_args(train_argv(directory, *flags)[1:])
+    cfg = train.TrainConfig(**{k: getattr(args, k) for k in train.TrainConfig.__dataclass_fields__})
+    marker = directory / "interrupt.step"
+    if step:
+        marker.write_text(step)
+    return train._interrupted(cfg, signal.SIGINT, marker)
+
+
+def test_an_interrupted_parameter_server_run_names_the_step_its_servers_resume_at(tmp_path):
+    # The servers save before rank 0's own file: stopped between the two, the run resumes at the
+    # servers' step (the line said the workers' older one).
+    save_run(tmp_path, steps=(24,), strategy="ps-sync")
+    checkpoint.save(tmp_path / "servers" / "server-0", 24, {"version": 24})
+    checkpoint.save(tmp_path / "servers" / "server-0", 25, {"version": 25})
+    line = interrupted_line(tmp_path, "--strategy", "ps-sync", step="25")
+    assert line == "interrupted at step 25; run the same command again to resume from step 25 (the last checkpoint)"
+
+
+def test_an_interrupted_run_without_checkpoints_of_its_own_names_the_older_ones_it_resumes(tmp_path):
+    # --checkpoint-every 0 in a directory of older checkpoints: the same command resumes them (the
+    # line said it starts again from step 0).
+    save_run(tmp_path, steps=(2, 4))
+    assert interrupted_line(tmp_path, "--checkpoint-every", "0") == (
+        "interrupted; run the same command again to resume from step 4 (the last checkpoint)")
+    assert interrupted_line(tmp_path / "empty", "--checkpoint-every", "0") == (
+        "interrupted; checkpoints were off (--checkpoint-every 0): the same command starts again from step 0")
+
+
+def test_ctrl_c_during_a_save_lets_it_finish_then_stops_the_run(tmp_path):
+    # torch.save turned the KeyboardInterrupt into a RuntimeError of its own: a traceback, the
+    # checkpoint lost and no step for the parent's line.
+    saved = []
+
+    def save(step):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while the checkpoint is being written
+        saved.append(step)
+
+    class Loader:
+        def next_batch(self):
+            return torch.zeros(2, 3), torch.zeros(2)
+
+    cfg = train.TrainConfig(model="mlp", steps=10, checkpoint_every=2, progress=False, checkpoint_dir=str(tmp_path))
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(train._Interrupted) as info:
+        train._loop(cfg, 0, 1, 0, Loader(), lambda x, y: torch.tensor(1.0), save, "test")
+    assert saved == [2] and info.value.step == 2
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_launcher_puts_back_the_signal_handlers_torchrun_leaves(monkeypatch, capsys):
+    # A second Ctrl-C after the ranks had stopped raised torchrun's SignalException: a traceback.
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from ringtrain.launch import run_torchrun
+
+    def agent(argv):
+        def raise_it(signum, frame):
+            raise SignalException(f"got signal {signum}", sigval=signal.Signals(signum))
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, raise_it)
+        raise SignalException("got signal 2", sigval=signal.SIGINT)
+
+    seen = []
+    monkeypatch.setattr(torchrun, "main", agent)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    rc = run_torchrun([], "ringtrain train", interrupted=lambda sig: seen.append(signal.getsignal(signal.SIGINT)) or "x")
+    assert rc == 130 and capsys.readouterr().err.strip() == "ringtrain train: x"
+    assert seen == [signal.SIG_IGN]  # the line is written with a further Ctrl-C held off
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -12,7 +12,8 @@ without an authenticated channel.
 
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
 failed (exit code N)``; torchrun's own errors (a --master-port in use) are one line too, and so
-is Ctrl-C (torchrun passes SIGINT on to every rank; exit status 130).
+is Ctrl-C once the ranks have stopped (torchrun passes SIGINT on to every rank; exit status 130;
+what the ranks print on it is the script's own).
 For torchrun's other options (elastic rendezvous, restarts), call ``torchrun`` itself with
 RINGTRAIN_SECRET set in the environment.
 """
@@ -111,8 +112,15 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     quiet = _QuietShutdown()
     for name in _QuietShutdown.LOGGERS:
         logging.getLogger(name).addFilter(quiet)
+    # torchrun turns these into SignalException and leaves its handlers installed: put ours back
+    # once the ranks have ended, so that a signal after that is not a traceback from torchrun.
+    handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     try:
-        torchrun.main(argv)
+        try:
+            torchrun.main(argv)
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
     except ChildFailedError as exc:
         failures = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
         for rank, failure in failures:
@@ -120,7 +128,12 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         return _exit_status(failures[0][1].exitcode)
     except (SignalException, KeyboardInterrupt) as exc:  # (KeyboardInterrupt: before torchrun's handler)
         sig = signal.Signals(exc.sigval if isinstance(exc, SignalException) else signal.SIGINT)
-        print(f"{prog}: {interrupted(sig) if interrupted else f'interrupted ({sig.name})'}", file=sys.stderr)
+        # The ranks have stopped: a second Ctrl-C waits for the line (it reads the checkpoints).
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            print(f"{prog}: {interrupted(sig) if interrupted else f'interrupted ({sig.name})'}", file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGINT, before)
         return 128 + sig
     except Exception as exc:  # the agent's own failure, before or between the workers
         print(f"{prog}: {agent_error(exc)}", file=sys.stderr)
@@ -129,6 +142,10 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         for name in _QuietShutdown.LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
     return 0
+
+
+#: The signals torch's launcher handles (it passes them on to the ranks, then raises SignalException).
+_AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
 
 
 class _QuietShutdown(logging.Filter):

@@ -65,7 +65,8 @@ class TrainConfig:
     """Bucket size for schedule='fixed'."""
     checkpoint_dir: str = ""
     """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers: --model
-    charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync); a runs/charlm of older runs is kept."""
+    charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync), or to runs/charlm where older runs
+    made that one and no runs/charlm-transformer exists."""
     checkpoint_every: int = 20
     """Steps between checkpoints (0 = never)."""
     resume: bool = True
@@ -189,9 +190,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _worker_entry(args: argparse.Namespace) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     try:
+        from torch.distributed.elastic.multiprocessing.errors import record  # (imports torch: a second or so)
+
         # record: an exception of any rank goes to torchrun's error file, which the parent reports
         return record(_run_worker)(args.worker, args.json)
     except KeyboardInterrupt as exc:  # no traceback: the parent says it in one line (_interrupted)
@@ -246,14 +247,25 @@ def _interrupted(cfg: TrainConfig, sig: signal.Signals, interrupt_file: Path) ->
     where the same command resumes."""
     done = interrupt_file.read_text().strip() if interrupt_file.is_file() else ""
     what = f"interrupted at step {done}" if done else ("interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}")
-    if not cfg.checkpoint_every:
-        return f"{what}; checkpoints were off (--checkpoint-every 0): the same command starts again from step 0"
-    newest = _resume_point(cfg.checkpoint_dir)
+    newest = _resume_step(cfg)
     if newest is None:
-        return (f"{what}; no checkpoint yet (one every {cfg.checkpoint_every} steps): the same command starts "
-                "again from step 0")
+        why = ("checkpoints were off (--checkpoint-every 0)" if not cfg.checkpoint_every else
+               f"no checkpoint yet (one every {cfg.checkpoint_every} steps)")
+        return f"{what}; {why}: the same command starts again from step 0"
     again = "the same command again" if cfg.resume else "it again without --no-resume"
-    return f"{what}; run {again} to resume from step {newest.step} (the last checkpoint)"
+    return f"{what}; run {again} to resume from step {newest} (the last checkpoint)"
+
+
+def _resume_step(cfg: TrainConfig) -> int | None:
+    """The step a run in cfg.checkpoint_dir resumes at (None: step 0). Ring workers: their newest
+    whole checkpoint; parameter servers: the newest step every server saved (ps.server, *resume*),
+    which may be newer than the workers' own file of it (the servers save first)."""
+    if cfg.strategy == "ring":
+        found = _resume_point(cfg.checkpoint_dir)
+        return None if found is None else found.step
+    steps = [set(held) for held in _server_checkpoints(cfg).values()]
+    common = set.intersection(*steps) if steps else set()
+    return max(common) if common else None
 
 
 def _resume_point(directory: str):
@@ -418,14 +430,10 @@ def _check_same_data(cfg: TrainConfig, workers: int, newest: _Saved) -> None:
 def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]) -> None:
     """Parameter-server workers resume at the servers' step; with worker checkpoints but none of
     the servers', the run would start at step 0 and overwrite the workers' checkpoints."""
-    from . import checkpoint
-
     servers = Path(cfg.checkpoint_dir) / "servers"
     if not saved:
         return
-    # (A server's folder that does not exist is on another machine's disk, as ps.server reads it.)
-    folders = [servers / f"server-{k}" for k in range(cfg.servers)]
-    files = {d.name: dict(checkpoint.list_checkpoints(d)) for d in folders if d.is_dir()}
+    files = _server_checkpoints(cfg)
     steps = {name: set(held) for name, held in files.items()}
     if not any(steps.values()):
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds worker checkpoints (steps "
@@ -442,6 +450,15 @@ def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]) -> No
     _check_same_servers(cfg, next(held for held in files.values() if held)[max(common)], max(common))
 
 
+def _server_checkpoints(cfg: TrainConfig) -> dict[str, dict[int, Path]]:
+    """Per server folder (``server-<k>``) of this run's servers that exists: its checkpoints by step,
+    unverified. (A folder that does not exist is on another machine's disk, as ps.server reads it.)"""
+    from . import checkpoint
+
+    folders = [Path(cfg.checkpoint_dir) / "servers" / f"server-{k}" for k in range(cfg.servers)]
+    return {d.name: dict(checkpoint.list_checkpoints(d)) for d in folders if d.is_dir()}
+
+
 def _check_same_servers(cfg: TrainConfig, path: Path, step: int) -> None:
     """The servers refuse a shard saved by another number of servers, or a synchronous job's by an
     asynchronous one (ps.server), but only once every rank has started: say it here, before."""
@@ -450,7 +467,7 @@ def _check_same_servers(cfg: TrainConfig, path: Path, step: int) -> None:
     try:
         saved = checkpoint.load(path).payload
     except checkpoint.CheckpointError:
-        return  # (the server skips a damaged file and says so itself)
+        return  # (the server skips a damaged file: it resumes at an older step, or refuses it then)
     where = f"--checkpoint-dir {cfg.checkpoint_dir}: the parameter servers' checkpoint of step {step}"
     made_by = saved.get("servers")
     if isinstance(made_by, int) and made_by != cfg.servers:
@@ -559,6 +576,20 @@ def _note_other_corpus(payload: dict, loader, rank: int) -> None:
               "resumed run is not the uninterrupted one", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _interrupts_held():
+    """Ctrl-C waits until the block is done (a checkpoint being saved: torch.save turns a
+    KeyboardInterrupt into a RuntimeError of its own, and the save would be lost), then raises."""
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if held:
+            raise KeyboardInterrupt
+
+
 def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
     """Steps ``start`` .. cfg.steps: ``step_fn(x, y) -> loss`` on each batch, a progress bar and
     ``save(step)`` every cfg.checkpoint_every steps and after the last on rank 0. Returns step
@@ -582,9 +613,11 @@ def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save
                 bar.update(1)
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}")
             if rank == 0 and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-                save(done)
+                with _interrupts_held():
+                    save(done)
         if rank == 0 and cfg.checkpoint_every and start < cfg.steps and cfg.steps % cfg.checkpoint_every:
-            save(cfg.steps)  # the last step too, so that the same command run again has nothing to do
+            with _interrupts_held():
+                save(cfg.steps)  # the last step too, so that the same command run again has nothing to do
     except KeyboardInterrupt:
         raise _Interrupted(done, rank) from None
     finally:
@@ -730,14 +763,11 @@ def _resume_ps_worker(cfg: TrainConfig, rank: int, model, loader, step: int) -> 
     loader.seek(step)
     payload = None
     if step in saved:
-        try:
+        with contextlib.suppress(checkpoint.CheckpointError):  # (a damaged one: the parent named it)
             payload = checkpoint.load(saved[step]).payload
-        except checkpoint.CheckpointError as exc:
-            if rank == 0:
-                print(f"{saved[step]}: {exc}", file=sys.stderr)
     if payload is None:
         if rank == 0:
-            print(f"resumed at step {step} from the parameter servers; no worker checkpoint of that step, so the "
+            print(f"resumed at step {step} from the parameter servers; no whole worker checkpoint of that step, so the "
                   "random state and buffers start afresh", file=sys.stderr)
         return
     params = {name for name, _ in model.named_parameters()}

@@ -292,22 +292,24 @@ class ParameterServer:
         acceptor.start()
         first_deadline = time.monotonic() + self.cfg.timeout
         failed_at: Optional[float] = None
-        with self._cond:
-            while not self._finished():
-                now = time.monotonic()
-                if all(s == "waiting" for s in self._status) and now > first_deadline:
-                    self.failed = self.failed or CommTimeout(
-                        f"{self.name}: no worker connected within {self.cfg.timeout:g} s")
-                    break
-                self._drop_absent(now)
-                if self.failed is not None:
-                    failed_at = failed_at or now
-                    if now - failed_at > self.cfg.timeout:  # workers told; do not wait for ever
+        try:
+            with self._cond:
+                while not self._finished():
+                    now = time.monotonic()
+                    if all(s == "waiting" for s in self._status) and now > first_deadline:
+                        self.failed = self.failed or CommTimeout(
+                            f"{self.name}: no worker connected within {self.cfg.timeout:g} s")
                         break
-                self._cond.wait(0.2)
-        self._close_listener()
-        acceptor.join(1.0)
-        self._join_connections()
+                    self._drop_absent(now)
+                    if self.failed is not None:
+                        failed_at = failed_at or now
+                        if now - failed_at > self.cfg.timeout:  # workers told; do not wait for ever
+                            break
+                    self._cond.wait(0.2)
+        finally:  # also on Ctrl-C: a shard being saved is finished (or its temporary file removed)
+            self._close_listener()
+            acceptor.join(1.0)
+            self._join_connections()
         return self.stats()
 
     def _join_connections(self, limit: float = 5.0) -> None:

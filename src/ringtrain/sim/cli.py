@@ -79,7 +79,7 @@ def split(value: str, option: str, accepted: Sequence[str] | None = None) -> lis
     if not any(items):
         raise ValueError(f"{option}: needs at least one value")
     if not all(items):
-        raise ValueError(f"{option}: {value!r} has an empty value between commas")
+        raise ValueError(f"{option}: {value!r} has an empty value (two commas in a row, or one at an end)")
     if accepted is not None:
         for v in items:
             if v not in accepted:
