@@ -463,3 +463,41 @@ def test_a_given_cost_is_planned_with_and_skips_the_sweep():
         for start, end, nbytes in zip(plan.starts, plan.ends, plan.group_bytes):
             assert end - start == pytest.approx(cost(nbytes), rel=1e-12)
 
+
+
+def test_torch_ddps_default_buckets_are_a_candidate_and_kept_when_fastest(monkeypatch, caplog):
+    """Every plan but one of two buckets (torch DDP's default caps: the first closed at 1 MiB,
+    then 25 MiB) made slow: the trial times DDP's buckets beside its own candidates and keeps
+    them, on every rank; re-plans leave them alone (the profile does not change them)."""
+    from ringtrain.ddp import wrapper
+
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    real_mark = wrapper.DistributedDataParallel._mark_ready
+
+    def mark_ready(self, bucket):
+        if len(self._specs) != 2:
+            time.sleep(0.01)  # per ready bucket of any other plan
+        return real_mark(self, bucket)
+
+    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 263 KB a layer: 4 in DDP's first bucket
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
+                                      replan_interval=1, drift_threshold=1e-9)
+        x = torch.randn(8, 256)
+        train_until_settled(ddp, x, 60)
+        for _ in range(3):  # re-plans
+            ddp(x).sum().backward()
+        out = ddp.settled, ddp.kept, ddp.plan.groups, ddp.trial
+        ddp.close()
+        return out
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1], results
+    settled, kept, groups, trial = results[0]
+    assert settled and "buckets" in [c["label"] for c in trial], trial
+    assert kept == "buckets" and groups == [(0, 7), (8, 15)], (kept, groups, trial)
+    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
+    assert messages and "keeping torch DDP's default buckets" in messages[0], messages

@@ -34,8 +34,8 @@ def stats(hidden: float, buckets: int) -> SimpleNamespace:
                            buckets=buckets, predicted_end_s=0.1)
 
 
-def wrapper(plan, settled: bool, fell_back: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(plan=plan, settled=settled, fell_back=fell_back,
+def wrapper(plan, settled: bool, kept: str = "plan") -> SimpleNamespace:
+    return SimpleNamespace(plan=plan, settled=settled, fell_back=kept == "single", kept=kept,
                            options=SimpleNamespace(warmup_iterations=1, profile_iterations=2))
 
 
@@ -49,12 +49,19 @@ def test_hidden_share_and_allreduces_count_only_the_steps_under_the_plan_in_forc
     ran = ([(single, False, stats(1.0, 1))] * 3 + [(trial_plan, False, stats(0.9, 24))] * 5
            + [(single, False, stats(0.8, 1))] * 2  # the single allreduce as a trial candidate
            + [(single, True, stats(0.0, 1))] * 4)
-    comm = train._communication(wrapper(single, settled=True, fell_back=True), ran)
+    comm = train._communication(wrapper(single, settled=True, kept="single"), ran)
     assert comm["steps_measured"] == 4 and comm["hidden_fraction"] == 0.0 and comm["buckets"] == 1, comm
     text = summary_text(comm, steps_run=len(ran))
     assert text.startswith("0% hidden behind backward, 1 allreduce per step (median of the last 4 steps, those run "
                            "under the plan in force: one allreduce after backward"), text
     assert text.endswith("the optimal plan was timed against it and lost here)"), text
+
+
+def test_a_run_that_kept_torch_ddps_buckets_says_so():
+    fixed = SimpleNamespace(method="fixed")
+    comm = train._communication(wrapper(fixed, settled=True, kept="buckets"), [(fixed, True, stats(0.3, 2))] * 4)
+    assert summary_text(comm, steps_run=40).endswith(
+        "under the plan in force: torch DDP's default buckets: the optimal plan was timed against it and lost here)")
 
 
 def test_a_run_that_ended_during_the_trial_says_so_and_shows_no_share():

@@ -533,7 +533,7 @@ def _communication(ddp, ran: list[tuple]) -> dict:
 
     measured = [st for plan, settled, st in ran if settled and plan is ddp.plan]
     opts = ddp.options
-    comm = {"plan_in_force": ddp.plan.method, "settled": ddp.settled, "fell_back": ddp.fell_back,
+    comm = {"plan_in_force": ddp.plan.method, "settled": ddp.settled, "fell_back": ddp.fell_back, "kept": ddp.kept,
             "profiling_steps": opts.warmup_iterations + opts.profile_iterations, "steps_measured": len(measured)}
     if measured:
         median = lambda field: float(np.median([getattr(st, field) for st in measured]))  # noqa: E731
@@ -801,11 +801,14 @@ def _print_summary(s: dict) -> None:
 
 
 def _communication_text(s: dict) -> str:
+    from .ddp.wrapper import CANDIDATES
+
     comm, n = s["communication"], s["communication"]["steps_measured"]
     if n:
         k = comm["buckets"]
-        plan = ("one allreduce after backward: the optimal plan was timed against it and lost here"
-                if comm["fell_back"] else f"the {comm['plan_in_force']} plan")
+        kept = comm.get("kept", "single" if comm["fell_back"] else "plan")
+        plan = (f"{CANDIDATES[kept]}: the optimal plan was timed against it and lost here" if kept in ("single", "buckets")
+                else f"the {comm['plan_in_force']} plan")
         return (f"{100 * comm['hidden_fraction']:.0f}% hidden behind backward, {k} allreduce{'s' * (k != 1)} per "
                 f"step (median of the last {n} step{'s' * (n != 1)}, those run under the plan in force: {plan})")
     if s["steps_run"] <= comm["profiling_steps"]:

@@ -290,6 +290,7 @@ def _worker(cfg: dict) -> int:
         # same measurement, the optimal one fits its interference against it, and the simulator
         # predicts with it (a wrapper's own 3-repeat sweep can be off by 2x in alpha, 25% in beta).
         from ..ddp import calibration
+        from ..ddp.wrapper import DDP_BUCKETS
 
         grad_bytes = float(sum(q.numel() * q.element_size() for q in base.parameters() if q.requires_grad))
         cost = calibration.sweep_cost(comm, cfg["algorithm"], calibration.sweep_sizes(grad_bytes),
@@ -396,9 +397,12 @@ def _worker(cfg: dict) -> int:
                 plan = ddp.plan
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
                 # (as the wrapper planned it: its trial may have kept the plan of free overlap)
+                # (its trial may also have kept torch DDP's default buckets, the first one smaller)
+                buckets = ddp.kept == "buckets"  # (DDP_BUCKETS[1] is the 25 MiB every fixed plan here has)
                 pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
                                          interference=slow,
-                                         planned_with=ddp.planned_with if c["schedule"] == "optimal" else None)
+                                         planned_with=ddp.planned_with if c["schedule"] == "optimal" else None,
+                                         first_bucket_mb=DDP_BUCKETS[0] if buckets else None)
                 first_ready = plan.ready[0] if len(plan.ready) else 0.0
                 one_allreduce = float(cost(float(sum(plan.group_bytes))))
                 bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s

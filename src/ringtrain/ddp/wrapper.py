@@ -53,16 +53,19 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    *candidates* then alternate, one iteration each, ``verify_iterations`` times each (every
    bucket layout kept, so all meet the same machine load): that plan, the optimal plan of the
    model without interference (free overlap, as on a GPU: where the fitted interference
-   over-charges overlap it merges less), and the single allreduce, each only if its grouping
-   differs from those before it. Where the two fastest medians are within ``VERIFY_MARGIN``
+   over-charges overlap it merges less), the single allreduce, and torch DDP's default buckets
+   (``DDP_BUCKETS``: the first closed at 1 MiB, then 25 MiB; so that the schedule kept is never
+   slower than DDP's own grouping beyond the trial's noise), each only if its grouping differs
+   from those before it. Where the two fastest medians are within ``VERIFY_MARGIN``
    of each other, they all run another ``verify_iterations`` each (at most ``VERIFY_ROUNDS``
    rounds): a difference that small is within one round's noise. The one with the smallest
    median forward+backward over all its rounds (the slowest rank's) stays, the earlier of
    equals (a margin towards fewer allreduces was tried in
    two benchmark sets and dropped: among near-equals it keeps the plan that hides less, down to
    one allreduce after backward). ``planned_with`` is the interference it was planned with,
-   ``fell_back`` says the single allreduce won. The one kept is laid out afresh and re-plans
-   keep its way of planning. ``settled`` is True once the trial is over.
+   ``fell_back`` says the single allreduce won, ``kept`` which candidate did. The one kept is
+   laid out afresh and re-plans keep its way of planning (the single allreduce and DDP's
+   buckets, which the profile does not change, are not re-planned). ``settled`` is True once the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -104,6 +107,11 @@ SCHEDULES = planner.METHODS
 #: share, up to VERIFY_ROUNDS rounds (module docstring, item 5).
 VERIFY_MARGIN = 0.03
 VERIFY_ROUNDS = 3
+#: torch DDP's default bucket caps, MiB (first bucket, then every other): one of the trial's candidates.
+DDP_BUCKETS = (1.0, 25.0)
+#: What the log and the summary call each of the trial's candidates.
+CANDIDATES = {"plan": "the plan", "free": "the plan of free overlap", "single": "one allreduce after backward",
+              "buckets": "torch DDP's default buckets"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -255,7 +263,7 @@ class DistributedDataParallel(nn.Module):
             self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
             self._plan_times = np.zeros(n)
             self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
-            self._kept = "plan"  # the trial's candidate in force: "plan", "free" or "single"
+            self._kept = "plan"  # the trial's candidate in force (CANDIDATES)
             self._trial_record: list[dict] = []  # what the trial measured (the ``trial`` property)
             self.interference = opts.interference or planner.NO_INTERFERENCE
             first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
@@ -306,9 +314,14 @@ class DistributedDataParallel(nn.Module):
         return self._kept == "single"
 
     @property
+    def kept(self) -> str:
+        """The trial's candidate in force (a key of CANDIDATES; "plan" before or without a trial)."""
+        return self._kept
+
+    @property
     def trial(self) -> list[dict]:
         """The trial's candidates as it timed them (empty before it ends, or where it had one
-        candidate): per candidate ``label`` ("plan", "free", "single"), ``groups``, the slowest
+        candidate): per candidate ``label`` (a key of CANDIDATES), ``groups``, the slowest
         rank's median forward+backward ``median_s`` over the ``rounds`` it ran; ``kept`` marks the
         one in force."""
         return [dict(c) for c in self._trial_record]
@@ -760,8 +773,12 @@ class DistributedDataParallel(nn.Module):
         free = planner.merge(times, sizes, cost=self.cost, method="optimal", interference=self.interference,
                              planned_with=planner.Interference())
         single_layout = self._layout()  # the single phase's buckets are in force
+        first_mb, cap_mb = DDP_BUCKETS
+        buckets = planner.merge(times, sizes, cost=self.cost, method="fixed", bucket_cap_mb=cap_mb,
+                                first_bucket_mb=first_mb, interference=self.interference)
         candidates: list[dict] = []
-        for label, plan in (("plan", self._phase_plan("verify")), ("free", free), ("single", trial["single plan"])):
+        for label, plan in (("plan", self._phase_plan("verify")), ("free", free), ("single", trial["single plan"]),
+                            ("buckets", buckets)):
             if all(plan.groups != c["plan"].groups for c in candidates):
                 candidates.append({"label": label, "plan": plan, "rows": []})
         if len(candidates) == 1:
@@ -826,12 +843,11 @@ class DistributedDataParallel(nn.Module):
         # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
         # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
         self._install(self._order, best["plan"])
-        names = {"plan": "the plan", "free": "the plan of free overlap", "single": "one allreduce after backward"}
         groups = lambda n: f"{n} group{'s' if n != 1 else ''}"  # noqa: E731
-        timed = ", ".join(f"{names[c['label']]} ({groups(len(c['plan'].groups))}) {m * 1e3:.1f} ms"
+        timed = ", ".join(f"{CANDIDATES[c['label']]} ({groups(len(c['plan'].groups))}) {m * 1e3:.1f} ms"
                           for c, m in zip(candidates, medians))
         self._log(f"candidates verified ({rounds} round(s) of {self.options.verify_iterations}), per "
-                  f"forward+backward: {timed}; keeping {names[best['label']]}")
+                  f"forward+backward: {timed}; keeping {CANDIDATES[best['label']]}")
 
     def _next_candidate(self, trial: dict) -> None:
         trial["turn"] = (trial["turn"] + 1) % len(trial["candidates"])
@@ -878,7 +894,7 @@ class DistributedDataParallel(nn.Module):
             self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
                                 iteration=self._s.iteration)
         order = bucketing.check_order(order, len(self._params))
-        if not first and self.fell_back:  # measured: one allreduce after backward is faster here
+        if not first and self._kept in ("single", "buckets"):  # measured faster here; the profile does not move them
             return
         if not first:
             # Profiled under the plan in force: take out the delays it put into the gaps, as

@@ -115,14 +115,15 @@ def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 
 
 def _plan_layers(times: list[float], sizes: list[int], schedule: str, cost: CostFn, bucket_cap_mb: float,
                  interference: planner.Interference | None,
-                 planned_with: planner.Interference | None = None, drain: CostFn | None = None) -> planner.Plan:
+                 planned_with: planner.Interference | None = None, drain: CostFn | None = None,
+                 first_bucket_mb: float | None = None) -> planner.Plan:
     """make_plan on the gradient layers' times and bytes (``Trace.gradient_layers``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--schedules: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     ab = affine_or_none(cost)
     rate = dict(alpha=ab[0], beta=ab[1]) if ab is not None else dict(cost=cost)
     return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, interference=interference,
-                         planned_with=planned_with, drain=drain, **rate)
+                         planned_with=planned_with, drain=drain, first_bucket_mb=first_bucket_mb, **rate)
 
 
 def single_gpu_iteration(trace: Trace) -> float:
@@ -140,12 +141,14 @@ def predict_with_cost(
     bucket_cap_mb: float = 25.0,
     interference: planner.Interference | None = None,
     planned_with: planner.Interference | None = None,
+    first_bucket_mb: float | None = None,
 ) -> Prediction:
     """Predict one iteration of ``trace`` on ``world_size`` GPUs whose allreduce takes ``cost``
     (and whose overlapped allreduces slow backward down by ``interference``). ``planned_with``:
     the interference the schedule plans with, where it differs from the one that is charged
     (``ringtrain.plan.merge``; the trial of ``DistributedDataParallel`` may keep the plan of
-    free overlap)."""
+    free overlap). ``first_bucket_mb``: the fixed schedule's first bucket cap (torch DDP's 1 MiB;
+    None: ``bucket_cap_mb`` as the others)."""
     if world_size < 1:
         raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
     base = single_gpu_iteration(trace)
@@ -161,7 +164,8 @@ def predict_with_cost(
     occupancy = getattr(cost, "occupancy", cost) if world_size > 1 else _free
     drain = getattr(cost, "drain", None) if servers else None
     plan = _plan_layers(times, sizes, schedule, occupancy, bucket_cap_mb,
-                        interference if world_size > 1 else None, planned_with if world_size > 1 else None, drain)
+                        interference if world_size > 1 else None, planned_with if world_size > 1 else None, drain,
+                        first_bucket_mb)
     # Backward slowed by the launches before its last group (0 without interference).
     delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
     backward = trace.backward_s + delay
