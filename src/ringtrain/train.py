@@ -201,7 +201,13 @@ def _worker_entry(args: argparse.Namespace) -> int:
             # A new file (never through a link put there); without it the parent's line omits the step.
             with contextlib.suppress(OSError), open(args.interrupt_file, "x") as f:
                 f.write(str(exc.step))
-        return 128 + signal.SIGINT
+        # Out at once, without the interpreter's and C++'s exit handlers: a thread interrupted
+        # inside torch (a PS worker's receiver, a wrapper's communication thread) makes a static
+        # std::thread destructor abort the process at exit ("terminate called without an active
+        # exception"). Checkpoints are whole by now (a save holds Ctrl-C until it is done).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGINT)
 
 
 def _launch(args: argparse.Namespace) -> int:
