@@ -266,6 +266,13 @@ def test_saving_an_earlier_step_never_deletes_what_it_wrote(tmp_path):
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [5, 6, 7, 10]
     with pytest.warns(RuntimeWarning, match="skipping"):
         assert checkpoint.latest(tmp_path).step == 6
+    # A caller that has named the damaged files already (ringtrain train's parent) asks for no warnings.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint.save(tmp_path, 8, {"s": torch.tensor(8)}, keep=3, warn_later=False)
+        assert checkpoint.latest(tmp_path, warn=False).step == 8
 
 
 def test_supersede_moves_every_checkpoint_and_the_named_entries_aside(tmp_path):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ringtrain.sim import costs
-from ringtrain.sim.clusters import Cluster, custom, from_bench, link_from_fit, named, resolve, resolve_many
+from ringtrain.sim.clusters import Cluster, custom, from_bench, named, resolve, resolve_many
+from ringtrain.sim.costs import link_from_fit
 
 pytestmark = pytest.mark.timeout(30)
 

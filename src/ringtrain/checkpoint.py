@@ -153,8 +153,11 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], keep: int = 3) -> Path:
-    """Write the checkpoint of ``step`` atomically, then keep only the newest ``keep``."""
+def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], keep: int = 3, *,
+         warn_later: bool = True) -> Path:
+    """Write the checkpoint of ``step`` atomically, then keep only the newest ``keep``.
+    ``warn_later=False``: no warning about checkpoints of later steps (a caller that resumed from
+    the newest whole one, so those are damaged, and has named them already)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -169,7 +172,7 @@ def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], 
     for _, old in [c for c in existing if c[0] <= step][:-keep]:
         old.unlink(missing_ok=True)
     later = [s for s, _ in existing if s > step]
-    if later:
+    if later and warn_later:
         warnings.warn(f"{directory} holds checkpoints of later steps {later} than this one ({step}); "
                       f"latest() prefers them while they are valid", RuntimeWarning, stacklevel=2)
     _remove_stale_temporaries(directory)
@@ -210,14 +213,17 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(path, int(record["step"]), payload)
 
 
-def latest(directory: str | os.PathLike[str]) -> Checkpoint | None:
-    """The valid checkpoint with the highest step in ``directory``, or None if there is none."""
+def latest(directory: str | os.PathLike[str], *, warn: bool = True) -> Checkpoint | None:
+    """The valid checkpoint with the highest step in ``directory``, or None if there is none.
+    A damaged one is skipped with a warning (``warn=False``: quietly, for a caller that has named
+    it already)."""
     for step, path in reversed(list_checkpoints(directory)):
         try:
             return load(path)
         except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint of step {step}: {exc}", RuntimeWarning, stacklevel=2)
-            log.warning("skipping checkpoint of step %d: %s", step, exc)
+            if warn:
+                warnings.warn(f"skipping checkpoint of step {step}: {exc}", RuntimeWarning, stacklevel=2)
+                log.warning("skipping checkpoint of step %d: %s", step, exc)
     return None
 
 

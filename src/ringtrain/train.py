@@ -269,22 +269,13 @@ def _resume_step(cfg: TrainConfig) -> int | None:
     whole checkpoint; parameter servers: the newest step every server saved (ps.server, *resume*),
     which may be newer than the workers' own file of it (the servers save first)."""
     if cfg.strategy == "ring":
-        found = _resume_point(cfg.checkpoint_dir)
+        from . import checkpoint
+
+        found = checkpoint.latest(cfg.checkpoint_dir, warn=False)  # (the parent named the damaged ones)
         return None if found is None else found.step
     steps = [set(held) for held in _server_checkpoints(cfg).values()]
     common = set.intersection(*steps) if steps else set()
     return max(common) if common else None
-
-
-def _resume_point(directory: str):
-    """The newest whole checkpoint in ``directory`` (a checkpoint.Checkpoint), or None. Quiet: the
-    parent has named every damaged file already (_saved_checkpoints)."""
-    from . import checkpoint
-
-    for _, path in reversed(checkpoint.list_checkpoints(directory)):
-        with contextlib.suppress(checkpoint.CheckpointError):
-            return checkpoint.load(path)
-    return None
 
 
 def _run_worker(config_json: str, json_summary: bool) -> int:
@@ -560,18 +551,6 @@ def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
                                      corpus=getattr(loader.dataset, "digest", None))
 
 
-def _save(cfg: TrainConfig, step: int, payload: dict) -> None:
-    """checkpoint.save, without its warning at every save about files of later steps: a ring run
-    resumes from the newest whole checkpoint, so those are damaged ones, named once by the parent."""
-    import warnings
-
-    from . import checkpoint
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".* holds checkpoints of later steps", category=RuntimeWarning)
-        checkpoint.save(cfg.checkpoint_dir, step, payload)
-
-
 def _note_other_corpus(payload: dict, loader, rank: int) -> None:
     """Say (rank 0) when the text the checkpoint was trained on is not this run's: the data
     position resumes, the bytes at it differ (another Python build, or a ringtrain that reads
@@ -656,7 +635,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     start = 0
     if cfg.resume:
-        found = _resume_point(cfg.checkpoint_dir)
+        found = checkpoint.latest(cfg.checkpoint_dir, warn=False)  # (the parent named the damaged ones)
         if found is not None:
             start = checkpoint.restore_training_state(found.payload, model, opt, loader)
             _note_other_corpus(found.payload, loader, rank)
@@ -686,7 +665,9 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         return loss
 
     def save(step):
-        _save(cfg, step, _training_state(cfg, step, model, opt, loader))
+        # Checkpoints of later steps are damaged ones (a ring run resumes from the newest whole
+        # one), named once by the parent: no warning about them at every save.
+        checkpoint.save(cfg.checkpoint_dir, step, _training_state(cfg, step, model, opt, loader), warn_later=False)
 
     times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} x{p}")
     if rank == 0 and cfg.timeline and ran and not any(settled for _, settled, _ in ran):
@@ -814,7 +795,7 @@ def _communication_text(s: dict) -> str:
     comm, n = s["communication"], s["communication"]["steps_measured"]
     if n:
         k = comm["buckets"]
-        kept = comm.get("kept", "single" if comm["fell_back"] else "plan")
+        kept = comm["kept"]
         plan = (f"{CANDIDATES[kept]}, which the trial timed faster than the optimal plan"
                 if kept in ("single", "buckets") else f"the {comm['plan_in_force']} plan")
         return (f"{100 * comm['hidden_fraction']:.0f}% hidden behind backward, {k} allreduce{'s' * (k != 1)} per "

@@ -225,11 +225,11 @@ def _ps_row(docs: list[dict], args) -> dict:
 def _predict_ps(rows: list[dict]) -> None:
     """Add the simulator's prediction to each synchronous parameter-server row: the model's trace
     from the ring job of the same run (compute alone, per parameter tensor), the link from that
-    job's allreduce sweep (``sim.clusters.link_from_fit`` on its larger messages), the servers'
+    job's allreduce sweep (``sim.costs.link_from_fit`` on its larger messages), the servers'
     cost ``sim.costs`` "ps" and the workers' own plan (optimal). Rows stay without one when the
     run has no ring job for the model; asynchronous rows are not modelled."""
     from ..sim import costs
-    from ..sim.clusters import link_from_fit
+    from ..sim.costs import link_from_fit
     from ..sim.simulator import predict_with_cost
     from ..sim.traces import Trace
 

@@ -65,7 +65,8 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    one allreduce after backward). ``planned_with`` is the interference it was planned with,
    ``fell_back`` says the single allreduce won, ``kept`` which candidate did. The one kept is
    laid out afresh and re-plans keep its way of planning (the single allreduce and DDP's
-   buckets, which the profile does not change, are not re-planned). ``settled`` is True once the trial is over.
+   buckets, which the profile does not change, are not re-planned). ``settled`` is True once
+   the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from . import costs
-from .costs import link_from_fit  # (re-exported: bench.train imports it from here)
+from .costs import link_from_fit
 from .calibrate import fit_alpha_beta
 
 INTRA_NODE = "NVLink"
