@@ -790,7 +790,7 @@ def _print_summary(s: dict) -> None:
 
 
 def _communication_text(s: dict) -> str:
-    from .ddp.wrapper import CANDIDATES
+    from .ddp.trial import CANDIDATES
 
     comm, n = s["communication"], s["communication"]["steps_measured"]
     if n:

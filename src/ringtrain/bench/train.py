@@ -290,7 +290,7 @@ def _worker(cfg: dict) -> int:
         # same measurement, the optimal one fits its interference against it, and the simulator
         # predicts with it (a wrapper's own 3-repeat sweep can be off by 2x in alpha, 25% in beta).
         from ..ddp import calibration
-        from ..ddp.wrapper import DDP_BUCKETS
+        from ..ddp.trial import DDP_BUCKETS
 
         grad_bytes = float(sum(q.numel() * q.element_size() for q in base.parameters() if q.requires_grad))
         cost = calibration.sweep_cost(comm, cfg["algorithm"], calibration.sweep_sizes(grad_bytes),

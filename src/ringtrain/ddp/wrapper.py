@@ -42,31 +42,23 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    the profile is exchanged again and the plan re-made if the ready curve drifted by more than
    ``drift_threshold`` of the backward time (or the order changed). Plans are logged on the
    ``ringtrain.ddp`` logger (INFO on rank 0).
-5. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0): after the first plan, the
-   wrapper measures what the model cannot know. Two or three *probe* plans (24 groups, 96 on
-   a model of more layers than that, and three) and one allreduce after backward each run
-   ``verify_iterations`` iterations; the slowest rank's median backward under each gives the
-   *interference* (backward time lost per overlapped allreduce and per overlapped byte,
-   ``ringtrain.plan.Interference``, fitted in :func:`.calibration.fit_interference`), and the
-   probes' communication ends give how much slower allreduces run while backward does
-   (:func:`.calibration.fit_comm_slowdown`); the optimal plan is made again with both. The
-   *candidates* then alternate, one iteration each, ``verify_iterations`` times each (every
-   bucket layout kept, so all meet the same machine load): that plan, the optimal plan of the
-   model without interference (free overlap, as on a GPU: where the fitted interference
+5. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0; :mod:`.trial` has its words and
+   steps): after the first plan, the wrapper measures what the model cannot know. Probe plans
+   and one allreduce after backward give the *interference* (backward time lost per overlapped
+   allreduce and per overlapped byte, and how much slower allreduces run while backward does:
+   ``ringtrain.plan.Interference``); the optimal plan is made again with it. Then *candidates*
+   take turns, one iteration each (every bucket layout kept, so all meet the same machine load):
+   that plan, the optimal plan of free overlap (as on a GPU: where the fitted interference
    over-charges overlap it merges less), the single allreduce, and torch DDP's default buckets
-   (``DDP_BUCKETS``: the first closed at 1 MiB, then 25 MiB; so that the schedule kept is never
-   slower than DDP's own grouping beyond the trial's noise), each only if its grouping differs
-   from those before it. Where the two fastest medians are within ``VERIFY_MARGIN``
-   of each other, they all run another ``verify_iterations`` each (at most ``VERIFY_ROUNDS``
-   rounds): a difference that small is within one round's noise. The one with the smallest
-   median forward+backward over all its rounds (the slowest rank's) stays, the earlier of
-   equals (a margin towards fewer allreduces was tried in
-   two benchmark sets and dropped: among near-equals it keeps the plan that hides less, down to
-   one allreduce after backward). ``planned_with`` is the interference it was planned with,
-   ``fell_back`` says the single allreduce won, ``kept`` which candidate did. The one kept is
-   laid out afresh and re-plans keep its way of planning (the single allreduce and DDP's
-   buckets, which the profile does not change, are not re-planned). ``settled`` is True once
-   the trial is over.
+   (so that the schedule kept is never slower than DDP's own grouping beyond the trial's
+   noise). The fastest median forward+backward (the slowest rank's) stays, with more rounds
+   where the two fastest are close; the earlier of equals (a margin towards fewer allreduces
+   was tried in two benchmark sets and dropped: among near-equals it keeps the plan that hides
+   less, down to one allreduce after backward). ``planned_with`` is the interference it was
+   planned with, ``fell_back`` says the single allreduce won, ``kept`` which candidate did,
+   ``trial`` what was timed. The one kept is laid out afresh and re-plans keep its way of
+   planning (the single allreduce and DDP's buckets, which the profile does not change, are
+   not re-planned). ``settled`` is True once the trial is over.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -99,20 +91,12 @@ from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
+from .trial import PlanTrial
 
 logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
 
 SCHEDULES = planner.METHODS
-#: The trial's candidates run another round when the two fastest medians are closer than this
-#: share, up to VERIFY_ROUNDS rounds (module docstring, item 5).
-VERIFY_MARGIN = 0.03
-VERIFY_ROUNDS = 3
-#: torch DDP's default bucket caps, MiB (first bucket, then every other): one of the trial's candidates.
-DDP_BUCKETS = (1.0, 25.0)
-#: What the log and the summary call each of the trial's candidates.
-CANDIDATES = {"plan": "the plan", "free": "the plan of free overlap", "single": "one allreduce after backward",
-              "buckets": "torch DDP's default buckets"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -263,8 +247,8 @@ class DistributedDataParallel(nn.Module):
             n = len(self._params)
             self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
             self._plan_times = np.zeros(n)
-            self._trial: Optional[dict] = None  # verify_iterations: probes, then the plan against one allreduce
-            self._kept = "plan"  # the trial's candidate in force (CANDIDATES)
+            self._trial: Optional[PlanTrial] = None  # under way: the trial of plans (verify_iterations)
+            self._kept = "plan"  # the trial's candidate in force (trial.CANDIDATES)
             self._trial_record: list[dict] = []  # what the trial measured (the ``trial`` property)
             self.interference = opts.interference or planner.NO_INTERFERENCE
             first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
@@ -316,13 +300,13 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def kept(self) -> str:
-        """The trial's candidate in force (a key of CANDIDATES; "plan" before or without a trial)."""
+        """The trial's candidate in force (a key of ``ringtrain.ddp.trial.CANDIDATES``; "plan" before or without a trial)."""
         return self._kept
 
     @property
     def trial(self) -> list[dict]:
         """The trial's candidates as it timed them (empty before it ends, or where it had one
-        candidate): per candidate ``label`` (a key of CANDIDATES), ``groups``, the slowest
+        candidate): per candidate ``label`` (a key of ``ringtrain.ddp.trial.CANDIDATES``), ``groups``, the slowest
         rank's median forward+backward ``median_s`` over the ``rounds`` it ran; ``kept`` marks the
         one in force."""
         return [dict(c) for c in self._trial_record]
@@ -732,157 +716,41 @@ class DistributedDataParallel(nn.Module):
             self._replan(first=False)
 
     def _start_trial(self) -> None:
-        """Queue the trial's phases (module docstring, item 5) and install the first one."""
-        n = len(self._order)
-        phases = []
-        if self.options.interference is None and n > 1:
-            if n > calibration.PROBE_GROUPS["fine"]:  # a model of many layers: a probe nearer wfbp too
-                phases += ["finest"]
-            phases += ["fine", "coarse"]
-        phases += ["single", "verify"]
-        self._trial = {"phases": phases, "k": 0, **{name: [] for name in phases}}
-        self._install_phase()
-
-    def _phase_plan(self, name: str) -> planner.Plan:
-        times, sizes = self._plan_times, self._sizes[self._order]
-        if name in calibration.PROBE_GROUPS:  # (coarse: fewer groups than fine, also for 2 or 3 layers)
-            count = calibration.PROBE_GROUPS[name] if name != "coarse" else min(calibration.PROBE_GROUPS[name], len(times) - 1)
-            groups = calibration.probe_groups(len(times), count)
-            return planner.evaluate(times, sizes, groups, cost=self.cost, interference=self.interference)
-        if name == "single":
-            return planner.merge(times, sizes, cost=self.cost, method="single")
-        return planner.merge(times, sizes, cost=self.cost, method="optimal", interference=self.interference)
-
-    def _install_phase(self) -> None:
-        trial = self._trial
-        name = trial["phases"][trial["k"]]
-        if name == "verify":
-            self._start_verify(trial)
-            return
-        plan = self._phase_plan(name)
-        trial[name + " plan"] = plan
-        self._install(self._order, plan)
-        # What the probe launches during backward: every bucket but the last (a group of mixed
-        # dtypes is one bucket per dtype).
-        trial[name + " launches"] = len(self._specs) - 1
-        trial[name + " bytes"] = float(sum(spec.nbytes for spec in self._specs[:-1]))
-
-    def _start_verify(self, trial: dict) -> None:
-        """Lay out every candidate (module docstring, item 5) and put the first in force; with
-        one candidate left (all grouped alike) the trial is over."""
-        times, sizes = self._plan_times, self._sizes[self._order]
-        free = planner.merge(times, sizes, cost=self.cost, method="optimal", interference=self.interference,
-                             planned_with=planner.Interference())
-        single_layout = self._layout()  # the single phase's buckets are in force
-        first_mb, cap_mb = DDP_BUCKETS
-        buckets = planner.merge(times, sizes, cost=self.cost, method="fixed", bucket_cap_mb=cap_mb,
-                                first_bucket_mb=first_mb, interference=self.interference)
-        candidates: list[dict] = []
-        for label, plan in (("plan", self._phase_plan("verify")), ("free", free), ("single", trial["single plan"]),
-                            ("buckets", buckets)):
-            if all(plan.groups != c["plan"].groups for c in candidates):
-                candidates.append({"label": label, "plan": plan, "rows": []})
-        if len(candidates) == 1:
-            self._trial = None
-            self._install(self._order, candidates[0]["plan"])
-            self._log(f"with the interference ({self._describe_interference()}) every candidate plan is "
-                      f"{len(candidates[0]['plan'].groups)} group(s) alike; keeping it")
-            return
-        for c in candidates:
-            if c["label"] == "single":
-                c["layout"] = single_layout
-            else:
-                self._install(self._order, c["plan"])
-                c["layout"] = self._layout()
-        trial["candidates"], trial["turn"], trial["rounds"] = candidates, 0, 1
-        self._use_layout(candidates[0]["layout"])
+        """Start the trial of plans (module docstring, item 5; :mod:`.trial`)."""
+        self._trial = trial = PlanTrial(
+            self._plan_times, self._sizes[self._order], self.cost, self.interference, self.options.verify_iterations,
+            probe=self.options.interference is None, install=_weakly(self._install_in_order),
+            use=_weakly(self._use_layout), agree=_weakly(self._agree), log=_weakly(self._log))
+        trial.start()
+        self._trial_over_if(trial.over)
 
     def _verify_step(self) -> None:
-        """One trial iteration done: record it; go to the next phase, or decide, when one is full."""
-        trial = self._trial
-        name = trial["phases"][trial["k"]]
+        """One trial iteration done (the slowest rank's medians decide: :class:`.trial.PlanTrial`)."""
         last = self.stats[-1]
-        row = (last.backward_s, last.forward_backward_s, last.measured_end_s)
-        if name == "verify":
-            self._compare_step(trial, row)
-            return
-        trial[name].append(row)
-        if len(trial[name]) < self.options.verify_iterations:
-            return
-        if name == "single" and "fine" in trial["phases"]:
-            self._fit_interference(trial)
-        trial["k"] += 1
-        if trial["k"] < len(trial["phases"]):
-            self._install_phase()
+        over = self._trial.step((last.backward_s, last.forward_backward_s, last.measured_end_s))
+        self._trial_over_if(over)
 
-    def _compare_step(self, trial: dict, row: tuple) -> None:
-        """The verify phase: the candidates take turns, one iteration each, so that all meet the
-        same machine load; once each has run a round of verify_iterations, either another round
-        (the two fastest within VERIFY_MARGIN, fewer than VERIFY_ROUNDS rounds) or the fastest (by
-        the slowest rank's median forward+backward over every round; the earlier of equals) stays."""
-        candidates = trial["candidates"]
-        candidates[trial["turn"]]["rows"].append(row)
-        rounds = trial["rounds"]
-        if any(len(c["rows"]) < rounds * self.options.verify_iterations for c in candidates):
-            self._next_candidate(trial)
-            return
-        # A round timed: agree on the slowest rank's medians, so every rank decides alike.
-        medians = np.array([np.median([r[1] for r in c["rows"]]) for c in candidates], dtype=np.float64)
-        self._thread.run("verify plan", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
-        first, second = np.sort(medians)[:2]
-        if second - first < VERIFY_MARGIN * first and rounds < VERIFY_ROUNDS:
-            trial["rounds"] = rounds + 1
-            self._log(f"the two fastest candidates are within {VERIFY_MARGIN:.0%} after {rounds} round(s) "
-                      f"({first * 1e3:.1f} and {second * 1e3:.1f} ms): timing another round")
-            self._next_candidate(trial)
-            return
-        self._trial = None
-        best = candidates[int(np.argmin(medians))]  # (no margin: the measured fastest stays)
-        self._kept = best["label"]
-        self._trial_record = [{"label": c["label"], "groups": len(c["plan"].groups), "median_s": float(m),
-                               "rounds": rounds, "kept": c is best} for c, m in zip(candidates, medians)]
-        # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
-        # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
-        self._install(self._order, best["plan"])
-        groups = lambda n: f"{n} group{'s' if n != 1 else ''}"  # noqa: E731
-        timed = ", ".join(f"{CANDIDATES[c['label']]} ({groups(len(c['plan'].groups))}) {m * 1e3:.1f} ms"
-                          for c, m in zip(candidates, medians))
-        self._log(f"candidates verified ({rounds} round(s) of {self.options.verify_iterations}), per "
-                  f"forward+backward: {timed}; keeping {CANDIDATES[best['label']]}")
+    def _trial_over_if(self, over: bool) -> None:
+        trial = self._trial
+        self.interference = trial.interference
+        if over:
+            self._trial = None
+            self._kept = trial.kept
+            self._trial_record = trial.record
 
-    def _next_candidate(self, trial: dict) -> None:
-        trial["turn"] = (trial["turn"] + 1) % len(trial["candidates"])
-        self._use_layout(trial["candidates"][trial["turn"]]["layout"])
+    def _install_in_order(self, plan: planner.Plan) -> tuple:
+        """The trial's ``install``: buckets for ``plan`` over the profiled order, in force."""
+        self._install(self._order, plan)
+        return self._layout(), self._specs
 
-    def _fit_interference(self, trial: dict) -> None:
-        """The interference from the probes' and the single allreduce's backward times and the
-        probes' communication ends (the slowest rank's medians), fitted on rank 0 and broadcast:
-        every rank must plan with the same bits, whatever its linear algebra library rounds."""
-        names = [p for p in trial["phases"] if p in calibration.PROBE_GROUPS]
-        k = len(names)
-        medians = np.array([np.median([row[0] for row in trial[p]]) for p in names + ["single"]]
-                           + [np.median([row[2] for row in trial[p]]) for p in names], dtype=np.float64)
-        self._thread.run("interference probes", partial(self.comm.allreduce, medians, "max", "auto"), self._timeout)
-        probes = [trial[p + " plan"] for p in names]
-        slow = calibration.fit_interference([trial[p + " launches"] for p in names],
-                                            [trial[p + " bytes"] for p in names], medians[:k] - medians[k])
-        times, sizes = self._plan_times, self._sizes[self._order]
-        slow = calibration.fit_comm_slowdown(
-            lambda s, groups: planner.evaluate(times, sizes, groups, cost=self.cost,
-                                               interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
-            [p.groups for p in probes], medians[k + 1:], slow)
-        fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown], dtype=np.float64)
-        self._thread.run("interference fit", partial(self.comm.broadcast, fitted, 0), self._timeout)
-        self.interference = planner.Interference(*(float(x) for x in fitted))
-        ms = lambda values: ", ".join(f"{v * 1e3:.1f}" for v in values)  # noqa: E731
-        self._log(f"interference measured by probes of {', '.join(str(len(p.groups)) for p in probes)} groups "
-                  f"(backward {ms(medians[:k])} ms against {medians[k] * 1e3:.1f} ms with one allreduce after it; "
-                  f"communication ends {ms(medians[k + 1:])} ms): {self._describe_interference()}")
-
-    def _describe_interference(self) -> str:
-        return (f"{self.interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
-                f"{self.interference.per_byte * 1e9:.3f} ms per overlapped MB, overlapped allreduces "
-                f"{1 + self.interference.comm_slowdown:.2f}x slower while backward runs")
+    def _agree(self, label: str, values: np.ndarray, op: str) -> None:
+        """The trial's ``agree``: ``values`` reduced in place over the ranks (``op`` "max"), or
+        rank 0's copied to all (``op`` "broadcast"), on the communication thread."""
+        if op == "broadcast":
+            call = partial(self.comm.broadcast, values, 0)
+        else:
+            call = partial(self.comm.allreduce, values, op, "auto")
+        self._thread.run(label, call, self._timeout)
 
     def _replan(self, first: bool) -> None:
         local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
@@ -1015,6 +883,13 @@ def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list
             recorder.flush()
     finally:
         thread.close()
+
+
+def _weakly(method):
+    """``method`` called through a weak reference: what the wrapper lends its trial must not keep
+    the wrapper alive (nor, through it, its communication thread)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def _grad_hook(ddp: weakref.ref, pid: int, param: torch.Tensor) -> None:
