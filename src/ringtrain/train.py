@@ -39,6 +39,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import resume
+
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
 
@@ -225,7 +227,7 @@ def _launch(args: argparse.Namespace) -> int:
             _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
         if cfg.timeline:
             _check_writable(Path(cfg.timeline).parent, f"--timeline {cfg.timeline}: its directory")
-        _prepare_checkpoint_dir(cfg, args.workers)
+        resume.prepare_checkpoint_dir(cfg, args.workers)
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
     from .bench.procs import free_port
@@ -255,27 +257,13 @@ def _interrupted(cfg: TrainConfig, sig: signal.Signals, interrupt_file: Path) ->
     where the same command resumes."""
     done = interrupt_file.read_text().strip() if interrupt_file.is_file() else ""
     what = f"interrupted at step {done}" if done else ("interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}")
-    newest = _resume_step(cfg)
+    newest = resume.resume_step(cfg)
     if newest is None:
         why = ("checkpoints were off (--checkpoint-every 0)" if not cfg.checkpoint_every else
                f"no checkpoint yet (one every {cfg.checkpoint_every} steps)")
         return f"{what}; {why}: the same command starts again from step 0"
     again = "the same command again" if cfg.resume else "it again without --no-resume"
     return f"{what}; run {again} to resume from step {newest} (the last checkpoint)"
-
-
-def _resume_step(cfg: TrainConfig) -> int | None:
-    """The step a run in cfg.checkpoint_dir resumes at (None: step 0). Ring workers: their newest
-    whole checkpoint; parameter servers: the newest step every server saved (ps.server, *resume*),
-    which may be newer than the workers' own file of it (the servers save first)."""
-    if cfg.strategy == "ring":
-        from . import checkpoint
-
-        found = checkpoint.latest(cfg.checkpoint_dir, warn=False)  # (the parent named the damaged ones)
-        return None if found is None else found.step
-    steps = [set(held) for held in _server_checkpoints(cfg).values()]
-    common = set.intersection(*steps) if steps else set()
-    return max(common) if common else None
 
 
 def _run_worker(config_json: str, json_summary: bool) -> int:
@@ -301,183 +289,6 @@ def _check_batch_fits(cfg: TrainConfig, workers: int) -> None:
         raise ValueError(f"--batch-size {batch} x --workers {workers} = {workers * batch} samples per step, but the "
                          f"{spec.dataset} data set of {spec.name} holds {num_samples}: use --batch-size <= "
                          f"{num_samples // workers}")
-
-
-# --- the checkpoint directory, checked before any worker starts --------------------------------
-
-def _strategy_family(strategy: str) -> str:
-    return "ring" if strategy == "ring" else "parameter-server"
-
-
-@dataclass(frozen=True, slots=True)
-class _Saved:
-    """What the parent needs to know of one checkpoint in the directory."""
-
-    path: Path
-    step: int
-    strategy: str
-    """_strategy_family of the run that saved it."""
-    model: str | None
-    """Canonical model name (None in checkpoints made before it was recorded)."""
-    model_shapes: dict[str, tuple[int, ...]]
-    data: dict | None
-    """The sampler's state (global batch size, seed)."""
-
-
-def _saved_checkpoints(directory: Path) -> list[_Saved]:
-    """The valid checkpoints in ``directory``, newest first; each damaged one is named in one line
-    (once per run: the workers skip them quietly) and left for the user to remove. Checkpoints
-    made before the strategy was recorded tell it apart by the optimizer state: parameter-server
-    workers save none."""
-    from . import checkpoint
-
-    saved = []
-    for _, path in reversed(checkpoint.list_checkpoints(directory)):
-        try:
-            payload = checkpoint.load(path).payload
-        except checkpoint.CheckpointError as exc:
-            print(f"skipping {exc}; remove it", file=sys.stderr)
-            continue
-        if not isinstance(payload.get("model"), dict):
-            raise ValueError(f"--checkpoint-dir {directory}: {path.name} is not a checkpoint of `ringtrain train` "
-                             "(it holds no model state): give this run another --checkpoint-dir")
-        extra = payload.get("extra") or {}
-        strategy = extra.get("strategy") or ("ring" if payload.get("optimizer") is not None else "ps")
-        shapes = {k: tuple(v.shape) for k, v in payload["model"].items()}
-        saved.append(_Saved(path, int(payload["step"]), _strategy_family(strategy), extra.get("model_name"), shapes,
-                            payload.get("data")))
-    return saved
-
-
-def _prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> None:
-    """Resuming: refuse checkpoints this run cannot continue (another strategy, model, global
-    batch, seed or number of servers). Starting afresh (--no-resume): move the old checkpoints aside."""
-    from . import checkpoint
-
-    directory = Path(cfg.checkpoint_dir)
-    if not cfg.resume:
-        if cfg.checkpoint_every:
-            try:
-                moved = checkpoint.supersede(directory, also=("servers",))
-            except OSError as exc:
-                raise ValueError(f"--no-resume: cannot move the old checkpoints in {directory} aside "
-                                 f"({exc.strerror or exc}): remove them or give another --checkpoint-dir") from None
-            if moved:
-                print(f"--no-resume: moved the checkpoints of steps {moved[1]} in {directory} to {moved[0]}",
-                      file=sys.stderr)
-        return
-    saved = _saved_checkpoints(directory)
-    if saved:
-        _check_same_strategy(cfg, saved)
-        _check_same_model(cfg, saved[0])
-        _check_same_data(cfg, workers, saved[0])
-    if cfg.strategy != "ring":
-        _check_servers_hold_checkpoints(cfg, saved)
-
-
-def _restart_hint() -> str:
-    return "or start afresh with --no-resume (which moves them into a superseded-* subdirectory)"
-
-
-def _check_same_strategy(cfg: TrainConfig, saved: list[_Saved]) -> None:
-    mine = _strategy_family(cfg.strategy)
-    other = [s.step for s in saved if s.strategy != mine]
-    if other:
-        theirs = "parameter-server" if mine == "ring" else "ring"
-        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds checkpoints of a {theirs} run (steps "
-                         f"{sorted(other)}); --strategy {cfg.strategy} cannot resume them and would overwrite them: "
-                         f"give this run another --checkpoint-dir, {_restart_hint()}")
-
-
-def _check_same_model(cfg: TrainConfig, newest: _Saved) -> None:
-    from . import models
-
-    mine = models.spec(cfg.model).name
-    if newest.model is not None:
-        differs = newest.model != mine
-    else:  # an older checkpoint: compare the tensors' names and shapes
-        differs = newest.model_shapes != {k: tuple(v.shape) for k, v in models.build(mine).state_dict().items()}
-    if differs:
-        theirs = f"model {newest.model}" if newest.model else "another model"
-        use = f"pass --model {newest.model}, " if newest.model else ""
-        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: {newest.path.name} is of {theirs}, not {mine}: "
-                         f"{use}give this run another --checkpoint-dir, {_restart_hint()}")
-
-
-def _check_same_data(cfg: TrainConfig, workers: int, newest: _Saved) -> None:
-    """The sampler resumes only the same global batch and seed (ringtrain.data.sampler)."""
-    from . import models
-
-    if not newest.data:
-        return
-    where = f"--checkpoint-dir {cfg.checkpoint_dir}: {newest.path.name}"
-    if int(newest.data["seed"]) != cfg.seed:
-        raise ValueError(f"{where} was made with --seed {int(newest.data['seed'])}, not {cfg.seed}: pass "
-                         f"--seed {int(newest.data['seed'])}, {_restart_hint()}")
-    saved = int(newest.data["global_batch_size"])
-    batch = cfg.batch_size or models.spec(cfg.model).batch_size
-    if saved == workers * batch:
-        return
-    if saved % workers == 0:
-        fix = f"resume with --batch-size {saved // workers} (the same global batch on --workers {workers})"
-    else:
-        fix = f"no batch size gives {saved} on {workers} workers: use a --workers that divides {saved}"
-    raise ValueError(f"{where} has a global batch of {saved} samples per step; --workers {workers} x --batch-size "
-                     f"{batch} = {workers * batch} would change it: {fix}, {_restart_hint()}")
-
-
-def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]) -> None:
-    """Parameter-server workers resume at the servers' step; with worker checkpoints but none of
-    the servers', the run would start at step 0 and overwrite the workers' checkpoints."""
-    servers = Path(cfg.checkpoint_dir) / "servers"
-    if not saved:
-        return
-    files = _server_checkpoints(cfg)
-    steps = {name: set(held) for name, held in files.items()}
-    if not any(steps.values()):
-        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds worker checkpoints (steps "
-                         f"{sorted(s.step for s in saved)}) but no parameter-server checkpoints in {servers}, so "
-                         f"there is nothing to resume: give this run another --checkpoint-dir, {_restart_hint()}")
-    # Servers resume at the newest step every one of them saved (ps.server, *resume*): with none in
-    # common (the first save cut short) they would start at step 0 and overwrite the workers' files.
-    common = set.intersection(*steps.values())
-    if not common:
-        held = "; ".join(f"{name}: {sorted(s)}" for name, s in steps.items())
-        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: no step is saved by every parameter server "
-                         f"in {servers} ({held}), so there is nothing to resume: give this run "
-                         f"another --checkpoint-dir, {_restart_hint()}")
-    _check_same_servers(cfg, next(held for held in files.values() if held)[max(common)], max(common))
-
-
-def _server_checkpoints(cfg: TrainConfig) -> dict[str, dict[int, Path]]:
-    """Per server folder (``server-<k>``) of this run's servers that exists: its checkpoints by step,
-    unverified. (A folder that does not exist is on another machine's disk, as ps.server reads it.)"""
-    from . import checkpoint
-
-    folders = [Path(cfg.checkpoint_dir) / "servers" / f"server-{k}" for k in range(cfg.servers)]
-    return {d.name: dict(checkpoint.list_checkpoints(d)) for d in folders if d.is_dir()}
-
-
-def _check_same_servers(cfg: TrainConfig, path: Path, step: int) -> None:
-    """The servers refuse a shard saved by another number of servers, or a synchronous job's by an
-    asynchronous one (ps.server), but only once every rank has started: say it here, before."""
-    from . import checkpoint
-
-    try:
-        saved = checkpoint.load(path).payload
-    except checkpoint.CheckpointError:
-        return  # (the server skips a damaged file: it resumes at an older step, or refuses it then)
-    where = f"--checkpoint-dir {cfg.checkpoint_dir}: the parameter servers' checkpoint of step {step}"
-    made_by = saved.get("servers")
-    if isinstance(made_by, int) and made_by != cfg.servers:
-        raise ValueError(f"{where} was made by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}: "
-                         f"resume with --servers {made_by}, {_restart_hint()}")
-    strategy = saved.get("strategy")  # (None: saved before the strategy was recorded)
-    if strategy is not None and (strategy == "async") != (cfg.strategy == "ps-async"):
-        theirs = "ps-async" if strategy == "async" else "ps-sync or ps-sharded"
-        kind = "an asynchronous" if strategy == "async" else "a synchronous"
-        raise ValueError(f"{where} was made by {kind} job (--strategy {theirs}), not --strategy {cfg.strategy}: "
-                         f"resume with --strategy {theirs}, {_restart_hint()}")
 
 
 def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
@@ -543,7 +354,7 @@ def _communication(ddp, ran: list[tuple]) -> dict:
 
 
 def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
-    """checkpoint.training_state plus what the parent checks before resuming (_prepare_checkpoint_dir)."""
+    """checkpoint.training_state plus what the parent checks before resuming (resume.prepare_checkpoint_dir)."""
     from . import checkpoint, models
 
     return checkpoint.training_state(step, model, opt, loader, strategy=cfg.strategy,
