@@ -366,3 +366,54 @@ def test_a_process_killed_and_restarted_ends_bitwise_equal_to_an_uninterrupted_o
     restarted_at = int(lines[0].split()[1])
     assert 5 <= restarted_at < total, lines[0]
     assert lines[-1] == straight[-1]
+
+
+class _FillsUp:
+    """A file that takes ``room`` bytes, then fails every write as a full disk does."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(28, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_full_disk_is_a_checkpoint_write_error_and_the_older_checkpoint_stays(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as a RuntimeError about its zip container; save() says
+    what the OSError behind it says, leaves no temporary file and keeps the checkpoint before."""
+    payload = {"w": torch.arange(100_000, dtype=torch.float32)}
+    checkpoint.save(tmp_path, 1, payload)
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, mode: _FillsUp(real_fdopen(fd, mode), 50_000))
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save(tmp_path, 2, payload)
+    monkeypatch.undo()
+    error = info.value
+    assert isinstance(error, OSError) and error.errno == 28
+    assert str(error) == (f"could not write the checkpoint {tmp_path / 'ckpt-000000002.pt'}: No space left on "
+                          "device (errno 28); the checkpoints saved before it are untouched")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.pt"]  # no temporary file
+    found = checkpoint.latest(tmp_path)
+    assert found.step == 1 and torch.equal(found.payload["w"], payload["w"])
+
+
+def test_other_failures_of_a_save_are_raised_as_they_are(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("not a disk problem")
+
+    monkeypatch.setattr(checkpoint.torch, "save", broken)
+    with pytest.raises(ValueError, match="not a disk problem"):
+        checkpoint.save(tmp_path, 1, {"w": torch.zeros(3)})
+    assert list(tmp_path.iterdir()) == []

@@ -493,3 +493,30 @@ def test_the_launcher_puts_back_the_signal_handlers_torchrun_leaves(monkeypatch,
     assert rc == 130 and capsys.readouterr().err.strip() == "ringtrain train: x"
     assert seen == [signal.SIG_IGN]  # the line is written with a further Ctrl-C held off
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A directory on a 64 KiB tmpfs (root only): too small for one checkpoint."""
+    where = tmp_path / "full"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_full_checkpoint_disk_is_one_line_naming_it(tmp_path, full_disk):
+    proc = run_cli(["train", "--workers", "2", "--steps", "3", "--checkpoint-every", "2", "--no-progress",
+                    "--checkpoint-dir", str(full_disk)], tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "OMP_NUM_THREADS" not in proc.stderr, proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith(f"ringtrain train: rank 0 (worker) failed (exit code 1): CheckpointWriteError: could not "
+                            f"write the checkpoint {full_disk}/ckpt-000000002.pt: No space left on device"), proc.stderr
+    assert not [p for p in full_disk.iterdir()], "a temporary file was left"

@@ -77,6 +77,16 @@ class CheckpointError(RuntimeError):
     """A file is not a whole, valid ringtrain checkpoint."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a write error); the checkpoints saved before
+    it are untouched. Its ``errno`` and ``strerror`` are the operating system's, ``filename`` the
+    checkpoint's path."""
+
+    def __str__(self) -> str:
+        return (f"could not write the checkpoint {self.filename}: {self.strerror} (errno {self.errno}); "
+                "the checkpoints saved before it are untouched")
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """One loaded checkpoint."""
@@ -146,11 +156,26 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        raise
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        raise CheckpointWriteError(cause.errno, cause.strerror or str(cause), str(path)) from exc
     _fsync_dir(directory)
     return path
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc`` (itself, or one in its chain): torch's writer reports a full disk
+    as a RuntimeError about a position in its zip container, caused by the OSError that says it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], keep: int = 3, *,

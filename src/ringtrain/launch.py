@@ -152,8 +152,12 @@ class _QuietShutdown(logging.Filter):
     """Drops torchrun's warnings that it is stopping the ranks (after a signal, or a failed rank):
     run_torchrun says what happened in one line. Its warning that a rank would not stop stays."""
 
-    LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
-    NOTES = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s")
+    LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
+               "torch.distributed.elastic.multiprocessing.errors.error_handler")
+    NOTES = ("Received %s death signal, shutting down workers", "Sending process %s closing signal %s",
+             # (a failed rank: run_torchrun's own line names it, its exit code and its error)
+             "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+             "no error file defined for parent, to copy child error file (%s)")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.msg not in self.NOTES

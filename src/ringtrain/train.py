@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import resume
+from .checkpoint import CheckpointWriteError
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
@@ -199,6 +200,8 @@ def _worker_entry(args: argparse.Namespace) -> int:
 
         # record: an exception of any rank goes to torchrun's error file, which the parent reports
         return record(_run_worker)(args.worker, args.json)
+    except CheckpointWriteError:  # (a full disk): the parent's line says it all; no traceback
+        return 1
     except KeyboardInterrupt as exc:  # no traceback: the parent says it in one line (_interrupted)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if isinstance(exc, _Interrupted) and exc.rank == 0 and args.interrupt_file:
@@ -234,6 +237,9 @@ def _launch(args: argparse.Namespace) -> int:
     from .launch import job_secret, run_torchrun
 
     port = args.master_port or free_port()
+    # Each worker runs torch on one thread (worker(), ps_worker()): say so, and torchrun's banner
+    # about choosing that for us is not printed on every run.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["RINGTRAIN_SECRET"] = job_secret(argparse.Namespace(secret_file=None, nnodes=1))
     # Only rank 0's output is shown (one progress bar, one summary); a rank that fails records its
     # exception for run_torchrun to print.
