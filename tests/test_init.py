@@ -153,3 +153,68 @@ def test_a_mismatch_over_tcp_is_a_mismatch_on_every_rank_not_a_lost_peer():
     # (Broken pipe)" on a rank in 7 of 10 rounds).
     results = run_ranks(_naive_mismatch_job, 3, 5, timeout=80)
     assert results == [["MismatchError"] * 5] * 3, results
+
+
+# --- reaching the rendezvous store (fresh interpreters: a client abandoned at its deadline
+# must not keep the process from exiting, and stderr is checked for torch's C++ noise) --------
+
+
+def _init_in_subprocess(rank: int, port: int, timeout: float):
+    """(exception line, seconds init took, stderr) of ringtrain.init in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time, ringtrain, ringtrain.session  # torch.distributed imported before the clock starts\n"
+        "t0 = time.monotonic()\n"
+        f"try:\n    ringtrain.init({rank}, 2, '127.0.0.1', {port}, transport='tcp', timeout={timeout})\n"
+        "except Exception as exc:\n    print(f'{type(exc).__name__}|{time.monotonic() - t0:.2f}|{exc}')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=40, env=env)
+    assert done.returncode == 0, done
+    name, seconds, message = done.stdout.strip().split("|", 2)
+    return name, float(seconds), message, done.stderr
+
+
+def _silent_listener():
+    """A socket that accepts connections (the kernel does) and never answers: some other service."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    return s
+
+
+@pytest.mark.timeout(60)
+def test_a_port_that_accepts_but_never_answers_is_a_timeout_within_the_timeout():
+    # torch's TCPStore client waited for the handshake's answer with no deadline: forever.
+    with _silent_listener() as s:
+        name, seconds, message, stderr = _init_in_subprocess(1, s.getsockname()[1], 2.0)
+    assert name == "CommTimeout", message
+    assert "does not answer as a store" in message and "MASTER_PORT" in message, message
+    assert seconds < 2.0 + 1.5, seconds
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_store_is_one_clear_timeout_within_the_timeout():
+    # torch retried past its deadline (2 s -> 4.8 s, 5 s -> 13-16 s) and printed ~40 lines of
+    # C++ stack trace and retry warnings on stderr.
+    from mp_harness import free_port
+
+    name, seconds, message, stderr = _init_in_subprocess(1, free_port(), 2.0)
+    assert name == "CommTimeout", message
+    assert "frame #" not in stderr and "TCPStore" not in stderr, stderr
+    assert seconds < 2.0 + 1.0, seconds
+    assert "could not reach the rendezvous store" in message and "nothing accepted a connection" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_port_on_rank_0_is_a_rendezvous_error_not_a_timeout():
+    with _silent_listener() as s:
+        port = s.getsockname()[1]
+        name, seconds, message, stderr = _init_in_subprocess(0, port, 5.0)
+    assert name == "RendezvousError", message  # not a CommTimeout: retrying will not help
+    assert f"port {port} is already in use" in message and "MASTER_PORT" in message, message
+    assert seconds < 2.0, seconds

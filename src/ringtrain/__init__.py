@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .comm import ALGORITHMS, Communicator
-from .errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from .errors import AuthError, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError, RendezvousError
 from .transport import TRANSPORTS
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "MismatchError",
     "PeerLost",
     "ProtocolError",
+    "RendezvousError",
     "TRANSPORTS",
     "allgather",
     "allreduce",

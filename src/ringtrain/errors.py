@@ -32,6 +32,11 @@ class ProtocolError(CommError):
     """A peer sent bytes that are not a valid ringtrain frame."""
 
 
+class RendezvousError(CommError):
+    """The job's rendezvous store cannot be set up, for a reason that waiting will not fix
+    (its port is already taken on rank 0). Not a CommTimeout: retrying does not help."""
+
+
 #: Wire codes for carrying an error to peers in an ABORT frame (see transport.base).
 ERROR_CODES: dict[type[CommError], int] = {
     CommError: 0,

@@ -17,14 +17,17 @@ from __future__ import annotations
 import operator
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-from .errors import CommTimeout
+from .errors import CommTimeout, RendezvousError
 
+_HANDSHAKE_GRACE = 0.5  # seconds past the deadline that torch's client may take to give up itself
 _generation = 0  # how many communicators this process has created (equal on every rank)
 _stores: dict[tuple[str, int], dist.Store] = {}  # one TCPStore per master endpoint, reused
 
@@ -107,23 +110,93 @@ def job_store(info: JobInfo, timeout: float) -> dist.Store:
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
             and not (dist.is_available() and dist.is_initialized())
         )
-        try:
-            store = _stores[key] = dist.TCPStore(
-                info.master_addr,
-                info.master_port,
-                info.world_size if serve else None,
-                serve,
-                timeout=timedelta(seconds=timeout),
-                wait_for_workers=False,
-            )
-        except Exception as exc:  # torch raises DistNetworkError/RuntimeError with its own text
-            what = "serve" if serve else "reach"
-            raise CommTimeout(
-                f"rank {info.rank}: could not {what} the rendezvous store at "
-                f"{info.master_addr}:{info.master_port}: {exc}"
-            ) from exc
+        store = _stores[key] = _serve_store(info, timeout) if serve else _reach_store(info, timeout)
     store.set_timeout(timedelta(seconds=timeout))
     return store
+
+
+def _serve_store(info: JobInfo, timeout: float) -> dist.Store:
+    """Rank 0's TCPStore server. It fails at once or not at all, so a failure is a
+    RendezvousError (a taken port), never a CommTimeout."""
+    where = f"{info.master_addr}:{info.master_port}"
+    try:
+        return dist.TCPStore(info.master_addr, info.master_port, info.world_size, True,
+                             timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except Exception as exc:  # torch's DistNetworkError/RuntimeError with its own text
+        text = _torch_text(exc)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise RendezvousError(
+                f"rank {info.rank}: cannot serve the rendezvous store at {where}: port {info.master_port} is "
+                "already in use (another job or service holds it); choose another MASTER_PORT "
+                "(ringtrain launch --master-port)"
+            ) from None
+        raise RendezvousError(f"rank {info.rank}: cannot serve the rendezvous store at {where}: {text}") from None
+
+
+def _reach_store(info: JobInfo, timeout: float) -> dist.Store:
+    """A TCPStore client of the server at MASTER_ADDR:MASTER_PORT, within ``timeout`` seconds.
+
+    torch's client neither keeps its deadline (it retries past it, printing a C++ trace each
+    time) nor has one at all once connected (a service that accepts and never answers holds
+    it forever). So: connect with our own deadline first, then let torch's client handshake
+    run on a daemon thread that is abandoned at the deadline (it ends when the service
+    closes the connection, and never keeps the process from exiting).
+    """
+    deadline = time.monotonic() + timeout
+    where = f"{info.master_addr}:{info.master_port}"
+    _wait_for_listener(info, deadline, timeout)
+    made: dict[str, object] = {}
+
+    def make() -> None:
+        try:
+            made["store"] = dist.TCPStore(
+                info.master_addr, info.master_port, None, False,
+                timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.1)), wait_for_workers=False,
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            made["error"] = exc
+
+    thread = threading.Thread(target=make, name="ringtrain-store-connect", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0) + _HANDSHAKE_GRACE)
+    if "store" in made:
+        return made["store"]  # type: ignore[return-value]
+    if thread.is_alive():
+        raise CommTimeout(
+            f"rank {info.rank}: could not reach the rendezvous store at {where} within {timeout:g} s: "
+            "something accepts connections there but does not answer as a store; check MASTER_ADDR/MASTER_PORT"
+        )
+    raise CommTimeout(
+        f"rank {info.rank}: could not reach the rendezvous store at {where} within {timeout:g} s: "
+        f"{_torch_text(made['error'])}"  # type: ignore[arg-type]
+    )
+
+
+def _wait_for_listener(info: JobInfo, deadline: float, timeout: float) -> None:
+    """Return once something accepts TCP connections at the master's endpoint; CommTimeout at
+    ``deadline`` (rank 0 may start later than this rank, so refusals are retried)."""
+    delay, last = 0.05, None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeout(
+                f"rank {info.rank}: could not reach the rendezvous store at {info.master_addr}:{info.master_port} "
+                f"within {timeout:g} s: nothing accepted a connection there ({last}); check that rank 0 is "
+                "running and MASTER_ADDR/MASTER_PORT"
+            )
+        try:
+            with socket.create_connection((info.master_addr, info.master_port), timeout=min(left, 2.0)):
+                return
+        except OSError as exc:
+            last = exc.strerror or str(exc) or type(exc).__name__
+        time.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
+        delay = min(2 * delay, 0.5)
+
+
+def _torch_text(exc: BaseException) -> str:
+    """torch's message without the C++ stack trace it may carry."""
+    text = str(exc).split("Exception raised from", 1)[0].strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def exchange_host_ids(store: dist.Store, info: JobInfo) -> list[str]:
