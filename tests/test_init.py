@@ -218,3 +218,30 @@ def test_a_taken_port_on_rank_0_is_a_rendezvous_error_not_a_timeout():
     assert name == "RendezvousError", message  # not a CommTimeout: retrying will not help
     assert f"port {port} is already in use" in message and "MASTER_PORT" in message, message
     assert seconds < 2.0, seconds
+
+
+def _transport_job(rank, world_size, port, transports):
+    import time
+
+    import ringtrain
+
+    t0 = time.monotonic()
+    try:
+        ringtrain.init(rank, world_size, "127.0.0.1", port, transport=transports[rank], timeout=10).close()
+        return "returned"
+    except ringtrain.CommError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transports", [("tcp", "shm"), ("auto", "torch", "auto")])
+def test_ranks_asking_for_different_transports_raise_a_mismatch_at_once(transports):
+    # Each rank waited out the whole timeout in its own transport's set-up and raised a
+    # transport-specific timeout ("ranks [1] did not connect before the deadline").
+    results = run_ranks(_transport_job, len(transports), transports, timeout=60)
+    each = ", ".join(f"rank {r} {'uses transport ' if r == 0 else ''}{t}" for r, t in enumerate(transports))
+    for rank, result in enumerate(results):
+        assert not isinstance(result, RankError), f"{result}\n{result.tb}"
+        name, message, seconds = result
+        assert name == "MismatchError", (rank, result)
+        assert f"ranks disagree about the transport: {each}; pass the same transport= on every rank" in message
+        assert seconds < 5, (rank, seconds)  # at once, not after the 10 s timeout

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .comm import Communicator, check_timeout
-from .errors import AuthError, CommError, CommTimeout
+from .errors import AuthError, CommError, CommTimeout, MismatchError
 from .transport import TRANSPORTS, make_transport
 
 
@@ -47,6 +47,17 @@ def authenticate(store, info: rendezvous.JobInfo, job: str) -> None:
         )
 
 
+def agree_on_transport(store, info: rendezvous.JobInfo, transport: str) -> None:
+    """Every rank publishes the transport it was asked for; ranks that differ would each wait
+    out the timeout in a different transport's set-up, so all of them raise MismatchError now."""
+    store.set(f"transport/{info.rank}", transport)
+    names = [store.get(f"transport/{r}").decode() for r in range(info.world_size)]
+    if len(set(names)) > 1:
+        each = ", ".join(f"rank {r} {'uses transport ' if r == 0 else ''}{n}" for r, n in enumerate(names))
+        raise MismatchError(f"rank {info.rank}: ranks disagree about the transport: {each}; "
+                            "pass the same transport= on every rank")
+
+
 def create_communicator(
     rank: Optional[int],
     world_size: Optional[int],
@@ -66,6 +77,7 @@ def create_communicator(
             store.set("job", secrets.token_hex(8))
         job = store.get("job").decode()
         authenticate(store, info, job)
+        agree_on_transport(store, info, transport)
     except CommError:
         raise
     except RuntimeError as exc:  # torch's store wait ran out: some rank never arrived
