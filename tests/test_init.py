@@ -245,3 +245,45 @@ def test_ranks_asking_for_different_transports_raise_a_mismatch_at_once(transpor
         assert name == "MismatchError", (rank, result)
         assert f"ranks disagree about the transport: {each}; pass the same transport= on every rank" in message
         assert seconds < 5, (rank, seconds)  # at once, not after the 10 s timeout
+
+
+def _torch_mismatch_job(rank, world_size, port, cases):
+    import time
+
+    import ringtrain
+
+    out = []
+    for alg, kind in cases:
+        comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="torch", timeout=10)
+        t0 = time.monotonic()
+        try:
+            if kind == "numel":  # rank 1 passes one element more
+                comm.allreduce(np.ones(10 + (rank == 1), np.float32), algorithm=alg)
+            else:  # each rank names itself the root
+                comm.broadcast(np.ones(10, np.float32), root=rank)
+            out.append(("returned", "", 0.0))
+        except ringtrain.CommError as exc:
+            out.append((type(exc).__name__, str(exc), time.monotonic() - t0))
+        comm.close()
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="torch", timeout=10)
+    buf = np.full(5, float(rank), np.float32)
+    comm.allreduce(buf)  # a new communicator after the failed ones works (and no rank left early)
+    comm.close()
+    return out, buf
+
+
+@pytest.mark.timeout(120)
+def test_a_mismatch_over_the_torch_transport_is_a_mismatch_on_every_rank():
+    # Only the ranks that read the odd rank's messages raised MismatchError; the others waited
+    # out the whole timeout and got "sending to rank 1 timed out", which said nothing of it.
+    cases = [("ring", "numel"), ("central", "numel"), ("halving_doubling", "numel"), ("naive", "numel"),
+             ("ring", "root"), ("auto", "root")]
+    results = run_ranks(_torch_mismatch_job, 3, cases, timeout=100)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, RankError), f"{result}\n{result.tb}"
+        out, buf = result
+        for case, (name, message, seconds) in zip(cases, out):
+            assert name == "MismatchError", (rank, case, name, message)
+            assert "ranks disagree about the collective" in message, (rank, case, message)
+            assert seconds < 5, (rank, case, seconds)  # at once, not after the 10 s timeout
+        np.testing.assert_array_equal(buf, np.full(5, 3.0, np.float32))
