@@ -135,7 +135,12 @@ def test_silent_peer_times_out_and_communicator_stays_broken():
         (lambda c: c.allreduce(np.ones(3, np.float32), op="avg"), "op must be one of"),
         (lambda c: c.allreduce(np.ones(3, np.float32), algorithm="tree"), "algorithm must be one of"),
         (lambda c: c.allreduce(np.ones(3, np.int32), op="mean"), "floating dtype"),
-        (lambda c: c.allreduce(np.ones(3, np.complex64)), "unsupported numpy dtype"),
+        (lambda c: c.allreduce(np.ones(3, np.complex64)), r"unsupported dtype complex64 \(a numpy array\); use one of \["),
+        # a torch tensor's error spoke of "numpy dtype int8" and left bfloat16 out of the list
+        (lambda c: c.allreduce(torch.zeros(3, dtype=torch.int8)),
+         r"unsupported dtype torch.int8 \(a torch tensor\); use one of \['bfloat16', 'float16', 'float32', "
+         r"'float64', 'int32', 'int64', 'uint8'\]"),
+        (lambda c: c.allreduce(torch.zeros(3).to_sparse()), "sparse tensors are not supported"),  # was "contiguous"
         (lambda c: c.allreduce(np.ones((4, 4), np.float32)[:, 1]), "contiguous"),
         (lambda c: c.allreduce(torch.ones(4, 4)[:, 1]), "contiguous"),
         (lambda c: c.allreduce([1.0, 2.0]), "numpy array or a CPU torch tensor"),
@@ -234,3 +239,39 @@ def test_a_tensor_off_the_cpu_is_refused_without_false_advice():
     with pytest.raises(ValueError, match="tensor is on meta; ringtrain's collectives move CPU memory") as err:
         comm.allreduce(torch.ones(3, device="meta"))
     assert "algorithm='native'" not in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_mean_does_not_overflow_where_the_mean_fits(dtype):
+    # bfloat16 summed in bfloat16: 2 x 3e38 was inf in allreduce and in the reduce_scatter chunk,
+    # though the mean fits (float16 was already summed in float32). Ranks hold different values
+    # so that the mean is exact: (big + big/2) / 2 is three quarters of big.
+    p, n = 2, 5
+    big = 3e38 if dtype == torch.bfloat16 else 40000.0
+    values = [torch.tensor(big, dtype=dtype), torch.tensor(big, dtype=dtype) / 2]
+    expect = ((values[0].double() + values[1].double()) / p).to(dtype)
+
+    def fn(comm):
+        a = torch.full((n,), values[comm.rank].item(), dtype=dtype)
+        comm.allreduce(a, op="mean")
+        b = torch.full((n,), values[comm.rank].item(), dtype=dtype)
+        comm.reduce_scatter(b, op="mean")
+        lo, hi = schedule.chunk_bounds(n, p)[comm.rank]
+        return a, b[lo:hi]
+
+    for a, chunk in raise_first(run_comms(p, fn)):
+        assert torch.isfinite(a).all() and torch.equal(a, torch.full((n,), expect.item(), dtype=dtype)), a
+        assert torch.equal(chunk, torch.full(chunk.shape, expect.item(), dtype=dtype)), chunk
+
+
+def test_timeout_may_be_a_numeric_string_as_rank_and_port_may():
+    # init(rank="0", master_port="29650") were accepted, timeout="5" refused.
+    import ringtrain
+
+    assert Communicator(LocalHub(1).transport(0), timeout="2.5").timeout == 2.5
+    comm = ringtrain.init(rank="0", world_size="1", timeout="5")
+    assert comm.timeout == 5.0
+    comm.close()
+    for bad in ("abc", "nan", "0", "-1", True):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+            Communicator(LocalHub(1).transport(0), timeout=bad)

@@ -36,10 +36,17 @@ AUTO_HIER_BYTES = 1 << 20
 
 
 def check_timeout(timeout: Any) -> float:
-    """``timeout``: seconds each call may wait, a finite number > 0 (not a bool or a str)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+    """``timeout``: seconds each call may wait, a finite number > 0, or a str that is one (as
+    rank, world_size and master_port may be: from the environment); never a bool."""
+    value = timeout
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    return float(timeout)
+    return float(value)
 
 
 def check_host_ids(host_ids: Optional[Sequence[str]], world_size: int) -> list[str]:
@@ -276,21 +283,30 @@ class Communicator:
 
 
 def _accumulator(view: FlatView, op: str) -> FlatView:
-    """Where a reduction runs: ``view`` itself, or for a float16 mean a float32 copy (the sum of
-    float16 values overflows at 65504 where their mean need not)."""
+    """Where a reduction runs: ``view`` itself, or for a mean of a half-precision dtype a wider
+    copy whose sum cannot overflow where the mean does not: float32 for float16 (whose sum
+    overflows at 65504), float64 for bfloat16 (whose range is float32's, so a float32 sum of
+    values near 3e38 overflows too; float64 also holds the sum of bfloat16 values exactly)."""
     import numpy as np
 
     if op == "mean" and view.dtype == "float16":
         return FlatView(view.array.astype(np.float32), "float32", view.shape)
+    if op == "mean" and view.dtype == "bfloat16":  # held as uint16: its bits are float32's top half
+        return FlatView((view.array.astype(np.uint32) << 16).view(np.float32).astype(np.float64), "float64", view.shape)
     return view
 
 
 def _written(buf, view: FlatView, acc: FlatView) -> None:
-    """Finish a collective's in-place write: copy a float32 accumulator back to its float16
-    buffer, and tell autograd that a tensor it tracks has changed (ringtrain writes through
+    """Finish a collective's in-place write: copy a wider accumulator back to its float16 or
+    bfloat16 buffer (rounded to nearest), and tell autograd that a tensor it tracks has changed (ringtrain writes through
     numpy, which autograd does not see; torch's own in-place ops count the same way)."""
     import numpy as np
 
-    if acc is not view:
+    if acc is not view and view.dtype == "bfloat16":
+        import torch
+
+        rounded = torch.from_numpy(acc.array).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        np.copyto(view.array, rounded)
+    elif acc is not view:
         np.copyto(view.array, acc.array, casting="same_kind")
     mark_written(buf)

@@ -68,7 +68,7 @@ def create_communicator(
 ) -> Communicator:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    timeout = check_timeout(timeout)  # a finite number of seconds > 0 (nan and str refused)
+    timeout = check_timeout(timeout)  # a finite number of seconds > 0, or a str of one (nan refused)
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
     store = rendezvous.connect_store(info, timeout)
     try:

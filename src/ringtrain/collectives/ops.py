@@ -26,6 +26,10 @@ _NUMPY_DTYPES = {
 }
 
 
+#: The torch dtypes (names) a CPU tensor may have: numpy's (it is viewed through them) and bfloat16.
+_TORCH_DTYPES = ("bfloat16",) + tuple(_NUMPY_DTYPES.values())
+
+
 @dataclass(frozen=True, slots=True)
 class FlatView:
     array: np.ndarray  # 1-D, contiguous, shares memory with the user's buffer
@@ -53,8 +57,7 @@ def flat_view(buf: Any) -> FlatView:
         name = _NUMPY_DTYPES.get(buf.dtype)
         if name is None:
             raise ValueError(
-                f"unsupported numpy dtype {buf.dtype}; use one of "
-                f"{sorted(set(_NUMPY_DTYPES.values()))}"
+                f"unsupported dtype {buf.dtype} (a numpy array); use one of {sorted(set(_NUMPY_DTYPES.values()))}"
             )
         if not buf.flags.c_contiguous:
             raise ValueError("buffer must be C-contiguous (use np.ascontiguousarray and copy back)")
@@ -71,6 +74,10 @@ def flat_view(buf: Any) -> FlatView:
                 f"tensor is on {buf.device}; ringtrain's collectives move CPU memory (copy it to the "
                 "CPU and back, or use torch.distributed with nccl for GPU tensors)"
             )
+        if buf.layout != torch.strided:
+            raise ValueError(f"sparse tensors are not supported (layout {buf.layout}); pass a dense one (t.to_dense())")
+        if str(buf.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {buf.dtype} (a torch tensor); use one of {sorted(_TORCH_DTYPES)}")
         if not buf.is_contiguous():
             raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
         if buf.requires_grad:
