@@ -10,18 +10,23 @@ without an authenticated channel.
     ringtrain launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 \\
         --nproc-per-node 8 --secret-file ~/.ringtrain-secret train.py  # on each node (node-rank 0, 1)
 
+Nodes wait ``--join-timeout`` seconds for each other (torchrun's 600 by default); a node that
+never comes is then a one-line error on the others. Ranks find which of them share a host by
+hostname, or RINGTRAIN_HOST_ID where set (machines that share a hostname: set it on each).
+
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
-failed (exit code N)``; torchrun's own errors (a --master-port in use) are one line too, and so
+failed (exit code N)`` (the rank that failed first, not those torchrun stopped after it); torchrun's own errors (a --master-port in use) are one line too, and so
 is Ctrl-C once the ranks have stopped (torchrun passes SIGINT on to every rank; exit status 130;
 what the ranks print on it is the script's own).
 For torchrun's other options (elastic rendezvous, restarts), call ``torchrun`` itself with
-RINGTRAIN_SECRET set in the environment.
+RINGTRAIN_SECRET set in the environment (without it the ranks do not authenticate each other).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import secrets
@@ -38,6 +43,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
     p.add_argument("--master-port", type=int, default=29500, help="port of the rendezvous store on node 0")
     p.add_argument("--secret-file", default=None, help="file holding the job's shared secret (multi-node)")
+    p.add_argument("--join-timeout", type=float, default=600.0,
+                   help="seconds the nodes wait for each other at the start (default 600, torchrun's)")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -49,6 +56,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--nnodes must be >= 1, got {args.nnodes}")
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if not (math.isfinite(args.join_timeout) and args.join_timeout >= 1):
+        raise ValueError(f"--join-timeout must be a number of seconds >= 1, got {args.join_timeout}")
     if not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535, got {args.master_port}")
     if args.nnodes > 1 and (args.master_addr in ("localhost", "::1") or args.master_addr.startswith("127.")):
@@ -81,6 +90,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
         f"--node-rank={args.node_rank}",
         f"--master-addr={args.master_addr}",
         f"--master-port={args.master_port}",
+        f"--rdzv-conf=timeout={math.ceil(args.join_timeout)}",
     ]
     return argv + [args.script, *args.script_args]
 
@@ -94,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"ringtrain launch: {exc}")
     os.environ["RINGTRAIN_SECRET"] = secret  # inherited by the workers, never printed
+    if args.nproc_per_node > 1:  # torchrun's default then, set here so that its banner saying so is not printed
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.nnodes > 1:
+        print(f"ringtrain launch: node {args.node_rank} of {args.nnodes}: joining the job at {args.master_addr}:"
+              f"{args.master_port} (waiting up to {args.join_timeout:g} s for every node)", file=sys.stderr)
     return run_torchrun(torchrun_argv(args), "ringtrain launch")
 
 
@@ -122,7 +137,7 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
             for s, handler in handlers.items():
                 signal.signal(s, handler)
     except ChildFailedError as exc:
-        failures = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        failures = sorted(exc.failures.items(), key=lambda item: _failure_order(*item))
         for rank, failure in failures:
             print(f"{prog}: {describe_failure(rank, failure, role)}", file=sys.stderr)
         return _exit_status(failures[0][1].exitcode)
@@ -163,6 +178,13 @@ class _QuietShutdown(logging.Filter):
         return record.msg not in self.NOTES
 
 
+def _failure_order(rank: int, failure) -> tuple:
+    """Who failed first: a rank that ended by itself before one torchrun stopped (SIGTERM, nothing
+    recorded) after it; then by time (torch's are whole seconds) and rank."""
+    stopped = failure.exitcode == -signal.SIGTERM and not isinstance(failure.message, dict)
+    return stopped, failure.timestamp, rank
+
+
 def _exit_status(exitcode: int) -> int:
     """A failed child's exit code as a shell reports it: 128 + N for signal N, never 0."""
     if exitcode < 0:
@@ -198,5 +220,13 @@ def _last_frame(callstack: str) -> str:
 def agent_error(exc: Exception) -> str:
     """One line for an error torchrun raised itself (its text is the cause)."""
     text = " ".join(str(exc).split()) or "(no message)"
-    hint = "; choose another --master-port" if "EADDRINUSE" in text else ""
+    hint = ""
+    if "EADDRINUSE" in text:
+        hint = "; choose another --master-port"
+    elif "waiting for clients" in text:  # node 0's store: not every node joined within --join-timeout
+        hint = ("; start `ringtrain launch` on every other node (--node-rank 1.., the same --nnodes, --master-addr "
+                "and --master-port) within --join-timeout, or check they can reach this address and port")
+    elif "trying to connect to" in text:  # another node's: node 0 never answered
+        hint = ("; start node 0 (--node-rank 0) within --join-timeout, or check this node can reach its "
+                "--master-addr and --master-port")
     return f"torchrun failed: {type(exc).__name__}: {text}{hint}"

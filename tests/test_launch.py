@@ -1,0 +1,120 @@
+"""`ringtrain launch`: which failure is named first, how long nodes wait for each other, what the
+command prints around torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ringtrain import cli, launch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run_cli(argv: list[str], cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    for name in ("RINGTRAIN_SECRET", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "ringtrain.cli", *argv], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def network_address() -> str:
+    """This machine's address on its network (not loopback); skip where it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # (TEST-NET: nothing is sent; it picks the outgoing interface)
+            address = s.getsockname()[0]
+        except OSError:
+            address = ""
+    if not address or address.startswith("127.") or address == "0.0.0.0":
+        pytest.skip("no network address besides loopback")
+    return address
+
+
+class Failure:
+    """What torchrun's ProcessFailure carries that run_torchrun reads."""
+
+    def __init__(self, exitcode: int, timestamp: int, message=""):
+        self.exitcode, self.timestamp, self.message = exitcode, timestamp, message
+        self.error_file = "<N/A>"
+
+    def signal_name(self) -> str:
+        return signal.Signals(-self.exitcode).name
+
+
+def test_a_rank_torchrun_stopped_is_named_after_the_one_that_failed_in_the_same_second():
+    same = 1_700_000_000
+    failures = {0: Failure(-signal.SIGTERM, same), 1: Failure(1, same), 2: Failure(-signal.SIGTERM, same)}
+    order = sorted(failures.items(), key=lambda item: launch._failure_order(*item))
+    assert [rank for rank, _ in order] == [1, 0, 2]
+    # A rank killed by SIGTERM that recorded an exception (its own handler raised) failed by itself.
+    recorded = {0: Failure(-signal.SIGTERM, same, {"message": "CommError: x"}), 1: Failure(1, same + 1)}
+    assert sorted(recorded.items(), key=lambda item: launch._failure_order(*item))[0][0] == 0
+    # Otherwise the earlier second first, then the lower rank.
+    later = {0: Failure(1, same + 1), 1: Failure(2, same)}
+    assert [r for r, _ in sorted(later.items(), key=lambda item: launch._failure_order(*item))] == [1, 0]
+
+
+@pytest.mark.multiprocess
+def test_the_rank_that_failed_is_named_first_and_its_exit_code_returned(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(7)\n"
+                      "time.sleep(60)  # rank 0: stopped by torchrun once rank 1 failed\n")
+    proc = run_cli(["launch", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)], tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ringtrain launch: ")]
+    assert proc.returncode == 7, proc.stderr
+    assert lines == ["ringtrain launch: rank 1 failed (exit code 7)",
+                     "ringtrain launch: rank 0 failed (killed by SIGTERM)"], proc.stderr
+    # Neither torchrun's banner nor its own log line of the failure: the lines above say it.
+    assert "OMP_NUM_THREADS" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "-5"])
+def test_a_join_timeout_that_is_not_a_number_of_seconds_is_refused(value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["launch", "--join-timeout", value, str(tmp_path / "x.py")])
+    assert info.value.code == f"ringtrain launch: --join-timeout must be a number of seconds >= 1, got {float(value)}"
+
+
+def test_the_join_timeout_reaches_torchruns_rendezvous():
+    p = argparse.ArgumentParser()
+    launch.configure(p)
+    assert "--rdzv-conf=timeout=3" in launch.torchrun_argv(p.parse_args(["--join-timeout", "2.5", "x.py"]))
+    assert "--rdzv-conf=timeout=600" in launch.torchrun_argv(p.parse_args(["x.py"]))  # torchrun's own default
+
+
+@pytest.mark.multiprocess
+def test_a_node_that_never_joins_is_one_line_on_the_node_that_waited(tmp_path):
+    address = network_address()
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    t0 = time.monotonic()
+    proc = run_cli(["launch", "--nnodes", "2", "--node-rank", "0", "--master-addr", address, "--master-port",
+                    str(free_port()), "--join-timeout", "2", "--secret-file", str(secret), str(script)], tmp_path)
+    took = time.monotonic() - t0
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert lines[0].startswith(f"ringtrain launch: node 0 of 2: joining the job at {address}:"), proc.stderr
+    assert lines[0].endswith("(waiting up to 2 s for every node)"), proc.stderr
+    assert lines[-1].startswith("ringtrain launch: torchrun failed: ") and "1/2 clients joined" in lines[-1], lines
+    assert "start `ringtrain launch` on every other node" in lines[-1], lines
+    assert "Traceback" not in proc.stderr and took < 60, (took, proc.stderr)
