@@ -152,3 +152,23 @@ def test_bench_arguments_are_checked_before_anything_runs(argv, match):
 
     with pytest.raises(SystemExit, match=match):
         cli.main(argv)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("wrapper_speed", [0.5, 1.0, 2.0])
+def test_the_planners_single_allreduce_costs_its_communication_after_compute_alone(wrapper_speed):
+    # The planner's figure took max(trace backward, the plan's end) with the plan timed on the
+    # wrapper's own backward: where that was shorter than the trace's (wrapper_speed 2), `single`,
+    # whose one allreduce starts after backward, was predicted to cost compute alone.
+    from ringtrain import plan as plan_mod
+    from ringtrain.bench.train import planner_iteration_s
+
+    trace = profile()
+    _, times, sizes = trace.gradient_layers()
+    cost = plan_mod.LinearCost(alpha=1e-3, beta=1e-6)
+    single = plan_mod.evaluate([t / wrapper_speed for t in times], sizes, [(0, len(times) - 1)], cost=cost)
+    communication = cost(float(sum(sizes)))
+    compute_alone = trace.forward_s + trace.backward_s + trace.optimizer_s
+    predicted = planner_iteration_s(trace, single)
+    assert predicted == pytest.approx(compute_alone + communication, rel=1e-12)
+    assert predicted > compute_alone

@@ -8,8 +8,8 @@ round starts three configurations further on (none always comes first or after t
 Per configuration: median iteration time (the slowest rank's), samples/s, the medians of
 forward, backward() and the SGD step, scaling efficiency (against forward+backward+step
 alone, timed on every rank at once so that the CPU is as loaded as in training), the share
-of communication hidden behind backward, the planner's predicted iteration (forward +
-max(backward, predicted end of the last allreduce) + step), the overlap bound
+of communication hidden behind backward, the planner's predicted iteration (compute alone
+plus the communication its plan leaves exposed after backward), the overlap bound
 (forward + max(backward, ready time of the first gradient + one allreduce of every byte) +
 step, from compute alone), and the simulator's prediction (``ringtrain.sim``) from: the
 profiled layer trace scaled phase by phase to the "alone" run, plus the wrapper's own compute
@@ -413,7 +413,7 @@ def _worker(cfg: dict) -> int:
                     plan_in_force=plan.method,
                     interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
                     planned_with=ddp.planned_with.to_dict(), trial=ddp.trial,
-                    planner_iter_s=trace.forward_s + max(trace.backward_s, plan.end_time) + trace.optimizer_s,
+                    planner_iter_s=planner_iteration_s(trace, plan),
                     sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
                     overlap_bound_s=bound, vs_bound=med / bound,
                     hidden_fraction=float(np.median([s.hidden_fraction for s in stats])) if stats else None,
@@ -433,6 +433,18 @@ def _worker(cfg: dict) -> int:
         emit({"rows": rows})
     dist.destroy_process_group()
     return 0
+
+
+def planner_iteration_s(trace, plan) -> float:
+    """The planner's predicted iteration: ``trace``'s forward, backward and step (compute alone)
+    plus what ``plan`` leaves exposed, the end of its last allreduce after the end of backward.
+
+    The exposure is measured on the plan's own clock (its ready times, the wrapper's backward)
+    and only then added to the trace's backward: one source of backward time. (Taking the max of
+    the trace's backward and the plan's end mixed the two; where the wrapper timed a shorter
+    backward than the trace, a single allreduce after backward was predicted to cost nothing.)
+    """
+    return trace.forward_s + trace.backward_s + plan.exposed_time + trace.optimizer_s
 
 
 def _scaled(trace, total_s: float, parts: Sequence[float]):
