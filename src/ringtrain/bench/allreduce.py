@@ -112,12 +112,13 @@ def run(args: argparse.Namespace) -> int:
             rows += mpi_rows
             if note:
                 notes.append(note)
-    doc = {"world_sizes": world_sizes, "net": args.net, "rows": rows, "notes": notes}
-    if args.out:
-        from .machine import save_result
+    from .machine import result_document, save_result
 
-        path = save_result(f"allreduce-{args.net}", doc, args.out)
-        doc["saved_to"] = str(path)
+    # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
+    doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net, "rows": rows,
+                                                    "notes": notes})
+    if args.out:
+        doc["saved_to"] = str(save_result(doc["benchmark"], doc, args.out))
     if args.json:
         print(json.dumps(doc, indent=1))
     else:

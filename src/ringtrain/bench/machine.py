@@ -12,6 +12,17 @@ import sys
 from pathlib import Path
 
 
+def memory_bytes() -> int | None:
+    """The machine's memory (MemTotal of /proc/meminfo) in bytes; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def describe_machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -21,13 +32,8 @@ def describe_machine() -> dict:
                 break
     except OSError:
         pass
-    mem_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
+    mem = memory_bytes()
+    mem_gib = None if mem is None else round(mem / 2**30, 1)
     import numpy
     import torch
 
@@ -78,20 +84,26 @@ def check_writable_dir(directory: Path, what: str) -> Path:
     return directory
 
 
-def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks", stamp: str | None = None) -> Path:
-    """Write ``doc`` (plus machine, command, commit, time) to out_dir/<kind>-<stamp>.json, the
-    stamp by default the UTC time now (:func:`run_stamp`)."""
-    now = _dt.datetime.now(_dt.timezone.utc)
-    full = {
+def result_document(kind: str, doc: dict) -> dict:
+    """``doc`` headed by what was run, where and when: benchmark, when, command, commit, machine.
+    The one document a benchmark both saves and prints with --json."""
+    return {
         "benchmark": kind,
-        "when": now.isoformat(timespec="seconds"),
+        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "ringtrain " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "commit": git_commit(),
         "machine": describe_machine(),
         **doc,
     }
+
+
+def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks", stamp: str | None = None) -> Path:
+    """Write ``doc`` (plus machine, command, commit, time) to out_dir/<kind>-<stamp>.json, the
+    stamp by default the UTC time now (:func:`run_stamp`). A ``doc`` that already has them
+    (from :func:`result_document`) is written as it is."""
+    full = doc if "benchmark" in doc else result_document(kind, doc)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{kind}-{stamp or now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path = out / f"{kind}-{stamp or run_stamp()}.json"
     path.write_text(json.dumps(full, indent=1) + "\n")
     return path

@@ -129,10 +129,11 @@ def run(args: argparse.Namespace) -> int:
                 ps_runs.setdefault((name, strategy, servers), []).extend(docs)
     rows += [_ps_row(docs, args) for docs in ps_runs.values()]
     _predict_ps(rows)
-    doc = {"net": args.net, "world_size": args.world_size, "rows": rows}
-    if out_dir:
-        from .machine import save_result
+    from .machine import result_document, save_result
 
+    # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
+    doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows})
+    if out_dir:
         path = save_result(kind, doc, out_dir, stamp=stamp)
         doc["saved_to"] = str(path)
         doc["charts"] = _charts(rows, path.with_suffix(""))
