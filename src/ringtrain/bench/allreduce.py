@@ -30,14 +30,23 @@ DEFAULT_ALGORITHMS = "ring,naive,central,halving_doubling,auto"
 NETS = ("none", "1gbit", "10gbit")
 
 
+DEFAULT_REPEATS = 7
+QUICK_REPEATS = 5
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+#: Copies of the largest message one rank holds at once: the buffer, and while its result is
+#: checked the expected sum and numpy's temporaries (the transports' scratch comes on top).
+MESSAGE_COPIES = 4
+
+
 def parse_size(text: str) -> int:
+    """Bytes of '4096', '4K', '64M', '1G', '1T' (powers of 1024; a trailing 'B' or 'iB' is allowed)."""
     text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
+    mult = _SIZE_UNITS.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in _SIZE_UNITS else text
     try:
         value = int(float(number) * mult)
     except (ValueError, OverflowError):  # OverflowError: inf
-        raise ValueError(f"--sizes: cannot read {text!r} (examples: 4K, 64M, 1G)") from None
+        raise ValueError(f"--sizes: cannot read {text!r} (a number of bytes with suffix K, M, G or T: 4K, 64M, 1G)") from None
     if value < 4 or value % 4:
         raise ValueError(f"--sizes: {text!r} must be a positive multiple of 4 bytes (float32)")
     return value
@@ -48,21 +57,37 @@ def _csv(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
     bad = [t for t in items if t not in allowed]
     if bad or not items:
         raise ValueError(f"{option}: {bad or text!r} not in {allowed}")
+    return unique(items, option)
+
+
+def unique(items: list, option: str) -> list:
+    """``items`` unchanged; ValueError naming ``option`` if one is given twice (it would run twice)."""
+    twice = sorted({str(x) for i, x in enumerate(items) if x in items[:i]})
+    if twice:
+        raise ValueError(f"{option}: {', '.join(twice)} given twice")
     return items
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-sizes", default="2,4", help="comma-separated numbers of ranks (default 2,4)")
-    p.add_argument("--sizes", default=None, help=f"message sizes in bytes (default {DEFAULT_SIZES})")
-    p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="ringtrain algorithms to time")
-    p.add_argument("--transports", default="shm,tcp", help="ringtrain transports to time (shm, tcp, torch)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per configuration (median reported)")
-    p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, algorithms ring and auto, 5 repeats")
-    p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf")
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated numbers of ranks (default %(default)s)")
+    p.add_argument("--sizes", default=None, help="message sizes in bytes, suffixes K, M, G, T (powers of 1024) "
+                   f"(default {DEFAULT_SIZES}; {QUICK_SIZES} with --quick)")
+    p.add_argument("--algorithms", default=None,
+                   help=f"ringtrain algorithms to time (default {DEFAULT_ALGORITHMS}; ring,auto with --quick)")
+    p.add_argument("--transports", default="shm,tcp",
+                   help="ringtrain transports to time: shm, tcp, torch (default %(default)s; under --net shm cannot "
+                        "cross the hosts, tcp is timed instead)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration, median reported "
+                   f"(default {DEFAULT_REPEATS}; {QUICK_REPEATS} with --quick)")
+    p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, algorithms ring and auto, "
+                   f"{QUICK_REPEATS} repeats (each unless given)")
+    p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf "
+                   "(default %(default)s); the tbf burst (1 ms of line rate: 128 KiB at 1gbit, 1.25 MiB at 10gbit) "
+                   "lets smaller messages through faster than the line rate")
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI anchor")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--out", default="benchmarks", help="directory for the result file ('' to skip saving)")
+    p.add_argument("--out", default="benchmarks", help="directory for the result file (default %(default)s; '' to skip saving)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mpi-worker", default=None, help=argparse.SUPPRESS)
 
@@ -72,31 +97,10 @@ def run(args: argparse.Namespace) -> int:
         return _worker(json.loads(args.worker))
     if args.mpi_worker:
         return _mpi_worker(json.loads(args.mpi_worker))
-    from ..comm import ALGORITHMS
-    from ..transport import TRANSPORTS
-
     try:
-        try:
-            world_sizes = [int(w) for w in args.world_sizes.split(",")]
-        except ValueError:
-            world_sizes = []
-        if not world_sizes or any(w < 2 for w in world_sizes):
-            raise ValueError(f"--world-sizes: expected integers >= 2, got {args.world_sizes!r}")
-        sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")]
-        algorithms = _csv("ring,auto" if args.quick and args.algorithms == DEFAULT_ALGORITHMS else args.algorithms,
-                          ALGORITHMS, "--algorithms")
-        transports = _csv(args.transports, TRANSPORTS, "--transports")
-        if args.repeats < 1:
-            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-        if not (math.isfinite(args.timeout) and args.timeout > 0):
-            raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
-        if args.out:
-            from .machine import check_out_dir
-
-            check_out_dir(args.out)
+        world_sizes, sizes, algorithms, transports, repeats = _settings(args)
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench allreduce: {exc}")
-    repeats = 5 if args.quick and args.repeats == 7 else args.repeats
     if args.net != "none" and "shm" in transports:
         transports = [t for t in transports if t != "shm"]  # ranks are separate hosts: no shared memory
         transports = transports or ["tcp"]
@@ -128,6 +132,36 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             print(f"saved {doc['saved_to']}")
     return 0
+
+
+def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str], list[str], int]:
+    """The checked world sizes, sizes, algorithms, transports and repeats (ValueError naming the flag)."""
+    from ..comm import ALGORITHMS
+    from ..transport import TRANSPORTS
+
+    try:
+        world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    except ValueError:
+        world_sizes = []
+    if not world_sizes or any(w < 2 for w in world_sizes):
+        raise ValueError(f"--world-sizes: expected integers >= 2, got {args.world_sizes!r}")
+    unique(world_sizes, "--world-sizes")
+    if args.sizes is not None and not args.sizes.replace(",", "").strip():
+        raise ValueError(f"--sizes: give at least one size (e.g. 4K,1M), got {args.sizes!r}")
+    sizes = unique([parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")
+                    if s.strip()], "--sizes")
+    algorithms = _csv(args.algorithms or ("ring,auto" if args.quick else DEFAULT_ALGORITHMS), ALGORITHMS, "--algorithms")
+    transports = _csv(args.transports, TRANSPORTS, "--transports")
+    repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
+    if args.out:
+        from .machine import check_out_dir
+
+        check_out_dir(args.out)
+    return world_sizes, sizes, algorithms, transports, repeats
 
 
 def _launch(p: int, cfg: dict, args) -> list[dict]:

@@ -50,55 +50,31 @@ NETS = ("none", "1gbit", "10gbit")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default="charlm,resnet,mlp", help="reference models (ringtrain.models)")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="ringtrain schedules to time")
+    p.add_argument("--models", default="charlm,resnet,mlp", help="reference models (ringtrain.models; default %(default)s)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="ringtrain schedules to time (default %(default)s)")
     p.add_argument("--strategies", default="ring", help="ring (every --schedules entry) and parameter servers: "
-                   "ps-sync, ps-async, ps-sharded:K (e.g. ring,ps-sync,ps-sharded:2,ps-async)")
+                   "ps-sync, ps-async, ps-sharded, each with :K for K servers (K defaults to 1, and to 2 for "
+                   "ps-sharded), e.g. ring,ps-sync,ps-sharded:2,ps-async (default %(default)s)")
     p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf")
-    p.add_argument("--transport", default="auto", help="ringtrain transport")
-    p.add_argument("--algorithm", default="auto", help="ringtrain allreduce algorithm")
-    p.add_argument("--batch-size", type=int, default=0, help="per-rank batch (0: each model's default)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all configurations")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default %(default)s)")
+    p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf "
+                   "(default %(default)s)")
+    p.add_argument("--transport", default="auto", help="ringtrain transport (default %(default)s)")
+    p.add_argument("--algorithm", default="auto", help="ringtrain allreduce algorithm (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=0, help="per-rank batch (default 0: each model's own)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all configurations (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--out", default="benchmarks", help="directory for results and charts ('' to skip)")
+    p.add_argument("--out", default="benchmarks", help="directory for results and charts (default %(default)s; '' to skip)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(json.loads(args.worker))
-    from .. import models
-    from ..comm import ALGORITHMS
-    from ..transport import TRANSPORTS
-
     try:
-        names = [m.strip() for m in args.models.split(",") if m.strip()]
-        if not names:
-            raise ValueError(f"--models: give at least one reference model, got {args.models!r}")
-        for m in names:
-            models.spec(m)
-        schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-        bad = [s for s in schedules if s not in SCHEDULES]
-        if bad:
-            raise ValueError(f"--schedules: {bad} not in {SCHEDULES}")
-        if args.world_size < 2:
-            raise ValueError(f"--world-size must be >= 2, got {args.world_size}")
-        if args.transport not in TRANSPORTS:
-            raise ValueError(f"--transport must be one of {TRANSPORTS}, got {args.transport!r}")
-        if args.algorithm not in ALGORITHMS:
-            raise ValueError(f"--algorithm must be one of {ALGORITHMS}, got {args.algorithm!r}")
-        for opt in ("steps", "rounds"):
-            if getattr(args, opt) < 1:
-                raise ValueError(f"--{opt} must be >= 1")
-        if args.batch_size < 0:
-            raise ValueError("--batch-size must be >= 0")
-        if not (math.isfinite(args.timeout) and args.timeout > 0):
-            raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
-        strategies = parse_strategies(args.strategies)
+        names, schedules, strategies = _settings(args)
         out_dir = check_out_dir(args.out) if args.out else None
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench train: {exc}")
@@ -146,6 +122,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
+    """The checked models, schedules and strategies; the other flags checked (ValueError naming the flag)."""
+    from .. import models
+    from ..comm import ALGORITHMS
+    from ..transport import TRANSPORTS
+    from .allreduce import unique
+
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not names:
+        raise ValueError(f"--models: give at least one reference model, got {args.models!r}")
+    try:
+        resolved = [models.spec(m).name for m in names]
+    except ValueError as exc:
+        raise ValueError(f"--models: {exc}") from None
+    unique(resolved, "--models")  # (an alias and its model are one model)
+    schedules = unique([s.strip() for s in args.schedules.split(",") if s.strip()], "--schedules")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise ValueError(f"--schedules: {bad or args.schedules!r} not in {SCHEDULES}")
+    if args.world_size < 2:
+        raise ValueError(f"--world-size must be >= 2, got {args.world_size}")
+    if args.transport not in TRANSPORTS:
+        raise ValueError(f"--transport must be one of {TRANSPORTS}, got {args.transport!r}")
+    if args.algorithm not in ALGORITHMS:
+        raise ValueError(f"--algorithm must be one of {ALGORITHMS}, got {args.algorithm!r}")
+    for opt in ("steps", "rounds"):
+        if getattr(args, opt) < 1:
+            raise ValueError(f"--{opt} must be >= 1")
+    if args.batch_size < 0:
+        raise ValueError("--batch-size must be >= 0")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
+    return names, schedules, parse_strategies(args.strategies)
+
+
 def parse_strategies(text: str) -> dict:
     """'ring,ps-sync,ps-sharded:2' -> {'ring': True, 'ps': [('sync', 1), ('sharded', 2)]}."""
     out: dict = {}
@@ -162,7 +173,10 @@ def parse_strategies(text: str) -> dict:
             raise ValueError(f"--strategies: the server count in {item!r} must be an integer") from None
         if servers < 1:
             raise ValueError(f"--strategies: {item!r} needs at least one server")
-        out.setdefault("ps", []).append((name.removeprefix("ps-"), servers))
+        job = (name.removeprefix("ps-"), servers)
+        if job in out.get("ps", []):
+            raise ValueError(f"--strategies: {item!r} given twice (as {name}:{servers})")
+        out.setdefault("ps", []).append(job)
     if not out:
         raise ValueError("--strategies: give at least one of ring, ps-sync, ps-async, ps-sharded:K")
     return out
