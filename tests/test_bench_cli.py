@@ -104,3 +104,56 @@ def test_a_configuration_given_twice_is_refused(argv, message, no_ranks):
         cli.main(argv + ["--out", ""])
     assert str(info.value.code).startswith(f"ringtrain bench {argv[1]}: {message}"), info.value.code
     assert no_ranks == []
+
+
+@pytest.fixture
+def small_machine(monkeypatch):
+    """A machine of 8 GiB and 2 cores, whatever this one is."""
+    from ringtrain.bench import machine
+
+    monkeypatch.setattr(machine, "memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, message", [
+    (ALLREDUCE[:5] + ["", *ALLREDUCE[6:]], "--sizes: give at least one size"),   # ran the whole default sweep
+    (ALLREDUCE[:5] + [",", *ALLREDUCE[6:]], "--sizes: give at least one size"),
+    (ALLREDUCE[:5] + ["1024G", *ALLREDUCE[6:]], "--sizes: 1T does not fit in this machine's 8.0 GiB of memory "
+                                                 "(2 ranks x (4 copies of the message + 300 MiB): 8192.6 GiB)"),
+    (ALLREDUCE[:5] + ["1G", *ALLREDUCE[6:]], "--sizes: 1G does not fit in this machine's 8.0 GiB of memory"),
+    (ALLREDUCE[:5] + ["1X", *ALLREDUCE[6:]], "--sizes: cannot read '1X' (a number of bytes with suffix K, M, G or T"),
+    (ALLREDUCE[:3] + ["2,1000", *ALLREDUCE[4:]], "--world-sizes: 1000 ranks need about 293.0 GiB (300 MiB each), "
+                                                 "more than this machine's 8.0 GiB of memory"),
+    (TRAIN[:7] + ["500", *TRAIN[8:]], "--world-size: 500 ranks need about 146.5 GiB (300 MiB each), "
+                                      "more than this machine's 8.0 GiB of memory"),
+    (TRAIN[:7] + ["26", *TRAIN[8:]] + ["--strategies", "ring,ps-sharded:2"], "--world-size: 28 ranks need about"),
+])
+def test_what_the_machine_cannot_hold_is_refused_before_any_rank_starts(argv, message, small_machine, no_ranks):
+    # --sizes 1024G failed inside rank 0 (numpy); 1000 ranks were started on 2 cores.
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv + ["--out", ""])
+    assert str(info.value.code).startswith(f"ringtrain bench {argv[1]}: {message}"), info.value.code
+    assert "\n" not in str(info.value.code) and no_ranks == []
+
+
+@pytest.mark.timeout(60)
+def test_sizes_take_a_t_suffix():
+    assert bench_allreduce.parse_size("1T") == 1 << 40 and bench_allreduce.parse_size("2TiB") == 2 << 40
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, ranks, warned", [
+    (ALLREDUCE[:3] + ["2,9", *ALLREDUCE[4:]], [2, 9], "--world-sizes: 9 ranks on 2 CPU cores (more than 4 per core)"),
+    (ALLREDUCE[:3] + ["8", *ALLREDUCE[4:]], [8], None),
+    (TRAIN[:7] + ["9", *TRAIN[8:]], [9], "--world-size: 9 ranks on 2 CPU cores (more than 4 per core)"),
+    (TRAIN, [2], None),
+])
+def test_more_ranks_than_four_per_core_get_a_one_line_warning(argv, ranks, warned, small_machine, no_ranks, capsys):
+    assert cli.main(argv + ["--out", "", "--json"]) == 0
+    assert no_ranks == ranks
+    err = [l for l in capsys.readouterr().err.splitlines() if "warning" in l]
+    if warned is None:
+        assert err == []
+    else:
+        assert len(err) == 1 and err[0].startswith(f"ringtrain bench {argv[1]}: warning: {warned}"), err

@@ -99,8 +99,11 @@ def run(args: argparse.Namespace) -> int:
         return _mpi_worker(json.loads(args.mpi_worker))
     try:
         world_sizes, sizes, algorithms, transports, repeats = _settings(args)
+        warning = _check_machine(world_sizes, sizes)
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench allreduce: {exc}")
+    if warning:
+        print(f"ringtrain bench allreduce: warning: {warning}", file=sys.stderr)
     if args.net != "none" and "shm" in transports:
         transports = [t for t in transports if t != "shm"]  # ranks are separate hosts: no shared memory
         transports = transports or ["tcp"]
@@ -162,6 +165,21 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]
 
         check_out_dir(args.out)
     return world_sizes, sizes, algorithms, transports, repeats
+
+
+def _check_machine(world_sizes: list[int], sizes: list[int]) -> str | None:
+    """Refuse (ValueError) a largest size or world size this machine's memory cannot hold; a
+    warning when the ranks outnumber the cores many times over (see machine.check_ranks)."""
+    from .machine import RANK_MEMORY_BYTES, check_ranks, memory_bytes
+
+    memory = memory_bytes()
+    p, largest = max(world_sizes), max(sizes)
+    per_rank = RANK_MEMORY_BYTES + MESSAGE_COPIES * largest
+    if memory is not None and p * per_rank > memory and p * RANK_MEMORY_BYTES <= memory:  # the ranks alone fit
+        raise ValueError(f"--sizes: {_fmt_size(largest)} does not fit in this machine's {memory / 2**30:.1f} GiB of "
+                         f"memory ({p} ranks x ({MESSAGE_COPIES} copies of the message + "
+                         f"{RANK_MEMORY_BYTES >> 20} MiB): {p * per_rank / 2**30:.1f} GiB)")
+    return check_ranks("--world-sizes", p, per_rank, memory=memory)
 
 
 def _launch(p: int, cfg: dict, args) -> list[dict]:
@@ -295,7 +313,7 @@ def _mpi_worker(cfg: dict) -> int:
 
 
 def _fmt_size(n: int) -> str:
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return str(n)

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .machine import check_out_dir, run_stamp
+from .machine import check_out_dir, check_ranks, run_stamp
 from .procs import emit, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
@@ -75,9 +75,14 @@ def run(args: argparse.Namespace) -> int:
         return _worker(json.loads(args.worker))
     try:
         names, schedules, strategies = _settings(args)
+        # the most processes one job starts: the ring's ranks, or the workers and servers of a ps job
+        nprocs = args.world_size + max([servers for _, servers in strategies.get("ps", [])], default=0)
+        warning = check_ranks("--world-size", nprocs)
         out_dir = check_out_dir(args.out) if args.out else None
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench train: {exc}")
+    if warning:
+        print(f"ringtrain bench train: warning: {warning}", file=sys.stderr)
     stamp = run_stamp()  # names the result and its timelines
     kind = f"train-{args.net}-{args.world_size}r"
     cfg = {
