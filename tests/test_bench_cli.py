@@ -157,3 +157,74 @@ def test_more_ranks_than_four_per_core_get_a_one_line_warning(argv, ranks, warne
         assert err == []
     else:
         assert len(err) == 1 and err[0].startswith(f"ringtrain bench {argv[1]}: warning: {warned}"), err
+
+
+def fake_busbw(monkeypatch, busbw_by_size):
+    """Ranks that report gloo at the given busbw (GB/s) per size."""
+    def launch(p, cfg, args):
+        return [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
+                 "nbytes": n, "median_s": 1e-4, "busbw_GBps": busbw_by_size[n], "net": args.net} for n in cfg["sizes"]]
+
+    monkeypatch.setattr(bench_allreduce, "_launch", launch)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transports, timed, note", [
+    ("shm", ["tcp"], "shm not timed: under --net 1gbit each rank is a host of its own and shared memory cannot "
+                     "cross them; tcp timed instead"),
+    ("shm,torch", ["torch"], "shm not timed: under --net 1gbit"),
+])
+def test_shm_left_out_under_net_is_said(transports, timed, note, monkeypatch, capsys):
+    # --transports shm --net 1gbit timed tcp without a word.
+    seen = []
+    monkeypatch.setattr(bench_allreduce, "_launch", lambda p, cfg, args: seen.append(cfg) or [])
+    argv = ALLREDUCE[:9] + [transports] + ALLREDUCE[10:] + ["--net", "1gbit", "--out", ""]
+    assert cli.main(argv + ["--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert seen[0]["transports"] == timed and any(n.startswith(note) for n in notes), notes
+    assert cli.main(argv) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_bench_train_says_shm_is_not_timed_under_net(no_ranks, capsys):
+    assert cli.main(TRAIN + ["--transport", "shm", "--net", "1gbit", "--out", "", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == [
+        "--transport shm: under --net 1gbit each rank is a host of its own and shared memory cannot cross them; "
+        "tcp timed instead"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra, note", [
+    (["--no-mpi"], "Open MPI anchor skipped: --no-mpi"),
+    (["--net", "1gbit"], "Open MPI anchor skipped: under --net 1gbit mpirun would not start its ranks on the "
+                         "emulated hosts"),
+])
+def test_the_skipped_mpi_anchor_says_why(extra, note, no_ranks, capsys):
+    # the anchor left out under --net or --no-mpi had notes: []
+    argv = [a for a in ALLREDUCE if a != "--no-mpi"] + extra + ["--out", "", "--json"]
+    assert cli.main(argv) == 0
+    assert note in json.loads(capsys.readouterr().out)["notes"]
+
+
+@pytest.mark.timeout(60)
+def test_busbw_above_the_emulated_line_rate_is_marked(monkeypatch, capsys):
+    # 10gbit: 1.25 GB/s; 256K at 1.49 GB/s went through within the tbf burst (1.25 MiB) unshaped.
+    fake_busbw(monkeypatch, {256 << 10: 1.49, 16 << 20: 1.1})
+    argv = ALLREDUCE[:5] + ["256K,16M"] + ALLREDUCE[6:] + ["--net", "10gbit", "--out", ""]
+    assert cli.main(argv + ["--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert ("* busbw above the emulated 10gbit line rate (1.25 GB/s) at 256K: messages within the tbf burst "
+            "(1.25 MiB) pass unshaped, so these figures are not the link's") in notes, notes
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "(1.49)*" in table and "(1.10)*" not in table and "(1.10)" in table
+    fake_busbw(monkeypatch, {256 << 10: 1.49, 16 << 20: 1.1})
+    assert cli.main(argv[:-4] + ["--out", "", "--json"]) == 0  # no emulation: no line rate to beat
+    assert not any("line rate" in n for n in json.loads(capsys.readouterr().out)["notes"])
+
+
+@pytest.mark.timeout(60)
+def test_allreduce_help_says_small_messages_beat_the_emulated_rate(capsys):
+    assert ("the tbf burst (1 ms of line rate: 128 KiB at 1gbit, 1.25 MiB at 10gbit) lets smaller messages through "
+            "faster than the line rate") in help_text("allreduce", capsys)

@@ -104,21 +104,25 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"ringtrain bench allreduce: {exc}")
     if warning:
         print(f"ringtrain bench allreduce: warning: {warning}", file=sys.stderr)
-    if args.net != "none" and "shm" in transports:
-        transports = [t for t in transports if t != "shm"]  # ranks are separate hosts: no shared memory
-        transports = transports or ["tcp"]
+    transports, notes = _transports_on(args.net, transports)
+    if args.no_mpi:
+        notes.append("Open MPI anchor skipped: --no-mpi")
+    elif args.net != "none":
+        notes.append(f"Open MPI anchor skipped: under --net {args.net} mpirun would not start its ranks "
+                     "on the emulated hosts")
 
     rows: list[dict] = []
-    notes: list[str] = []
     for p in world_sizes:
         cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
-        print(f"# world size {p}: {len(sizes)} sizes x {len(transports) * len(algorithms) + 1} configurations", file=sys.stderr)
+        print(f"# world size {p}: {_plural(len(sizes), 'size')} x "
+              f"{_plural(len(transports) * len(algorithms) + 1, 'configuration')}", file=sys.stderr)
         rows += _launch(p, cfg, args)
         if not args.no_mpi and args.net == "none":
             mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
             rows += mpi_rows
             if note:
                 notes.append(note)
+    notes += above_line_rate(rows, args.net)
     from .machine import result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
@@ -165,6 +169,51 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]
 
         check_out_dir(args.out)
     return world_sizes, sizes, algorithms, transports, repeats
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _transports_on(net: str, transports: list[str]) -> tuple[list[str], list[str]]:
+    """The transports timed under ``net`` and a note for each left out: the emulated hosts are
+    namespaces that cannot share memory, so shm is dropped (tcp timed instead if nothing is left)."""
+    if net == "none" or "shm" not in transports:
+        return transports, []
+    left = [t for t in transports if t != "shm"]
+    why = f"shm not timed: under --net {net} each rank is a host of its own and shared memory cannot cross them"
+    if left:
+        return left, [why]
+    return ["tcp"], [why + "; tcp timed instead"]
+
+
+def line_rate_GBps(net: str) -> float | None:
+    """The emulated link's line rate in GB/s (10**9 bytes), None for no emulation."""
+    from .netem import parse_rate
+
+    rate = parse_rate(net)
+    return None if rate is None else rate / 8 / 1e9
+
+
+def above_line_rate(rows: list[dict], net: str) -> list[str]:
+    """A note naming the sizes whose busbw beats the emulated line rate: the tbf bucket lets a
+    burst through unshaped, so smaller messages look faster than the link (marked * in the table)."""
+    line = line_rate_GBps(net)
+    if line is None:
+        return []
+    fast = sorted({r["nbytes"] for r in rows if r["busbw_GBps"] > line})
+    if not fast:
+        return []
+    from .netem import LinkShape
+
+    burst = LinkShape.for_rate(net).burst_bytes
+    return [f"* busbw above the emulated {net} line rate ({line:.3g} GB/s) at {', '.join(map(_fmt_size, fast))}: "
+            f"messages within the tbf burst ({_fmt_burst(burst)}) "
+            "pass unshaped, so these figures are not the link's"]
+
+
+def _fmt_burst(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:g} KiB"
 
 
 def _check_machine(world_sizes: list[int], sizes: list[int]) -> str | None:
@@ -323,9 +372,18 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e6:.0f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
 
 
+def _cell(r: dict | None, line_rate: float | None) -> str:
+    """'1.23ms (0.45)': median time and busbw; '*' after a busbw above the emulated line rate."""
+    if r is None:
+        return "-"
+    mark = "*" if line_rate is not None and r["busbw_GBps"] > line_rate else ""
+    return f"{_fmt_time(r['median_s'])} ({r['busbw_GBps']:.2f}){mark}"
+
+
 def format_table(rows: list[dict]) -> str:
     """Per world size and size: each configuration's median time and busbw; best ringtrain vs gloo."""
     out = []
+    line_rate = line_rate_GBps(rows[0].get("net", "none")) if rows else None
     for p in sorted({r["world_size"] for r in rows}):
         prow = [r for r in rows if r["world_size"] == p]
         labels = []
@@ -341,10 +399,7 @@ def format_table(rows: list[dict]) -> str:
                 if r["nbytes"] == nbytes:
                     lab = r["impl"] if r["impl"] != "ringtrain" else f"{r['transport']}/{r['algorithm']}"
                     cells[lab] = r
-            line = f"{_fmt_size(nbytes):<8}" + "".join(
-                f"{(_fmt_time(cells[l]['median_s']) + ' (' + format(cells[l]['busbw_GBps'], '.2f') + ')') if l in cells else '-':>24}"
-                for l in labels
-            )
+            line = f"{_fmt_size(nbytes):<8}" + "".join(f"{_cell(cells.get(l), line_rate):>24}" for l in labels)
             ours = [r["median_s"] for r in cells.values() if r["impl"] == "ringtrain"]
             if ours and "gloo" in cells:
                 line += f"{cells['gloo']['median_s'] / min(ours):>9.2f}x"

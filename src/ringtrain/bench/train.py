@@ -91,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
         "algorithm": args.algorithm, "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
         "timeline_dir": str(out_dir / "timelines") if out_dir else "", "timeline_stem": f"{kind}-{stamp}",
     }
+    notes = []
+    if cfg["transport"] != args.transport:
+        notes.append(f"--transport shm: under --net {args.net} each rank is a host of its own and shared memory "
+                     "cannot cross them; tcp timed instead")
     worker_args = ["bench", "train", "--worker", json.dumps(cfg)]
     rows = []
     if "ring" in strategies:
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from .machine import result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
-    doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows})
+    doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows, "notes": notes})
     if out_dir:
         path = save_result(kind, doc, out_dir, stamp=stamp)
         doc["saved_to"] = str(path)
@@ -122,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=1))
     else:
         print(format_table(rows))
+        for n in notes:
+            print(f"note: {n}")
         if out_dir:
             print(f"saved {doc['saved_to']}" + "".join(f"\nchart {c}" for c in doc["charts"]))
     return 0
