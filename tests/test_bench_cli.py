@@ -228,3 +228,53 @@ def test_busbw_above_the_emulated_line_rate_is_marked(monkeypatch, capsys):
 def test_allreduce_help_says_small_messages_beat_the_emulated_rate(capsys):
     assert ("the tbf burst (1 ms of line rate: 128 KiB at 1gbit, 1.25 MiB at 10gbit) lets smaller messages through "
             "faster than the line rate") in help_text("allreduce", capsys)
+
+
+def test_every_train_table_row_has_a_cell_under_every_column():
+    # The server rows left out the columns they had no value for: sim and sim err shifted left, and
+    # ps-async's bytes began under 'hidden'.
+    from ringtrain.bench.train import COLUMNS, format_table
+
+    ring = dict(ALONE_ROW, impl="ringtrain", schedule="single", median_iter_s=0.12, hidden_fraction=None,
+                planner_iter_s=0.13, sim_iter_s=0.125, sim_error=0.04, overlap_bound_s=0.1, vs_bound=1.2,
+                scaling_efficiency=0.8, params=1000, compute_only_s=0.1)
+    ps = {"model": "mlp", "impl": "ps", "schedule": "ps-sync:1", "median_iter_s": 0.4, "samples_per_s": 160.0,
+          "world_size": 2, "net": "none", "sim_iter_s": 0.133, "sim_error": -0.66, "round_medians": [0.4],
+          "worker_bytes_per_step": {"sent": 84e6, "received": 84e6}}
+    rows = [ring, dict(ALONE_ROW), ps, dict(ps, schedule="ps-async:1", sim_iter_s=None, sim_error=None)]
+    lines = format_table(rows).splitlines()
+    header = lines[2]
+    ends = [12]
+    for _, width in COLUMNS:
+        ends.append(ends[-1] + width)
+    assert header.rstrip() == header[:ends[-1]]
+    for line in lines[3:]:
+        cells = [line[a:b] for a, b in zip(ends, ends[1:])]
+        assert all(c.strip() and c[0] == " " and c[-1] != " " for c in cells), (line, cells)
+        assert line[ends[-1]:] == "" or line[ends[-1]:].startswith("   "), line
+    assert lines[3].split()[5] == "-"  # hidden unknown: '-', not 0%
+    assert lines[5].split()[6:9] == ["-", "133.0", "-66%"]
+    assert format_table([dict(ps, world_size=1)]).splitlines()[1] == "mlp (1 worker, net none)"
+
+
+@pytest.mark.timeout(60)
+def test_rank_zeros_progress_lines_reach_stderr_as_it_runs(tmp_path, capsys):
+    # bench train printed nothing during a run of minutes; the log rank 0 writes must stay whole
+    # (it shares its offset with the parent's file object: read with pread, never seek).
+    from ringtrain.bench.procs import run_ranks
+
+    (tmp_path / "talker.py").write_text(
+        "import os, sys, time\n"
+        "from ringtrain.bench.procs import emit, progress\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    for i in range(3):\n"
+        "        progress(f'# step {i}')\n"
+        "        print('other output', flush=True)\n"
+        "        time.sleep(0.2)\n"
+        "    emit({'done': True})\n")
+    import os
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    docs = run_ranks("talker", [], 2, timeout=30, extra_env=env)
+    assert docs == [{"done": True}]
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["# step 0", "# step 1", "# step 2"], err

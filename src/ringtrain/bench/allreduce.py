@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .procs import RESULT_PREFIX, emit, run_ranks
+from .procs import RESULT_PREFIX, emit, interrupted, run_ranks
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
@@ -110,19 +110,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.net != "none":
         notes.append(f"Open MPI anchor skipped: under --net {args.net} mpirun would not start its ranks "
                      "on the emulated hosts")
-
-    rows: list[dict] = []
-    for p in world_sizes:
-        cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
-        print(f"# world size {p}: {_plural(len(sizes), 'size')} x "
-              f"{_plural(len(transports) * len(algorithms) + 1, 'configuration')}", file=sys.stderr)
-        rows += _launch(p, cfg, args)
-        if not args.no_mpi and args.net == "none":
-            mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
-            rows += mpi_rows
-            if note:
-                notes.append(note)
-    notes += above_line_rate(rows, args.net)
+    cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
+    try:
+        rows = _measure(world_sizes, cfg, args, notes)
+    except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
+        return interrupted("ringtrain bench allreduce")
     from .machine import result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
@@ -139,6 +131,23 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             print(f"saved {doc['saved_to']}")
     return 0
+
+
+def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes: list[str]) -> list[dict]:
+    """Every world size's rows (ringtrain and gloo, then Open MPI's); what went wrong with MPI goes to ``notes``."""
+    rows: list[dict] = []
+    for p in world_sizes:
+        configs = len(cfg["transports"]) * len(cfg["algorithms"]) + 1
+        print(f"# world size {p}: {_plural(len(cfg['sizes']), 'size')} x {_plural(configs, 'configuration')}",
+              file=sys.stderr)
+        rows += _launch(p, cfg, args)
+        if not args.no_mpi and args.net == "none":
+            mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
+            rows += mpi_rows
+            if note:
+                notes.append(note)
+    notes += above_line_rate(rows, args.net)
+    return rows
 
 
 def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str], list[str], int]:

@@ -21,6 +21,10 @@ from contextlib import ExitStack
 from typing import Optional, Sequence
 
 RESULT_PREFIX = "RESULT "
+#: A line rank 0 prints for the user while it runs (see :func:`progress`); shown on stderr at once.
+PROGRESS_PREFIX = "PROGRESS "
+#: The exit status of a run stopped by Ctrl-C (128 + SIGINT), as the shell gives it.
+INTERRUPTED_STATUS = 130
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,6 +61,7 @@ def run_ranks(
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
         argv = [sys.executable, "-m", module, *args]
+        echo = _Progress(logs[0])
         procs = []
         try:
             for rank in range(world_size):
@@ -66,7 +71,7 @@ def run_ranks(
                     procs.append(net.popen(rank, argv, env=renv, stdout=logs[rank], stderr=subprocess.STDOUT))
                 else:
                     procs.append(subprocess.Popen(argv, env=renv, stdout=logs[rank], stderr=subprocess.STDOUT))
-            _wait_all(procs, logs, timeout)
+            _wait_all(procs, logs, timeout, echo.poll)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -85,14 +90,35 @@ def _tail(log, n: int = 30) -> str:
     return "".join(log.readlines()[-n:])
 
 
-def _wait_all(procs, logs, timeout: float) -> None:
+class _Progress:
+    """Rank 0's PROGRESS lines echoed to stderr as they come. The log is read with pread: the
+    rank writes through the same open file, and moving its offset would overwrite its output."""
+
+    def __init__(self, log) -> None:
+        self.fd = log.fileno()
+        self.offset = 0
+        self.partial = b""
+
+    def poll(self) -> None:
+        while chunk := os.pread(self.fd, 1 << 16, self.offset):
+            self.offset += len(chunk)
+            self.partial += chunk
+        *lines, self.partial = self.partial.split(b"\n")
+        for line in lines:
+            if line.startswith(PROGRESS_PREFIX.encode()):
+                print(line[len(PROGRESS_PREFIX):].decode(errors="replace"), file=sys.stderr, flush=True)
+
+
+def _wait_all(procs, logs, timeout: float, poll=lambda: None) -> None:
     end = time.monotonic() + timeout
     while True:
+        poll()
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 raise RankFailed(f"rank {rank} exited with status {code}:\n{_tail(logs[rank])}")
         if all(c == 0 for c in codes):
+            poll()  # (what rank 0 said before it left)
             return
         if time.monotonic() > end:
             running = [r for r, c in enumerate(codes) if c is None]
@@ -103,3 +129,15 @@ def _wait_all(procs, logs, timeout: float) -> None:
 def emit(doc: dict) -> None:
     """Print one result document from rank 0 (parsed by run_ranks)."""
     print(RESULT_PREFIX + json.dumps(doc), flush=True)
+
+
+def progress(text: str) -> None:
+    """Tell the user, from rank 0, how far the run is (one short line on the parent's stderr)."""
+    print(PROGRESS_PREFIX + text, flush=True)
+
+
+def interrupted(prog: str, kept: str = "nothing saved") -> int:
+    """The one line a benchmark stopped by Ctrl-C leaves (its ranks and namespaces already gone
+    with the with-blocks that made them), and the exit status for it."""
+    print(f"{prog}: interrupted; {kept}", file=sys.stderr)
+    return INTERRUPTED_STATUS

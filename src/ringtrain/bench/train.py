@@ -22,6 +22,7 @@ measured. The layer trace is cut into one layer per parameter tensor, the wrappe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -34,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from .machine import check_out_dir, check_ranks, run_stamp
-from .procs import emit, run_ranks
+from .procs import emit, interrupted, progress, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
@@ -95,25 +96,18 @@ def run(args: argparse.Namespace) -> int:
     if cfg["transport"] != args.transport:
         notes.append(f"--transport shm: under --net {args.net} each rank is a host of its own and shared memory "
                      "cannot cross them; tcp timed instead")
-    worker_args = ["bench", "train", "--worker", json.dumps(cfg)]
-    rows = []
-    if "ring" in strategies:
-        docs = _launch("ringtrain.cli", worker_args, args.world_size, args)
-        rows += [dict(r, net=args.net, world_size=args.world_size) for d in docs for r in d["rows"]]
-    # Parameter-server jobs take turns round by round, as the ring's schedules do iteration by
-    # iteration, so that 1 and 2 servers meet the same load; each job warms up for PS_WARMUP_STEPS.
-    ps_runs: dict[tuple, list[dict]] = {}
-    for _ in range(args.rounds if strategies.get("ps") else 0):
-        for strategy, servers in strategies["ps"]:
-            for name in names:
-                ps_args = ["--servers", str(servers), "--strategy", strategy, "--model", name,
-                           "--steps", str(args.steps + PS_WARMUP_STEPS)]
-                if args.batch_size:
-                    ps_args += ["--batch-size", str(args.batch_size)]
-                docs = _launch("ringtrain.ps", ps_args, args.world_size + servers, args)
-                ps_runs.setdefault((name, strategy, servers), []).extend(docs)
-    rows += [_ps_row(docs, args) for docs in ps_runs.values()]
-    _predict_ps(rows)
+    timelines = Path(cfg["timeline_dir"]) if out_dir else None
+    try:
+        rows = _measure(cfg, names, strategies, args)
+    except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
+        kept = "nothing saved"
+        if timelines is not None and any(timelines.glob(f"{cfg['timeline_stem']}-*")):
+            kept += f" but the timelines in {timelines}"
+        return interrupted("ringtrain bench train", kept)
+    finally:
+        if timelines is not None:
+            with contextlib.suppress(OSError):
+                timelines.rmdir()  # only when empty: the wrappers make it before any timeline is written
     from .machine import result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
@@ -131,6 +125,30 @@ def run(args: argparse.Namespace) -> int:
         if out_dir:
             print(f"saved {doc['saved_to']}" + "".join(f"\nchart {c}" for c in doc["charts"]))
     return 0
+
+
+def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Namespace) -> list[dict]:
+    """The rows of the ring job (every schedule, alone, torch DDP) and of every parameter-server job."""
+    rows = []
+    if "ring" in strategies:
+        docs = _launch("ringtrain.cli", ["bench", "train", "--worker", json.dumps(cfg)], args.world_size, args)
+        rows += [dict(r, net=args.net, world_size=args.world_size) for d in docs for r in d["rows"]]
+    # Parameter-server jobs take turns round by round, as the ring's schedules do iteration by
+    # iteration, so that 1 and 2 servers meet the same load; each job warms up for PS_WARMUP_STEPS.
+    ps_runs: dict[tuple, list[dict]] = {}
+    for r in range(args.rounds if strategies.get("ps") else 0):
+        for strategy, servers in strategies["ps"]:
+            for name in names:
+                print(f"# {name}, ps-{strategy}:{servers}: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+                ps_args = ["--servers", str(servers), "--strategy", strategy, "--model", name,
+                           "--steps", str(args.steps + PS_WARMUP_STEPS)]
+                if args.batch_size:
+                    ps_args += ["--batch-size", str(args.batch_size)]
+                docs = _launch("ringtrain.ps", ps_args, args.world_size + servers, args)
+                ps_runs.setdefault((name, strategy, servers), []).extend(docs)
+    rows += [_ps_row(docs, args) for docs in ps_runs.values()]
+    _predict_ps(rows)
+    return rows
 
 
 def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
@@ -352,6 +370,8 @@ def _worker(cfg: dict) -> int:
             c["opt"].step()
             c.setdefault("parts", []).append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
+        if rank == 0:
+            progress(f"# {name}: warming up {len(configs)} configurations (calibration, plans, trials)")
         for c in configs:  # warm-up: calibration, profiling, the plan and its trial (probes, verification)
             for k in range(WARMUP_STEPS):
                 step(c, k)
@@ -382,6 +402,8 @@ def _worker(cfg: dict) -> int:
                     t0 = time.perf_counter()
                     step(c, k)
                     c["times"].append(time.perf_counter() - t0)
+            if rank == 0:
+                progress(f"# {name}: round {r + 1}/{cfg['rounds']} done")
         medians = {}
         for c in configs:
             # This rank's forward, backward() and step medians, averaged over ranks: where the time goes.
@@ -528,6 +550,40 @@ def _label(r: dict) -> str:
     return {"ringtrain": r["schedule"], "ps": r["schedule"], "alone": "alone"}.get(r["impl"], "torch DDP")
 
 
+#: The table's columns after the config's name, with their widths; a row without a value shows '-'.
+COLUMNS = (("iter ms", 9), ("samples/s", 11), ("scaling", 9), ("vs DDP", 8), ("hidden", 8), ("planner", 9),
+           ("sim", 9), ("sim err", 9), ("bound", 8), ("/bound", 8))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _cells(r: dict, torch_ddp: dict | None) -> dict[str, str]:
+    """Row ``r``'s text in each column ('-' where it has no value)."""
+    def fmt(key: str, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+        value = r.get(key)
+        return "-" if value is None else f"{value * scale:{spec}}{suffix}"
+
+    return {"iter ms": fmt("median_iter_s", ".1f", 1e3), "samples/s": fmt("samples_per_s", ".0f"),
+            "scaling": fmt("scaling_efficiency", ".0f", 100, "%"),
+            "vs DDP": f"{torch_ddp['median_iter_s'] / r['median_iter_s']:.2f}x" if torch_ddp else "-",
+            "hidden": fmt("hidden_fraction", ".0f", 100, "%"), "planner": fmt("planner_iter_s", ".1f", 1e3),
+            "sim": fmt("sim_iter_s", ".1f", 1e3), "sim err": fmt("sim_error", "+.0f", 100, "%"),
+            "bound": fmt("overlap_bound_s", ".1f", 1e3), "/bound": fmt("vs_bound", ".2f")}
+
+
+def _extras(r: dict) -> str:
+    """What follows the columns: a server row's bytes per step, the rounds' medians."""
+    line = ""
+    if r["impl"] == "ps" and r.get("worker_bytes_per_step"):
+        b = r["worker_bytes_per_step"]
+        line += f"   worker sends {b['sent'] / 1e6:.1f} MB/step, receives {b['received'] / 1e6:.1f} MB/step"
+    if r.get("round_medians"):
+        line += "   rounds " + "/".join(f"{m * 1e3:.0f}" for m in r["round_medians"]) + " ms"
+    return line
+
+
 def format_table(rows: list[dict]) -> str:
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -536,28 +592,14 @@ def format_table(rows: list[dict]) -> str:
         r0 = next((r for r in mrows if "params" in r), None)
         if r0 is not None:
             out.append(f"\n{model} ({r0['params'] / 1e6:.2f}M params, batch {r0['batch_size']}/rank, "
-                       f"{r0['world_size']} ranks, net {r0['net']}): compute alone {r0['compute_only_s'] * 1e3:.1f} ms")
+                       f"{_plural(r0['world_size'], 'rank')}, net {r0['net']}): "
+                       f"compute alone {r0['compute_only_s'] * 1e3:.1f} ms")
         else:
-            out.append(f"\n{model} ({mrows[0]['world_size']} workers, net {mrows[0]['net']})")
-        out.append(f"{'config':<12}{'iter ms':>9}{'samples/s':>11}{'scaling':>9}{'vs DDP':>8}{'hidden':>8}"
-                   f"{'planner':>9}{'sim':>9}{'sim err':>9}{'bound':>8}{'/bound':>8}")
+            out.append(f"\n{model} ({_plural(mrows[0]['world_size'], 'worker')}, net {mrows[0]['net']})")
+        out.append(f"{'config':<12}" + "".join(f"{name:>{width}}" for name, width in COLUMNS))
         for r in mrows:
-            vs = f"{torch_ddp['median_iter_s'] / r['median_iter_s']:.2f}x" if torch_ddp else "-"
-            scaling = f"{100 * r['scaling_efficiency']:.0f}%" if "scaling_efficiency" in r else "-"
-            line = f"{_label(r):<12}{r['median_iter_s'] * 1e3:>9.1f}{r['samples_per_s']:>11.0f}{scaling:>9}{vs:>8}"
-            if r["impl"] == "ringtrain":
-                hid = r.get("hidden_fraction")
-                line += (f"{(100 * hid if hid is not None else 0):>7.0f}%{r['planner_iter_s'] * 1e3:>9.1f}"
-                         f"{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%{r['overlap_bound_s'] * 1e3:>8.1f}"
-                         f"{r['vs_bound']:>8.2f}")
-            if r["impl"] == "ps" and r.get("sim_iter_s") is not None:
-                line += f"{'':>17}{r['sim_iter_s'] * 1e3:>9.1f}{100 * r['sim_error']:>+8.0f}%"
-            if r["impl"] == "ps" and r.get("worker_bytes_per_step"):
-                b = r["worker_bytes_per_step"]
-                line += f"   worker sends {b['sent'] / 1e6:.1f} MB/step, receives {b['received'] / 1e6:.1f} MB/step"
-            if r.get("round_medians"):
-                line += "   rounds " + "/".join(f"{m * 1e3:.0f}" for m in r["round_medians"]) + " ms"
-            out.append(line)
+            cells = _cells(r, torch_ddp)
+            out.append(f"{_label(r):<12}" + "".join(f"{cells[name]:>{width}}" for name, width in COLUMNS) + _extras(r))
     return "\n".join(out)
 
 

@@ -1,0 +1,82 @@
+"""Ctrl-C on a benchmark: one line on stderr, exit status 130, its ranks and namespaces gone,
+no empty folder left behind. Each test starts the command in a session of its own, sends it
+SIGINT once rank 0 is at work, and kills whatever of that session is left at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def session_alive(sid: int) -> list[int]:
+    """The processes still in session ``sid``."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == sid:
+                left.append(int(pid))
+        except (ProcessLookupError, PermissionError):
+            pass
+    return left
+
+
+def interrupt_when(argv: list[str], ready: str, tmp_path: Path) -> tuple[int, str, int]:
+    """Run ``ringtrain argv``; SIGINT it once ``ready`` is on its stderr. (status, stderr, pid)."""
+    err_path = tmp_path / "stderr"
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ringtrain.cli", *argv], stdout=subprocess.DEVNULL,
+                                stderr=err, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while ready not in err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.1)
+        time.sleep(1.0)  # into the ranks' work
+        os.kill(proc.pid, signal.SIGINT)
+        status = proc.wait(timeout=60)
+        deadline = time.monotonic() + 10  # ranks get SIGKILL; give the kernel a moment to reap
+        while session_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return status, err_path.read_text(), proc.pid
+    finally:
+        left = session_alive(proc.pid)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert not left, f"processes left: {left}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("net", ["none", "1gbit"])
+def test_ctrl_c_on_bench_allreduce_is_one_line(net, tmp_path):
+    if net != "none" and os.geteuid() != 0:
+        pytest.skip("--net needs root")
+    argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "16M", "--repeats", "100", "--no-mpi",
+            "--transports", "tcp", "--algorithms", "ring", "--net", net, "--out", str(tmp_path / "out")]
+    status, err, pid = interrupt_when(argv, "# world size 2", tmp_path)
+    lines = [l for l in err.splitlines() if not l.startswith("#")]
+    assert status == 130 and lines == ["ringtrain bench allreduce: interrupted; nothing saved"], err
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"ringtrain-{pid}-" not in namespaces, namespaces
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_ctrl_c_on_bench_train_is_one_line_and_leaves_no_empty_timelines_folder(tmp_path):
+    argv = ["bench", "train", "--models", "mlp", "--schedules", "optimal", "--world-size", "2", "--steps", "50",
+            "--rounds", "3", "--no-torch-ddp", "--out", str(tmp_path / "out")]
+    status, err, _ = interrupt_when(argv, "# mlp: warming up", tmp_path)
+    lines = [l for l in err.splitlines() if not l.startswith("#")]
+    assert status == 130 and lines == ["ringtrain bench train: interrupted; nothing saved"], err
+    assert not (tmp_path / "out" / "timelines").exists()
