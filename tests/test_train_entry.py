@@ -520,3 +520,16 @@ def test_a_full_checkpoint_disk_is_one_line_naming_it(tmp_path, full_disk):
     assert first.startswith(f"ringtrain train: rank 0 (worker) failed (exit code 1): CheckpointWriteError: could not "
                             f"write the checkpoint {full_disk}/ckpt-000000002.pt: No space left on device"), proc.stderr
     assert not [p for p in full_disk.iterdir()], "a temporary file was left"
+
+
+def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_path, launches, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # (argparse wraps lines, also at hyphens)
+    for line in ("One of: charlm, charlm-lstm, charlm-transformer, mlp, resnet.",
+                 "One of: optimal, mgwfbp, wfbp, fixed, single.", "Show a progress bar on rank 0. (default True)"):
+        assert "".join(line.split()) in text, line
+    message = refusal(["train", "--strategy", "ps-sync", "--bucket-cap-mb", "5", "--checkpoint-dir", str(tmp_path)],
+                      launches, capsys)
+    assert message.endswith("--bucket-cap-mb sets the ring's allreduce; --strategy ps-sync sends gradients to "
+                            "parameter servers and would ignore it"), message

@@ -17,8 +17,8 @@ the share of communication hidden behind backward (over the steps run under the 
 at the end, not those that profiled backward or tried candidate plans). Ctrl-C stops every
 worker and says, in one line, where the same command resumes (exit status 130).
 
-*Scaling against one worker*: before and after training, every worker times a few steps of
-the same model without communication, all at once, so that the one-worker rate is measured
+*Scaling against one worker*: before and after training, every worker times a few training
+steps (forward, backward, optimizer step) of the same model without communication, all at once, so that the one-worker rate is measured
 under the same load on the CPU (the faster of the two counts); scaling = measured samples/s /
 (workers x that rate).
 """
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from . import resume
@@ -49,7 +50,7 @@ STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     model: str = "charlm"
-    """Reference model name (ringtrain.models.names())."""
+    """Reference model."""
     steps: int = 100
     """Optimizer steps in total (a resumed run continues to this count). 100: enough for the
     optimal schedule's trial of plans to finish on 2 workers (about 70 steps) and the summary to
@@ -61,7 +62,8 @@ class TrainConfig:
     seed: int = 0
     """Weights, data order and every random draw derive from it."""
     schedule: str = "optimal"
-    """How gradients are merged into allreduce messages (ringtrain.plan methods)."""
+    """How gradients are merged into allreduces, or into pushes to the parameter servers (ringtrain.plan
+    methods)."""
     algorithm: str = "auto"
     """Allreduce algorithm (ringtrain.ALGORITHMS)."""
     transport: str = "auto"
@@ -87,7 +89,9 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar on rank 0."""
     strategy: str = "ring"
-    """ring (allreduce, DistributedDataParallel) or parameter servers: ps-sync, ps-async, ps-sharded."""
+    """ring (allreduce, DistributedDataParallel) or parameter servers: ps-sync (synchronous), ps-async
+    (asynchronous), ps-sharded (synchronous, the parameters spread over --servers, 2 unless given: the same
+    as ps-sync with --servers 2)."""
     servers: int = 0
     """Parameter-server processes beside the workers; 0 = 2 for ps-sharded, 1 otherwise."""
 
@@ -123,8 +127,9 @@ class TrainConfig:
             ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "bucket_cap_mb", "timeline")
                          if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default]
             if ring_only:
-                raise ValueError(f"{', '.join(ring_only)} set the ring's allreduce; --strategy {self.strategy} "
-                                 "sends gradients to parameter servers and would ignore them")
+                verb, them = ("sets", "it") if len(ring_only) == 1 else ("set", "them")
+                raise ValueError(f"{', '.join(ring_only)} {verb} the ring's allreduce; --strategy {self.strategy} "
+                                 f"sends gradients to parameter servers and would ignore {them}")
             if not self.servers:
                 self.servers = 2 if self.strategy == "ps-sharded" else 1
         if not self.checkpoint_dir:
@@ -165,14 +170,20 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--interrupt-file", default=None, help=argparse.SUPPRESS)  # (_Interrupted)
+    from . import models
+    from .comm import ALGORITHMS
+    from .transport import TRANSPORTS
+
+    choices = {"model": models.names(), "schedule": SCHEDULES, "algorithm": ALGORITHMS, "transport": TRANSPORTS}
     docs = _field_docs(TrainConfig)
     for name, field in TrainConfig.__dataclass_fields__.items():
         value = field.default  # the declared default, before __post_init__ derives anything
         flag = "--" + name.replace("_", "-")
+        text = docs.get(name, "") + (f" One of: {', '.join(choices[name])}." if name in choices else "")
         if isinstance(value, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=docs.get(name))
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f"{text} (default %(default)s)")
         else:
-            p.add_argument(flag, type=type(value), default=value, help=f"{docs.get(name, '')} (default {value!r})")
+            p.add_argument(flag, type=type(value), default=value, help=f"{text} (default {value!r})")
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -297,18 +308,33 @@ def _check_batch_fits(cfg: TrainConfig, workers: int) -> None:
                          f"{num_samples // workers}")
 
 
-def _compute_only_rate(model, loss_fn, batch, steps: int = 5) -> float:
-    """Samples per second of forward + backward alone (median step), on a private copy of the model."""
+def _one_worker_rate(model, loss_fn, batch, make_optimizer, steps: int = 5) -> float:
+    """Samples per second of one training step without communication (zero_grad, forward,
+    backward, optimizer step: the median of ``steps``), on private copies of the model and its
+    optimizer (``make_optimizer(params)``, as the run's)."""
     twin = copy.deepcopy(model)
+    opt = make_optimizer(twin.parameters())
     x, y = batch
-    loss_fn(twin(x), y).backward()  # warm-up
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(twin(x), y).backward()
+        opt.step()
+
+    step()  # warm-up (the optimizer's state is made here)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        twin.zero_grad(set_to_none=True)
-        loss_fn(twin(x), y).backward()
+        step()
         times.append(time.perf_counter() - t0)
     return len(x) / sorted(times)[len(times) // 2]
+
+
+def _optimizer(cfg: TrainConfig):
+    """The run's optimizer, as a function of the parameters (the servers' is the same: ps.worker)."""
+    import torch
+
+    return lambda params: torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
 
 
 def _workload(cfg: TrainConfig, rank: int, p: int):
@@ -349,8 +375,11 @@ def _communication(ddp, ran: list[tuple]) -> dict:
 
     measured = [st for plan, settled, st in ran if settled and plan is ddp.plan]
     opts = ddp.options
-    comm = {"plan_in_force": ddp.plan.method, "settled": ddp.settled, "fell_back": ddp.fell_back, "kept": ddp.kept,
-            "profiling_steps": opts.warmup_iterations + opts.profile_iterations, "steps_measured": len(measured)}
+    profiling = opts.warmup_iterations + opts.profile_iterations
+    # (before the plan settled: "profiling" or "trial", not the method of the first plan or a probe's)
+    in_force = ddp.plan.method if ddp.settled else ("trial" if ddp.iteration >= profiling else "profiling")
+    comm = {"plan_in_force": in_force, "settled": ddp.settled, "fell_back": ddp.fell_back, "kept": ddp.kept,
+            "profiling_steps": profiling, "steps_measured": len(measured)}
     if measured:
         median = lambda field: float(np.median([getattr(st, field) for st in measured]))  # noqa: E731
         comm.update({field: median(field) for field in ("hidden_fraction", "comm_s", "exposed_s", "backward_s",
@@ -448,7 +477,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     rank, p = comm.rank, comm.world_size
     model, loader, batch_size = _workload(cfg, rank, p)
     data.check_same_corpus(comm, loader.dataset)  # the stdlib text differs between Python builds
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    opt = _optimizer(cfg)(model.parameters())
 
     start = 0
     if cfg.resume:
@@ -463,7 +492,9 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
                 print(f"resumed from {found.path} at step {start}", file=sys.stderr)
                 if saved_lr != {cfg.lr}:
                     print(f"learning rate {cfg.lr} (the checkpoint was made with {sorted(saved_lr)})", file=sys.stderr)
-    one_rate = _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size)))
+    one_worker_rate = partial(_one_worker_rate, model, model.loss, loader.dataset.batch(np.arange(batch_size)),
+                              _optimizer(cfg))
+    one_rate = one_worker_rate()
 
     ddp = ringtrain.DistributedDataParallel(
         model, comm=comm, schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, algorithm=cfg.algorithm,
@@ -494,7 +525,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     # Timed again after training (warm caches, same load); the faster of the two is the fair
     # one-worker rate, so scaling is never flattered by a cold first measurement.
-    one_rate = max(one_rate, _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size))))
+    one_rate = max(one_rate, one_worker_rate())
     rate_buf = np.array([one_rate], dtype=np.float64)
     comm.allreduce(rate_buf, op="mean")
     summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]), start)
@@ -526,7 +557,9 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     model, loader, batch_size = _workload(cfg, rank, p)
     # (the workers share no communicator: they compare the text through the job's store)
     data.check_same_corpus_in_store(rendezvous.job_store(info, cfg.timeout), rank, p, loader.dataset)
-    one_rate = _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size)))
+    one_worker_rate = partial(_one_worker_rate, model, model.loss, loader.dataset.batch(np.arange(batch_size)),
+                              _optimizer(cfg))
+    one_rate = one_worker_rate()
     pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
                              schedule=cfg.schedule, timeout=cfg.timeout)
     start = pst.step_count  # the servers' step for this worker (0 unless they resumed)
@@ -546,7 +579,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} {cfg.strategy} x{p}")
     pst.wait()
     stats = pst.close()
-    one_rate = max(one_rate, _compute_only_rate(model, model.loss, loader.dataset.batch(np.arange(batch_size))))
+    one_rate = max(one_rate, one_worker_rate())
     summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate, start)
     summary["parameter_servers"] = stats
     if rank == 0:
@@ -592,18 +625,22 @@ def _report(summary: dict, as_json: bool) -> None:
 
 
 def _print_summary(s: dict) -> None:
-    print(f"\n{s['model']} on {s['workers']} workers ({s['transport']}, schedule {s['schedule']}):")
+    print(f"\n{s['model']} on {_workers(s['workers'])} ({s['transport']}, schedule {s['schedule']}):")
     if s["steps_run"] == 0:
         print(f"  nothing to do: the checkpoint is already at step {s['resumed_at']} (--steps {s['final_step']})")
         return
     print(f"  steps run          {s['steps_run']} (to step {s['final_step']}), last loss {s['last_loss']:.4f}")
     print(f"  step time          {s['median_step_s'] * 1e3:.1f} ms (median)")
     print(f"  throughput         {s['samples_per_s']:.0f} samples/s")
-    print(f"  one worker         {s['one_worker_samples_per_s']:.0f} samples/s (compute only, same load)")
-    print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on {s['workers']} workers "
+    print(f"  one worker         {s['one_worker_samples_per_s']:.0f} samples/s (forward, backward and step without communication, same load)")
+    print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on {_workers(s['workers'])} "
           f"({100 * s['scaling_efficiency']:.0f}% efficiency)")
     if s.get("communication"):
         print(f"  communication      {_communication_text(s)}")
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' * (n != 1)}"
 
 
 def _communication_text(s: dict) -> str:
