@@ -15,9 +15,10 @@ never comes is then a one-line error on the others. Ranks find which of them sha
 hostname, or RINGTRAIN_HOST_ID where set (machines that share a hostname: set it on each).
 
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
-failed (exit code N)`` (the rank that failed first, not those torchrun stopped after it); torchrun's own errors (a --master-port in use) are one line too, and so
-is Ctrl-C once the ranks have stopped (torchrun passes SIGINT on to every rank; exit status 130;
-what the ranks print on it is the script's own).
+failed (exit code N)``, the rank that failed first before those torchrun stopped after it;
+torchrun's own errors (a --master-port in use) are one line too, and so is Ctrl-C once the
+ranks have stopped (torchrun passes SIGINT on to every rank; exit status 130; what the ranks
+print on it is the script's own).
 For torchrun's other options (elastic rendezvous, restarts), call ``torchrun`` itself with
 RINGTRAIN_SECRET set in the environment (without it the ranks do not authenticate each other).
 """
