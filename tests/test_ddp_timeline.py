@@ -145,6 +145,8 @@ def test_trace_files_per_rank_and_png(tmp_path, as_view):
             assert s.buckets == (1 if s.iteration == 0 else 12)
     png = draw_timeline([p for p, _ in results], tmp_path / "timeline.png")
     assert png.stat().st_size > 10_000
+    titled = draw_timeline([p for p, _ in results], tmp_path / "titled.png", title="mlp, wfbp schedule, 2 ranks")
+    assert titled.read_bytes() != png.read_bytes()
 
 
 def test_world_size_one_stats_have_no_communication():

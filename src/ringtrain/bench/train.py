@@ -640,7 +640,8 @@ def _charts(rows: list[dict], stem: Path) -> list[str]:
             files = sorted(Path(r["timeline"]).parent.glob(Path(r["timeline"]).name.replace("rank0", "rank*")))
             png = stem.with_name(f"{stem.name}-{r['model']}-timeline.png")
             try:
-                draw_timeline([str(f) for f in files], png, iterations=2)  # consecutive (rounds interleave)
+                title = f"{r['model']}, {r['schedule']} schedule, {r['world_size']} ranks, net {r['net']}"
+                draw_timeline([str(f) for f in files], png, iterations=2, title=title)  # consecutive (rounds interleave)
                 charts.append(str(png))
             except Exception as exc:  # a picture must never lose the numbers
                 print(f"timeline picture for {r['model']} failed: {exc}", file=sys.stderr)

@@ -194,10 +194,11 @@ _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "wait": "#999999", "copy
 
 
 def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], png_path: str | os.PathLike,
-                  iterations: Optional[int] = 3) -> Path:
+                  iterations: Optional[int] = 3, title: str = "") -> Path:
     """Draw trace file(s) as a PNG: per rank a compute lane and a communication lane.
 
-    ``iterations``: how many of the last recorded iterations to show (None: all).
+    ``iterations``: how many of the last recorded iterations to show (None: all). ``title``: what
+    the run was (model, schedule, ranks), put before the picture's own title.
     """
     import matplotlib
 
@@ -220,7 +221,7 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
         raise ValueError(f"no spans to draw in {files}")
     t0 = min(e["ts"] for e in spans)
     ranks = sorted({e["pid"] for e in spans})
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.9 * len(ranks) * len(LANES)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.9 * len(ranks) * len(LANES)))
     labels = []
     for r_i, rank in enumerate(ranks):
         for lane, tid in LANES.items():
@@ -233,8 +234,10 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    ax.set_title("ringtrain DDP timeline: backward and allreduce overlap")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper right", fontsize=8, ncol=3)
+    ax.set_title(f"{title + ': ' if title else ''}ringtrain DDP timeline, backward and allreduce overlap")
+    # Below the axes, where it hides no span.
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.45 / (0.4 + 0.9 * len(ranks))), fontsize=8, ncol=len(_COLORS), frameon=False)
     fig.tight_layout()
     out = Path(png_path)
     out.parent.mkdir(parents=True, exist_ok=True)
