@@ -210,7 +210,8 @@ def _init(**kw):
     ({"transport": "udp"}, ["transport", "tcp", "shm", "torch", "auto"]),
     ({"timeout": 0}, ["timeout"]),
     ({"timeout": -1.0}, ["timeout"]),
-    ({"timeout": "5"}, ["timeout"]),
+    ({"timeout": "five"}, ["timeout"]),  # (a numeric string is taken, as for rank and the port)
+    ({"timeout": True}, ["timeout"]),
     ({"rank": -1}, ["rank"]),
     ({"rank": 2}, ["rank", "world_size"]),
     ({"world_size": 0}, ["world_size"]),
@@ -236,7 +237,7 @@ def _transport():
     ({"timeout": -3}, ["timeout"]),
     ({"timeout": math.nan}, ["timeout"]),
     ({"timeout": math.inf}, ["timeout"]),
-    ({"timeout": "5"}, ["timeout"]),
+    ({"timeout": "five"}, ["timeout"]),
     ({"host_ids": ["a", "b"]}, ["host_ids"]),
     ({"host_ids": "a"}, ["host_ids"]),
 ])
