@@ -287,3 +287,24 @@ def test_a_mismatch_over_the_torch_transport_is_a_mismatch_on_every_rank():
             assert "ranks disagree about the collective" in message, (rank, case, message)
             assert seconds < 5, (rank, case, seconds)  # at once, not after the 10 s timeout
         np.testing.assert_array_equal(buf, np.full(5, 3.0, np.float32))
+
+
+@pytest.mark.timeout(10)
+def test_the_host_id_is_the_hostname_with_the_node_rank_where_torchrun_started_several_nodes(monkeypatch):
+    """Machines that share a hostname (cloned VMs) must not be taken for one host: their ranks
+    would wait for shared-memory segments the other machine never sees."""
+    import socket
+
+    from ringtrain import rendezvous
+
+    base = {"RANK": "0", "WORLD_SIZE": "1"}
+
+    def host_id(**env):
+        monkeypatch.setattr(os, "environ", {**base, **env})
+        return rendezvous.job_info().host_id
+
+    host = socket.gethostname()
+    assert host_id() == host
+    assert host_id(GROUP_RANK="0", GROUP_WORLD_SIZE="1") == host  # one node: the hostname, as before
+    assert host_id(GROUP_RANK="1", GROUP_WORLD_SIZE="2") == f"{host}/node1"
+    assert host_id(GROUP_RANK="1", GROUP_WORLD_SIZE="2", RINGTRAIN_HOST_ID="rack3-a") == "rack3-a"

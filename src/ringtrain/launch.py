@@ -11,8 +11,9 @@ without an authenticated channel.
         --nproc-per-node 8 --secret-file ~/.ringtrain-secret train.py  # on each node (node-rank 0, 1)
 
 Nodes wait ``--join-timeout`` seconds for each other (torchrun's 600 by default); a node that
-never comes is then a one-line error on the others. Ranks find which of them share a host by
-hostname, or RINGTRAIN_HOST_ID where set (machines that share a hostname: set it on each).
+never comes is then a one-line error on the others. Ranks of one node talk through shared
+memory: a node is a hostname and --node-rank (or RINGTRAIN_HOST_ID where set), so machines that
+share a hostname are still told apart.
 
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
 failed (exit code N)``, the rank that failed first before those torchrun stopped after it;

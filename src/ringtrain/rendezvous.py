@@ -4,8 +4,9 @@ This is the one module that reads the environment (STYLE.md: no variable sprawl)
 
 - RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: as torchrun (torch.distributed.run) sets them;
 - TORCHELASTIC_USE_AGENT_STORE: set by torchrun when its agent already serves the TCPStore;
-- RINGTRAIN_HOST_ID: this rank's host identity (default: the hostname). The network-emulation
-  harness gives every rank its own, because namespaces share the hostname and /dev/shm;
+- RINGTRAIN_HOST_ID: this rank's host identity (default: the hostname, with torchrun's node rank,
+  GROUP_RANK, where it started several nodes). The network-emulation harness gives every rank its
+  own, because namespaces share the hostname and /dev/shm;
 - RINGTRAIN_SECRET: the job's shared secret for peer authentication (hex or text).
 
 Endpoint exchange goes through torch's own TCPStore, under a key prefix unique to each
@@ -42,6 +43,20 @@ class JobInfo:
     secret: Optional[bytes]
 
 
+def _host_id(env) -> str:
+    """RINGTRAIN_HOST_ID, else the hostname; under torchrun with several nodes, the hostname and the
+    node's rank (GROUP_RANK): machines that share a hostname (cloned VMs, containers) are then not
+    taken for one host, whose ranks would look for each other in a shared memory they do not share."""
+    if env.get("RINGTRAIN_HOST_ID"):
+        return env["RINGTRAIN_HOST_ID"]
+    host = socket.gethostname()
+    try:
+        nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    except ValueError:
+        nodes = 1
+    return f"{host}/node{env['GROUP_RANK']}" if nodes > 1 and env.get("GROUP_RANK") else host
+
+
 def job_info(rank=None, world_size=None, master_addr=None, master_port=None) -> JobInfo:
     """Fill what the caller left out from torchrun's environment variables; validate all."""
     env = os.environ
@@ -58,7 +73,7 @@ def job_info(rank=None, world_size=None, master_addr=None, master_port=None) -> 
     port = _int_arg("master_port", master_port, env.get("MASTER_PORT"), default=29500 if world_size == 1 else None)
     if not 0 < port < 65536:
         raise ValueError(f"master_port must be in 1..65535, got {port}")
-    host_id = env.get("RINGTRAIN_HOST_ID") or socket.gethostname()
+    host_id = _host_id(env)
     secret = env.get("RINGTRAIN_SECRET")
     return JobInfo(rank, world_size, master_addr, port, host_id, secret.encode() if secret else None)
 
