@@ -115,21 +115,14 @@ def run(args: argparse.Namespace) -> int:
         rows = _measure(world_sizes, cfg, args, notes)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
         return interrupted("ringtrain bench allreduce")
-    from .machine import result_document, save_result
+    from .machine import print_result, result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
     doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net, "rows": rows,
                                                     "notes": notes})
     if args.out:
         doc["saved_to"] = str(save_result(doc["benchmark"], doc, args.out))
-    if args.json:
-        print(json.dumps(doc, indent=1))
-    else:
-        print(format_table(rows))
-        for n in notes:
-            print(f"note: {n}")
-        if args.out:
-            print(f"saved {doc['saved_to']}")
+    print_result(doc, format_table(rows), args.json)
     return 0
 
 

@@ -127,6 +127,20 @@ def result_document(kind: str, doc: dict) -> dict:
     }
 
 
+def print_result(doc: dict, table: str, as_json: bool) -> None:
+    """What a benchmark prints: its document (--json), or its table, notes, and where it was saved."""
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    print(table)
+    for note in doc.get("notes", []):
+        print(f"note: {note}")
+    if "saved_to" in doc:
+        print(f"saved {doc['saved_to']}")
+    for chart in doc.get("charts", []):
+        print(f"chart {chart}")
+
+
 def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks", stamp: str | None = None) -> Path:
     """Write ``doc`` (plus machine, command, commit, time) to out_dir/<kind>-<stamp>.json, the
     stamp by default the UTC time now (:func:`run_stamp`). A ``doc`` that already has them

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if timelines is not None:
             with contextlib.suppress(OSError):
                 timelines.rmdir()  # only when empty: the wrappers make it before any timeline is written
-    from .machine import result_document, save_result
+    from .machine import print_result, result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
     doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows, "notes": notes})
@@ -116,14 +116,7 @@ def run(args: argparse.Namespace) -> int:
         path = save_result(kind, doc, out_dir, stamp=stamp)
         doc["saved_to"] = str(path)
         doc["charts"] = _charts(rows, path.with_suffix(""))
-    if args.json:
-        print(json.dumps(doc, indent=1))
-    else:
-        print(format_table(rows))
-        for n in notes:
-            print(f"note: {n}")
-        if out_dir:
-            print(f"saved {doc['saved_to']}" + "".join(f"\nchart {c}" for c in doc["charts"]))
+    print_result(doc, format_table(rows), args.json)
     return 0
 
 
