@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .collectives.ops import FlatView, check_op_dtype, finish_mean, flat_view, mark_written, reducer
+from .collectives.ops import FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view, mark_written, reducer
 from .errors import CommError, CommTimeout, PeerLost
 from .transport.base import CallHeader, Transport, shape_digest
 
@@ -291,22 +291,24 @@ def _accumulator(view: FlatView, op: str) -> FlatView:
 
     if op == "mean" and view.dtype == "float16":
         return FlatView(view.array.astype(np.float32), "float32", view.shape)
-    if op == "mean" and view.dtype == "bfloat16":  # held as uint16: its bits are float32's top half
-        return FlatView((view.array.astype(np.uint32) << 16).view(np.float32).astype(np.float64), "float64", view.shape)
+    if op == "mean" and view.dtype == "bfloat16":  # (held as uint16)
+        import torch
+
+        return FlatView(as_bfloat16(view.array).to(torch.float64).numpy(), "float64", view.shape)
     return view
 
 
 def _written(buf, view: FlatView, acc: FlatView) -> None:
     """Finish a collective's in-place write: copy a wider accumulator back to its float16 or
-    bfloat16 buffer (rounded to nearest), and tell autograd that a tensor it tracks has changed (ringtrain writes through
-    numpy, which autograd does not see; torch's own in-place ops count the same way)."""
+    bfloat16 buffer (rounded to nearest), and tell autograd that a tensor it tracks has changed
+    (ringtrain writes through numpy, which autograd does not see; torch's own in-place ops count
+    the same way)."""
     import numpy as np
 
     if acc is not view and view.dtype == "bfloat16":
         import torch
 
-        rounded = torch.from_numpy(acc.array).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        np.copyto(view.array, rounded)
+        as_bfloat16(view.array).copy_(torch.from_numpy(acc.array))  # (rounded to nearest)
     elif acc is not view:
         np.copyto(view.array, acc.array, casting="same_kind")
     mark_written(buf)

@@ -123,15 +123,21 @@ def reducer(op: str, dtype: str) -> Reducer:
     return reduce
 
 
+def as_bfloat16(bits: np.ndarray):
+    """The bfloat16 tensor whose bits the uint16 array ``bits`` holds (sharing its memory)."""
+    import torch
+
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
 def _torch_reducer(op: str) -> Reducer:
     import torch
 
     fn = {"sum": torch.add, "mean": torch.add, "min": torch.minimum, "max": torch.maximum, "prod": torch.mul}[op]
 
     def reduce(out: np.ndarray, incoming: np.ndarray) -> None:
-        o = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-        i = torch.from_numpy(np.ascontiguousarray(incoming).view(np.int16)).view(torch.bfloat16)
-        fn(o, i, out=o)
+        o = as_bfloat16(out)
+        fn(o, as_bfloat16(np.ascontiguousarray(incoming)), out=o)
 
     return reduce
 
@@ -139,10 +145,7 @@ def _torch_reducer(op: str) -> Reducer:
 def finish_mean(view: FlatView, world_size: int) -> None:
     """Divide a summed buffer by the world size, in place (floating dtypes only)."""
     if view.dtype == "bfloat16":
-        import torch
-
-        t = torch.from_numpy(view.array.view(np.int16)).view(torch.bfloat16)
-        t.div_(world_size)
+        as_bfloat16(view.array).div_(world_size)
     else:
         np.divide(view.array, world_size, out=view.array)
 
