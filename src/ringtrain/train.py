@@ -18,9 +18,9 @@ at the end, not those that profiled backward or tried candidate plans). Ctrl-C s
 worker and says, in one line, where the same command resumes (exit status 130).
 
 *Scaling against one worker*: before and after training, every worker times a few training
-steps (forward, backward, optimizer step) of the same model without communication, all at once, so that the one-worker rate is measured
-under the same load on the CPU (the faster of the two counts); scaling = measured samples/s /
-(workers x that rate).
+steps (forward, backward, optimizer step) of the same model without communication, all at
+once, so that the one-worker rate is measured under the same load on the CPU (the faster of
+the two counts); scaling = measured samples/s / (workers x that rate).
 """
 
 from __future__ import annotations
@@ -625,22 +625,21 @@ def _report(summary: dict, as_json: bool) -> None:
 
 
 def _print_summary(s: dict) -> None:
-    print(f"\n{s['model']} on {_workers(s['workers'])} ({s['transport']}, schedule {s['schedule']}):")
+    from .bench.machine import plural
+
+    print(f"\n{s['model']} on {plural(s['workers'], 'worker')} ({s['transport']}, schedule {s['schedule']}):")
     if s["steps_run"] == 0:
         print(f"  nothing to do: the checkpoint is already at step {s['resumed_at']} (--steps {s['final_step']})")
         return
     print(f"  steps run          {s['steps_run']} (to step {s['final_step']}), last loss {s['last_loss']:.4f}")
     print(f"  step time          {s['median_step_s'] * 1e3:.1f} ms (median)")
     print(f"  throughput         {s['samples_per_s']:.0f} samples/s")
-    print(f"  one worker         {s['one_worker_samples_per_s']:.0f} samples/s (forward, backward and step without communication, same load)")
-    print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on {_workers(s['workers'])} "
-          f"({100 * s['scaling_efficiency']:.0f}% efficiency)")
+    print(f"  one worker         {s['one_worker_samples_per_s']:.0f} samples/s (forward, backward and step without "
+          "communication, same load)")
+    print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on "
+          f"{plural(s['workers'], 'worker')} ({100 * s['scaling_efficiency']:.0f}% efficiency)")
     if s.get("communication"):
         print(f"  communication      {_communication_text(s)}")
-
-
-def _workers(n: int) -> str:
-    return f"{n} worker{'s' * (n != 1)}"
 
 
 def _communication_text(s: dict) -> str:

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from .machine import plural
 from .procs import RESULT_PREFIX, emit, interrupted, run_ranks
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -131,7 +132,7 @@ def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes:
     rows: list[dict] = []
     for p in world_sizes:
         configs = len(cfg["transports"]) * len(cfg["algorithms"]) + 1
-        print(f"# world size {p}: {_plural(len(cfg['sizes']), 'size')} x {_plural(configs, 'configuration')}",
+        print(f"# world size {p}: {plural(len(cfg['sizes']), 'size')} x {plural(configs, 'configuration')}",
               file=sys.stderr)
         rows += _launch(p, cfg, args)
         if not args.no_mpi and args.net == "none":
@@ -171,10 +172,6 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]
 
         check_out_dir(args.out)
     return world_sizes, sizes, algorithms, transports, repeats
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _transports_on(net: str, transports: list[str]) -> tuple[list[str], list[str]]:

@@ -32,6 +32,11 @@ def memory_bytes() -> int | None:
     return None
 
 
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an s unless ``n`` is 1: '1 worker', '2 workers'."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .machine import check_out_dir, check_ranks, run_stamp
+from .machine import check_out_dir, check_ranks, plural, run_stamp
 from .procs import emit, interrupted, progress, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
@@ -548,10 +548,6 @@ COLUMNS = (("iter ms", 9), ("samples/s", 11), ("scaling", 9), ("vs DDP", 8), ("h
            ("sim", 9), ("sim err", 9), ("bound", 8), ("/bound", 8))
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def _cells(r: dict, torch_ddp: dict | None) -> dict[str, str]:
     """Row ``r``'s text in each column ('-' where it has no value)."""
     def fmt(key: str, spec: str, scale: float = 1.0, suffix: str = "") -> str:
@@ -585,10 +581,10 @@ def format_table(rows: list[dict]) -> str:
         r0 = next((r for r in mrows if "params" in r), None)
         if r0 is not None:
             out.append(f"\n{model} ({r0['params'] / 1e6:.2f}M params, batch {r0['batch_size']}/rank, "
-                       f"{_plural(r0['world_size'], 'rank')}, net {r0['net']}): "
+                       f"{plural(r0['world_size'], 'rank')}, net {r0['net']}): "
                        f"compute alone {r0['compute_only_s'] * 1e3:.1f} ms")
         else:
-            out.append(f"\n{model} ({_plural(mrows[0]['world_size'], 'worker')}, net {mrows[0]['net']})")
+            out.append(f"\n{model} ({plural(mrows[0]['world_size'], 'worker')}, net {mrows[0]['net']})")
         out.append(f"{'config':<12}" + "".join(f"{name:>{width}}" for name, width in COLUMNS))
         for r in mrows:
             cells = _cells(r, torch_ddp)
