@@ -53,7 +53,9 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _csv(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+def csv_choices(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    """The comma-separated items of ``text``, each one of ``allowed`` and none twice (ValueError
+    naming ``option`` otherwise)."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in items if t not in allowed]
     if bad or not items:
@@ -160,8 +162,9 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]
         raise ValueError(f"--sizes: give at least one size (e.g. 4K,1M), got {args.sizes!r}")
     sizes = unique([parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")
                     if s.strip()], "--sizes")
-    algorithms = _csv(args.algorithms or ("ring,auto" if args.quick else DEFAULT_ALGORITHMS), ALGORITHMS, "--algorithms")
-    transports = _csv(args.transports, TRANSPORTS, "--transports")
+    algorithms = csv_choices(args.algorithms or ("ring,auto" if args.quick else DEFAULT_ALGORITHMS), ALGORITHMS,
+                             "--algorithms")
+    transports = csv_choices(args.transports, TRANSPORTS, "--transports")
     repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")

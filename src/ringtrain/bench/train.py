@@ -149,7 +149,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     from .. import models
     from ..comm import ALGORITHMS
     from ..transport import TRANSPORTS
-    from .allreduce import unique
+    from .allreduce import csv_choices, unique
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     if not names:
@@ -159,10 +159,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     except ValueError as exc:
         raise ValueError(f"--models: {exc}") from None
     unique(resolved, "--models")  # (an alias and its model are one model)
-    schedules = unique([s.strip() for s in args.schedules.split(",") if s.strip()], "--schedules")
-    bad = [s for s in schedules if s not in SCHEDULES]
-    if bad or not schedules:
-        raise ValueError(f"--schedules: {bad or args.schedules!r} not in {SCHEDULES}")
+    schedules = csv_choices(args.schedules, SCHEDULES, "--schedules")
     if args.world_size < 2:
         raise ValueError(f"--world-size must be >= 2, got {args.world_size}")
     if args.transport not in TRANSPORTS:
