@@ -643,14 +643,14 @@ def _print_summary(s: dict) -> None:
 
 
 def _communication_text(s: dict) -> str:
-    from .ddp.trial import CANDIDATES
+    from .ddp.trial import CANDIDATES, FIXED_CANDIDATES
 
     comm, n = s["communication"], s["communication"]["steps_measured"]
     if n:
         k = comm["buckets"]
         kept = comm["kept"]
         plan = (f"{CANDIDATES[kept]}, which the trial timed faster than the optimal plan"
-                if kept in ("single", "buckets") else f"the {comm['plan_in_force']} plan")
+                if kept in FIXED_CANDIDATES else f"the {comm['plan_in_force']} plan")
         return (f"{100 * comm['hidden_fraction']:.0f}% hidden behind backward, {k} allreduce{'s' * (k != 1)} per "
                 f"step (median of the last {n} step{'s' * (n != 1)}, those run under the plan in force: {plan})")
     if s["steps_run"] <= comm["profiling_steps"]:

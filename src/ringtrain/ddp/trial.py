@@ -42,6 +42,9 @@ DDP_BUCKETS = (1.0, 25.0)
 #: What the log and the summary call each candidate.
 CANDIDATES = {"plan": "the plan", "free": "the plan of free overlap", "single": "one allreduce after backward",
               "buckets": "torch DDP's default buckets"}
+#: The candidates that are no plan of the planner's: the backward profile does not change them,
+#: so once kept they are not re-planned.
+FIXED_CANDIDATES = ("single", "buckets")
 
 #: A phase's row per iteration: (backward_s, forward_backward_s, measured_end_s) of this rank.
 Row = tuple[float, float, float]

@@ -91,7 +91,7 @@ from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
-from .trial import PlanTrial
+from .trial import FIXED_CANDIDATES, PlanTrial
 
 logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
@@ -763,7 +763,7 @@ class DistributedDataParallel(nn.Module):
             self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
                                 iteration=self._s.iteration)
         order = bucketing.check_order(order, len(self._params))
-        if not first and self._kept in ("single", "buckets"):  # measured faster here; the profile does not move them
+        if not first and self._kept in FIXED_CANDIDATES:  # measured faster here; the profile does not move them
             return
         if not first:
             # Profiled under the plan in force: take out the delays it put into the gaps, as
