@@ -300,15 +300,16 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def kept(self) -> str:
-        """The trial's candidate in force (a key of ``ringtrain.ddp.trial.CANDIDATES``; "plan" before or without a trial)."""
+        """The trial's candidate in force (a key of ``ringtrain.ddp.trial.CANDIDATES``; "plan"
+        before or without a trial)."""
         return self._kept
 
     @property
     def trial(self) -> list[dict]:
         """The trial's candidates as it timed them (empty before it ends, or where it had one
-        candidate): per candidate ``label`` (a key of ``ringtrain.ddp.trial.CANDIDATES``), ``groups``, the slowest
-        rank's median forward+backward ``median_s`` over the ``rounds`` it ran; ``kept`` marks the
-        one in force."""
+        candidate): per candidate ``label`` (a key of ``ringtrain.ddp.trial.CANDIDATES``),
+        ``groups``, the slowest rank's median forward+backward ``median_s`` over the ``rounds`` it
+        ran; ``kept`` marks the one in force."""
         return [dict(c) for c in self._trial_record]
 
     @property
