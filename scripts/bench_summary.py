@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""The README's figures from saved ``ringtrain bench train`` results.
+
+Usage:  python scripts/bench_summary.py benchmarks/train-1gbit-2r-*.json [more.json ...]
+
+For each file it prints, in Markdown:
+
+* the ring table of the README (a row per model; cells are the median iteration in ms, and
+  for ringtrain's schedules: the groups in force (optimal only), the speed-up over torch DDP,
+  the share of communication hidden, the simulator's error and the iteration over the overlap
+  bound; bold: the fastest ringtrain schedule), then what the optimal schedule's trial timed;
+* for parameter-server rows: samples/s per strategy, 2 sharded servers against 1 (over the
+  whole run and round by round) and the simulator's error per synchronous row.
+
+After the files, one line sums up the ring rows of them all: how often optimal is within 3% of
+the fastest schedule, how often below torch DDP and by how much, and the simulator's errors.
+Pure reading of the JSON: it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+from pathlib import Path
+
+SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
+NEAR = 0.03  # "within 3% of the fastest", the issue's noise margin
+
+
+def _listish(value):
+    """Rows store long lists and dicts as their repr when the table printer cut them; read both."""
+    return ast.literal_eval(value) if isinstance(value, str) else value
+
+
+def ring_cells(rows: list[dict]) -> dict[str, dict[str, str]]:
+    """model -> column -> Markdown cell, for the ring rows of one result."""
+    by_model: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        if row["impl"] in ("ringtrain", "alone", "torch-ddp"):
+            key = row["schedule"] if row["impl"] == "ringtrain" else row["impl"]
+            by_model.setdefault(row["model"], {})[key] = row
+    table = {}
+    for model, cols in by_model.items():
+        ddp = cols.get("torch-ddp")
+        ours = {s: cols[s] for s in SCHEDULES if s in cols}
+        fastest = min(ours, key=lambda s: ours[s]["median_iter_s"]) if ours else None
+        cells = {}
+        for name in ("alone", "torch-ddp"):
+            if name in cols:
+                cells[name] = f"{cols[name]['median_iter_s'] * 1e3:.0f}"
+        for sched, row in ours.items():
+            parts = [f"{row['groups']} group{'s' if row['groups'] != 1 else ''}"] if sched == "optimal" else []
+            if ddp:
+                parts.append(f"{ddp['median_iter_s'] / row['median_iter_s']:.2f}×")
+            parts.append(f"{row.get('hidden_fraction', 0.0) * 100:.0f}%")
+            if row.get("sim_error") is not None:
+                parts.append(f"{row['sim_error'] * 100:+.0f}%")
+            if row.get("vs_bound") is not None:
+                parts.append(f"{row['vs_bound']:.2f}")
+            ms = f"{row['median_iter_s'] * 1e3:.0f}"
+            cells[sched] = f"{f'**{ms}**' if sched == fastest else ms} ({'; '.join(parts)})"
+        table[model] = cells
+    return table
+
+
+def ring_stats(rows: list[dict]) -> dict:
+    """Per model: optimal against the fastest schedule and torch DDP; the simulator's errors."""
+    by_model: dict[str, dict[str, dict]] = {}
+    errors = []
+    for row in rows:
+        if row["impl"] == "ringtrain":
+            by_model.setdefault(row["model"], {})[row["schedule"]] = row
+            if row.get("sim_error") is not None:
+                errors.append(abs(row["sim_error"]))
+        elif row["impl"] == "torch-ddp":
+            by_model.setdefault(row["model"], {})["torch-ddp"] = row
+    near, below = [], []
+    for model, cols in by_model.items():
+        if "optimal" not in cols:
+            continue
+        opt = cols["optimal"]["median_iter_s"]
+        best = min(cols[s]["median_iter_s"] for s in SCHEDULES if s in cols)
+        near.append(opt <= best * (1 + NEAR))
+        if "torch-ddp" in cols and opt > cols["torch-ddp"]["median_iter_s"]:
+            below.append((model, opt / cols["torch-ddp"]["median_iter_s"] - 1))
+    return {"configs": len(near), "near_fastest": sum(near), "below_ddp": below, "sim_errors": errors}
+
+
+def ps_lines(rows: list[dict]) -> list[str]:
+    ps = [r for r in rows if r["impl"] == "ps"]
+    if not ps:
+        return []
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ring = next((r for r in rows if r["model"] == model and r["schedule"] == "optimal"), None)
+        ddp = next((r for r in rows if r["model"] == model and r["impl"] == "torch-ddp"), None)
+        mine = {r["schedule"]: r for r in ps if r["model"] == model}
+        if not mine:
+            continue
+        parts = [f"ring {ring['samples_per_s']:.0f}"] if ring else []
+        parts += [f"DDP {ddp['samples_per_s']:.0f}"] if ddp else []
+        for sched, r in mine.items():
+            sim = f" (sim {r['sim_error'] * 100:+.0f}%)" if r.get("sim_error") is not None else ""
+            parts.append(f"{sched} {r['samples_per_s']:.0f}{sim}")
+        lines.append(f"- {model} samples/s: " + ", ".join(parts))
+        one, two = mine.get("ps-sync:1"), mine.get("ps-sharded:2")
+        if one and two:
+            rounds = [a / b for a, b in zip(_listish(one["round_medians"]), _listish(two["round_medians"]))]
+            lines.append(f"  2 sharded servers / 1: {two['samples_per_s'] / one['samples_per_s']:.2f}× "
+                         f"(rounds {'/'.join(f'{x:.2f}' for x in rounds)})")
+        if ring:
+            lines.append("  against the ring: " + ", ".join(
+                f"{s} {r['samples_per_s'] / ring['samples_per_s']:.2f}×" for s, r in mine.items()))
+    return lines
+
+
+def trial_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for row in rows:
+        trial = _listish(row.get("trial") or [])
+        if row.get("schedule") == "optimal" and trial:
+            timed = ", ".join(f"{t['label']} ({t['groups']}) {t['median_s'] * 1e3:.1f} ms"
+                              + (" kept" if t["kept"] else "") for t in trial)
+            lines.append(f"- {row['model']} trial: {timed}")
+    return lines
+
+
+def summarize(path: Path) -> tuple[list[str], dict]:
+    doc = json.loads(path.read_text())
+    rows = doc["rows"]
+    out = [f"## {path.name} (commit {doc.get('commit', '?')}, {doc.get('net')}, "
+           f"{doc.get('world_size')} ranks)", ""]
+    table = ring_cells(rows)
+    if table:
+        cols = ("alone", "torch-ddp") + SCHEDULES
+        out += ["| model | alone | torch DDP | " + " | ".join(SCHEDULES) + " |",
+                "|" + "---|" * (len(cols) + 1)]
+        out += [f"| {m} | " + " | ".join(c.get(k, "") for k in cols) + " |" for m, c in table.items()]
+        out.append("")
+    out += trial_lines(rows) + ps_lines(rows)
+    return out, ring_stats(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", type=Path, help="results of `ringtrain bench train --json`")
+    args = parser.parse_args(argv)
+    configs = near = 0
+    below, errors = [], []
+    for path in args.files:
+        try:
+            lines, stats = summarize(path)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"bench_summary: {path}: not a bench train result ({exc!r})", file=sys.stderr)
+            return 2
+        print("\n".join(lines) + "\n")
+        configs += stats["configs"]
+        near += stats["near_fastest"]
+        below += [(path.name, m, d) for m, d in stats["below_ddp"]]
+        errors += stats["sim_errors"]
+    if configs:
+        gaps = ", ".join(f"{m} {d * 100:.1f}%" for _, m, d in below)
+        print(f"optimal within {NEAR:.0%} of the fastest schedule in {near}/{configs}; "
+              f"below torch DDP in {len(below)}/{configs}" + (f" ({gaps})" if gaps else ""))
+    if errors:
+        print(f"simulator: within 15% on {sum(e <= 0.15 for e in errors)}/{len(errors)}, "
+              f"within 5% on {sum(e <= 0.05 for e in errors)}, max {max(errors) * 100:.1f}%, "
+              f"median {statistics.median(errors) * 100:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""scripts/bench_summary.py reads the saved training results into the README's figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_summary", ROOT / "scripts" / "bench_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(model, impl, schedule, ms, **extra):
+    return {"model": model, "impl": impl, "schedule": schedule, "median_iter_s": ms / 1e3, **extra}
+
+
+def test_cells_mark_the_fastest_schedule_and_speed_up_over_ddp():
+    rows = [_row("lm", "alone", "no communication", 100),
+            _row("lm", "torch-ddp", "torch defaults", 150),
+            _row("lm", "ringtrain", "optimal", 120, groups=3, hidden_fraction=0.9, sim_error=-0.04, vs_bound=1.2),
+            _row("lm", "ringtrain", "single", 125, groups=1, hidden_fraction=0.0, sim_error=0.02, vs_bound=1.25)]
+    cells = _script().ring_cells(rows)["lm"]
+    assert cells["alone"] == "100" and cells["torch-ddp"] == "150"
+    assert cells["optimal"] == "**120** (3 groups; 1.25×; 90%; -4%; 1.20)"
+    assert cells["single"] == "125 (1.20×; 0%; +2%; 1.25)"
+    stats = _script().ring_stats(rows)
+    assert stats["configs"] == 1 and stats["near_fastest"] == 1 and stats["below_ddp"] == []
+
+
+def test_optimal_below_ddp_and_far_from_the_fastest_is_counted():
+    rows = [_row("lm", "torch-ddp", "torch defaults", 100),
+            _row("lm", "ringtrain", "optimal", 110, groups=2),
+            _row("lm", "ringtrain", "fixed", 100, groups=1)]
+    stats = _script().ring_stats(rows)
+    assert stats["near_fastest"] == 0
+    assert stats["below_ddp"] == [("lm", pytest.approx(0.1))]
+
+
+def test_parameter_server_ratios_round_by_round():
+    rows = [_row("mlp", "ringtrain", "optimal", 1000, samples_per_s=100.0),
+            _row("mlp", "ps", "ps-sync:1", 3000, samples_per_s=40.0, round_medians=[3.0, 3.2], sim_error=-0.05),
+            _row("mlp", "ps", "ps-sharded:2", 2000, samples_per_s=68.0, round_medians="[1.5, 2.0]")]
+    text = "\n".join(_script().ps_lines(rows))
+    assert "ps-sync:1 40 (sim -5%)" in text
+    assert "2 sharded servers / 1: 1.70× (rounds 2.00/1.60)" in text
+    assert "ps-sharded:2 0.68×" in text
+
+
+def test_the_saved_results_read(capsys):
+    files = sorted((ROOT / "benchmarks").glob("train-*.json"))
+    if not files:
+        pytest.skip("no saved training results")
+    assert _script().main([str(f) for f in files]) == 0
+    out = capsys.readouterr().out
+    assert out.count("## train-") == len(files)
+    assert "| charlm |" in out
+
+
+def test_a_file_that_is_no_result_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"rows": [{"model": "m"}]}))
+    assert _script().main([str(bad)]) == 2
+    assert "not a bench train result" in capsys.readouterr().err
