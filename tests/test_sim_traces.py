@@ -95,6 +95,58 @@ def test_load_errors_name_the_problem(tmp_path):
         load(bad)
 
 
+
+_ROW = {"name": "a", "forward_s": 0.1, "backward_s": 0.2, "grad_bytes": 40, "params": 10}
+
+
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        ([], r"a trace is an object .* got list"),
+        (5, r"a trace is an object .* got int"),
+        ({"model": "m", "batch_size": 1, "layers": {"a": 1}}, r"layers must be a list"),
+        ({"model": "m", "batch_size": 1, "layers": [_ROW, 7]}, r"layers\[1\] must be an object"),
+        ({"model": "m", "batch_size": 1, "layers": [dict(_ROW, forward_s="abc")]}, r"layers\[0\]\.forward_s = 'abc' is not a number"),
+        ({"model": "m", "batch_size": 1, "layers": [dict(_ROW, backward_s=None)]}, r"layers\[0\] is missing the field 'backward_s'"),
+        ({"model": "m", "batch_size": 1, "layers": [dict(_ROW, grad_bytes=10.7)]}, r"layers\[0\]\.grad_bytes = 10\.7 is not a whole number"),
+        ({"model": "m", "batch_size": 1, "layers": [dict(_ROW, grad_bytes=float("inf"))]}, r"grad_bytes = inf is not a whole"),
+        ({"model": "m", "batch_size": 1, "layers": [dict(_ROW, params="many")]}, r"layers\[0\]\.params = 'many'"),
+        ({"model": "m", "batch_size": 32.5, "layers": [_ROW]}, r"batch_size = 32\.5 is not a whole number"),
+        ({"model": "m", "batch_size": True, "layers": [_ROW]}, r"batch_size = True is not a whole number"),
+        ({"model": "m", "batch_size": 1, "optimizer_s": None, "layers": [_ROW]}, r"optimizer_s = None is not a number"),
+    ],
+)
+def test_trace_file_errors_name_the_field_and_do_not_truncate(tmp_path, doc, match):
+    # Was: 10.7 bytes and batch_size 32.5 or true silently truncated to 10, 32 and 1; an infinite
+    # size an OverflowError traceback; a wrong type Python's own message naming nothing.
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=match):
+        load(path)
+
+
+def test_trace_file_counts_may_be_written_as_whole_floats(tmp_path):
+    # 4e6 bytes in a CSV was "invalid literal for int()", though the same value in JSON loaded.
+    csv_text = "# model: m\n# batch_size: 4\nname,forward_s,backward_s,grad_bytes,params\na,0.1,0.1,4e6,1e6\n"
+    (tmp_path / "t.csv").write_text(csv_text)
+    (tmp_path / "t.json").write_text(json.dumps({"model": "m", "batch_size": 4.0, "layers": [
+        {"name": "a", "forward_s": 0.1, "backward_s": 0.1, "grad_bytes": 4e6, "params": 1e6}]}))
+    for suffix in ("csv", "json"):
+        t = load(tmp_path / f"t.{suffix}")
+        assert (t.batch_size, t.layers[0].grad_bytes, t.layers[0].params) == (4, 4_000_000, 1_000_000)
+        assert isinstance(t.layers[0].grad_bytes, int)
+
+
+def test_a_short_csv_row_and_a_binary_file_are_named(tmp_path):
+    short = tmp_path / "short.csv"
+    short.write_text("# model: m\n# batch_size: 4\nname,forward_s,backward_s,grad_bytes,params\na,0.1,0.1\n")
+    with pytest.raises(ValueError, match=r"short.csv: not a valid trace: layers\[0\] is missing the field 'grad_bytes'"):
+        load(short)
+    binary = tmp_path / "b.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match=r"cannot read trace file .*b.json: not UTF-8 text"):
+        load(binary)
+
 class _Net(torch.nn.Module):
     """A conv, a parameter-free ReLU, a linear layer and a functional op outside any leaf."""
 

@@ -129,22 +129,54 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Trace":
+        if not isinstance(d, dict):
+            raise ValueError(f"a trace is an object with the fields model, batch_size and layers, got {type(d).__name__}")
         missing = [k for k in ("model", "batch_size", "layers") if k not in d]  # (the constructor's required fields)
         if missing:
             raise ValueError(f"trace is missing the field {missing[0]!r}")
-        try:
-            layers = [Layer(**{k: _typed(k, row[k]) for k in LAYER_FIELDS}) for row in d["layers"]]
-            meta = {k: _typed(k, d[k]) for k in TRACE_FIELDS if k in d}
-            return cls(layers=tuple(layers), **meta)
-        except KeyError as e:
-            raise ValueError(f"trace is missing the field {e.args[0]!r}") from None
+        rows = d["layers"]
+        if not isinstance(rows, list):
+            raise ValueError(f"layers must be a list of layers, got {type(rows).__name__}")
+        layers = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"layers[{i}] must be an object with the fields {', '.join(LAYER_FIELDS)}, "
+                                 f"got {row!r}")
+            absent = [k for k in LAYER_FIELDS if row.get(k) is None]  # (None: a CSV row short of columns)
+            if absent:
+                raise ValueError(f"layers[{i}] is missing the field {absent[0]!r}")
+            layers.append(Layer(**{k: _typed(k, row[k], f"layers[{i}].{k}") for k in LAYER_FIELDS}))
+        meta = {k: _typed(k, d[k], k) for k in TRACE_FIELDS if k in d}
+        return cls(layers=tuple(layers), **meta)
 
 
-def _typed(key: str, value: Any) -> Any:
+def _typed(key: str, value: Any, where: str) -> Any:
+    """A file's ``value`` of field ``key`` as the field's type, or a ValueError naming ``where``.
+
+    Counts (bytes, parameters, batch size) must be whole numbers: ``4e6`` is taken (JSON and CSV
+    alike), ``10.7`` or ``true`` is refused rather than truncated.
+    """
     if key in ("forward_s", "backward_s", "optimizer_s"):
-        return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"{where} = {value!r} is not a number")
+        try:
+            return float(value)
+        except (ValueError, OverflowError):
+            raise ValueError(f"{where} = {value!r} is not a number") from None
     if key in ("grad_bytes", "params", "batch_size"):
-        return int(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"{where} = {value!r} is not a whole number")
+        if isinstance(value, int):
+            return value
+        try:
+            number = int(value) if isinstance(value, str) and value.strip().lstrip("+-").isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"{where} = {value!r} is not a whole number") from None
+        if isinstance(number, float):
+            if not math.isfinite(number) or not number.is_integer():
+                raise ValueError(f"{where} = {value!r} is not a whole number")
+            number = int(number)
+        return number
     return str(value)
 
 
@@ -194,6 +226,8 @@ def load(path: str | Path) -> Trace:
         text = path.read_text()
     except OSError as e:
         raise ValueError(f"cannot read trace file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"cannot read trace file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         return Trace.from_dict(json.loads(text)) if fmt == "json" else loads_csv(text)
     except (ValueError, TypeError) as e:
