@@ -269,6 +269,31 @@ def test_invalid_layers(times, sizes, needle):
         merge(times, sizes, 1.0, 1.0)
 
 
+
+@pytest.mark.parametrize(
+    "times, sizes, message",
+    [
+        ([1.0], [10**400], "sizes_bytes[0] = inf; every entry must be finite and >= 0"),  # was OverflowError
+        ([1.0, float("nan")], [1.0, 1.0], "backward_times[1] = nan;"),  # was "= np.float64(nan)"
+        ([1.0], [-4.0], "sizes_bytes[0] = -4.0;"),
+        (0.5, [1.0], "backward_times must be a sequence of numbers (a list, tuple or 1-D array), got float"),
+        ((t for t in [1.0]), [1.0], "backward_times must be a sequence of numbers (a list, tuple or 1-D array), got generator"),
+    ],
+)
+def test_invalid_layers_say_what_is_wrong_in_plain_numbers(times, sizes, message):
+    # A scalar or a generator was "must be one-dimensional, got shape ()".
+    with pytest.raises(ValueError) as info:
+        merge(times, sizes, 1.0, 1.0)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("value", [-1.0, 0, 0.0, float("inf")])
+def test_bucket_caps_say_greater_than_zero(value):
+    # -1 was told "it must be finite and >= 0", and then 0 "it must be > 0".
+    for name in ("bucket_cap_mb", "first_bucket_mb"):
+        with pytest.raises(ValueError, match=f"{name}=.*; it must be finite and > 0"):
+            merge(T3, S3, 1.0, 1.0, method="fixed", **{name: value})
+
 def test_invalid_options():
     with pytest.raises(ValueError, match="method"):
         merge(T3, S3, 1.0, 1.0, method="greedy")

@@ -617,6 +617,9 @@ def check_vector(name: str, values: Sequence[float]) -> np.ndarray:
         raw = np.asarray(values)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name} must be a sequence of numbers: {exc}") from None
+    if raw.ndim == 0:  # a number, a generator, a dict: not a sequence numpy can read
+        raise ValueError(f"{name} must be a sequence of numbers (a list, tuple or 1-D array), "
+                         f"got {type(values).__name__}")
     if raw.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {raw.shape}")
     numeric = raw.dtype.kind in "iuf"
@@ -625,11 +628,21 @@ def check_vector(name: str, values: Sequence[float]) -> np.ndarray:
         for i, v in enumerate(entries):
             if isinstance(v, (bool, np.bool_)) or not (numeric or isinstance(v, (int, float, np.integer, np.floating))):
                 raise ValueError(f"{name}[{i}] = {v!r}; every entry must be an integer or a float")
-    array = raw.astype(np.float64)
+    try:
+        array = raw.astype(np.float64)
+    except OverflowError:  # an int beyond float64 (10**400): reported below as inf
+        array = np.array([_float_or_inf(v) for v in raw.tolist()])
     bad = np.flatnonzero(~(np.isfinite(array) & (array >= 0.0)))
     if bad.size:
-        raise ValueError(f"{name}[{bad[0]}] = {array[bad[0]]!r}; every entry must be finite and >= 0")
+        raise ValueError(f"{name}[{bad[0]}] = {float(array[bad[0]])!r}; every entry must be finite and >= 0")
     return array
+
+
+def _float_or_inf(value: Any) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _check_scalar(name: str, value: float) -> None:
@@ -640,9 +653,10 @@ def _check_scalar(name: str, value: float) -> None:
 
 
 def _check_positive(name: str, value: float) -> None:
-    _check_scalar(name, value)
-    if value == 0:
-        raise ValueError(f"{name}={value!r}; it must be > 0")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):  # (a negative value was told ">= 0", then 0 "> 0")
+        raise ValueError(f"{name}={value!r}; it must be finite and > 0")
 
 
 def _check_groups(groups: Sequence[tuple[int, int]], n: int) -> None:
