@@ -198,3 +198,23 @@ def test_a_sweep_without_zoo_models_names_no_gpu_profile(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["device"] is None
     assert main(["simulate", "--model", f"{path},vgg16", "--cluster", "1GbE", "--gpus", "4"]) == 0
     assert "zoo models timed on v100" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--alpha", "nan", "--beta", "1e-9"], "ringtrain plan: --alpha: nan must be a finite number >= 0"),
+        (["--alpha", "1e-5", "--beta", "-1"], "ringtrain plan: --beta: -1.0 must be a finite number >= 0"),
+    ],
+)
+def test_plan_alpha_beta_errors_name_the_option_given(argv, message, capsys):
+    # Was "--cluster: alpha=nan; ..." though no --cluster was given.
+    assert main(["plan", "--model", "resnet50", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_cluster_count_that_is_not_whole_says_integer(capsys):
+    # servers=2.5 was "servers='2.5' is not a number".
+    assert main(["simulate", "--model", "resnet50", "--cluster", "alpha=1e-5,beta=1e-9,servers=2.5",
+                 "--algorithms", "ps", "--gpus", "4"]) == 2
+    assert "servers='2.5' is not an integer" in capsys.readouterr().err

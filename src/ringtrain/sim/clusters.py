@@ -124,10 +124,12 @@ def custom(spec: str, gpus_per_node: int = 8) -> Cluster:
         key = key.strip()
         if not eq or key not in allowed:
             raise ValueError(f"--cluster {spec!r}: expected key=value pairs with keys {', '.join(allowed)}")
+        counts = ("gpus_per_node", "nics_per_node", "servers")
         try:
-            fields[key] = value.strip() if key == "name" else int(value) if key in ("gpus_per_node", "nics_per_node", "servers") else float(value)
+            fields[key] = value.strip() if key == "name" else int(value) if key in counts else float(value)
         except ValueError:
-            raise ValueError(f"--cluster {spec!r}: {key}={value!r} is not a number") from None
+            kind = "an integer" if key in counts else "a number"  # (servers=2.5 was "not a number")
+            raise ValueError(f"--cluster {spec!r}: {key}={value!r} is not {kind}") from None
     if "alpha" not in fields or "beta" not in fields:
         raise ValueError(f"--cluster {spec!r}: both alpha= and beta= are required")
     name = fields.pop("name") if "name" in fields else auto_name(fields, gpus_per_node)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from . import clusters as clusters_mod
 from . import costs
@@ -74,6 +75,9 @@ def _cluster(args: argparse.Namespace) -> clusters_mod.Cluster:
     if args.alpha is not None:
         if args.cluster:
             raise ValueError("give --cluster or --alpha/--beta, not both")
+        for option, value in (("--alpha", args.alpha), ("--beta", args.beta)):
+            if not (math.isfinite(value) and value >= 0):  # (the cluster's own check says --cluster)
+                raise ValueError(f"{option}: {value!r} must be a finite number >= 0")
         return clusters_mod.custom(f"alpha={args.alpha},beta={args.beta},gpus_per_node={args.gpus_per_node}")
     found = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTER], args.gpus_per_node)
     if len(found) != 1:
