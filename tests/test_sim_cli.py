@@ -218,3 +218,12 @@ def test_a_cluster_count_that_is_not_whole_says_integer(capsys):
     assert main(["simulate", "--model", "resnet50", "--cluster", "alpha=1e-5,beta=1e-9,servers=2.5",
                  "--algorithms", "ps", "--gpus", "4"]) == 2
     assert "servers='2.5' is not an integer" in capsys.readouterr().err
+
+
+def test_simulate_table_columns_line_up_with_long_algorithm_names(capsys):
+    # halving_doubling, recursive_doubling and hierarchical overflowed the 10-character
+    # algorithm column: their rows' numbers stood 2-8 characters right of the header's.
+    assert main(["simulate", "--model", "resnet50", "--cluster", "10GbE", "--gpus", "4,16",
+                 "--algorithms", "ring,hierarchical,recursive_doubling"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 7 and len({len(line) for line in lines}) == 1, lines

@@ -229,13 +229,14 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
         cells.setdefault((p.model, p.cluster, p.algorithm, p.world_size), {})[p.schedule] = p
     mw = max([12] + [len(p.model) for p in predictions])
     cw = max([16] + [len(p.cluster) for p in predictions])
-    head = f"{'model':<{mw}} {'cluster':<{cw}} {'algorithm':<10} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
+    aw = max([10] + [len(p.algorithm) for p in predictions])  # (hierarchical, halving_doubling...)
+    head = f"{'model':<{mw}} {'cluster':<{cw}} {'algorithm':<{aw}} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
     lines = [
         "iteration time in ms (scaling efficiency) per schedule" + (f"; zoo models timed on {device}" if device else ""),
         head + f"  {'best':<8} {'samples/s':>10}",
     ]
     for (model, cluster, algorithm, p), by_schedule in cells.items():
-        row = f"{model:<{mw}} {cluster:<{cw}} {algorithm:<10} {p:>5}"
+        row = f"{model:<{mw}} {cluster:<{cw}} {algorithm:<{aw}} {p:>5}"
         for s in schedules:
             pr = by_schedule[s]
             row += f"{pr.iteration_s * 1e3:>10.1f} ({pr.efficiency:>4.0%})"
