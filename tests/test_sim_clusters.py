@@ -117,6 +117,31 @@ def test_from_bench_errors(tmp_path):
         resolve(str(tmp_path / "missing.json"))
 
 
+
+def _rows_file(tmp_path, rows):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"rows": [dict(algorithm="ring", **r) for r in rows]}))
+    return str(path)
+
+
+def test_from_bench_errors_say_what_is_wrong_with_the_rows(tmp_path):
+    # One rank: was "a fitted allreduce needs world_size >= 2, got 1", naming no file.
+    one = _rows_file(tmp_path, [dict(world_size=1, nbytes=n, median_s=1e-4 * (k + 1)) for k, n in enumerate((4096, 8192))])
+    with pytest.raises(ValueError, match=r"--cluster .*b.json: its ring rows are at 1 rank; .* 2 or more ranks"):
+        resolve(one)
+    # A world size that is not a number: was int()'s "invalid literal for int() with base 10: 'two'".
+    two = _rows_file(tmp_path, [dict(world_size="two", nbytes=4096, median_s=1e-4)])
+    with pytest.raises(ValueError, match=r"--cluster .*b.json: a row's world_size is not an integer"):
+        resolve(two)
+    # A negative time: was told to "run bench allreduce with at least two --sizes" (it had two).
+    neg = _rows_file(tmp_path, [dict(world_size=2, nbytes=4096, median_s=-1.0), dict(world_size=2, nbytes=8192, median_s=1e-4)])
+    with pytest.raises(ValueError) as info:
+        resolve(neg)
+    assert "times[0] = -1.0" in str(info.value) and "--sizes" not in str(info.value)
+    same = _rows_file(tmp_path, [dict(world_size=2, nbytes=4096, median_s=1e-4)] * 2)
+    with pytest.raises(ValueError, match="at least two --sizes"):
+        resolve(same)
+
 def test_cluster_validation():
     with pytest.raises(ValueError, match="both be 0"):
         Cluster("x", 0.0, 0.0)

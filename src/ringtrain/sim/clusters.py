@@ -185,10 +185,17 @@ def from_bench(
         rows = [r for r in rows if r.get("transport") == transport]
     if not rows:
         raise ValueError(f"--cluster {path}: no rows with algorithm={algorithm!r}" + (f", transport={transport!r}" if transport else ""))
-    p = world_size if world_size is not None else max(int(r["world_size"]) for r in rows)
-    rows = [r for r in rows if int(r["world_size"]) == p]
+    try:
+        ranks = [int(r["world_size"]) for r in rows]
+    except (TypeError, ValueError):
+        raise ValueError(f"--cluster {path}: a row's world_size is not an integer") from None
+    p = world_size if world_size is not None else max(ranks)
+    rows = [r for r, ranks_of_row in zip(rows, ranks) if ranks_of_row == p]
     if not rows:
         raise ValueError(f"--cluster {path}: no rows with world_size={p}")
+    if p < 2:
+        raise ValueError(f"--cluster {path}: its {algorithm} rows are at {p} rank; a link is fitted to rows at "
+                         "2 or more ranks (run bench allreduce with --world-sizes 2 or more)")
     try:
         sizes, times = [float(r["nbytes"]) for r in rows], [float(r["median_s"]) for r in rows]
     except (TypeError, ValueError):
@@ -196,8 +203,10 @@ def from_bench(
     try:
         a, b = fit_alpha_beta(sizes, times)
     except ValueError as e:
+        # (the advice only where it helps: a negative or NaN time was told to add --sizes too)
+        advice = ": run bench allreduce with at least two --sizes" if "distinct sizes" in str(e) else ""
         raise ValueError(f"--cluster {path}: cannot fit alpha and beta to its {algorithm} rows at {p} ranks "
-                         f"({e}): run bench allreduce with at least two --sizes") from None
+                         f"({e}){advice}") from None
     alpha, beta = link_from_fit(a, b, p, algorithm if algorithm in costs.ALGORITHMS else "ring")
     return Cluster(
         f"bench:{Path(path).stem}", alpha, beta, gpus_per_node=gpus_per_node,
