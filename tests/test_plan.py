@@ -132,6 +132,42 @@ def test_optimal_is_never_worse_than_any_other_method():
             assert best <= other.end_time, (method, times, sizes, alpha, beta)
 
 
+
+@pytest.mark.timeout(120)
+def test_optimal_is_never_worse_than_any_other_method_under_every_kind_of_cost():
+    # The test above uses the linear cost only; the planner has other programs for a cost
+    # table, a split cost, a parameter server's drain and interference (one per group count
+    # when per_message > 0), each timed by every method's evaluate. Sizes up to 60 layers
+    # (beyond the brute force's reach).
+    from ringtrain.plan import SplitCost
+    from ringtrain.sim import costs
+
+    rng = np.random.default_rng(2026)
+    for k in range(400):
+        n = int(rng.integers(0, 61))
+        times, sizes = random_instance(rng, n)
+        kind = k % 4
+        if kind == 0:  # an allreduce formula of sim.costs at some world size
+            algorithm = str(rng.choice(["ring", "naive", "halving_doubling", "binomial_tree"]))
+            rate = dict(cost=costs.allreduce_cost(int(rng.integers(2, 300)), algorithm,
+                                                  alpha=float(rng.uniform(0, 1e-3)), beta=float(rng.uniform(0, 1e-8))))
+        elif kind == 1:  # parameter servers: the pushes occupy the stream, the last pull drains
+            ps = costs.allreduce_cost(int(rng.integers(2, 64)), "ps", alpha=float(rng.uniform(0, 1e-3)),
+                                      beta=float(rng.uniform(0, 1e-8)), servers=int(rng.integers(1, 5)),
+                                      partition_bytes=int(rng.integers(1, 10**7)))
+            rate = dict(cost=ps.occupancy, drain=ps.drain)
+        elif kind == 2:  # two lines split at 64 KiB, as the communicator's auto
+            rate = dict(cost=SplitCost(LinearCost(float(rng.uniform(0, 1e-3)), 1e-9),
+                                       LinearCost(float(rng.uniform(0, 1e-3)), 5e-10), 65536.0))
+        else:  # interference: every combination of its three terms, each zero or not
+            slow = Interference(*(float(rng.choice([0.0, hi * rng.uniform()])) for hi in (1e-3, 1e-9, 12.0)))
+            rate = dict(alpha=float(rng.uniform(0, 1e-3)), beta=float(rng.uniform(0, 1e-8)), interference=slow)
+        best = merge(times, sizes, **rate).end_time
+        for method in METHODS:
+            other = merge(times, sizes, method=method, bucket_cap_mb=float(rng.choice([0.5, 1.0, 25.0])),
+                          first_bucket_mb=float(rng.choice([0.1, 1.0])), **rate)
+            assert best <= other.end_time, (k, method, n, rate)
+
 def test_optimal_plan_is_consistent_with_evaluate():
     rng = np.random.default_rng(5)
     times, sizes = random_instance(rng, 30)
