@@ -227,3 +227,13 @@ def test_simulate_table_columns_line_up_with_long_algorithm_names(capsys):
                  "--algorithms", "ring,hierarchical,recursive_doubling"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert len(lines) == 7 and len({len(line) for line in lines}) == 1, lines
+
+
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_an_unknown_profile_model_names_the_option(command, capsys):
+    # Was "model must be one of ['charlm', ...], got 'foo'" (the registry's own words: which
+    # model, and where would profile: go?).
+    assert main([command, "--model", "profile:foo", "--gpus", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--model profile:foo: unknown ringtrain.models model; choose profile: followed by one of" in err
+    assert "resnet" in err

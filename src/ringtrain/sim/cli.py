@@ -124,6 +124,11 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
             trace = load(n)
             tag = Path(n).stem
         elif n.startswith("profile:"):
+            from .. import models  # (torch: only where a model is profiled)
+
+            if n[len("profile:"):] not in models.names():  # (was the models registry's message, naming no option)
+                raise ValueError(f"--model {n}: unknown ringtrain.models model; choose profile: followed by one "
+                                 f"of {', '.join(models.names())}")
             trace = profile_reference(n[len("profile:"):])
             tag = "profiled"
         else:
