@@ -26,7 +26,9 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    gradient (an unused parameter, ``find_unused_parameters=False``) is reported by the next
    ``forward`` with the names of the parameters that got none, as torch's DDP does; a gradient
    for a parameter that ``find_unused_parameters`` counted unused (a loss term taken from the
-   module's parameters, not from the outputs) is an error naming it. A backward whose
+   module's parameters, not from the outputs) is an error naming it, and so is a backward through
+   the outputs of a forward that a later one superseded (each forward finds what its own outputs
+   reach; the last one decides) where that reaches parameters the last one does not. A backward whose
    communication failed raises that CommError, and every later ``forward`` raises a
    CommError that names it (the communicator is broken; nothing more can be averaged). Only a
    backward begun by the wrapper's ``forward`` is averaged: one through the module itself
@@ -360,16 +362,21 @@ class DistributedDataParallel(nn.Module):
         a forward arms (and sets what it expects): one under ``torch.no_grad()`` between it and
         its backward (an evaluation, say) leaves that backward armed."""
         st = self._s
+        st.generation += 1
+        if not st.armed:  # (else this one supersedes an armed forward whose backward has not begun)
+            st.first_armed = st.generation
         st.armed = True
         outputs = [t for t in _tensors(out) if t.grad_fn is not None]
-        me = weakref.ref(self)
-        for t in outputs:
-            t.register_hook(partial(_backward_start_hook, me))
+        reached = None
         if self.options.find_unused_parameters:
             # No tensor with a graph found in the output: nothing to walk, all are expected.
             used = _reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
             st.expected = len(used)
             st.unused = {pid for pid in range(len(self._params)) if pid not in used}
+            reached = frozenset(used)
+        me = weakref.ref(self)
+        for t in outputs:
+            t.register_hook(partial(_backward_start_hook, me, st.generation, reached))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -390,8 +397,14 @@ class DistributedDataParallel(nn.Module):
 
     # --- hooks -------------------------------------------------------------------------------
 
-    def _on_backward_start(self, grad: torch.Tensor) -> None:
+    def _on_backward_start(self, generation: int, reached: Optional[frozenset], grad: torch.Tensor) -> None:
         st = self._s
+        if reached is not None and st.first_armed <= generation < st.generation:
+            # find_unused_parameters: this backward goes through the outputs of a forward that a
+            # later one superseded before any backward; the later one decided what is unused.
+            late = reached & st.unused
+            if late:
+                raise self._earlier_forward_error(late)
         if st.armed and st.bwd_start is None:
             st.bwd_start = time.perf_counter()
 
@@ -622,6 +635,18 @@ class DistributedDataParallel(nn.Module):
         error.__cause__ = cause
         return error
 
+    def _earlier_forward_error(self, late: frozenset) -> RuntimeError:
+        cause = self._abandon_iteration()
+        names = [self._names[pid] for pid in sorted(late)]
+        error = RuntimeError(
+            "ringtrain.DistributedDataParallel: this backward pass goes through the outputs of an earlier forward "
+            "of the wrapper than the last one before it. With find_unused_parameters=True each forward finds the "
+            f"parameters its outputs reach and the last one decides: it counted {names} unused, so their gradients "
+            "from this backward would not be averaged. Call the wrapper once for the loss (e.g. on the "
+            "concatenated inputs), or backpropagate each forward's loss before the next forward.")
+        error.__cause__ = cause
+        return error
+
     def _abandon_iteration(self) -> Optional[BaseException]:
         """Let launched jobs finish before their buffers are reused, and start afresh. The first
         error a job ended with (its communication failed: the communicator is broken) is kept for
@@ -845,13 +870,15 @@ class DistributedDataParallel(nn.Module):
 class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
-    __slots__ = ("sync", "armed", "expected", "unused", "forward_span", "iteration", "failed", "active", "pending",
-                 "launched", "jobs", "used", "used_job", "ready", "got", "stamps", "bwd_start", "first", "last",
-                 "broadcast_s", "hooks_s", "retired")
+    __slots__ = ("sync", "armed", "generation", "first_armed", "expected", "unused", "forward_span", "iteration",
+                 "failed", "active", "pending", "launched", "jobs", "used", "used_job", "ready", "got", "stamps",
+                 "bwd_start", "first", "last", "broadcast_s", "hooks_s", "retired")
 
     def __init__(self, n: int):
         self.sync = True  # False inside no_sync()
         self.armed = False  # the last forward asked for a synchronizing backward
+        self.generation = 0  # synchronizing forwards so far (the last one's number)
+        self.first_armed = 0  # the first of those since the last disarming (a backward's end, a no_sync() forward)
         self.expected = n  # gradients that end the backward pass
         self.unused: set[int] = set()  # find_unused_parameters: ids outside the graph
         self.forward_span: Optional[tuple[float, float]] = None
@@ -900,11 +927,14 @@ def _grad_hook(ddp: weakref.ref, pid: int, param: torch.Tensor) -> None:
         wrapper._on_grad_ready(pid, param)
 
 
-def _backward_start_hook(ddp: weakref.ref, grad: torch.Tensor) -> None:
-    """An output's gradient hook (the backward start); it holds the wrapper weakly."""
+def _backward_start_hook(ddp: weakref.ref, generation: int, reached: Optional[frozenset],
+                         grad: torch.Tensor) -> None:
+    """An output's gradient hook (the backward start); it holds the wrapper weakly. ``generation``:
+    the number of the forward that made the output; ``reached``: with find_unused_parameters,
+    the ids of the parameters that forward's outputs reach (else None)."""
     wrapper = ddp()
     if wrapper is not None:
-        wrapper._on_backward_start(grad)
+        wrapper._on_backward_start(generation, reached, grad)
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

@@ -1,0 +1,162 @@
+"""DistributedDataParallel as a drop-in for torch's DDP: the findings of a walk through a
+ported training script, each pinned by a test that failed before its fix (on threads over the
+local transport).
+
+The expected gradients are the mean over ranks of what each rank's model computes alone (one
+process, no wrapper).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from thread_harness import raise_first, run_comms
+from ringtrain.ddp import DistributedDataParallel
+
+FAST = dict(alpha=2e-5, beta=1e-9, warmup_iterations=0, profile_iterations=1)
+pytestmark = pytest.mark.timeout(60)
+
+
+class Branchy(nn.Module):
+    """A trunk, and a branch taken only when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+
+    def forward(self, x, use_branch=True):
+        h = torch.tanh(self.trunk(x))
+        return self.branch(h) if use_branch else h
+
+
+class Pair(nn.Module):
+    """Two layers that share nothing; ``which`` picks one."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+
+    def forward(self, x, use_branch=True):
+        return self.branch(x) if use_branch else self.trunk(x)
+
+
+def _made(kind: type = Branchy) -> nn.Module:
+    """A model with seeded weights, made on the test's thread (the rank threads share torch's RNG):
+    each rank and each reference takes a deep copy."""
+    torch.manual_seed(0)
+    return kind()
+
+
+def _rank_x(rank: int, salt: int = 0) -> torch.Tensor:
+    """A distinct input per rank (and per salt)."""
+    return (torch.arange(8.0).reshape(2, 4) + 3 * rank + 7 * salt) / 8
+
+
+def _grads(model: nn.Module) -> dict:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_mean(got: dict, per_rank: list[dict]) -> None:
+    for k in per_rank[0]:
+        if per_rank[0][k] is None:
+            assert got[k] is None, f"{k}: expected no gradient"
+            continue
+        want = sum(g[k] for g in per_rank) / len(per_rank)
+        # Not bitwise: the reference's local gradients come from another thread, where torch
+        # may split its reductions otherwise (the mean itself is exact at 2 ranks).
+        torch.testing.assert_close(got[k], want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+
+
+# --- 1. find_unused_parameters and a loss over the outputs of two forwards ------------------------
+
+@pytest.mark.parametrize("kind", [Branchy, Pair])
+def test_a_backward_through_two_forwards_that_reach_other_parameters_is_an_error_naming_them(kind):
+    """Each forward searches its own outputs' graph and the last one decides what is unused: a
+    loss over an earlier forward's outputs too gave the parameters only that forward reached a
+    local, unaveraged gradient, silently (Pair: the last forward's gradients all came first, so
+    the averaged pass had ended), or an error that blamed a loss term taken from the parameters
+    (Branchy). torch's DDP hangs there."""
+    base = _made(kind)
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        x = _rank_x(comm.rank)
+        with pytest.raises(RuntimeError, match="outputs of an earlier forward") as info:
+            (ddp(x, use_branch=True).sum() + ddp(x, use_branch=False).sum()).backward()
+        model.zero_grad()
+        ddp(x, use_branch=True).sum().backward()  # the next iteration is whole again
+        grads = _grads(model)
+        ddp.close()
+        return str(info.value), grads
+
+    results = raise_first(run_comms(2, body))
+    for message, _ in results:
+        assert "'branch.weight'" in message and "'branch.bias'" in message, message
+        assert "'trunk." not in message, message
+    per_rank = []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        alone(_rank_x(rank), use_branch=True).sum().backward()
+        per_rank.append(_grads(alone))
+    for _, grads in results:
+        _assert_mean(grads, per_rank)
+
+
+def test_two_forwards_over_the_same_parameters_into_one_loss_are_averaged():
+    """A siamese loss (two forwards, one backward) reaching the same parameters stays allowed."""
+    base = _made()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        grads = []
+        for step in range(3):
+            model.zero_grad()
+            a, b = ddp(_rank_x(comm.rank, step)), ddp(_rank_x(comm.rank, step + 10))
+            (a * b).sum().backward()
+            grads.append(_grads(model))
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    for step in range(3):
+        per_rank = []
+        for rank in range(2):
+            alone = copy.deepcopy(base)
+            (alone(_rank_x(rank, step)) * alone(_rank_x(rank, step + 10))).sum().backward()
+            per_rank.append(_grads(alone))
+        for r in range(2):
+            _assert_mean(results[r][step], per_rank)
+
+
+def test_an_earlier_forward_left_without_backward_changes_nothing():
+    """A forward that tracks gradients and is dropped (an evaluation) before the training forward:
+    the training forward alone decides what is unused, as before."""
+    base = _made()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        ddp(_rank_x(comm.rank, 5), use_branch=True)  # dropped
+        ddp(_rank_x(comm.rank), use_branch=False).sum().backward()
+        grads = _grads(model)
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    per_rank = []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        alone(_rank_x(rank), use_branch=False).sum().backward()
+        per_rank.append(_grads(alone))
+    for grads in results:
+        _assert_mean(grads, per_rank)
+        assert grads["branch.weight"] is None
+
