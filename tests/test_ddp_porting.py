@@ -160,3 +160,85 @@ def test_an_earlier_forward_left_without_backward_changes_nothing():
         _assert_mean(grads, per_rank)
         assert grads["branch.weight"] is None
 
+
+# --- 2. requires_grad changed after wrapping ---------------------------------------------------------
+
+def test_a_parameter_frozen_after_wrapping_is_named_as_frozen():
+    """The wrapper expects a gradient for every parameter that required one at construction: a
+    parameter frozen later gets none, which the next forward reports. The report said to pass
+    find_unused_parameters=True and nothing of requires_grad."""
+    base = _made()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        ddp(_rank_x(comm.rank)).sum().backward()
+        model.trunk.weight.requires_grad_(False)
+        ddp(_rank_x(comm.rank, 1)).sum().backward()
+        with pytest.raises(RuntimeError, match="without a gradient") as info:
+            ddp(_rank_x(comm.rank, 2))
+        ddp.close()
+        return str(info.value)
+
+    for message in raise_first(run_comms(2, body)):
+        assert "['trunk.weight']" in message, message
+        assert "requires_grad=False since the wrapper was made: ['trunk.weight']" in message, message
+
+
+def test_a_parameter_frozen_after_wrapping_is_averaged_as_unused_with_find_unused_parameters():
+    base = _made()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        ddp(_rank_x(comm.rank)).sum().backward()
+        model.trunk.weight.requires_grad_(False)
+        model.zero_grad()
+        ddp(_rank_x(comm.rank, 1)).sum().backward()
+        grads = _grads(model)
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    per_rank = []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        alone.trunk.weight.requires_grad_(False)
+        alone(_rank_x(rank, 1)).sum().backward()
+        per_rank.append(_grads(alone))
+    for grads in results:
+        _assert_mean(grads, per_rank)
+
+
+def test_a_parameter_frozen_at_wrapping_that_requires_grad_later_is_refused_naming_it():
+    """A parameter that did not require a gradient at construction has no hook: unfrozen later,
+    its gradient stayed local on every rank, silently, and the ranks' copies drifted apart."""
+    base = _made()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        model.trunk.weight.requires_grad_(False)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        ddp(_rank_x(comm.rank)).sum().backward()
+        model.trunk.weight.requires_grad_(True)
+        with torch.no_grad():
+            ddp(_rank_x(comm.rank))  # an evaluation: no gradient, nothing to refuse
+        with pytest.raises(RuntimeError, match=r"\['trunk.weight'\] did not require a gradient when") as info:
+            ddp(_rank_x(comm.rank, 1))
+        model.trunk.weight.requires_grad_(False)
+        model.zero_grad()
+        ddp(_rank_x(comm.rank, 1)).sum().backward()  # frozen again: training goes on
+        grads = _grads(model)
+        ddp.close()
+        return str(info.value), grads
+
+    results = raise_first(run_comms(2, body))
+    per_rank = []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        alone.trunk.weight.requires_grad_(False)
+        alone(_rank_x(rank, 1)).sum().backward()
+        per_rank.append(_grads(alone))
+    for message, grads in results:
+        assert "wrap the module again" in message, message
+        _assert_mean(grads, per_rank)

@@ -228,6 +228,8 @@ class DistributedDataParallel(nn.Module):
             names = {id(p): n for n, p in module.named_parameters()}
             self._params = [p for p in module.parameters() if p.requires_grad]
             self._names = [names[id(p)] for p in self._params]
+            # Frozen at construction: no hook, no slot. One that requires a gradient later is refused.
+            self._frozen = [(names[id(p)], p) for p in module.parameters() if not p.requires_grad]
             self._pid_of = {id(p): i for i, p in enumerate(self._params)}
             self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
             self._module_buffers = [b for b in module.buffers() if b.numel()]
@@ -343,6 +345,8 @@ class DistributedDataParallel(nn.Module):
             raise self._failed_backward_error()
         if st.active:
             raise self._missing_gradients_error()
+        if self._frozen and torch.is_grad_enabled():
+            self._check_still_frozen()
         t0 = time.perf_counter()
         if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers:
             self._broadcast_tensors(self._module_buffers, "broadcast buffers")
@@ -356,6 +360,16 @@ class DistributedDataParallel(nn.Module):
             else:  # a no_sync() pass: the backward that follows accumulates locally
                 st.armed = False
         return out
+
+    def _check_still_frozen(self) -> None:
+        """Refuse a forward where a parameter frozen at construction now requires a gradient: the
+        wrapper has no hook on it, so its gradient would stay local on each rank."""
+        thawed = [name for name, p in self._frozen if p.requires_grad]
+        if thawed:
+            raise RuntimeError(
+                f"ringtrain.DistributedDataParallel: parameters {thawed} did not require a gradient when the "
+                "wrapper was made and do now, so their gradients would not be averaged. Set requires_grad before "
+                "wrapping: to change it during training, close this wrapper and wrap the module again.")
 
     def _arm(self, out: Any) -> None:
         """Make the backward of a synchronizing forward's outputs average the gradients. Only such
@@ -666,7 +680,9 @@ class DistributedDataParallel(nn.Module):
     def _missing_gradients_error(self) -> RuntimeError:
         st = self._s
         # (those find_unused_parameters counted unused got none, as expected: not missing)
-        missing = [self._names[pid] for pid in range(len(self._params)) if not st.got[pid] and pid not in st.unused]
+        missing = [pid for pid in range(len(self._params)) if not st.got[pid] and pid not in st.unused]
+        frozen = [self._names[pid] for pid in missing if not self._params[pid].requires_grad]
+        missing = [self._names[pid] for pid in missing]
         expected = len(self._params) - len(st.unused)
         cause = self._abandon_iteration()
         hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
@@ -674,6 +690,10 @@ class DistributedDataParallel(nn.Module):
                 "Pass find_unused_parameters=True to DistributedDataParallel if some parameters legitimately get no "
                 "gradient in some iterations (they then contribute zeros; one no rank uses keeps .grad None), or "
                 "make every parameter reach the loss")
+        if frozen:
+            hint = (f"Of these, some have requires_grad=False since the wrapper was made: {frozen}. Set requires_grad "
+                    "before wrapping (to change it during training, close this wrapper and wrap the module again), "
+                    "or pass find_unused_parameters=True: frozen parameters then count as unused")
         error = RuntimeError(
             f"ringtrain.DistributedDataParallel: the previous backward pass ended without a gradient for "
             f"{len(missing)} of the {expected} parameters expected, so their allreduce never ran: {missing}. "
