@@ -242,3 +242,36 @@ def test_a_parameter_frozen_at_wrapping_that_requires_grad_later_is_refused_nami
     for message, grads in results:
         assert "wrap the module again" in message, message
         _assert_mean(grads, per_rank)
+
+
+# --- 3. one process, no launcher (a notebook) -----------------------------------------------------
+
+def test_without_init_the_error_says_how_to_run_in_one_process(monkeypatch):
+    import ringtrain
+
+    monkeypatch.setattr(ringtrain, "_default", None)
+    with pytest.raises(RuntimeError, match=r"not been called in this process.*ringtrain.init\(rank=0, world_size=1\)"):
+        ringtrain.DistributedDataParallel(_made())
+
+
+def test_in_one_process_the_wrapper_trains_as_the_module_alone(monkeypatch):
+    import ringtrain
+
+    monkeypatch.setattr(ringtrain, "_default", None)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    base = _made()
+    model, alone = copy.deepcopy(base), copy.deepcopy(base)
+    comm = ringtrain.init(rank=0, world_size=1)  # what the error above says
+    try:
+        ddp = ringtrain.DistributedDataParallel(model)
+        for step in range(6):
+            model.zero_grad()
+            alone.zero_grad()
+            ddp(_rank_x(0, step)).sum().backward()
+            alone(_rank_x(0, step)).sum().backward()
+            for a, b in zip(model.parameters(), alone.parameters()):
+                assert torch.equal(a.grad, b.grad)
+        ddp.close()
+    finally:
+        comm.close()

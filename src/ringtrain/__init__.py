@@ -63,7 +63,9 @@ def init(
 
 def get_communicator() -> Communicator:
     if _default is None:
-        raise RuntimeError("ringtrain.init() has not been called in this process")
+        raise RuntimeError("ringtrain.init() has not been called in this process: call it first (under torchrun or "
+                           "ringtrain launch it reads the job from the environment; in one process without a "
+                           "launcher, a notebook say: ringtrain.init(rank=0, world_size=1))")
     return _default
 
 
