@@ -244,6 +244,70 @@ def test_a_parameter_frozen_at_wrapping_that_requires_grad_later_is_refused_nami
         _assert_mean(grads, per_rank)
 
 
+
+# --- 4. find_unused_parameters and torch.utils.checkpoint -------------------------------------------
+
+class Checkpointed(nn.Module):
+    """Branchy's trunk under torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.inner = Branchy()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.inner.trunk, x, use_reentrant=self.reentrant)
+        return self.inner.branch(torch.tanh(h))
+
+
+def test_find_unused_parameters_refuses_a_reentrant_checkpoint_naming_the_way_out():
+    """A reentrant checkpoint's backward node does not lead to the parameters inside it, so the walk
+    counted them unused: the averaged pass ended with the others' gradients and theirs, computed
+    after it by the checkpoint's own backward, stayed local, silently."""
+    torch.manual_seed(0)
+    base = Checkpointed(reentrant=True)
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        x = _rank_x(comm.rank).requires_grad_()
+        with pytest.raises(RuntimeError, match="use_reentrant=False") as info:
+            ddp(x)
+        ddp.close()
+        return str(info.value)
+
+    for message in raise_first(run_comms(2, body)):
+        assert "torch.utils.checkpoint" in message, message
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_non_reentrant_checkpoint_is_averaged(find_unused):
+    torch.manual_seed(0)
+    base = Checkpointed(reentrant=False)
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=find_unused, **FAST)
+        grads = []
+        for step in range(3):
+            model.zero_grad()
+            ddp(_rank_x(comm.rank, step)).sum().backward()
+            grads.append(_grads(model))
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    for step in range(3):
+        per_rank = []
+        for rank in range(2):
+            alone = copy.deepcopy(base)
+            alone(_rank_x(rank, step)).sum().backward()
+            per_rank.append(_grads(alone))
+        for r in range(2):
+            _assert_mean(results[r][step], per_rank)
+
 # --- 3. one process, no launcher (a notebook) -----------------------------------------------------
 
 def test_without_init_the_error_says_how_to_run_in_one_process(monkeypatch):

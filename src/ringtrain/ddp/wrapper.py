@@ -376,10 +376,6 @@ class DistributedDataParallel(nn.Module):
         a forward arms (and sets what it expects): one under ``torch.no_grad()`` between it and
         its backward (an evaluation, say) leaves that backward armed."""
         st = self._s
-        st.generation += 1
-        if not st.armed:  # (else this one supersedes an armed forward whose backward has not begun)
-            st.first_armed = st.generation
-        st.armed = True
         outputs = [t for t in _tensors(out) if t.grad_fn is not None]
         reached = None
         if self.options.find_unused_parameters:
@@ -388,6 +384,10 @@ class DistributedDataParallel(nn.Module):
             st.expected = len(used)
             st.unused = {pid for pid in range(len(self._params)) if pid not in used}
             reached = frozenset(used)
+        st.generation += 1
+        if not st.armed:  # (else this one supersedes an armed forward whose backward has not begun)
+            st.first_armed = st.generation
+        st.armed = True
         me = weakref.ref(self)
         for t in outputs:
             t.register_hook(partial(_backward_start_hook, me, st.generation, reached))
@@ -970,6 +970,12 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+try:
+    from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
+except ImportError:  # (a torch without it has no reentrant checkpoint to look for)
+    _ReentrantCheckpoint = None
+
+
 def _reachable_params(outputs: list[torch.Tensor], pid_of: dict[int, int]) -> set[int]:
     """Ids of the parameters whose gradient-accumulation nodes the outputs' graph reaches."""
     found: set[int] = set()
@@ -983,5 +989,13 @@ def _reachable_params(outputs: list[torch.Tensor], pid_of: dict[int, int]) -> se
         var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
         if var is not None and id(var) in pid_of:
             found.add(pid_of[id(var)])
+        elif _ReentrantCheckpoint is not None and getattr(node, "_forward_cls", None) is _ReentrantCheckpoint:
+            # Its backward runs a backward of its own, from a graph made then: the parameters inside
+            # are not in this one. They would count as unused, and their gradients come after the
+            # averaged pass has ended, so they would stay local.
+            raise RuntimeError(
+                "ringtrain.DistributedDataParallel: find_unused_parameters=True cannot see the parameters "
+                "inside a reentrant torch.utils.checkpoint (their gradients would not be averaged): pass "
+                "use_reentrant=False to checkpoint(), or drop find_unused_parameters")
         stack.extend(nxt for nxt, _ in node.next_functions)
     return found
