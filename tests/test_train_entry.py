@@ -155,6 +155,16 @@ def test_a_parameter_server_run_with_another_number_of_servers_refuses_before_la
     assert len(launches) == 1
 
 
+def test_more_servers_than_the_model_has_partitions_is_refused_before_launching(tmp_path, launches, capsys):
+    # The workers refused it, but only once all W + K ranks had started: two tracebacks and a line
+    # per rank, and a large --servers (200 processes) ran the machine out of memory first.
+    message = refusal(train_argv(tmp_path, "--model", "charlm-lstm", "--strategy", "ps-sharded", "--servers", "12"),
+                      launches, capsys)
+    assert "--servers 12" in message and "11 partitions" in message and "at most 11 servers" in message, message
+    assert cli.main(train_argv(tmp_path, "--model", "charlm-lstm", "--strategy", "ps-sharded", "--servers", "11")) == 0
+    assert len(launches) == 1
+
+
 def test_a_synchronous_parameter_server_run_refuses_an_asynchronous_runs_servers(tmp_path, launches, capsys):
     save_run(tmp_path, steps=(1,), strategy="ps-async")
     save_servers(tmp_path, 1, strategy="async")

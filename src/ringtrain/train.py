@@ -237,6 +237,7 @@ def _launch(args: argparse.Namespace) -> int:
         if not 0 <= args.master_port <= 65535:
             raise ValueError(f"--master-port must be in 1..65535 (0: a free one), got {args.master_port}")
         _check_batch_fits(cfg, args.workers)
+        _check_servers_fit(cfg)
         if cfg.checkpoint_every:
             _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
         if cfg.timeline:
@@ -293,6 +294,21 @@ def _check_writable(directory: Path, what: str) -> None:
     from .bench.machine import check_writable_dir
 
     check_writable_dir(directory, what)
+
+
+def _check_servers_fit(cfg: TrainConfig) -> None:
+    """Every parameter server must have a partition of the model to serve (``ps.make_layout``):
+    checked here, before W + K processes start, rather than by the workers once they all have."""
+    if cfg.strategy == "ring":
+        return
+    from . import models
+    from .ps import PSOptions, make_layout
+
+    numels = [p.numel() for p in models.build(cfg.model, seed=cfg.seed).parameters() if p.requires_grad]
+    try:
+        make_layout(numels, cfg.servers, PSOptions().partition_bytes)
+    except ValueError as exc:
+        raise ValueError(f"--servers {cfg.servers}: the {cfg.model} model has too few partitions: {exc}") from None
 
 
 def _check_batch_fits(cfg: TrainConfig, workers: int) -> None:
