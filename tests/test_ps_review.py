@@ -540,3 +540,22 @@ def test_a_local_optimizer_step_is_refused_naming_the_parameters(when):
     thread.join(10)
     assert not thread.is_alive()
 
+
+
+# --- 14. a parameter unfrozen after wrapping ----------------------------------------------------------
+
+def test_a_parameter_unfrozen_after_wrapping_is_refused_not_silently_left_untrained():
+    """A parameter frozen when the module was wrapped is not served. Unfrozen later (gradual
+    unfreezing), it got gradients that nobody applied and that piled up in .grad, silently."""
+    server, thread, out = start_server()
+    model = tiny()
+    model[0].weight.requires_grad_(False)
+    ps = worker([server.endpoint], model=model)
+    train(ps, 1)  # frozen: served without it
+    model[0].weight.requires_grad_(True)
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"0\.weight got a gradient, but it did not require one when .* was made"):
+        ps.step()
+    ps.close()
+    thread.join(10)
+    assert not thread.is_alive()

@@ -141,6 +141,8 @@ class ParameterServerTraining:
         self._versions = [p._version for p in self.params]  # nothing of ours writes them in place
         names = {id(p): n for n, p in module.named_parameters()}
         self._names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
+        served = {id(p) for p in self.params}
+        self._unserved = [(n, p) for n, p in module.named_parameters() if id(p) not in served]  # frozen ones
         self.layout = make_layout([p.numel() for p in self.params], K, opts.partition_bytes)
         self._shards = [self.layout.shard(k) for k in range(K)]
         self._ids = [np.array([p.id for p in s], dtype=np.int64) for s in self._shards]
@@ -301,6 +303,7 @@ class ParameterServerTraining:
                                "with parameter servers; call ps.step() after every backward")
         self._check_pushed_grads()
         self._check_params_unwritten()
+        self._check_unserved()
         left = [g for g, pushed in enumerate(self._pushed) if not pushed]
         if left:  # parameters without a gradient: pushed as zeros, once their values of this step are in
             self._wait_params([i for g in left for i in self._groups[g]])
@@ -343,6 +346,17 @@ class ParameterServerTraining:
                 "start. The parameter servers own the parameters and the optimizer (ParameterServerTraining's lr, "
                 "momentum, weight_decay) and their pulled values are written into the same memory, so such a change "
                 "is lost or mixed with them: do not step a local optimizer; ps.step() is the optimizer step")
+
+    def _check_unserved(self) -> None:
+        """A parameter that did not require a gradient when this was made is not on the servers; one
+        unfrozen since gets gradients that nobody applies (they pile up in its .grad): refuse it."""
+        got = [name for name, p in self._unserved if p.grad is not None]
+        if got:
+            raise RuntimeError(
+                f"worker {self.worker}: {', '.join(got)} got a gradient, but it did not require one when this "
+                "ParameterServerTraining was made, so the servers do not hold it and its gradient would never be "
+                "applied: set requires_grad before wrapping the module (make a new ParameterServerTraining, "
+                "with new servers, to train it)")
 
     def _plan(self) -> None:
         """Group parameters for pushes from the first step's backward timings."""
