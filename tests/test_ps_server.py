@@ -125,6 +125,17 @@ def test_an_authenticated_worker_sending_garbage_is_dropped_not_obeyed():
     thread.join(5)
 
 
+def test_options_cannot_be_changed_after_they_were_made():
+    """The servers get lr, momentum and weight_decay in the first HELLO: setting ps.opts.lr later
+    (a learning-rate schedule) changed nothing, silently."""
+    import dataclasses
+
+    opts = PSOptions(lr=0.1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.lr = 0.01
+    assert opts.lr == 0.1 and dataclasses.replace(opts, lr=0.01).lr == 0.01
+
+
 def test_options_are_validated_with_the_option_named():
     with pytest.raises(ValueError, match="strategy"):
         PSOptions(strategy="hogwild")

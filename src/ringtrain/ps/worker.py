@@ -62,14 +62,17 @@ from .sharding import make_layout
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, frozen=True)
 class PSOptions:
-    """Settings of one worker's side of parameter-server training (servers get theirs at launch)."""
+    """Settings of one worker's side of parameter-server training (servers get theirs at launch).
+
+    Frozen: lr, momentum and weight_decay reach the servers in the first HELLO and stay for the
+    run (there is no learning-rate schedule), so a later change would be silently ignored."""
 
     strategy: str = "sync"
     """'sync', 'sharded' (sync over several servers) or 'async'; must match the servers'."""
     lr: float = 0.05
-    """SGD learning rate (applied on the servers)."""
+    """SGD learning rate (applied on the servers; fixed for the run)."""
     momentum: float = 0.9
     """SGD momentum (its buffer lives on the servers)."""
     weight_decay: float = 0.0
