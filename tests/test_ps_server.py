@@ -327,6 +327,10 @@ def test_roles_and_rank_entry_arguments():
         parse(["--strategy", "hogwild"])
     with pytest.raises(SystemExit):
         parse(["--steps", "0"])
+    with pytest.raises(SystemExit):  # was taken for -1, unbounded
+        parse(["--strategy", "async", "--max-staleness", "-7"])
+    with pytest.raises(SystemExit):  # was a traceback on every rank
+        parse(["--servers", "0"])
 
 
 def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float, momentum: float = 0.0,

@@ -37,6 +37,10 @@ def parse(argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.servers < 1:
+        p.error(f"--servers must be >= 1, got {args.servers}")
+    if args.max_staleness < -1:
+        p.error(f"--max-staleness must be >= 0, or -1 for unbounded; got {args.max_staleness}")
     return args
 
 
