@@ -95,6 +95,26 @@ def test_strangers_are_refused_and_the_server_keeps_serving():
     assert out["stats"]["version"] == 3
 
 
+@pytest.mark.parametrize("secret", [b"not-the-secret", None], ids=["wrong", "none"])
+def test_a_worker_with_the_wrong_secret_names_the_server_it_could_not_join(secret):
+    """The handshake's text spoke of "rank 0" and "rank 1" (the servers' and workers' handshake
+    numbers), which a torchrun user reads as worker 0 and 1; it now names the server and endpoint."""
+    server, thread, out = start_server(timeout=3.0)
+    host, port = server.endpoint
+    with pytest.raises(AuthError, match=rf"^worker 0 could not join parameter server 0 at {host}:{port}: .*secret"):
+        ParameterServerTraining(tiny(), servers=[server.endpoint], worker=0, workers=1, secret=secret, timeout=5.0)
+    thread.join(10)
+    assert out["stats"]["refused_connections"] == 1
+
+
+def test_an_unreachable_server_is_named_with_its_endpoint():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(CommError, match=rf"^worker 0 could not join parameter server 0 at 127\.0\.0\.1:{port}: "):
+        ParameterServerTraining(tiny(), servers=[("127.0.0.1", port)], worker=0, workers=1, secret=SECRET, timeout=1.0)
+
+
 def test_an_authenticated_worker_sending_garbage_is_dropped_not_obeyed():
     server, thread, out = start_server(strategy="async", workers=2)
     me = P.ps_identity(2, 3, "ps", SECRET)  # worker 1 of 2
