@@ -230,6 +230,25 @@ def test_roles_in_one_job_workers_first_then_servers():
             assert np.array_equal(got, want)
 
 
+def _role_without_a_server(rank, world_size, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RINGTRAIN_SECRET="role-secret")
+    from ringtrain import ps
+
+    if ps.is_server_rank(1):
+        return {"server": None}  # never serves: its endpoint never reaches the store
+    return {"worker": ps.worker_from_env(model(), 1, timeout=2.0)}
+
+
+def test_a_server_rank_that_never_publishes_its_endpoint_is_a_comm_timeout_naming_it():
+    """worker_from_env raised torch's DistStoreError ("wait timeout after 2000ms, keys: ..."), not
+    a CommError, and did not say which server was missing."""
+    results = run_ranks(_role_without_a_server, 2, timeout=60)
+    error = results[0]
+    assert getattr(error, "type_name", None) == "CommTimeout", error
+    assert "parameter server 0 (rank 1) did not publish its endpoint" in error.message, error.message
+
+
 def test_a_module_off_the_cpu_is_refused_before_connecting():
     # Servers and workers move CPU memory; "meta" stands for a GPU (CI has none). The error comes
     # before any connection is tried, so the endpoint need not exist.

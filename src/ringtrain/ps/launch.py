@@ -198,7 +198,15 @@ def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTra
         raise ValueError(f"rank {info.rank} is a server rank (the last {servers} of {info.world_size} ranks serve)")
     opts = PSOptions(secret=info.secret, **settings)
     store = _store(info, opts.timeout)
-    endpoints = [json.loads(store.get(_STORE_KEY.format(job=opts.job, k=k)).decode()) for k in range(servers)]
+    endpoints = []
+    for k in range(servers):
+        try:
+            endpoints.append(json.loads(store.get(_STORE_KEY.format(job=opts.job, k=k)).decode()))
+        except RuntimeError as exc:  # torch's store wait ran out (DistStoreError)
+            raise CommTimeout(
+                f"worker {info.rank}: parameter server {k} (rank {info.world_size - servers + k}) did not publish its "
+                f"endpoint in the job's store within {opts.timeout:g} s: it is not running, failed before it "
+                f"listened, or serves another job name than {opts.job!r} ({rendezvous._torch_text(exc)})") from None
     return ParameterServerTraining(module, servers=endpoints, worker=info.rank,
                                    workers=info.world_size - servers, options=opts)
 
