@@ -237,6 +237,22 @@ def test_an_async_server_drops_a_silent_worker_that_holds_up_the_others():
     silent.close()
 
 
+def test_an_async_worker_with_the_servers_timeout_outlasts_a_silent_worker():
+    """The same with one timeout for servers and workers, as ringtrain train and most scripts give:
+    the worker held up gave up at the very moment the server dropped the silent one (both waited
+    `timeout`), so the job died instead of going on without it."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, strategy="async", timeout=1.5)
+    layout = make_layout([p.numel() for p in tiny().parameters()], 1, PSOptions().partition_bytes)
+    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum, strategy="async")  # then silent
+    stats = train_one(server.endpoint, steps=3, strategy="async", workers=2, timeout=1.5)
+    thread.join(20)
+    assert not thread.is_alive() and out["stats"]["failed"] is None and stats["steps"] == 3
+    assert any("reports 1 of 2 workers left" in n for n in stats["notices"]), stats["notices"]
+    silent.close()
+
+
 def test_a_sync_worker_ahead_waits_for_a_module_another_workers_step_still_pushes():
     """Worker 1 pushes its unused module's zeros late (in step()); worker 0, whose next forward
     does not wait for that module, must not push its next step before the server finished this one."""

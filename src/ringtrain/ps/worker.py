@@ -32,7 +32,8 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   the caller (a local ``optimizer.step()``, ``load_state_dict``): ``step()`` refuses it, as it
   refuses a gradient whose version moved after its push.
 
-Every wait ends by ``timeout``. A lost server is a PeerLost naming it, raised by the next
+Every wait ends by ``timeout`` (asynchronous: a wait for pulled parameters by twice that, so
+that a server can first drop a silent worker that holds the pull up). A lost server is a PeerLost naming it, raised by the next
 forward, ``step()``, ``wait()`` or ``close()``; an error a server reports (a lost worker in a
 synchronous job) comes back with the server's text.
 """
@@ -391,9 +392,15 @@ class ParameterServerTraining:
     def _param_in(self, i: int) -> bool:
         return all(self._arrived[j] >= self.step_count for j in self._parts_of[i])
 
+    def _pull_timeout(self) -> float:
+        """How long a wait for pulled parameters lasts. Asynchronous: twice ``timeout``, since a
+        server holding this worker's pull for a silent worker drops that one only after ``timeout``
+        of its own, and answers then: a wait of ``timeout`` here ended at that very moment."""
+        return self.opts.timeout * (2 if self.opts.strategy == "async" else 1)
+
     def _wait_params(self, indices: Sequence[int]) -> None:
         t0 = time.monotonic()
-        deadline = t0 + self.opts.timeout
+        deadline = t0 + self._pull_timeout()
         try:
             self._wait_params_until(indices, deadline)
         finally:
@@ -408,7 +415,7 @@ class ParameterServerTraining:
                     slow = sorted({self._part[j].server for i in indices if not self._param_in(i)
                                    for j in self._parts_of[i] if self._arrived[j] < self.step_count})
                     raise CommTimeout(f"worker {self.worker}: parameters from parameter server(s) {slow} "
-                                      f"did not arrive within {self.opts.timeout:g} s")
+                                      f"did not arrive within {self._pull_timeout():g} s")
                 self._cond.wait(min(left, 0.5))
 
     def wait(self) -> None:
