@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringtrain.errors import AuthError, CommError, PeerLost, ProtocolError
+from ringtrain.errors import AuthError, CommError, CommTimeout, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
 from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
@@ -251,6 +251,20 @@ def test_an_async_worker_with_the_servers_timeout_outlasts_a_silent_worker():
     assert not thread.is_alive() and out["stats"]["failed"] is None and stats["steps"] == 3
     assert any("reports 1 of 2 workers left" in n for n in stats["notices"]), stats["notices"]
     silent.close()
+
+
+def test_a_sync_worker_held_up_by_a_silent_worker_says_a_worker_may_be_the_cause():
+    """A stopped worker holds up a synchronous step; the others' timeout named only the server,
+    which was well and waiting for that worker."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, timeout=1.5)
+    layout = make_layout([p.numel() for p in tiny().parameters()], 1, PSOptions().partition_bytes)
+    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum)  # then silent
+    with pytest.raises(CommTimeout, match=r"server\(s\) \[0\] did not arrive within 1\.5 s .*stopped or slow worker"):
+        train_one(server.endpoint, steps=2, workers=2, timeout=1.5)
+    silent.close()
+    thread.join(20)
 
 
 def test_a_sync_worker_ahead_waits_for_a_module_another_workers_step_still_pushes():

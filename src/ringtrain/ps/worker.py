@@ -414,8 +414,11 @@ class ParameterServerTraining:
                 if left <= 0:
                     slow = sorted({self._part[j].server for i in indices if not self._param_in(i)
                                    for j in self._parts_of[i] if self._arrived[j] < self.step_count})
+                    why = ("" if self.opts.strategy == "async" else
+                           " (a synchronous server sends them once every worker's gradients of the step are in: a "
+                           "stopped or slow worker holds them up too)")
                     raise CommTimeout(f"worker {self.worker}: parameters from parameter server(s) {slow} "
-                                      f"did not arrive within {self._pull_timeout():g} s")
+                                      f"did not arrive within {self._pull_timeout():g} s{why}")
                 self._cond.wait(min(left, 0.5))
 
     def wait(self) -> None:
