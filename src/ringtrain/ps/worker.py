@@ -33,9 +33,9 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   refuses a gradient whose version moved after its push.
 
 Every wait ends by ``timeout`` (asynchronous: a wait for pulled parameters by twice that, so
-that a server can first drop a silent worker that holds the pull up). A lost server is a PeerLost naming it, raised by the next
-forward, ``step()``, ``wait()`` or ``close()``; an error a server reports (a lost worker in a
-synchronous job) comes back with the server's text.
+that a server can first drop a silent worker that holds the pull up). A lost server is a
+PeerLost naming it, raised by the next forward, ``step()``, ``wait()`` or ``close()``; an error
+a server reports (a lost worker in a synchronous job) comes back with the server's text.
 """
 
 from __future__ import annotations
