@@ -126,6 +126,9 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from .lifecycle import mark_launcher
+
+    mark_launcher()  # (a rank that finds this process gone ends: lifecycle.die_with_parent)
     quiet = _QuietShutdown()
     for name in _QuietShutdown.LOGGERS:
         logging.getLogger(name).addFilter(quiet)

@@ -3,7 +3,9 @@
 torch's launcher starts each worker in a session of its own, so killing the launcher's
 process group (Ctrl-C in a terminal, a scheduler's kill) would leave the workers training
 and writing checkpoints. On Linux a worker asks the kernel for SIGKILL when its parent
-dies (prctl PR_SET_PDEATHSIG); elsewhere this is a no-op.
+dies (prctl PR_SET_PDEATHSIG); elsewhere this is a no-op. A worker still importing torch when
+the launcher died has been re-parented before it could ask, so ringtrain's launchers name
+themselves in the environment (``mark_launcher``) and such a worker ends at once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,18 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+LAUNCHER_ENV = "RINGTRAIN_LAUNCHER_PID"
+"""The pid of the ringtrain process that started the job (``ringtrain train``, ``launch``, a bench)."""
+
+
+def mark_launcher() -> None:
+    """Name this process, in the environment its workers inherit, as the one that started them."""
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+
+
+def _launcher_gone() -> bool:
+    value = os.environ.get(LAUNCHER_ENV, "")
+    return value.isdigit() and not pid_alive(int(value))
 
 
 def pid_alive(pid: int) -> bool:
@@ -28,7 +42,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def die_with_parent() -> bool:
-    """Arrange SIGKILL for this process when its parent exits; True if arranged."""
+    """Arrange SIGKILL for this process when its parent exits; True if arranged. Where the parent
+    or the launcher that named itself (``mark_launcher``) is gone already, SIGKILL now."""
     if not sys.platform.startswith("linux"):
         return False
     parent = os.getppid()
@@ -38,6 +53,8 @@ def die_with_parent() -> bool:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() != parent:  # the parent died before the request took effect
+    # The parent died before the request took effect, or the launcher before this process got
+    # here (it was re-parented while it imported torch, and its new parent may live on).
+    if os.getppid() != parent or _launcher_gone():
         os.kill(os.getpid(), signal.SIGKILL)
     return True

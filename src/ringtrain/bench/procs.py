@@ -20,6 +20,8 @@ import time
 from contextlib import ExitStack
 from typing import Optional, Sequence
 
+from ..lifecycle import LAUNCHER_ENV
+
 RESULT_PREFIX = "RESULT "
 #: A line rank 0 prints for the user while it runs (see :func:`progress`); shown on stderr at once.
 PROGRESS_PREFIX = "PROGRESS "
@@ -60,6 +62,7 @@ def run_ranks(
             PYTHONUNBUFFERED="1",
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
+        env[LAUNCHER_ENV] = str(os.getpid())  # (a rank that finds this process gone ends: die_with_parent)
         argv = [sys.executable, "-m", module, *args]
         echo = _Progress(logs[0])
         procs = []
