@@ -337,10 +337,11 @@ class ParameterServer:
 
     def _drop_absent(self, now: float, holding_up: Sequence[int] = ()) -> None:
         """Lose the workers the job cannot wait for any longer (caller holds the lock): one that has
-        not connected ``timeout`` after the first did; asynchronous, one silent for ``timeout`` that
-        holds up another's pull (``holding_up``; a worker busy for long between steps is left alone
-        otherwise). A synchronous job then ends with the error; an asynchronous one goes on without
-        them and says so."""
+        not connected ``timeout`` after the first did; one silent for ``timeout`` that holds up
+        another's pull (asynchronous: ``holding_up``, behind the staleness bound; synchronous: one
+        that has not pushed the step another waits for). A worker busy for long between steps is
+        left alone otherwise. A synchronous job then ends with the error naming the worker; an
+        asynchronous one goes on without them and says so."""
         if self._first_connected is None:
             return
         limit = self.cfg.timeout
@@ -348,13 +349,22 @@ class ParameterServer:
             if status == "waiting" and now - self._first_connected >= limit:
                 self._lost(w, f"it did not connect within {limit:g} s of the first worker")
         if self.cfg.synchronous:
-            return
+            holding_up = self._holding_up_step()
         for w in holding_up:
             if self._status[w] != "connected" or w in self._serving:  # (waiting for this server is not silence)
                 continue
             if now - self._heard[w] >= limit:
                 self._lost(w, f"it sent nothing for {limit:g} s while holding up the others' pulls")
                 self._channels[w].close()  # its reader wakes up and ends
+
+    def _holding_up_step(self) -> list[int]:
+        """Sync: the connected workers whose gradients of the step in progress are not all in
+        while another connected worker waits for its parameters (caller holds the lock)."""
+        if not self._initialized:  # (no step before worker 0's INIT: nor the step's counters)
+            return []
+        pulled = {u for u in range(self.cfg.workers)
+                  if self._want[u] == self.version + 1 and self._status[u] == "connected"}
+        return [u for u in self._missing() if self._status[u] == "connected" and pulled - {u}]
 
     def _finished(self) -> bool:
         """Every worker said BYE or was lost; a failed job also ends once none is connected, but still

@@ -32,8 +32,8 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   the caller (a local ``optimizer.step()``, ``load_state_dict``): ``step()`` refuses it, as it
   refuses a gradient whose version moved after its push.
 
-Every wait ends by ``timeout`` (asynchronous: a wait for pulled parameters by twice that, so
-that a server can first drop a silent worker that holds the pull up). A lost server is a
+Every wait ends by ``timeout`` (a wait for pulled parameters by twice that, so that a server
+can first drop a silent worker that holds the pull up, and say so). A lost server is a
 PeerLost naming it, raised by the next forward, ``step()``, ``wait()`` or ``close()``; an error
 a server reports (a lost worker in a synchronous job) comes back with the server's text.
 """
@@ -393,10 +393,11 @@ class ParameterServerTraining:
         return all(self._arrived[j] >= self.step_count for j in self._parts_of[i])
 
     def _pull_timeout(self) -> float:
-        """How long a wait for pulled parameters lasts. Asynchronous: twice ``timeout``, since a
-        server holding this worker's pull for a silent worker drops that one only after ``timeout``
-        of its own, and answers then: a wait of ``timeout`` here ended at that very moment."""
-        return self.opts.timeout * (2 if self.opts.strategy == "async" else 1)
+        """How long a wait for pulled parameters lasts: twice ``timeout``, since a server holding
+        this worker's pull for a silent worker drops that one only after ``timeout`` of its own,
+        and answers then (asynchronous: the parameters; synchronous: the error naming the worker
+        lost): a wait of ``timeout`` here ended at that very moment."""
+        return 2 * self.opts.timeout
 
     def _wait_params(self, indices: Sequence[int]) -> None:
         t0 = time.monotonic()
@@ -415,8 +416,8 @@ class ParameterServerTraining:
                     slow = sorted({self._part[j].server for i in indices if not self._param_in(i)
                                    for j in self._parts_of[i] if self._arrived[j] < self.step_count})
                     why = ("" if self.opts.strategy == "async" else
-                           " (a synchronous server sends them once every worker's gradients of the step are in: a "
-                           "stopped or slow worker holds them up too)")
+                           " (a synchronous server sends them once every worker's gradients of the step are in, "
+                           "and names a worker that holds them up for its timeout)")
                     raise CommTimeout(f"worker {self.worker}: parameters from parameter server(s) {slow} "
                                       f"did not arrive within {self._pull_timeout():g} s{why}")
                 self._cond.wait(min(left, 0.5))
