@@ -73,15 +73,25 @@ class TorchTransport(Transport):
         if ok is False:
             raise CommTimeout(f"rank {self.rank}: {what} rank {peer} timed out during {header.describe()}")
 
+    def _post(self, op, tensor: torch.Tensor, peer: int, tag: int, header: CallHeader, what: str):
+        """``op([tensor], peer, tag)`` (the group's send or recv): its work. gloo raises at posting,
+        not only at the wait, where the pair broke already (a peer killed, "Connection reset by
+        peer"): that is a PeerLost too."""
+        try:
+            return op([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise PeerLost(f"rank {self.rank}: {what} rank {peer} failed during {header.describe()}: {exc}") from exc
+
     def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], header: CallHeader, deadline: float) -> None:
         if self._closed:
             raise CommError(f"rank {self.rank}: transport is closed")
         works = []
         for s in sends:
             pro = np.frombuffer(header.pack() + _LEN.pack(s.buf.nbytes), dtype=np.uint8).copy()
-            works.append((s.peer, self.group.send([torch.from_numpy(pro)], s.peer, 0)))
+            works.append((s.peer, self._post(self.group.send, torch.from_numpy(pro), s.peer, 0, header, "sending to")))
             if s.buf.nbytes:
-                works.append((s.peer, self.group.send([_bytes_tensor(s.buf)], s.peer, 1)))
+                works.append((s.peer, self._post(self.group.send, _bytes_tensor(s.buf), s.peer, 1, header,
+                                                 "sending to")))
         for i, r in enumerate(recvs):
             error = self._receive(r, header, deadline)
             if error is not None:
@@ -94,7 +104,8 @@ class TorchTransport(Transport):
         """Receive one message into ``r``; return (not raise) the error its prologue stands for,
         a mismatch or the peer's ABORT, so that the caller can drain the exchange first."""
         pro = torch.empty(_PROLOGUE, dtype=torch.uint8)
-        self._wait(self.group.recv([pro], r.peer, 0), r.peer, header, deadline, "receiving from")
+        work = self._post(self.group.recv, pro, r.peer, 0, header, "receiving from")
+        self._wait(work, r.peer, header, deadline, "receiving from")
         raw = pro.numpy().tobytes()
         if _ABORT.unpack_from(raw)[0] == _ABORT_SEQ:
             return self._abort_error(raw, r.peer, header, deadline)
@@ -111,7 +122,8 @@ class TorchTransport(Transport):
             return exc
         if length:
             target = r.buf if r.reduce is None else np.empty_like(r.buf)
-            self._wait(self.group.recv([_bytes_tensor(target)], r.peer, 1), r.peer, header, deadline, "receiving from")
+            work = self._post(self.group.recv, _bytes_tensor(target), r.peer, 1, header, "receiving from")
+            self._wait(work, r.peer, header, deadline, "receiving from")
             if r.reduce is not None:
                 r.reduce(r.buf, target)
         return None
@@ -123,36 +135,42 @@ class TorchTransport(Transport):
 
         soon = min(deadline, time.monotonic() + 0.5)
         posted = []
-        for r in rest:
-            pro = torch.empty(_PROLOGUE, dtype=torch.uint8)
-            posted.append((r.peer, self.group.recv([pro], r.peer, 0), pro))
-            self._unwaited.append(posted[-1][1:])
-        for peer, work, pro in posted:
-            try:
+        try:
+            for r in rest:
+                pro = torch.empty(_PROLOGUE, dtype=torch.uint8)
+                posted.append((r.peer, self._post(self.group.recv, pro, r.peer, 0, header, "receiving from"), pro))
+                self._unwaited.append(posted[-1][1:])
+            for peer, work, pro in posted:
                 self._wait(work, peer, header, soon, "receiving from")
-            except CommError:
-                return
-            raw = pro.numpy().tobytes()
-            if _ABORT.unpack_from(raw)[0] == _ABORT_SEQ:
-                self._text_parts(raw, peer)  # posted, not waited for
-            else:
-                self._take_in(peer, _LEN.unpack(raw[CallHeader.SIZE :])[0])
+                raw = pro.numpy().tobytes()
+                if _ABORT.unpack_from(raw)[0] == _ABORT_SEQ:
+                    self._text_parts(raw, peer)  # posted, not waited for
+                else:
+                    self._take_in(peer, _LEN.unpack(raw[CallHeader.SIZE :])[0])
+        except CommError:  # best effort: the error being raised is the caller's
+            return
 
     def _take_in(self, peer: int, length: int) -> None:
         """Post the receive of the payload ``peer`` announced (not waited for): its send then
         completes and it goes on to read this rank's ABORT instead of timing out on the send."""
         if 0 < length <= _MAX_DRAIN:
             scratch = torch.empty(length, dtype=torch.uint8)
-            self._unwaited.append((self.group.recv([scratch], peer, 1), scratch))
+            try:
+                self._unwaited.append((self.group.recv([scratch], peer, 1), scratch))
+            except RuntimeError:  # the pair broke: nothing to take in (best effort)
+                pass
 
     def _text_parts(self, raw: bytes, peer: int) -> list:
         """Post the receives of the reason text that follows ABORT prologue ``raw`` from ``peer``."""
         self._failed_peers.add(peer)
         length = min(_ABORT.unpack_from(raw)[2], _MAX_ABORT_TEXT)
         parts = []
-        for _ in range(-(-length // _PROLOGUE)):
-            buf = torch.empty(_PROLOGUE, dtype=torch.uint8)
-            parts.append((self.group.recv([buf], peer, 0), buf))
+        try:
+            for _ in range(-(-length // _PROLOGUE)):
+                buf = torch.empty(_PROLOGUE, dtype=torch.uint8)
+                parts.append((self.group.recv([buf], peer, 0), buf))
+        except RuntimeError:  # the pair broke: the text received so far is all there is
+            pass
         self._unwaited.extend(parts)
         return parts
 
@@ -214,7 +232,7 @@ class TorchTransport(Transport):
                     # a peer still in the call: take its payload; it then reads our ABORT
                     self._take_in(peer, _LEN.unpack(raw[CallHeader.SIZE :])[0])
                     pro = torch.empty(_PROLOGUE, dtype=torch.uint8)
-                    work = self.group.recv([pro], peer, 0)
+                    work = self._post(self.group.recv, pro, peer, 0, header, "receiving from")
                     self._unwaited.append((work, pro))
             for peer, work, _ in sends:
                 self._wait(work, peer, header, soon, "sending to")
