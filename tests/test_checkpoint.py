@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +152,22 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, how):
     with pytest.warns(RuntimeWarning, match="skipping checkpoint of step 2"):
         got = checkpoint.latest(tmp_path)
     assert got.step == 1 and torch.equal(got.payload["w"], torch.arange(1000, dtype=torch.float32) + 1)
+
+
+def test_a_file_under_another_steps_name_is_skipped(tmp_path):
+    """Step 4's file copied (or renamed) to step 8's name: taken as the newest, it would set the run
+    back to step 4 at every restart until step 8 was saved again; the step beside the payload is
+    not in the digest either, so a flipped bit there looks the same."""
+    for step in (4, 6):
+        checkpoint.save(tmp_path, step, {"s": torch.tensor(step)})
+    shutil.copy(tmp_path / checkpoint.checkpoint_name(4), tmp_path / checkpoint.checkpoint_name(8))
+    with pytest.raises(CheckpointError, match="holds step 4, not the step 8 its name says"):
+        checkpoint.load(tmp_path / checkpoint.checkpoint_name(8))
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint of step 8"):
+        assert checkpoint.latest(tmp_path).step == 6
+    # Under a name of its own (not a checkpoint name) the file loads as what it holds.
+    shutil.copy(tmp_path / checkpoint.checkpoint_name(4), tmp_path / "best.pt")
+    assert checkpoint.load(tmp_path / "best.pt").step == 4
 
 
 def test_an_unreadable_file_is_named_in_one_short_line_without_torchs_advice(tmp_path):

@@ -25,8 +25,9 @@ Words:
   (:func:`supersede`) into ``<directory>/superseded-<UTC time>/``, so it neither overwrites
   them nor leaves later steps behind that a later resume would prefer to its own.
 - *latest valid*: :func:`latest` tries checkpoints from the highest step down; a file that
-  is truncated, corrupt or not a checkpoint is skipped with a warning, never raised, so a
-  resume always starts from the newest checkpoint that is whole.
+  is truncated, corrupt, not a checkpoint, or holds another step than its name says (copied
+  or renamed) is skipped with a warning, never raised, so a resume always starts from the
+  newest checkpoint that is whole.
 
 Who writes: with data parallelism every rank holds the same parameters and optimizer
 state, so the caller usually saves on rank 0 only and every rank loads the same file.
@@ -235,7 +236,14 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError(f"{path}: payload holds a type checkpoints do not ({exc})") from exc
     if actual != record.get("digest"):
         raise CheckpointError(f"{path}: contents do not match the recorded digest (corrupt file)")
-    return Checkpoint(path, int(record["step"]), payload)
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: records no valid step ({step!r})")
+    named = _NAME.match(path.name)
+    if named and int(named.group(1)) != step:  # (the digest covers the payload, not the step beside it)
+        raise CheckpointError(f"{path}: holds step {step}, not the step {int(named.group(1))} its name says "
+                              "(a file copied or renamed from another step)")
+    return Checkpoint(path, step, payload)
 
 
 def latest(directory: str | os.PathLike[str], *, warn: bool = True) -> Checkpoint | None:
