@@ -286,6 +286,25 @@ def test_a_worker_records_its_exception_for_the_parent(tmp_path):
     assert message.startswith("ValueError: --model must be one of"), message
 
 
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # pytest's captured stderr has no fileno
+def test_a_worker_that_loses_a_peer_records_it_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """Rank 0's output is shown: its CommTimeout or PeerLost when another rank dies or stops was
+    some 60 lines of traceback above the parent's line that says the same."""
+    from ringtrain.errors import CommTimeout
+
+    def lost(config_json, json_summary):
+        raise CommTimeout("rank 0: timed out waiting for rank 1 to send its message during call #93 allreduce")
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setattr(train, "_run_worker", lost)
+    args = argparse.Namespace(worker="{}", json=False, interrupt_file="")
+    assert train._worker_entry(args) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message.startswith("CommTimeout: rank 0: timed out waiting for rank 1"), message
+
+
 def busy_port() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

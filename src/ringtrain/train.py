@@ -42,6 +42,7 @@ from pathlib import Path
 
 from . import resume
 from .checkpoint import CheckpointWriteError
+from .errors import CommError
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
@@ -211,8 +212,8 @@ def _worker_entry(args: argparse.Namespace) -> int:
 
         # record: an exception of any rank goes to torchrun's error file, which the parent reports
         return record(_run_worker)(args.worker, args.json)
-    except CheckpointWriteError:  # (a full disk): the parent's line says it all; no traceback
-        return 1
+    except (CheckpointWriteError, CommError):  # (a full disk; a lost or silent peer): recorded, and the
+        return 1  # parent's line says it all: no traceback (rank 0's would be shown, some 60 lines)
     except KeyboardInterrupt as exc:  # no traceback: the parent says it in one line (_interrupted)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if isinstance(exc, _Interrupted) and exc.rank == 0 and args.interrupt_file:
