@@ -426,6 +426,31 @@ def test_a_full_disk_is_a_checkpoint_write_error_and_the_older_checkpoint_stays(
     assert found.step == 1 and torch.equal(found.payload["w"], payload["w"])
 
 
+def test_a_read_only_file_system_is_a_checkpoint_write_error(tmp_path, monkeypatch):
+    """The temporary file cannot be made (a file system remounted read-only during training): that
+    was a bare OSError, a traceback from every training script that catches CheckpointWriteError."""
+    checkpoint.save(tmp_path, 1, {"w": torch.ones(3)})
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(tmp_path / ".ckpt-000000002.pt.tmp"))
+
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", read_only)
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save(tmp_path, 2, {"w": torch.ones(3)})
+    monkeypatch.undo()
+    assert info.value.errno == 30 and str(info.value) == (
+        f"could not write the checkpoint {tmp_path / 'ckpt-000000002.pt'}: Read-only file system (errno 30); "
+        "the checkpoints saved before it are untouched")
+    assert checkpoint.latest(tmp_path).step == 1
+
+
+def test_a_directory_that_is_a_file_is_a_checkpoint_write_error_naming_it(tmp_path):
+    (tmp_path / "runs").write_text("not a directory")
+    with pytest.raises(checkpoint.CheckpointWriteError, match=f"{tmp_path / 'runs'} is not a directory"):
+        checkpoint.save(tmp_path / "runs", 1, {"w": torch.ones(3)})
+    assert (tmp_path / "runs").read_text() == "not a directory"
+
+
 def test_other_failures_of_a_save_are_raised_as_they_are(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("not a disk problem")

@@ -48,6 +48,8 @@ position in the global batch sequence), so rank 0's file restores every rank's l
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -79,9 +81,9 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (a full disk, a write error); the checkpoints saved before
-    it are untouched. Its ``errno`` and ``strerror`` are the operating system's, ``filename`` the
-    checkpoint's path."""
+    """A checkpoint could not be written (a full disk, a read-only file system, a write error, a
+    directory that is a file); the checkpoints saved before it are untouched. Its ``errno`` and
+    ``strerror`` are the operating system's, ``filename`` the checkpoint's path."""
 
     def __str__(self) -> str:
         return (f"could not write the checkpoint {self.filename}: {self.strerror} (errno {self.errno}); "
@@ -149,16 +151,19 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     directory = path.parent
     prefix = f".{path.name}.{_host()}.{os.getpid()}."
-    fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
-    tmp = Path(tmp_name)
-    try:
+    tmp = None
+    try:  # (making the temporary file fails too: a read-only file system, a directory gone)
+        fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
+        tmp = Path(tmp_name)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):  # (on a file system gone read-only: a later save removes it)
+                tmp.unlink(missing_ok=True)
         cause = _os_error(exc)
         if cause is None:
             raise
@@ -191,7 +196,13 @@ def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], 
     if not isinstance(payload, dict):
         raise ValueError(f"payload must be a dict, got {type(payload).__name__}")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        path = str(directory / checkpoint_name(step))
+        if directory.exists() and not directory.is_dir():  # (mkdir says "File exists")
+            raise CheckpointWriteError(errno.ENOTDIR, f"{directory} is not a directory", path) from exc
+        raise CheckpointWriteError(exc.errno, exc.strerror or str(exc), path) from exc
     record = {FORMAT_KEY: FORMAT_VERSION, "step": step, "digest": digest(payload), "payload": payload}
     path = atomic_save(record, directory / checkpoint_name(step))
     existing = list_checkpoints(directory)
