@@ -170,6 +170,19 @@ def test_a_file_under_another_steps_name_is_skipped(tmp_path):
     assert checkpoint.load(tmp_path / "best.pt").step == 4
 
 
+def test_a_skipped_checkpoint_is_said_once_in_a_script_without_logging_set_up(tmp_path):
+    """latest() warns and logs; with logging not configured, its last-resort handler printed the
+    log record too: every damaged file was named twice, on every rank."""
+    checkpoint.save(tmp_path, 1, {"w": torch.ones(3)})
+    (tmp_path / checkpoint.checkpoint_name(2)).write_bytes(b"torn")
+    env = dict(os.environ, PYTHONPATH=str(Path(checkpoint.__file__).parents[1]))
+    script = f"from ringtrain import checkpoint; print(checkpoint.latest({str(tmp_path)!r}).step)"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.stdout.strip() == "1", proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "skipping checkpoint of step 2" in line]
+    assert len(said) == 1, proc.stderr
+
+
 def test_an_unreadable_file_is_named_in_one_short_line_without_torchs_advice(tmp_path):
     """torch's own text for a file its safe unpickler refuses is pages long and recommends
     weights_only=False, which would run code from the file: only its type is kept."""

@@ -267,7 +267,8 @@ def latest(directory: str | os.PathLike[str], *, warn: bool = True) -> Checkpoin
         except CheckpointError as exc:
             if warn:
                 warnings.warn(f"skipping checkpoint of step {step}: {exc}", RuntimeWarning, stacklevel=2)
-                log.warning("skipping checkpoint of step %d: %s", step, exc)
+                if log.hasHandlers():  # (unconfigured, logging's last resort printed the same line again)
+                    log.warning("skipping checkpoint of step %d: %s", step, exc)
     return None
 
 
