@@ -86,7 +86,9 @@ class TrainConfig:
     optimal on several workers, the trial of plans (up to some 70 steps); a run that ends sooner writes no step and
     says so."""
     timeout: float = 120.0
-    """Seconds any communication may wait before it fails."""
+    """Seconds any communication may wait before it fails. It must also cover writing one checkpoint: the other
+    workers wait for rank 0 in the next step while it saves, and a longer save fails the run as a CommTimeout
+    naming rank 0."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     strategy: str = "ring"
