@@ -70,6 +70,21 @@ def test_a_rank_torchrun_stopped_is_named_after_the_one_that_failed_in_the_same_
     assert [r for r, _ in sorted(later.items(), key=lambda item: launch._failure_order(*item))] == [1, 0]
 
 
+def test_a_rank_killed_from_outside_is_named_before_the_ranks_that_lost_it_in_the_same_second():
+    """kill -9 of rank 2 (a parameter server) of `ringtrain train`: ranks 0 and 1 recorded PeerLost
+    before torchrun stopped them, all in one second; rank 0 was named first and the status was 143."""
+    same = 1_700_000_000
+    lost = {"message": "PeerLost: parameter server 0 at 127.0.0.1:46427 closed the connection"}
+    failures = {0: Failure(-signal.SIGTERM, same, lost), 1: Failure(-signal.SIGTERM, same, lost),
+                2: Failure(-signal.SIGKILL, same)}
+    order = sorted(failures.items(), key=lambda item: launch._failure_order(*item))
+    assert [rank for rank, _ in order] == [2, 0, 1]
+    assert launch._exit_status(order[0][1].exitcode) == 137
+    # A stopped (SIGSTOP) rank that torchrun kills 30 s after the others timed out stays last.
+    later = {0: Failure(1, same, {"message": "CommTimeout: x"}), 1: Failure(-signal.SIGKILL, same + 30)}
+    assert [r for r, _ in sorted(later.items(), key=lambda item: launch._failure_order(*item))] == [0, 1]
+
+
 @pytest.mark.multiprocess
 def test_the_rank_that_failed_is_named_first_and_its_exit_code_returned(tmp_path):
     script = tmp_path / "crash.py"

@@ -185,9 +185,12 @@ class _QuietShutdown(logging.Filter):
 
 def _failure_order(rank: int, failure) -> tuple:
     """Who failed first: a rank that ended by itself before one torchrun stopped (SIGTERM, nothing
-    recorded) after it; then by time (torch's are whole seconds) and rank."""
+    recorded) after it; then by time (torch's are whole seconds); in the same second a rank killed by
+    a signal torchrun does not send (kill -9, the OOM killer, a crash) before the ranks that saw it
+    go (their PeerLost, recorded before torchrun's SIGTERM); then by rank."""
     stopped = failure.exitcode == -signal.SIGTERM and not isinstance(failure.message, dict)
-    return stopped, failure.timestamp, rank
+    killed = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
+    return stopped, failure.timestamp, not killed, rank
 
 
 def _exit_status(exitcode: int) -> int:
