@@ -305,6 +305,23 @@ def test_a_worker_that_loses_a_peer_records_it_without_a_traceback(tmp_path, mon
     assert message.startswith("CommTimeout: rank 0: timed out waiting for rank 1"), message
 
 
+def test_sigterm_during_a_checkpoint_save_takes_effect_once_the_save_is_done():
+    """torchrun passes SIGTERM (a scheduler stopping the job) on to the ranks: rank 0 died in the
+    middle of its save and the run lost that checkpoint. It is held, as Ctrl-C is, until the save
+    is done, then goes to the handler the process had."""
+    events = []
+    sigint = signal.getsignal(signal.SIGINT)
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: events.append("SIGTERM handled"))
+    try:
+        with train._interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            events.append("save done")
+        assert events == ["save done", "SIGTERM handled"]
+        assert signal.getsignal(signal.SIGINT) is sigint
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def busy_port() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

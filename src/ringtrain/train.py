@@ -430,15 +430,20 @@ def _note_other_corpus(payload: dict, loader, rank: int) -> None:
 
 @contextlib.contextmanager
 def _interrupts_held():
-    """Ctrl-C waits until the block is done (a checkpoint being saved: torch.save turns a
-    KeyboardInterrupt into a RuntimeError of its own, and the save would be lost), then raises."""
+    """Ctrl-C and SIGTERM wait until the block is done (a checkpoint being saved: torch.save turns a
+    KeyboardInterrupt into a RuntimeError of its own, and SIGTERM, which torchrun passes on when
+    it is stopped, ended the process mid-write: either way the save was lost), then take effect:
+    Ctrl-C raises, SIGTERM goes to the handler it had (by default it ends the process)."""
     held: list[int] = []
-    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    before = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
-        if held:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if signal.SIGTERM in held:
+            signal.raise_signal(signal.SIGTERM)
+        if signal.SIGINT in held:
             raise KeyboardInterrupt
 
 
