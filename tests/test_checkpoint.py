@@ -464,6 +464,30 @@ def test_a_directory_that_is_a_file_is_a_checkpoint_write_error_naming_it(tmp_pa
     assert (tmp_path / "runs").read_text() == "not a directory"
 
 
+class _Interrupted(_FillsUp):
+    """A file whose write is interrupted by Ctrl-C once ``room`` bytes are in."""
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise KeyboardInterrupt
+        return super().write(data)
+
+
+def test_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path, monkeypatch):
+    """torch's writer turns the KeyboardInterrupt into 'RuntimeError: [enforce fail at
+    inline_container.cc:672] . unexpected pos 896 vs 790': a script stopped with Ctrl-C
+    while saving ended with that instead of KeyboardInterrupt."""
+    payload = {"w": torch.arange(100_000, dtype=torch.float32)}
+    checkpoint.save(tmp_path, 1, payload)
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, mode: _Interrupted(real_fdopen(fd, mode), 50_000))
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 2, payload)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000001.pt"]
+    assert torch.equal(checkpoint.latest(tmp_path).payload["w"], payload["w"])
+
+
 def test_other_failures_of_a_save_are_raised_as_they_are(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("not a disk problem")

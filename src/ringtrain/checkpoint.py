@@ -164,6 +164,8 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         if tmp is not None:
             with contextlib.suppress(OSError):  # (on a file system gone read-only: a later save removes it)
                 tmp.unlink(missing_ok=True)
+        if _in_chain(exc, KeyboardInterrupt) is not None:  # (torch's writer turns Ctrl-C into its RuntimeError)
+            raise KeyboardInterrupt from None
         cause = _os_error(exc)
         if cause is None:
             raise
@@ -175,9 +177,14 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
 def _os_error(exc: BaseException) -> OSError | None:
     """The OSError behind ``exc`` (itself, or one in its chain): torch's writer reports a full disk
     as a RuntimeError about a position in its zip container, caused by the OSError that says it."""
+    return _in_chain(exc, OSError)
+
+
+def _in_chain(exc: BaseException | None, kind: type) -> BaseException | None:
+    """``exc`` or the first exception of type ``kind`` in its chain of causes (None if there is none)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError):
+        if isinstance(exc, kind):
             return exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
