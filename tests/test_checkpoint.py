@@ -496,3 +496,15 @@ def test_other_failures_of_a_save_are_raised_as_they_are(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not a disk problem"):
         checkpoint.save(tmp_path, 1, {"w": torch.zeros(3)})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_checkpoint_has_the_mode_the_umask_gives_a_new_file(tmp_path, umask):
+    """As torch.save's own files: 0644 under the usual umask (the temporary file's 0600 was kept,
+    so another user, or a job under another uid, could not read the checkpoints)."""
+    before = os.umask(umask)
+    try:
+        path = checkpoint.save(tmp_path, 3, {"w": torch.zeros(2)})
+    finally:
+        os.umask(before)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

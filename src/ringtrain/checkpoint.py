@@ -146,6 +146,18 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save(obj)`` to ``path`` atomically and durably (temp file, fsync, rename, fsync dir)."""
     path = Path(path)
@@ -155,6 +167,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     try:  # (making the temporary file fails too: a read-only file system, a directory gone)
         fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
         tmp = Path(tmp_name)
+        os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp makes it 0600: as open() would, with the umask)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
