@@ -16,31 +16,14 @@ from torch import nn
 
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
+from test_ddp_review import Branchy, _rank_x
 
 FAST = dict(alpha=2e-5, beta=1e-9, warmup_iterations=0, profile_iterations=1)
 pytestmark = pytest.mark.timeout(60)
 
 
-class Branchy(nn.Module):
-    """A trunk, and a branch taken only when asked."""
-
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(4, 4)
-        self.branch = nn.Linear(4, 4)
-
-    def forward(self, x, use_branch=True):
-        h = torch.tanh(self.trunk(x))
-        return self.branch(h) if use_branch else h
-
-
-class Pair(nn.Module):
-    """Two layers that share nothing; ``which`` picks one."""
-
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(4, 4)
-        self.branch = nn.Linear(4, 4)
+class Pair(Branchy):
+    """Branchy's two layers side by side, sharing nothing; ``use_branch`` picks one."""
 
     def forward(self, x, use_branch=True):
         return self.branch(x) if use_branch else self.trunk(x)
@@ -51,11 +34,6 @@ def _made(kind: type = Branchy) -> nn.Module:
     each rank and each reference takes a deep copy."""
     torch.manual_seed(0)
     return kind()
-
-
-def _rank_x(rank: int, salt: int = 0) -> torch.Tensor:
-    """A distinct input per rank (and per salt)."""
-    return (torch.arange(8.0).reshape(2, 4) + 3 * rank + 7 * salt) / 8
 
 
 def _grads(model: nn.Module) -> dict:
@@ -72,6 +50,21 @@ def _assert_mean(got: dict, per_rank: list[dict]) -> None:
         # may split its reductions otherwise (the mean itself is exact at 2 ranks).
         torch.testing.assert_close(got[k], want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
 
+
+
+def _alone(base: nn.Module, loss) -> list[dict]:
+    """Each rank's gradients of ``loss(model, rank)`` on a copy of ``base`` of its own, no wrapper."""
+    per_rank = []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        loss(alone, rank).backward()
+        per_rank.append(_grads(alone))
+    return per_rank
+
+
+def _frozen_trunk_loss(model: nn.Module, rank: int) -> torch.Tensor:
+    model.trunk.weight.requires_grad_(False)
+    return model(_rank_x(rank, 1)).sum()
 
 # --- 1. find_unused_parameters and a loss over the outputs of two forwards ------------------------
 
@@ -100,11 +93,7 @@ def test_a_backward_through_two_forwards_that_reach_other_parameters_is_an_error
     for message, _ in results:
         assert "'branch.weight'" in message and "'branch.bias'" in message, message
         assert "'trunk." not in message, message
-    per_rank = []
-    for rank in range(2):
-        alone = copy.deepcopy(base)
-        alone(_rank_x(rank), use_branch=True).sum().backward()
-        per_rank.append(_grads(alone))
+    per_rank = _alone(base, lambda m, rank: m(_rank_x(rank), use_branch=True).sum())
     for _, grads in results:
         _assert_mean(grads, per_rank)
 
@@ -127,11 +116,7 @@ def test_two_forwards_over_the_same_parameters_into_one_loss_are_averaged():
 
     results = raise_first(run_comms(2, body))
     for step in range(3):
-        per_rank = []
-        for rank in range(2):
-            alone = copy.deepcopy(base)
-            (alone(_rank_x(rank, step)) * alone(_rank_x(rank, step + 10))).sum().backward()
-            per_rank.append(_grads(alone))
+        per_rank = _alone(base, lambda m, rank: (m(_rank_x(rank, step)) * m(_rank_x(rank, step + 10))).sum())
         for r in range(2):
             _assert_mean(results[r][step], per_rank)
 
@@ -151,11 +136,7 @@ def test_an_earlier_forward_left_without_backward_changes_nothing():
         return grads
 
     results = raise_first(run_comms(2, body))
-    per_rank = []
-    for rank in range(2):
-        alone = copy.deepcopy(base)
-        alone(_rank_x(rank), use_branch=False).sum().backward()
-        per_rank.append(_grads(alone))
+    per_rank = _alone(base, lambda m, rank: m(_rank_x(rank), use_branch=False).sum())
     for grads in results:
         _assert_mean(grads, per_rank)
         assert grads["branch.weight"] is None
@@ -200,12 +181,7 @@ def test_a_parameter_frozen_after_wrapping_is_averaged_as_unused_with_find_unuse
         return grads
 
     results = raise_first(run_comms(2, body))
-    per_rank = []
-    for rank in range(2):
-        alone = copy.deepcopy(base)
-        alone.trunk.weight.requires_grad_(False)
-        alone(_rank_x(rank, 1)).sum().backward()
-        per_rank.append(_grads(alone))
+    per_rank = _alone(base, _frozen_trunk_loss)
     for grads in results:
         _assert_mean(grads, per_rank)
 
@@ -233,12 +209,7 @@ def test_a_parameter_frozen_at_wrapping_that_requires_grad_later_is_refused_nami
         return str(info.value), grads
 
     results = raise_first(run_comms(2, body))
-    per_rank = []
-    for rank in range(2):
-        alone = copy.deepcopy(base)
-        alone.trunk.weight.requires_grad_(False)
-        alone(_rank_x(rank, 1)).sum().backward()
-        per_rank.append(_grads(alone))
+    per_rank = _alone(base, _frozen_trunk_loss)
     for message, grads in results:
         assert "wrap the module again" in message, message
         _assert_mean(grads, per_rank)
@@ -300,11 +271,7 @@ def test_a_non_reentrant_checkpoint_is_averaged(find_unused):
 
     results = raise_first(run_comms(2, body))
     for step in range(3):
-        per_rank = []
-        for rank in range(2):
-            alone = copy.deepcopy(base)
-            alone(_rank_x(rank, step)).sum().backward()
-            per_rank.append(_grads(alone))
+        per_rank = _alone(base, lambda m, rank: m(_rank_x(rank, step)).sum())
         for r in range(2):
             _assert_mean(results[r][step], per_rank)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringtrain.errors import AuthError, CommError, CommTimeout, PeerLost, ProtocolError
+from ringtrain.errors import AuthError, CommError, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
 from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
