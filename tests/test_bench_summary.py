@@ -69,3 +69,16 @@ def test_a_file_that_is_no_result_is_one_line(tmp_path, capsys):
     bad.write_text(json.dumps({"rows": [{"model": "m"}]}))
     assert _script().main([str(bad)]) == 2
     assert "not a bench train result" in capsys.readouterr().err
+
+
+def test_ps_projection_reads_a_saved_parameter_server_run(capsys):
+    files = [f for f in sorted((ROOT / "benchmarks").glob("train-*.json"))
+             if any(r["impl"] == "ps" for r in json.loads(f.read_text())["rows"])]
+    if not files:
+        pytest.skip("no saved parameter-server result")
+    spec = importlib.util.spec_from_file_location("ps_projection", ROOT / "scripts" / "ps_projection.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(files[-1]), "--servers", "1,4"]) == 0
+    out = capsys.readouterr().out
+    assert "1 server" in out and "4 servers" in out and "× the ring" in out
