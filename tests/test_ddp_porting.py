@@ -62,6 +62,26 @@ def _alone(base: nn.Module, loss) -> list[dict]:
     return per_rank
 
 
+def _averaged_as_alone(base: nn.Module, loss, steps: int = 3, **options) -> None:
+    """``steps`` iterations of ``loss(forward, rank, step)`` through the wrapper on 2 ranks: each
+    one's gradients, on every rank, are the mean of each rank's own (``_alone``, same loss)."""
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **options, **FAST)
+        grads = []
+        for step in range(steps):
+            model.zero_grad()
+            loss(ddp, comm.rank, step).backward()
+            grads.append(_grads(model))
+        ddp.close()
+        return grads
+
+    results = raise_first(run_comms(2, body))
+    for step in range(steps):
+        per_rank = _alone(base, lambda m, rank: loss(m, rank, step))
+        for r in range(2):
+            _assert_mean(results[r][step], per_rank)
+
 def _frozen_trunk_loss(model: nn.Module, rank: int) -> torch.Tensor:
     model.trunk.weight.requires_grad_(False)
     return model(_rank_x(rank, 1)).sum()
@@ -100,25 +120,8 @@ def test_a_backward_through_two_forwards_that_reach_other_parameters_is_an_error
 
 def test_two_forwards_over_the_same_parameters_into_one_loss_are_averaged():
     """A siamese loss (two forwards, one backward) reaching the same parameters stays allowed."""
-    base = _made()
-
-    def body(comm):
-        model = copy.deepcopy(base)
-        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
-        grads = []
-        for step in range(3):
-            model.zero_grad()
-            a, b = ddp(_rank_x(comm.rank, step)), ddp(_rank_x(comm.rank, step + 10))
-            (a * b).sum().backward()
-            grads.append(_grads(model))
-        ddp.close()
-        return grads
-
-    results = raise_first(run_comms(2, body))
-    for step in range(3):
-        per_rank = _alone(base, lambda m, rank: (m(_rank_x(rank, step)) * m(_rank_x(rank, step + 10))).sum())
-        for r in range(2):
-            _assert_mean(results[r][step], per_rank)
+    _averaged_as_alone(_made(), lambda f, rank, step: (f(_rank_x(rank, step)) * f(_rank_x(rank, step + 10))).sum(),
+                       find_unused_parameters=True)
 
 
 def test_an_earlier_forward_left_without_backward_changes_nothing():
@@ -256,24 +259,8 @@ def test_find_unused_parameters_refuses_a_reentrant_checkpoint_naming_the_way_ou
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_a_non_reentrant_checkpoint_is_averaged(find_unused):
     torch.manual_seed(0)
-    base = Checkpointed(reentrant=False)
-
-    def body(comm):
-        model = copy.deepcopy(base)
-        ddp = DistributedDataParallel(model, comm, find_unused_parameters=find_unused, **FAST)
-        grads = []
-        for step in range(3):
-            model.zero_grad()
-            ddp(_rank_x(comm.rank, step)).sum().backward()
-            grads.append(_grads(model))
-        ddp.close()
-        return grads
-
-    results = raise_first(run_comms(2, body))
-    for step in range(3):
-        per_rank = _alone(base, lambda m, rank: m(_rank_x(rank, step)).sum())
-        for r in range(2):
-            _assert_mean(results[r][step], per_rank)
+    _averaged_as_alone(Checkpointed(reentrant=False), lambda f, rank, step: f(_rank_x(rank, step)).sum(),
+                       find_unused_parameters=find_unused)
 
 # --- 3. one process, no launcher (a notebook) -----------------------------------------------------
 

@@ -223,12 +223,19 @@ def test_an_async_server_goes_on_without_a_worker_that_never_connects():
     assert any("worker 1 was lost" in n and "did not connect within 1.5 s" in n for n in out["stats"]["notices"])
 
 
-def test_an_async_server_drops_a_silent_worker_that_holds_up_the_others():
+def server_and_silent_worker(strategy: str):
+    """A server for 2 workers (timeout 1.5 s) serving on a thread, and worker 1 that says HELLO by
+    hand and then nothing: (server, thread, out, worker 1's channel)."""
     from ringtrain.ps.sharding import make_layout
 
-    server, thread, out = start_server(workers=2, strategy="async", timeout=1.5)
+    server, thread, out = start_server(workers=2, strategy=strategy, timeout=1.5)
     layout = make_layout([p.numel() for p in tiny().parameters()], 1, PSOptions().partition_bytes)
-    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum, strategy="async")  # then silent
+    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum, strategy=strategy)
+    return server, thread, out, silent
+
+
+def test_an_async_server_drops_a_silent_worker_that_holds_up_the_others():
+    server, thread, out, silent = server_and_silent_worker("async")
     stats = train_one(server.endpoint, steps=3, strategy="async", workers=2, timeout=20.0)
     thread.join(20)
     assert not thread.is_alive() and out["stats"]["failed"] is None and stats["steps"] == 3
@@ -241,11 +248,7 @@ def test_an_async_worker_with_the_servers_timeout_outlasts_a_silent_worker():
     """The same with one timeout for servers and workers, as ringtrain train and most scripts give:
     the worker held up gave up at the very moment the server dropped the silent one (both waited
     `timeout`), so the job died instead of going on without it."""
-    from ringtrain.ps.sharding import make_layout
-
-    server, thread, out = start_server(workers=2, strategy="async", timeout=1.5)
-    layout = make_layout([p.numel() for p in tiny().parameters()], 1, PSOptions().partition_bytes)
-    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum, strategy="async")  # then silent
+    server, thread, out, silent = server_and_silent_worker("async")
     stats = train_one(server.endpoint, steps=3, strategy="async", workers=2, timeout=1.5)
     thread.join(20)
     assert not thread.is_alive() and out["stats"]["failed"] is None and stats["steps"] == 3
@@ -257,11 +260,7 @@ def test_a_sync_worker_with_the_servers_timeout_names_a_silent_worker():
     """Synchronous, one timeout for servers and workers: the server ends the job naming the worker
     that went silent, and the worker held up reports that (it gave up at the very moment the
     server dropped the silent one, blaming the server for parameters that did not arrive)."""
-    from ringtrain.ps.sharding import make_layout
-
-    server, thread, out = start_server(workers=2, strategy="sync", timeout=1.5)
-    layout = make_layout([p.numel() for p in tiny().parameters()], 1, PSOptions().partition_bytes)
-    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum)  # then silent
+    server, thread, out, silent = server_and_silent_worker("sync")
     with pytest.raises(CommError, match="worker 1 was lost"):
         train_one(server.endpoint, steps=3, workers=2, timeout=1.5)
     thread.join(20)
