@@ -20,7 +20,6 @@ Pure reading of the JSON: it measures nothing.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 import sys
@@ -30,20 +29,20 @@ SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 NEAR = 0.03  # "within 3% of the fastest", the issue's noise margin
 
 
-def _listish(value):
-    """Rows store long lists and dicts as their repr when the table printer cut them; read both."""
-    return ast.literal_eval(value) if isinstance(value, str) else value
-
-
-def ring_cells(rows: list[dict]) -> dict[str, dict[str, str]]:
-    """model -> column -> Markdown cell, for the ring rows of one result."""
+def _ring_columns(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """model -> column -> row, for the ring job's rows: a column per schedule, "alone", "torch-ddp"."""
     by_model: dict[str, dict[str, dict]] = {}
     for row in rows:
         if row["impl"] in ("ringtrain", "alone", "torch-ddp"):
             key = row["schedule"] if row["impl"] == "ringtrain" else row["impl"]
             by_model.setdefault(row["model"], {})[key] = row
+    return by_model
+
+
+def ring_cells(rows: list[dict]) -> dict[str, dict[str, str]]:
+    """model -> column -> Markdown cell, for the ring rows of one result."""
     table = {}
-    for model, cols in by_model.items():
+    for model, cols in _ring_columns(rows).items():
         ddp = cols.get("torch-ddp")
         ours = {s: cols[s] for s in SCHEDULES if s in cols}
         fastest = min(ours, key=lambda s: ours[s]["median_iter_s"]) if ours else None
@@ -68,17 +67,9 @@ def ring_cells(rows: list[dict]) -> dict[str, dict[str, str]]:
 
 def ring_stats(rows: list[dict]) -> dict:
     """Per model: optimal against the fastest schedule and torch DDP; the simulator's errors."""
-    by_model: dict[str, dict[str, dict]] = {}
-    errors = []
-    for row in rows:
-        if row["impl"] == "ringtrain":
-            by_model.setdefault(row["model"], {})[row["schedule"]] = row
-            if row.get("sim_error") is not None:
-                errors.append(abs(row["sim_error"]))
-        elif row["impl"] == "torch-ddp":
-            by_model.setdefault(row["model"], {})["torch-ddp"] = row
+    errors = [abs(r["sim_error"]) for r in rows if r["impl"] == "ringtrain" and r.get("sim_error") is not None]
     near, below = [], []
-    for model, cols in by_model.items():
+    for model, cols in _ring_columns(rows).items():
         if "optimal" not in cols:
             continue
         opt = cols["optimal"]["median_iter_s"]
@@ -108,7 +99,7 @@ def ps_lines(rows: list[dict]) -> list[str]:
         lines.append(f"- {model} samples/s: " + ", ".join(parts))
         one, two = mine.get("ps-sync:1"), mine.get("ps-sharded:2")
         if one and two:
-            rounds = [a / b for a, b in zip(_listish(one["round_medians"]), _listish(two["round_medians"]))]
+            rounds = [a / b for a, b in zip(one["round_medians"], two["round_medians"])]
             lines.append(f"  2 sharded servers / 1: {two['samples_per_s'] / one['samples_per_s']:.2f}× "
                          f"(rounds {'/'.join(f'{x:.2f}' for x in rounds)})")
         if ring:
@@ -120,7 +111,7 @@ def ps_lines(rows: list[dict]) -> list[str]:
 def trial_lines(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
-        trial = _listish(row.get("trial") or [])
+        trial = row.get("trial") or []
         if row.get("schedule") == "optimal" and trial:
             timed = ", ".join(f"{t['label']} ({t['groups']}) {t['median_s'] * 1e3:.1f} ms"
                               + (" kept" if t["kept"] else "") for t in trial)

@@ -21,21 +21,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from ringtrain.bench.train import ring_link  # noqa: E402
 from ringtrain.sim import costs  # noqa: E402
 from ringtrain.sim.simulator import predict_with_cost  # noqa: E402
-from ringtrain.sim.traces import Trace  # noqa: E402
 
 
 def project(rows: list[dict], servers: list[int]) -> list[str]:
     lines = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        alone = next((r for r in rows if r["model"] == model and r["impl"] == "alone" and "trace" in r), None)
-        ring = next((r for r in rows if r["model"] == model and r["impl"] == "ringtrain" and r.get("cost")), None)
-        if alone is None or ring is None:
+        measured = ring_link(rows, model)
+        if measured is None:
             continue
-        trace, p = Trace.from_dict(alone["trace"]), ring["world_size"]
-        fit = ring["cost"].get("large", ring["cost"])
-        alpha, beta = costs.link_from_fit(fit["alpha"], fit["beta"], p)
+        trace, p, alpha, beta = measured
         ring_s = predict_with_cost(trace, costs.allreduce_cost(p, "ring", alpha=alpha, beta=beta), p).iteration_s
         parts = [f"ring {ring_s * 1e3:.0f} ms"]
         for k in servers:

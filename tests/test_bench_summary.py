@@ -47,7 +47,7 @@ def test_optimal_below_ddp_and_far_from_the_fastest_is_counted():
 def test_parameter_server_ratios_round_by_round():
     rows = [_row("mlp", "ringtrain", "optimal", 1000, samples_per_s=100.0),
             _row("mlp", "ps", "ps-sync:1", 3000, samples_per_s=40.0, round_medians=[3.0, 3.2], sim_error=-0.05),
-            _row("mlp", "ps", "ps-sharded:2", 2000, samples_per_s=68.0, round_medians="[1.5, 2.0]")]
+            _row("mlp", "ps", "ps-sharded:2", 2000, samples_per_s=68.0, round_medians=[1.5, 2.0])]
     text = "\n".join(_script().ps_lines(rows))
     assert "ps-sync:1 40 (sim -5%)" in text
     assert "2 sharded servers / 1: 1.70× (rounds 2.00/1.60)" in text

@@ -263,24 +263,36 @@ def _predict_ps(rows: list[dict]) -> None:
     cost ``sim.costs`` "ps" and the workers' own plan (optimal). Rows stay without one when the
     run has no ring job for the model; asynchronous rows are not modelled."""
     from ..sim import costs
-    from ..sim.costs import link_from_fit
     from ..sim.simulator import predict_with_cost
-    from ..sim.traces import Trace
 
     for r in rows:
         if r["impl"] != "ps" or r["schedule"].startswith("ps-async"):
             continue
-        alone = next((a for a in rows if a["model"] == r["model"] and a["impl"] == "alone" and "trace" in a), None)
-        ring = next((a for a in rows if a["model"] == r["model"] and a["impl"] == "ringtrain" and a.get("cost")), None)
-        if alone is None or ring is None or ring["world_size"] != r["world_size"]:
+        measured = ring_link(rows, r["model"])
+        if measured is None or measured[1] != r["world_size"]:
             continue
-        fit = ring["cost"].get("large", ring["cost"])
-        p = r["world_size"]
-        alpha, beta = link_from_fit(fit["alpha"], fit["beta"], p)
+        trace, p, alpha, beta = measured
         cost = costs.allreduce_cost(p, "ps", alpha=alpha, beta=beta, servers=r["servers"])
-        pred = predict_with_cost(Trace.from_dict(alone["trace"]), cost, p, "optimal", algorithm="ps")
+        pred = predict_with_cost(trace, cost, p, "optimal", algorithm="ps")
         r["sim_iter_s"] = pred.iteration_s
         r["sim_error"] = (pred.iteration_s - r["median_iter_s"]) / r["median_iter_s"]
+
+
+def ring_link(rows: list[dict], model: str):
+    """What a run measured of ``model`` for the simulator: its compute-alone layer trace, the ring
+    job's world size and the link (alpha, beta) of that job's allreduce sweep
+    (``sim.costs.link_from_fit`` on its larger messages); None where the run has no ring job or
+    no trace for it."""
+    from ..sim.costs import link_from_fit
+    from ..sim.traces import Trace
+
+    alone = next((a for a in rows if a["model"] == model and a["impl"] == "alone" and "trace" in a), None)
+    ring = next((a for a in rows if a["model"] == model and a["impl"] == "ringtrain" and a.get("cost")), None)
+    if alone is None or ring is None:
+        return None
+    fit = ring["cost"].get("large", ring["cost"])
+    p = ring["world_size"]
+    return (Trace.from_dict(alone["trace"]), p, *link_from_fit(fit["alpha"], fit["beta"], p))
 
 
 # --- worker ------------------------------------------------------------------------------------
