@@ -11,13 +11,17 @@ into buckets by the planner (MG-WFBP; by default the exact optimum of ``ringtrai
     print(model.last_stats)                        # forward, backward, communication, hidden share
     ringtrain.ddp.draw_timeline(["trace.rank0.json", "trace.rank1.json"], "timeline.png")
 
-Modules: ``wrapper`` (DistributedDataParallel: hooks, launch, wait, planning), ``buckets``
+Modules: ``wrapper`` (DistributedDataParallel: hooks, bucket memory, launch, wait), ``options``
+(DDPOptions: the wrapper's settings), ``unused`` (find_unused_parameters' graph walk and used
+bitmap, the errors about missing or unexpected gradients), ``planning`` (the plan in force:
+profile, first plan, trial, re-plans), ``trial`` (the trial of candidate plans), ``buckets``
 (pure layout of gradients in flat buffers), ``comm_thread`` (the one thread that runs the
 collectives), ``calibration`` (allreduce sweep, backward profile, drift), ``timeline``
 (Chrome trace, PNG drawing, per-iteration stats), ``overhead`` (one-rank cost measurement).
 """
 
 from .timeline import IterationStats, draw_timeline, trace_path
-from .wrapper import SCHEDULES, DDPOptions, DistributedDataParallel
+from .options import SCHEDULES, DDPOptions
+from .wrapper import DistributedDataParallel
 
 __all__ = ["DDPOptions", "DistributedDataParallel", "IterationStats", "SCHEDULES", "draw_timeline", "trace_path"]

@@ -1,7 +1,7 @@
 """The trial of plans: what the planner's model of the machine cannot know, measured.
 
 After its first plan, a ``DistributedDataParallel`` with ``schedule="optimal"`` runs one trial
-(its module docstring, item 5, says why). Words:
+(:mod:`.planning`, item 2, says why). Words:
 
 - *phase*: a plan run for ``verify_iterations`` iterations in a row. The *probe* phases
   (``finest``: 96 groups, only on a model of more layers than ``fine``'s; ``fine``: 24;
@@ -51,7 +51,8 @@ Row = tuple[float, float, float]
 
 
 class PlanTrial:
-    """One trial. The wrapper that owns it lends what it needs as callables:
+    """One trial. The :class:`.planning.Planning` that owns it lends what it needs as callables
+    (the wrapper's, through it):
 
     ``install(plan) -> (layout, specs)`` lays out buckets for ``plan`` over the profiled order,
     puts them in force and returns a handle to them and their ``BucketSpec``s;

@@ -36,31 +36,17 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    synchronizing forward and its backward (an evaluation) changes nothing; a forward that
    tracks gradients under ``no_sync()`` starts a local pass: the backward after it accumulates
    without communicating.
-4. *Planning*: the first ``warmup_iterations + profile_iterations`` iterations use one bucket
-   (reduced after backward, so the hooks time backward undisturbed), laid out in reverse
-   registration order. Then the profile (per-parameter backward times, mean over ranks, rank
-   0's observed order) and the sweep's allreduce cost go to ``ringtrain.plan.merge`` with the
-   chosen schedule, and the buckets are laid out again. Every ``replan_interval`` iterations
-   the profile is exchanged again and the plan re-made if the ready curve drifted by more than
-   ``drift_threshold`` of the backward time (or the order changed). Plans are logged on the
-   ``ringtrain.ddp`` logger (INFO on rank 0).
-5. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0; :mod:`.trial` has its words and
-   steps): after the first plan, the wrapper measures what the model cannot know. Probe plans
-   and one allreduce after backward give the *interference* (backward time lost per overlapped
-   allreduce and per overlapped byte, and how much slower allreduces run while backward does:
-   ``ringtrain.plan.Interference``); the optimal plan is made again with it. Then *candidates*
-   take turns, one iteration each (every bucket layout kept, so all meet the same machine load):
-   that plan, the optimal plan of free overlap (as on a GPU: where the fitted interference
-   over-charges overlap it merges less), the single allreduce, and torch DDP's default buckets
-   (so that the schedule kept is never slower than DDP's own grouping beyond the trial's
-   noise). The fastest median forward+backward (the slowest rank's) stays, with more rounds
-   where the two fastest are close; the earlier of equals (a margin towards fewer allreduces
-   was tried in two benchmark sets and dropped: among near-equals it keeps the plan that hides
-   less, down to one allreduce after backward). ``planned_with`` is the interference it was
-   planned with, ``fell_back`` says the single allreduce won, ``kept`` which candidate did,
-   ``trial`` what was timed. The one kept is laid out afresh and re-plans keep its way of
-   planning (the single allreduce and DDP's buckets, which the profile does not change, are
-   not re-planned). ``settled`` is True once the trial is over.
+4. *Planning*: the first iterations use one bucket and profile backward; then the buckets are
+   laid out by a plan from ``ringtrain.plan.merge``, re-made when the profile drifts
+   (:mod:`.planning` owns this and says how).
+5. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0): after the first plan, candidate
+   plans are timed and the fastest stays (:mod:`.planning`, :mod:`.trial`). ``planned_with``,
+   ``fell_back``, ``kept`` and ``trial`` say what it measured and kept; ``settled`` is True
+   once the trial is over.
+
+The wrapper owns the hooks, the buckets' memory and the iteration's state; :mod:`.options` its
+settings, :mod:`.unused` the ``find_unused_parameters`` analysis and the errors about missing or
+unexpected gradients, :mod:`.planning` the plan in force.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -69,15 +55,11 @@ the unused-parameter check) and nothing is copied or sent.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
-import os
 import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Iterator, Optional
 
@@ -87,103 +69,19 @@ from torch import nn
 
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
-from ..comm import ALGORITHMS, Communicator
-from ..errors import CommError, CommTimeout
+from ..comm import Communicator
+from ..errors import CommError
 from . import buckets as bucketing
 from . import calibration
-from .comm_thread import CommThread
+from .comm_thread import CommThread, settle_all
+from .options import DDPOptions
+from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
-from .trial import FIXED_CANDIDATES, PlanTrial
+from .unused import (earlier_forward_error, missing_gradients_error, output_tensors, reachable_params,
+                     unused_everywhere, unused_got_gradient_error, used_bitmap)
 
 logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
-
-SCHEDULES = planner.METHODS
-
-
-@dataclass(kw_only=True, slots=True)
-class DDPOptions:
-    """The wrapper's settings (validated here; the constructor's keywords)."""
-
-    schedule: str = "optimal"
-    """How gradients are merged into allreduces: one of ``ringtrain.plan.METHODS``."""
-    bucket_cap_mb: float = 25.0
-    """Bucket size threshold in MiB for ``schedule="fixed"``."""
-    algorithm: str = "auto"
-    """Allreduce algorithm (``ringtrain.comm.ALGORITHMS``)."""
-    timeline: Optional[str | os.PathLike] = None
-    """Trace file name; each rank writes ``<stem>.rank<r><suffix>``. None: no trace."""
-    timeline_iterations: int = 10
-    """Iterations recorded in the trace (from the first one with the measured plan)."""
-    find_unused_parameters: bool = False
-    """Find, at each forward, the parameters that will get no gradient; they contribute zeros (or
-    what ``no_sync()`` accumulated in their ``.grad``). One that no rank has a gradient for keeps
-    its ``.grad`` (None stays None), as with torch's DDP."""
-    broadcast_buffers: bool = True
-    """Copy rank 0's module buffers to every rank at each forward (torch DDP's default)."""
-    warmup_iterations: int = 1
-    """Synchronizing iterations before profiling starts (first-iteration costs excluded)."""
-    profile_iterations: int = 2
-    """Synchronizing iterations timed for the first plan (per-parameter median)."""
-    replan_interval: int = 50
-    """Re-check the profile every so many iterations after the first plan (0: never)."""
-    drift_threshold: float = 0.2
-    """Re-plan when the ready curve moved by more than this share of the backward time."""
-    verify_iterations: int = 5
-    """schedule="optimal" only: iterations per phase of the trial (module docstring, item 5):
-    the probe plans and one allreduce after backward measure the interference, then the plan
-    made with it, the plan made without it and the single allreduce alternate, as many
-    iterations each, and the fastest median forward+backward stays (0: no trial; trust the
-    model)."""
-    gradient_as_bucket_view: bool = True
-    """After backward each ``.grad`` is a view of its bucket (no copy back; torch's option of
-    the same name). The bucket is reused by the next synchronizing backward: a reference to a
-    ``.grad`` kept across iterations sees it change, and a post-accumulate-grad hook of the
-    user's registered after the wrapper's sees a gradient whose bucket may already be in
-    flight. False: every ``.grad`` keeps its own tensor and gets the mean copied back."""
-    interference: Optional[planner.Interference] = None
-    """Backward time lost per overlapped allreduce; None: measured by the trial's probes
-    (schedule="optimal" with verify_iterations > 0), else taken as none."""
-    alpha: Optional[float] = None
-    """Allreduce start-up time in seconds; None: measured by a sweep at construction."""
-    beta: Optional[float] = None
-    """Allreduce time per byte in seconds; None: measured by a sweep at construction."""
-    cost: Optional[planner.CostFn] = None
-    """Instead of alpha and beta: the allreduce's cost, ``cost(nbytes) -> seconds`` (e.g. the
-    ``ringtrain.plan.SplitCost`` that :func:`.calibration.sweep_cost` measured once for several
-    wrappers); None: alpha and beta, or the sweep."""
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: accepted values are {', '.join(SCHEDULES)}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={self.algorithm!r}: accepted values are {', '.join(ALGORITHMS)}")
-        cap = self.bucket_cap_mb
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (cap > 0 and math.isfinite(cap)):
-            raise ValueError(f"bucket_cap_mb={cap!r}: it must be a finite number of MiB > 0 (e.g. 25)")
-        for name, low in (("timeline_iterations", 1), ("warmup_iterations", 0), ("profile_iterations", 1),
-                          ("replan_interval", 0), ("verify_iterations", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r}: it must be an integer >= {low}")
-        if not isinstance(self.drift_threshold, (int, float)) or not self.drift_threshold > 0:
-            raise ValueError(f"drift_threshold={self.drift_threshold!r}: it must be a number > 0")
-        if self.timeline is not None and not isinstance(self.timeline, (str, os.PathLike)):
-            raise ValueError(f"timeline={self.timeline!r}: it must be a file name (str or os.PathLike) or None")
-        for name in ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r}: it must be True or False")
-        if self.interference is not None and not isinstance(self.interference, planner.Interference):
-            raise ValueError(f"interference={self.interference!r}: it must be a ringtrain.plan.Interference or None")
-        if (self.alpha is None) != (self.beta is None):
-            raise ValueError("give both alpha and beta (to skip the calibration sweep) or neither")
-        for name in ("alpha", "beta"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or not value >= 0):
-                raise ValueError(f"{name}={value!r}: it must be a number >= 0")
-        if self.cost is not None and (self.alpha is not None or not callable(self.cost)):
-            raise ValueError(f"cost={self.cost!r}: give a callable nbytes -> seconds, or alpha and beta, not both")
 
 
 class DistributedDataParallel(nn.Module):
@@ -246,17 +144,14 @@ class DistributedDataParallel(nn.Module):
             self.alpha = float(getattr(self.cost, "alpha", self.cost(0.0)))  # start-up of the larger messages
             self.beta = float(getattr(self.cost, "beta", float("nan")))
             given = "allreduce sweep" if opts.cost is None and opts.alpha is None else "given"
-            self._log(f"allreduce cost {_cost_text(self.cost)} ({given}), world_size={self.world_size}")
+            self._log(f"allreduce cost {cost_text(self.cost)} ({given}), world_size={self.world_size}")
 
             n = len(self._params)
-            self._profile_rows: deque = deque(maxlen=opts.profile_iterations)
-            self._plan_times = np.zeros(n)
-            self._trial: Optional[PlanTrial] = None  # under way: the trial of plans (verify_iterations)
-            self._kept = "plan"  # the trial's candidate in force (trial.CANDIDATES)
-            self._trial_record: list[dict] = []  # what the trial measured (the ``trial`` property)
-            self.interference = opts.interference or planner.NO_INTERFERENCE
-            first = list(range(n - 1, -1, -1))  # reverse registration order, as torch's DDP starts
-            self._install(first, planner.merge([0.0] * n, self._sizes[first], cost=self.cost, method="single"))
+            self._planning = Planning(
+                opts, self._sizes, self.cost, comm, self._recorder, run=weakly(self._run_collective),
+                install=weakly(self._install), in_force=weakly(self._in_force), layout=weakly(self._layout),
+                use=weakly(self._use_layout), log=weakly(self._log))
+            self._planning.start()
 
             self.stats: deque[IterationStats] = deque(maxlen=1000)
             self._lock = threading.Lock()
@@ -298,15 +193,20 @@ class DistributedDataParallel(nn.Module):
         return self._trial is None and self._s.iteration >= opts.warmup_iterations + opts.profile_iterations
 
     @property
+    def _trial(self):
+        """The trial of plans under way (a :class:`.trial.PlanTrial`), or None."""
+        return self._planning.trial
+
+    @property
     def fell_back(self) -> bool:
         """True when the trial measured one allreduce after backward to be the fastest candidate."""
-        return self._kept == "single"
+        return self._planning.kept == "single"
 
     @property
     def kept(self) -> str:
         """The trial's candidate in force (a key of ``ringtrain.ddp.trial.CANDIDATES``; "plan"
         before or without a trial)."""
-        return self._kept
+        return self._planning.kept
 
     @property
     def trial(self) -> list[dict]:
@@ -314,13 +214,18 @@ class DistributedDataParallel(nn.Module):
         candidate): per candidate ``label`` (a key of ``ringtrain.ddp.trial.CANDIDATES``),
         ``groups``, the slowest rank's median forward+backward ``median_s`` over the ``rounds`` it
         ran; ``kept`` marks the one in force."""
-        return [dict(c) for c in self._trial_record]
+        return [dict(c) for c in self._planning.record]
 
     @property
     def planned_with(self) -> planner.Interference:
         """The interference the plan in force was made with: the measured one, or none where
         the trial measured the plan of free overlap to be the fastest."""
-        return planner.Interference() if self._kept == "free" else self.interference
+        return self._planning.planned_with
+
+    @property
+    def interference(self) -> planner.Interference:
+        """The interference measured by the trial's probes (or given, or none)."""
+        return self._planning.interference
 
     @property
     def iteration(self) -> int:
@@ -376,11 +281,11 @@ class DistributedDataParallel(nn.Module):
         a forward arms (and sets what it expects): one under ``torch.no_grad()`` between it and
         its backward (an evaluation, say) leaves that backward armed."""
         st = self._s
-        outputs = [t for t in _tensors(out) if t.grad_fn is not None]
+        outputs = [t for t in output_tensors(out) if t.grad_fn is not None]
         reached = None
         if self.options.find_unused_parameters:
             # No tensor with a graph found in the output: nothing to walk, all are expected.
-            used = _reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
+            used = reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
             st.expected = len(used)
             st.unused = {pid for pid in range(len(self._params)) if pid not in used}
             reached = frozenset(used)
@@ -494,9 +399,7 @@ class DistributedDataParallel(nn.Module):
         this backward, or accumulated under ``no_sync()``. One that no rank has keeps its
         ``.grad`` (None stays None), as torch's DDP does."""
         st = self._s
-        st.used = np.ones(len(self._params), dtype=np.uint8)
-        for pid in st.unused:
-            st.used[pid] = self._params[pid].grad is not None
+        st.used = used_bitmap(self._params, st.unused)
         st.used_job = self._thread.submit("allreduce used parameters",
                                           partial(self.comm.allreduce, st.used, "max", "auto"), st.used.nbytes)
 
@@ -506,7 +409,7 @@ class DistributedDataParallel(nn.Module):
         if st.used_job is None:
             return set()
         st.used_job.wait(self._timeout)  # queued before every bucket: normally over already
-        return {pid for pid in st.unused if not st.used[pid]}
+        return unused_everywhere(st.used, st.unused)
 
     def _mark_ready(self, bucket: int) -> None:
         st = self._s
@@ -549,7 +452,7 @@ class DistributedDataParallel(nn.Module):
                 t0 = time.perf_counter()
                 self._copy_back(self._specs[k], unused)
                 copies.append((f"bucket {k}", t0, time.perf_counter()))
-            self._settle(st.jobs)
+            settle_all(st.jobs, self._timeout)
             for job in st.jobs:  # (all ended: re-raises the first error, not the later ones' "communicator is broken")
                 job.wait(self._timeout)
             t1 = time.perf_counter()
@@ -561,29 +464,6 @@ class DistributedDataParallel(nn.Module):
         self._reset_iteration()
         if traced:  # last, once the iteration is accounted for: this may write the trace file
             self._recorder.end_iteration()
-
-    def _settle(self, jobs: list) -> None:
-        """Block until every job has ended, each within a deadline of its own: ``self._timeout``
-        from the end of the job before it (or from now, if that one ended before). Allreduces that
-        are each slow but within the deadline are no timeout, however many there are.
-
-        Jobs run in order, so waiting for the last one waits for all: normally one wake-up. A
-        wait per bucket woke this thread once per allreduce on every rank: wfbp on the CNN at 4
-        ranks / 10 Gbit/s (107 allreduces) left 3-4 ms per iteration between allreduces on the
-        communication thread, 0.6 ms with the one wait."""
-        start = time.perf_counter()
-        k = 0  # the first job not ended
-        while True:
-            while k < len(jobs) and jobs[k].done:
-                k += 1
-            if k == len(jobs):
-                return
-            since = max(start, jobs[k - 1].ended) if k else start
-            left = since + self._timeout - time.perf_counter()
-            if left <= 0:
-                raise CommTimeout(f"communication job {jobs[k].label!r} did not finish within {self._timeout:.1f} s")
-            with contextlib.suppress(CommTimeout):  # (then: has the first one not ended moved on?)
-                jobs[-1].settle(left)
 
     def _needs_copy(self, spec: bucketing.BucketSpec, unused: set[int]) -> bool:
         """Whether some parameter of the bucket needs ``_copy_back`` (a ``.grad`` that is not
@@ -640,25 +520,19 @@ class DistributedDataParallel(nn.Module):
         return error
 
     def _unused_got_gradient_error(self, pid: int) -> RuntimeError:
-        cause = self._abandon_iteration()
-        error = RuntimeError(
-            f"ringtrain.DistributedDataParallel: parameter {self._names[pid]!r} got a gradient, but the forward's "
-            "outputs do not reach it, so find_unused_parameters=True counted it as unused and its bucket was "
-            "already averaged with zeros for it. Compute every term of the loss from the wrapper's outputs "
-            "(not from the module's parameters directly), or run that part inside the wrapper's forward.")
-        error.__cause__ = cause
-        return error
+        return self._abandoning(unused_got_gradient_error(self._names[pid]))
 
     def _earlier_forward_error(self, late: frozenset) -> RuntimeError:
-        cause = self._abandon_iteration()
-        names = [self._names[pid] for pid in sorted(late)]
-        error = RuntimeError(
-            "ringtrain.DistributedDataParallel: this backward pass goes through the outputs of an earlier forward "
-            "of the wrapper than the last one before it. With find_unused_parameters=True each forward finds the "
-            f"parameters its outputs reach and the last one decides: it counted {names} unused, so their gradients "
-            "from this backward would not be averaged. Call the wrapper once for the loss (e.g. on the "
-            "concatenated inputs), or backpropagate each forward's loss before the next forward.")
-        error.__cause__ = cause
+        return self._abandoning(earlier_forward_error([self._names[pid] for pid in sorted(late)]))
+
+    def _missing_gradients_error(self) -> RuntimeError:
+        st = self._s  # (the message reads what the iteration got before abandoning resets it)
+        return self._abandoning(missing_gradients_error(self._names, self._params, st.got, st.unused,
+                                                        self.options.find_unused_parameters))
+
+    def _abandoning(self, error: RuntimeError) -> RuntimeError:
+        """``error``, once the iteration is abandoned; its cause is the error a job ended with, if any."""
+        error.__cause__ = self._abandon_iteration()
         return error
 
     def _abandon_iteration(self) -> Optional[BaseException]:
@@ -675,31 +549,6 @@ class DistributedDataParallel(nn.Module):
         self._reset_iteration()
         if error is not None and st.failed is None:
             st.failed = error
-        return error
-
-    def _missing_gradients_error(self) -> RuntimeError:
-        st = self._s
-        # (those find_unused_parameters counted unused got none, as expected: not missing)
-        missing = [pid for pid in range(len(self._params)) if not st.got[pid] and pid not in st.unused]
-        frozen = [self._names[pid] for pid in missing if not self._params[pid].requires_grad]
-        missing = [self._names[pid] for pid in missing]
-        expected = len(self._params) - len(st.unused)
-        cause = self._abandon_iteration()
-        hint = ("Some parameters were expected to get a gradient (find_unused_parameters=True found them in the "
-                "autograd graph) but did not" if self.options.find_unused_parameters else
-                "Pass find_unused_parameters=True to DistributedDataParallel if some parameters legitimately get no "
-                "gradient in some iterations (they then contribute zeros; one no rank uses keeps .grad None), or "
-                "make every parameter reach the loss")
-        if frozen:
-            hint = (f"Of these, some have requires_grad=False since the wrapper was made: {frozen}. Set requires_grad "
-                    "before wrapping (to change it during training, close this wrapper and wrap the module again), "
-                    "or pass find_unused_parameters=True: frozen parameters then count as unused")
-        error = RuntimeError(
-            f"ringtrain.DistributedDataParallel: the previous backward pass ended without a gradient for "
-            f"{len(missing)} of the {expected} parameters expected, so their allreduce never ran: {missing}. "
-            f"{hint}. (A backward that raised an exception outside this wrapper's hooks ends so too: "
-            "then that exception is the one to fix.)")
-        error.__cause__ = cause
         return error
 
     def _record(self, t_last: float, copies: list[tuple[str, float, float]], t_done: float) -> bool:
@@ -745,95 +594,17 @@ class DistributedDataParallel(nn.Module):
         return True  # (the caller ends the trace's iteration)
 
     def _profile(self) -> None:
-        opts = self.options
-        it = self._s.iteration
-        if it < opts.warmup_iterations:
-            return
-        # Raw stamps are kept; gaps are computed only when a plan is (re-)made.
-        self._profile_rows.append((self._s.stamps, self._s.bwd_start))
-        planned_at = opts.warmup_iterations + opts.profile_iterations - 1
-        if it == planned_at:
-            self._replan(first=True)
-            if opts.verify_iterations and opts.schedule == "optimal" and self.world_size > 1:
-                self._start_trial()
-        elif self._trial is not None:
-            self._verify_step()
-        elif opts.replan_interval and it > planned_at and (it - planned_at) % opts.replan_interval == 0:
-            self._replan(first=False)
+        """The iteration is over: hand it to the planning (:meth:`.planning.Planning.after_iteration`)."""
+        st = self._s
+        self._planning.after_iteration(st.iteration, st.stamps, st.bwd_start, self.stats[-1])
 
-    def _start_trial(self) -> None:
-        """Start the trial of plans (module docstring, item 5; :mod:`.trial`)."""
-        self._trial = trial = PlanTrial(
-            self._plan_times, self._sizes[self._order], self.cost, self.interference, self.options.verify_iterations,
-            probe=self.options.interference is None, install=_weakly(self._install_in_order),
-            use=_weakly(self._use_layout), agree=_weakly(self._agree), log=_weakly(self._log))
-        trial.start()
-        self._trial_over_if(trial.over)
+    def _run_collective(self, label: str, call) -> Any:
+        """Run ``call`` on the communication thread, within the wrapper's deadline (the planning's ``run``)."""
+        return self._thread.run(label, call, self._timeout)
 
-    def _verify_step(self) -> None:
-        """One trial iteration done (the slowest rank's medians decide: :class:`.trial.PlanTrial`)."""
-        last = self.stats[-1]
-        over = self._trial.step((last.backward_s, last.forward_backward_s, last.measured_end_s))
-        self._trial_over_if(over)
-
-    def _trial_over_if(self, over: bool) -> None:
-        trial = self._trial
-        self.interference = trial.interference
-        if over:
-            self._trial = None
-            self._kept = trial.kept
-            self._trial_record = trial.record
-
-    def _install_in_order(self, plan: planner.Plan) -> tuple:
-        """The trial's ``install``: buckets for ``plan`` over the profiled order, in force."""
-        self._install(self._order, plan)
-        return self._layout(), self._specs
-
-    def _agree(self, label: str, values: np.ndarray, op: str) -> None:
-        """The trial's ``agree``: ``values`` reduced in place over the ranks (``op`` "max"), or
-        rank 0's copied to all (``op`` "broadcast"), on the communication thread."""
-        if op == "broadcast":
-            call = partial(self.comm.broadcast, values, 0)
-        else:
-            call = partial(self.comm.allreduce, values, op, "auto")
-        self._thread.run(label, call, self._timeout)
-
-    def _replan(self, first: bool) -> None:
-        local = calibration.local_profile([calibration.gaps(np.array(stamps), _NAN if start is None else start)
-                                           for stamps, start in self._profile_rows])
-        mine = calibration.observed_order(np.array(self._s.stamps))
-        t0 = time.perf_counter()
-        exchange = partial(calibration.exchange_profile, self.comm, local, mine)
-        times, order = self._thread.run("profile exchange", exchange, self._timeout)
-        if self._recorder is not None:
-            self._recorder.span("profile exchange", "calibration", "communication", t0, time.perf_counter(),
-                                iteration=self._s.iteration)
-        order = bucketing.check_order(order, len(self._params))
-        if not first and self._kept in FIXED_CANDIDATES:  # measured faster here; the profile does not move them
-            return
-        if not first:
-            # Profiled under the plan in force: take out the delays it put into the gaps, as
-            # modelled, so that neither the drift nor the next plan counts them twice.
-            in_plan_order = calibration.without_interference(times[self._order], self._plan, self.interference)
-            times = times.copy()
-            times[self._order] = in_plan_order
-            moved = calibration.drift(self._plan_times, in_plan_order)
-            if moved <= self.options.drift_threshold and order == self._order:
-                return
-            self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
-        ordered = times[order]
-        plan = planner.merge(ordered, self._sizes[order], cost=self.cost, method=self.options.schedule,
-                             bucket_cap_mb=self.options.bucket_cap_mb, interference=self.interference,
-                             planned_with=self.planned_with)
-        self._plan_times = ordered
-        self._install(order, plan)
-        self._log(f"plan ({plan.method}, {_cost_text(self.cost)}): "
-                  f"{len(plan.groups)} groups {plan.groups}, predicted end {plan.end_time * 1e3:.3f} ms "
-                  f"(backward {plan.backward_time * 1e3:.3f} ms, communication {plan.comm_time * 1e3:.3f} ms, "
-                  f"{100 * plan.hidden_fraction:.0f}% hidden)")
-
-    def _install(self, order: list[int], plan: planner.Plan) -> None:
-        """Lay out buckets for ``plan`` over ``order`` and allocate their buffers."""
+    def _install(self, order: list[int], plan: planner.Plan) -> list[bucketing.BucketSpec]:
+        """Lay out buckets for ``plan`` over ``order``, allocate their buffers and put them in
+        force (the planning's ``install``); returns their specs."""
         params = self._params
         specs = bucketing.layout(order, plan.groups, [p.numel() for p in params], [p.dtype for p in params],
                                  [p.element_size() for p in params])
@@ -845,13 +616,18 @@ class DistributedDataParallel(nn.Module):
         self._slots: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         if self.world_size == 1:  # nothing is copied or sent
             self._bufs = []
-            return
+            return specs
         self._bufs = [torch.zeros(s.numel, dtype=s.dtype) for s in specs]
         for s, buf in zip(specs, self._bufs):
             for pid, off in zip(s.pids, s.offsets):
                 p = params[pid]
                 self._bucket_index[pid] = s.index
                 self._slots[pid] = buf[off:off + p.numel()].view(p.shape)
+        return specs
+
+    def _in_force(self) -> tuple[list[int], planner.Plan]:
+        """The order and plan of the buckets in force (the planning's ``in_force``)."""
+        return self._order, self._plan
 
     def _layout(self) -> tuple:
         """The buckets in force, as :meth:`_install` laid them out (for :meth:`_use_layout`)."""
@@ -915,11 +691,6 @@ class _State:
         self.retired: list[torch.Tensor] = []
 
 
-def _cost_text(cost: planner.CostFn) -> str:
-    describe = getattr(cost, "describe", None)  # LinearCost, SplitCost
-    return describe() if callable(describe) else repr(cost)
-
-
 def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list) -> None:
     """Remove the hooks, write the trace file, stop the communication thread (``close``, or
     the wrapper collected)."""
@@ -931,13 +702,6 @@ def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list
             recorder.flush()
     finally:
         thread.close()
-
-
-def _weakly(method):
-    """``method`` called through a weak reference: what the wrapper lends its trial must not keep
-    the wrapper alive (nor, through it, its communication thread)."""
-    ref = weakref.WeakMethod(method)
-    return lambda *args: ref()(*args)
 
 
 def _grad_hook(ddp: weakref.ref, pid: int, param: torch.Tensor) -> None:
@@ -955,47 +719,3 @@ def _backward_start_hook(ddp: weakref.ref, generation: int, reached: Optional[fr
     wrapper = ddp()
     if wrapper is not None:
         wrapper._on_backward_start(generation, reached, grad)
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    """The tensors in a module's output (nested tuples, lists, dicts and dataclasses)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for item in out for t in _tensors(item)]
-    if isinstance(out, dict):
-        return [t for item in out.values() for t in _tensors(item)]
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        return [t for f in dataclasses.fields(out) for t in _tensors(getattr(out, f.name))]
-    return []
-
-
-try:
-    from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
-except ImportError:  # (a torch without it has no reentrant checkpoint to look for)
-    _ReentrantCheckpoint = None
-
-
-def _reachable_params(outputs: list[torch.Tensor], pid_of: dict[int, int]) -> set[int]:
-    """Ids of the parameters whose gradient-accumulation nodes the outputs' graph reaches."""
-    found: set[int] = set()
-    seen: set = set()
-    stack = [t.grad_fn for t in outputs]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
-        if var is not None and id(var) in pid_of:
-            found.add(pid_of[id(var)])
-        elif _ReentrantCheckpoint is not None and getattr(node, "_forward_cls", None) is _ReentrantCheckpoint:
-            # Its backward runs a backward of its own, from a graph made then: the parameters inside
-            # are not in this one. They would count as unused, and their gradients come after the
-            # averaged pass has ended, so they would stay local.
-            raise RuntimeError(
-                "ringtrain.DistributedDataParallel: find_unused_parameters=True cannot see the parameters "
-                "inside a reentrant torch.utils.checkpoint (their gradients would not be averaged): pass "
-                "use_reentrant=False to checkpoint(), or drop find_unused_parameters")
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return found

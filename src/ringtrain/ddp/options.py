@@ -1,0 +1,103 @@
+"""The wrapper's settings: :class:`DDPOptions`, the keywords of ``DistributedDataParallel``.
+
+This module owns what a user may set and its validation (a ``ValueError`` naming the keyword,
+at construction, before any thread, hook or collective), and ``SCHEDULES``, the accepted
+``schedule`` values. It reads nothing from the environment and runs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import plan as planner
+from ..comm import ALGORITHMS
+
+SCHEDULES = planner.METHODS
+
+
+@dataclass(kw_only=True, slots=True)
+class DDPOptions:
+    """The wrapper's settings (validated here; the constructor's keywords)."""
+
+    schedule: str = "optimal"
+    """How gradients are merged into allreduces: one of ``ringtrain.plan.METHODS``."""
+    bucket_cap_mb: float = 25.0
+    """Bucket size threshold in MiB for ``schedule="fixed"``."""
+    algorithm: str = "auto"
+    """Allreduce algorithm (``ringtrain.comm.ALGORITHMS``)."""
+    timeline: Optional[str | os.PathLike] = None
+    """Trace file name; each rank writes ``<stem>.rank<r><suffix>``. None: no trace."""
+    timeline_iterations: int = 10
+    """Iterations recorded in the trace (from the first one with the measured plan)."""
+    find_unused_parameters: bool = False
+    """Find, at each forward, the parameters that will get no gradient; they contribute zeros (or
+    what ``no_sync()`` accumulated in their ``.grad``). One that no rank has a gradient for keeps
+    its ``.grad`` (None stays None), as with torch's DDP."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's module buffers to every rank at each forward (torch DDP's default)."""
+    warmup_iterations: int = 1
+    """Synchronizing iterations before profiling starts (first-iteration costs excluded)."""
+    profile_iterations: int = 2
+    """Synchronizing iterations timed for the first plan (per-parameter median)."""
+    replan_interval: int = 50
+    """Re-check the profile every so many iterations after the first plan (0: never)."""
+    drift_threshold: float = 0.2
+    """Re-plan when the ready curve moved by more than this share of the backward time."""
+    verify_iterations: int = 5
+    """schedule="optimal" only: iterations per phase of the trial (:mod:`.planning`, item 2):
+    the probe plans and one allreduce after backward measure the interference, then the plan
+    made with it, the plan made without it and the single allreduce alternate, as many
+    iterations each, and the fastest median forward+backward stays (0: no trial; trust the
+    model)."""
+    gradient_as_bucket_view: bool = True
+    """After backward each ``.grad`` is a view of its bucket (no copy back; torch's option of
+    the same name). The bucket is reused by the next synchronizing backward: a reference to a
+    ``.grad`` kept across iterations sees it change, and a post-accumulate-grad hook of the
+    user's registered after the wrapper's sees a gradient whose bucket may already be in
+    flight. False: every ``.grad`` keeps its own tensor and gets the mean copied back."""
+    interference: Optional[planner.Interference] = None
+    """Backward time lost per overlapped allreduce; None: measured by the trial's probes
+    (schedule="optimal" with verify_iterations > 0), else taken as none."""
+    alpha: Optional[float] = None
+    """Allreduce start-up time in seconds; None: measured by a sweep at construction."""
+    beta: Optional[float] = None
+    """Allreduce time per byte in seconds; None: measured by a sweep at construction."""
+    cost: Optional[planner.CostFn] = None
+    """Instead of alpha and beta: the allreduce's cost, ``cost(nbytes) -> seconds`` (e.g. the
+    ``ringtrain.plan.SplitCost`` that :func:`.calibration.sweep_cost` measured once for several
+    wrappers); None: alpha and beta, or the sweep."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: accepted values are {', '.join(SCHEDULES)}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={self.algorithm!r}: accepted values are {', '.join(ALGORITHMS)}")
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"bucket_cap_mb={cap!r}: it must be a finite number of MiB > 0 (e.g. 25)")
+        for name, low in (("timeline_iterations", 1), ("warmup_iterations", 0), ("profile_iterations", 1),
+                          ("replan_interval", 0), ("verify_iterations", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r}: it must be an integer >= {low}")
+        if not isinstance(self.drift_threshold, (int, float)) or not self.drift_threshold > 0:
+            raise ValueError(f"drift_threshold={self.drift_threshold!r}: it must be a number > 0")
+        if self.timeline is not None and not isinstance(self.timeline, (str, os.PathLike)):
+            raise ValueError(f"timeline={self.timeline!r}: it must be a file name (str or os.PathLike) or None")
+        for name in ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: it must be True or False")
+        if self.interference is not None and not isinstance(self.interference, planner.Interference):
+            raise ValueError(f"interference={self.interference!r}: it must be a ringtrain.plan.Interference or None")
+        if (self.alpha is None) != (self.beta is None):
+            raise ValueError("give both alpha and beta (to skip the calibration sweep) or neither")
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not value >= 0):
+                raise ValueError(f"{name}={value!r}: it must be a number >= 0")
+        if self.cost is not None and (self.alpha is not None or not callable(self.cost)):
+            raise ValueError(f"cost={self.cost!r}: give a callable nbytes -> seconds, or alpha and beta, not both")
