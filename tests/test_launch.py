@@ -133,3 +133,76 @@ def test_a_node_that_never_joins_is_one_line_on_the_node_that_waited(tmp_path):
     assert lines[-1].startswith("ringtrain launch: torchrun failed: ") and "1/2 clients joined" in lines[-1], lines
     assert "start `ringtrain launch` on every other node" in lines[-1], lines
     assert "Traceback" not in proc.stderr and took < 60, (took, proc.stderr)
+
+
+def start_nodes(tmp_path: Path, script: Path, nnodes: int = 2, join_timeout: int = 30) -> list[subprocess.Popen]:
+    """``ringtrain launch`` for nodes 0..nnodes-1 of one job, all on this machine at its network address
+    (each a process group of its own, for kill_nodes)."""
+    address, port = network_address(), free_port()
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    env = dict(os.environ)
+    env.pop("RINGTRAIN_SECRET", None)
+    return [subprocess.Popen([sys.executable, "-m", "ringtrain.cli", "launch", "--nnodes", str(nnodes), "--node-rank",
+                              str(node), "--master-addr", address, "--master-port", str(port), "--join-timeout",
+                              str(join_timeout), "--secret-file", str(secret), str(script)],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+            for node in range(nnodes)]
+
+
+def kill_nodes(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+
+
+@pytest.mark.multiprocess
+def test_a_node_whose_ranks_finished_does_not_wait_for_a_node_whose_ranks_failed(tmp_path):
+    """torchrun's agent whose ranks succeeded waits at exit for every other node's agent (300 s); one
+    whose ranks failed used not to check in, so node 0 sat there 5 minutes after node 1 had failed."""
+    script = tmp_path / "node1_fails.py"
+    script.write_text("import os, sys\n"
+                      "import ringtrain\n"
+                      "comm = ringtrain.init(timeout=30)\n"
+                      "comm.barrier()\n"
+                      "comm.close()\n"
+                      "sys.exit(3 if os.environ['GROUP_RANK'] == '1' else 0)\n")
+    procs = start_nodes(tmp_path, script)
+    try:
+        _, err1 = procs[1].communicate(timeout=90)
+        assert procs[1].returncode == 3, err1
+        assert "ringtrain launch: rank 1 failed (exit code 3)" in err1, err1
+        _, err0 = procs[0].communicate(timeout=60)  # (torchrun's exit barrier would hold it 300 s)
+        assert procs[0].returncode == 0, err0
+        assert "Traceback" not in err0 and "exit barrier" not in err0, err0
+    finally:
+        kill_nodes(procs)
+
+
+@pytest.mark.multiprocess
+def test_a_node_whose_ranks_finished_is_not_a_traceback_when_node_0_failed(tmp_path):
+    """Node 0 serves the rendezvous store: when its ranks failed and it left, a node waiting at torchrun's
+    exit barrier used to log 'Error waiting on exit barrier' with a traceback from the closed store."""
+    script = tmp_path / "node0_fails.py"
+    script.write_text("import os, sys, time\n"
+                      "import ringtrain\n"
+                      "comm = ringtrain.init(timeout=30)\n"
+                      "comm.barrier()\n"
+                      "comm.close()\n"
+                      "if os.environ['GROUP_RANK'] == '0':\n"
+                      "    time.sleep(2)  # (node 1 is at the exit barrier by now)\n"
+                      "    sys.exit(3)\n")
+    procs = start_nodes(tmp_path, script)
+    try:
+        _, err0 = procs[0].communicate(timeout=90)
+        assert procs[0].returncode == 3, err0
+        _, err1 = procs[1].communicate(timeout=60)
+        assert procs[1].returncode == 0, err1
+        assert "Traceback" not in err1 and "exit barrier" not in err1, err1
+    finally:
+        kill_nodes(procs)

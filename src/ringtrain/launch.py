@@ -27,6 +27,7 @@ RINGTRAIN_SECRET set in the environment (without it the ranks do not authenticat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -137,7 +138,8 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     try:
         try:
-            torchrun.main(argv)
+            with _failed_agent_checks_out():
+                torchrun.main(argv)
         finally:
             for s, handler in handlers.items():
                 signal.signal(s, handler)
@@ -162,6 +164,38 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         for name in _QuietShutdown.LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
     return 0
+
+
+@contextlib.contextmanager
+def _failed_agent_checks_out():
+    """With several nodes, an agent whose ranks failed enters torchrun's exit barrier on its way out.
+
+    torchrun's agent whose ranks all succeeded waits at exit until every node's agent is there
+    (``SimpleElasticAgent._exit_barrier``, up to 300 s: node 0 serves the store the others still use).
+    An agent whose ranks failed returns without checking in, so a node that had finished sat 5
+    minutes after another node failed (or, when the failed one was node 0, logged a traceback from
+    its closed store). Here the failed agent adds itself to that barrier's count and leaves (the
+    barrier's own non-blocking half: it does not wait for the others)."""
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.utils import store as store_util
+
+    original = api.SimpleElasticAgent._invoke_run
+
+    def invoke_run(self, role: str = api.DEFAULT_ROLE):
+        result = original(self, role)
+        group = self._worker_group
+        if result.is_failed() and (group.group_world_size or 1) > 1 and self._store is not None:
+            try:  # (a store already gone: the other nodes see it closed, as before)
+                store_util._barrier_nonblocking(self._store, group.group_world_size, api._TERMINAL_STATE_SYNC_ID)
+            except Exception:  # noqa: BLE001
+                pass
+        return result
+
+    api.SimpleElasticAgent._invoke_run = invoke_run
+    try:
+        yield
+    finally:
+        api.SimpleElasticAgent._invoke_run = original
 
 
 #: The signals torch's launcher handles (it passes them on to the ranks, then raises SignalException).
