@@ -206,3 +206,33 @@ def test_a_node_whose_ranks_finished_is_not_a_traceback_when_node_0_failed(tmp_p
         assert "Traceback" not in err1 and "exit barrier" not in err1, err1
     finally:
         kill_nodes(procs)
+
+
+@pytest.mark.parametrize("text, hint", [
+    # node 1, node 0's address wrong or down (torch's texts, from two emulated machines)
+    ("The client socket has failed to connect to any network address of (10.77.0.9, 29611). The client socket has "
+     "failed to connect to 10.77.0.9:39035 (errno: 113 - No route to host).", "start node 0 (--node-rank 0)"),
+    ("Connection reset by peer", "start node 0 (--node-rank 0)"),
+    # every node reached a store, but they disagree: two nodes given --node-rank 0, or other --nnodes
+    ("wait timeout after 10000ms, keys: /none/torchelastic/role_info/0, /none/torchelastic/role_info/1",
+     "the same --nnodes and a --node-rank of its own"),
+    ("wait timeout after 10000ms, keys: /none/torchelastic/assigned_ranks/1",
+     "the same --nnodes and a --node-rank of its own"),
+])
+def test_torchruns_errors_between_nodes_say_what_to_check(text, hint):
+    assert hint in launch.agent_error(RuntimeError(text))
+
+
+@pytest.mark.multiprocess
+def test_a_node_whose_node_0_never_answers_is_one_line_without_torchs_cpp_log(tmp_path):
+    """c10d's store client logs every failed try to reach node 0 with a C++ stack of some 40 frames."""
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    proc = run_cli(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", network_address(), "--master-port",
+                    str(free_port()), "--join-timeout", "1", "--secret-file", str(secret), str(script)], tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert len(lines) == 2 and lines[1].startswith("ringtrain launch: torchrun failed: "), proc.stderr
+    assert "start node 0 (--node-rank 0)" in lines[1], proc.stderr

@@ -123,7 +123,8 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     the first failed rank's exit code (128 + N for signal N), 1 for torchrun's own errors.
     Ctrl-C (SIGINT) or SIGTERM of this process: torchrun passes the signal on to the ranks and
     waits for them to end; then one line, ``interrupted(signal)`` or "interrupted", and 128 + N."""
-    from torch.distributed import run as torchrun
+    with _cpp_log_off_in_this_process():
+        from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -164,6 +165,25 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         for name in _QuietShutdown.LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
     return 0
+
+
+@contextlib.contextmanager
+def _cpp_log_off_in_this_process():
+    """Imports torch (in the block) with its C++ log off, in the launcher only.
+
+    The launcher's C++ log is c10d's store client: every failed try to reach node 0 is a line with
+    a C++ stack of some 40 frames, while run_torchrun says the failure in one line. torch reads
+    TORCH_CPP_LOG_LEVEL once, when it loads, so it is set for the import and taken away again: the
+    ranks, which inherit the environment, keep their own log. Nothing changes where torch is
+    already loaded or the user set the variable."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 @contextlib.contextmanager
@@ -259,6 +279,11 @@ def _last_frame(callstack: str) -> str:
     return f"{path[inside + 1:] if inside >= 0 else Path(path).name}:{line} in {function}"
 
 
+#: torch's texts when a node's store client could not reach node 0's store (never answered, no route,
+#: or something else holding the port that hung up).
+_UNREACHED = ("trying to connect to", "failed to connect to any network address", "Connection reset by peer")
+
+
 def agent_error(exc: Exception) -> str:
     """One line for an error torchrun raised itself (its text is the cause)."""
     text = " ".join(str(exc).split()) or "(no message)"
@@ -268,7 +293,12 @@ def agent_error(exc: Exception) -> str:
     elif "waiting for clients" in text:  # node 0's store: not every node joined within --join-timeout
         hint = ("; start `ringtrain launch` on every other node (--node-rank 1.., the same --nnodes, --master-addr "
                 "and --master-port) within --join-timeout, or check they can reach this address and port")
-    elif "trying to connect to" in text:  # another node's: node 0 never answered
+    elif any(words in text for words in _UNREACHED):  # another node's: node 0 never answered
         hint = ("; start node 0 (--node-rank 0) within --join-timeout, or check this node can reach its "
                 "--master-addr and --master-port")
+    elif "wait timeout" in text and ("torchelastic/role_info" in text or "torchelastic/assigned_ranks" in text):
+        # every node reached a store, but not one job: two nodes each serving one as --node-rank 0, or
+        # node 0 waiting for more nodes (its --nnodes) than came
+        hint = ("; give every node the same --nnodes and a --node-rank of its own in [0, nnodes) (only the node at "
+                "--master-addr is node 0)")
     return f"torchrun failed: {type(exc).__name__}: {text}{hint}"
