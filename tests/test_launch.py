@@ -236,3 +236,46 @@ def test_a_node_whose_node_0_never_answers_is_one_line_without_torchs_cpp_log(tm
     assert proc.returncode == 1, proc.stderr
     assert len(lines) == 2 and lines[1].startswith("ringtrain launch: torchrun failed: "), proc.stderr
     assert "start node 0 (--node-rank 0)" in lines[1], proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_node_cut_off_from_node_0_ends_once_its_ranks_have_failed(tmp_path):
+    """Two emulated machines (network namespaces; root only); node 1's link is cut mid-run. Its ranks
+    time out, and its launcher must then end: it tries to tell node 0's store it is done, which
+    never answers, and that must not hold it (the kernel retransmits for some 15 minutes)."""
+    from ringtrain.bench import netem
+
+    reason = netem.unavailable_reason(shaping=False)
+    if reason:
+        pytest.skip(f"netem unavailable: {reason}")
+    script = tmp_path / "loop.py"
+    script.write_text("import os, pathlib, time\n"
+                      "import numpy as np\n"
+                      "import ringtrain\n"
+                      "comm = ringtrain.init(timeout=3)\n"
+                      "buf = np.ones(1000)\n"
+                      "comm.allreduce(buf)\n"
+                      "pathlib.Path(f'started-{comm.rank}').touch()\n"
+                      "while True:\n"
+                      "    comm.allreduce(buf)\n"
+                      "    time.sleep(0.01)\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    env = {k: v for k, v in os.environ.items() if k != "RINGTRAIN_SECRET"}
+    env.pop("RINGTRAIN_HOST_ID", None)
+    with netem.EmulatedNetwork(2, prefix="rtlaunch" + os.urandom(3).hex()) as net:
+        port = free_port()
+        procs = [net.popen(node, [sys.executable, "-m", "ringtrain.cli", "launch", "--nnodes", "2", "--node-rank",
+                                  str(node), "--master-addr", net.addr(0), "--master-port", str(port), "--join-timeout",
+                                  "30", "--secret-file", str(secret), str(script)],
+                           env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for node in range(2)]
+        while not all((tmp_path / f"started-{rank}").exists() for rank in range(2)):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.1)
+        subprocess.run(["ip", "-n", net.switch_namespace, "link", "set", "p1", "down"], check=True, timeout=10)
+        _, err1 = procs[1].communicate(timeout=60)
+        assert procs[1].returncode == 1, err1
+        assert "ringtrain launch: rank 1 failed (exit code 1)" in err1, err1
+        _, err0 = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 1, err0

@@ -35,6 +35,7 @@ import re
 import secrets
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -186,6 +187,11 @@ def _cpp_log_off_in_this_process():
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
+#: Seconds a failed agent waits for its check-in at the exit barrier (node 0's store answers in
+#: milliseconds; one cut off from this node, never: the kernel retransmits for some 15 minutes).
+_CHECK_OUT_TIMEOUT = 2.0
+
+
 @contextlib.contextmanager
 def _failed_agent_checks_out():
     """With several nodes, an agent whose ranks failed enters torchrun's exit barrier on its way out.
@@ -205,10 +211,15 @@ def _failed_agent_checks_out():
         result = original(self, role)
         group = self._worker_group
         if result.is_failed() and (group.group_world_size or 1) > 1 and self._store is not None:
-            try:  # (a store already gone: the other nodes see it closed, as before)
-                store_util._barrier_nonblocking(self._store, group.group_world_size, api._TERMINAL_STATE_SYNC_ID)
-            except Exception:  # noqa: BLE001
-                pass
+            def check_out() -> None:
+                with contextlib.suppress(Exception):  # (node 0 gone: the others see its store closed, as before)
+                    store_util._barrier_nonblocking(self._store, group.group_world_size, api._TERMINAL_STATE_SYNC_ID)
+
+            # In a thread of its own: a store cut off from this node never answers (the store's
+            # timeout does not bound an add), and this node is not to wait for it.
+            checking_out = threading.Thread(target=check_out, name="ringtrain-check-out", daemon=True)
+            checking_out.start()
+            checking_out.join(_CHECK_OUT_TIMEOUT)
         return result
 
     api.SimpleElasticAgent._invoke_run = invoke_run
