@@ -279,3 +279,26 @@ def test_a_node_cut_off_from_node_0_ends_once_its_ranks_have_failed(tmp_path):
         assert "ringtrain launch: rank 1 failed (exit code 1)" in err1, err1
         _, err0 = procs[0].communicate(timeout=60)
         assert procs[0].returncode == 1, err0
+
+
+def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypatch, capsys):
+    """Node 0 serves the rendezvous store and its own agent and ranks reach it at --master-addr: given
+    another machine's address it waited out --join-timeout, told to 'start node 0 (--node-rank 0)'."""
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog: 0)
+    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
+
+    def warnings(node_rank: int, address: str) -> list[str]:
+        assert cli.main(["launch", "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", address,
+                         "--secret-file", str(secret), str(script)]) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+
+    other = "192.0.2.1"  # (TEST-NET-1: no machine's own address)
+    assert warnings(0, other) == [
+        f"ringtrain launch: warning: --master-addr {other} is not an address of this machine, but node 0 (this "
+        "one) serves the job's rendezvous there: give node 0 its own address, or this node the --node-rank it has"]
+    assert warnings(1, other) == []  # (another node's: node 0 is elsewhere)
+    assert warnings(0, network_address()) == []

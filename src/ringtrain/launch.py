@@ -34,6 +34,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -87,6 +88,22 @@ def job_secret(args: argparse.Namespace) -> str:
     return secrets.token_hex(32)
 
 
+def is_own_address(host: str) -> bool | None:
+    """Whether ``host`` is an address of this machine (one a socket can bind); None where it does not resolve."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, _, _, address in found:
+        with socket.socket(family, kind) as s:
+            try:
+                s.bind((address[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
+
+
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     argv = [
         f"--nnodes={args.nnodes}",
@@ -113,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes > 1:
         print(f"ringtrain launch: node {args.node_rank} of {args.nnodes}: joining the job at {args.master_addr}:"
               f"{args.master_port} (waiting up to {args.join_timeout:g} s for every node)", file=sys.stderr)
+        if args.node_rank == 0 and is_own_address(args.master_addr) is False:
+            # (a warning: behind a forwarding address node 0 may still reach itself)
+            print(f"ringtrain launch: warning: --master-addr {args.master_addr} is not an address of this machine, "
+                  "but node 0 (this one) serves the job's rendezvous there: give node 0 its own address, or this node "
+                  "the --node-rank it has", file=sys.stderr)
     return run_torchrun(torchrun_argv(args), "ringtrain launch")
 
 
