@@ -274,3 +274,20 @@ def test_benchmark_times_the_steps_its_docstring_says(steps, timed):
     assert rows.shape == (2, steps)
     # 2 warm-up steps are dropped only when more than 4 were run, so that at least 3 are timed
     assert r["median_step_s"] == float(np.median(np.max(rows[:, steps - timed:], axis=0)))
+
+
+def test_servers_resumed_at_different_steps_say_which_checkpoints_to_remove():
+    """Servers on several machines see only their own machine's shard folders: a save cut short on one
+    machine resumed the others a step later, and the workers' error named the steps and nothing else."""
+    from types import SimpleNamespace
+
+    from ringtrain.errors import ProtocolError
+
+    links = [SimpleNamespace(clock=20, ch=SimpleNamespace(peer="parameter server 0 at 10.77.0.1:41000")),
+             SimpleNamespace(clock=10, ch=SimpleNamespace(peer="parameter server 1 at 10.77.0.2:41001")),
+             SimpleNamespace(clock=10, ch=SimpleNamespace(peer="parameter server 2 at 10.77.0.2:41002"))]
+    with pytest.raises(ProtocolError) as info:
+        ParameterServerTraining._agreed_clock(SimpleNamespace(_links=links))
+    text = str(info.value)
+    assert "[10, 20]" in text and "parameter server 0 at 10.77.0.1:41000 resumed at step 20" in text, text
+    assert "checkpoints after step 10" in text and "every machine shares" in text, text

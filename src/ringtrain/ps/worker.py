@@ -231,8 +231,14 @@ class ParameterServerTraining:
     def _agreed_clock(self) -> int:
         clocks = {link.clock for link in self._links}
         if len(clocks) != 1:
-            raise ProtocolError(f"the servers disagree about this worker's step: {sorted(clocks)} "
-                                "(their checkpoints are of different steps)")
+            # A server agrees with the shard folders it can see; on several machines without a shared
+            # disk, a save cut short on one machine leaves the others' servers a step ahead.
+            oldest = min(clocks)
+            ahead = ", ".join(f"{link.ch.peer} resumed at step {link.clock}" for link in self._links if link.clock > oldest)
+            raise ProtocolError(f"the servers disagree about this worker's step: {sorted(clocks)} (their checkpoints "
+                                f"are of different steps: {ahead}). A server resumes at the newest step saved in "
+                                f"every server-<k> folder it can see: remove the checkpoints after step {oldest} from "
+                                "the servers ahead, or keep checkpoint_dir on a file system every machine shares")
         return clocks.pop()
 
     def _send_values(self, link: _Link, kind: int) -> None:
