@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -49,3 +50,53 @@ def test_ringtrain_launch_names_itself_to_its_ranks(tmp_path):
     assert proc.returncode == 0, err
     line = next(ln for ln in out.splitlines() if "launcher" in ln)
     assert line.split()[1:] == [str(proc.pid), str(proc.pid)]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_of_ringtrain_launch_that_joined_ends_with_the_launcher(tmp_path):
+    """kill -9 of `ringtrain launch` (a node's launcher) left the user's ranks training, orphaned: only
+    ringtrain's own workers asked to die with it. A rank asks when it calls ringtrain.init()."""
+    import signal
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, pathlib, time\n"
+                      "import ringtrain\n"
+                      "comm = ringtrain.init(timeout=30)\n"
+                      "pathlib.Path('rank.pid').write_text(str(os.getpid()))\n"
+                      "time.sleep(120)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RINGTRAIN_SECRET", LAUNCHER_ENV)}
+    out = open(tmp_path / "launch.log", "w")  # (a file: an orphaned rank would hold a pipe open)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ringtrain.cli", "launch", "--nproc-per-node", "1", "--master-port",
+                             str(port), str(script)], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+    pid_file, rank = tmp_path / "rank.pid", None
+    try:
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None, (tmp_path / "launch.log").read_text()
+            time.sleep(0.1)
+        rank = int(pid_file.read_text())
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30  # (the kernel's SIGKILL is immediate; this is for a loaded machine)
+        while _alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(rank), f"rank {rank} outlived its launcher"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if rank is not None and _alive(rank):
+            os.kill(rank, signal.SIGKILL)
+        out.close()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, reaped by init soon, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

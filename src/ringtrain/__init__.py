@@ -54,8 +54,10 @@ def init(
     or destroys the user's default process group.
     """
     global _default
+    from .lifecycle import die_with_launcher
     from .session import create_communicator
 
+    die_with_launcher()  # a rank of `ringtrain launch` ends with it (kill -9 of a node's launcher left it orphaned)
     comm = create_communicator(rank, world_size, master_addr, master_port, transport, timeout)
     _default = comm
     return comm

@@ -5,7 +5,8 @@ process group (Ctrl-C in a terminal, a scheduler's kill) would leave the workers
 and writing checkpoints. On Linux a worker asks the kernel for SIGKILL when its parent
 dies (prctl PR_SET_PDEATHSIG); elsewhere this is a no-op. A worker still importing torch when
 the launcher died has been re-parented before it could ask, so ringtrain's launchers name
-themselves in the environment (``mark_launcher``) and such a worker ends at once.
+themselves in the environment (``mark_launcher``) and such a worker ends at once. A user's
+script under ``ringtrain launch`` asks when it calls ``ringtrain.init()`` (``die_with_launcher``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def die_with_launcher() -> bool:
+    """``die_with_parent()`` in a process that a ringtrain launcher started (it named itself in the
+    environment: a rank of ``ringtrain launch``, which runs the user's script); elsewhere nothing."""
+    if not os.environ.get(LAUNCHER_ENV):
+        return False
+    return die_with_parent()
 
 
 def die_with_parent() -> bool:
