@@ -70,3 +70,25 @@ def test_bad_arguments_name_the_option(kwargs, word):
         make_layout([4, 4], **kwargs)
     with pytest.raises(ValueError, match="sizes"):
         make_layout([-1], 1)
+
+
+def test_partitions_go_largest_first_to_the_least_loaded_server_ties_to_the_lower():
+    # No cutting (every parameter fits one partition). Largest first: 8 -> s0; 4 -> s1; 4 -> s1
+    # (4 < 8); then the four 1s alternate from a tie (8 = 8: the lower server, s0). Loads 10 and
+    # 10 elements; round-robin by id would give 14 and 6, and ties to the higher server would
+    # swap every 1 between the servers.
+    layout = make_layout([8, 1, 1, 1, 1, 4, 4], 2, partition_bytes=64 * ITEMSIZE)
+    assert [p.server for p in layout.partitions] == [0, 0, 1, 0, 1, 1, 1]
+    assert layout.bytes_per_server() == [10 * ITEMSIZE, 10 * ITEMSIZE]
+
+
+@pytest.mark.parametrize("servers", [2, 3, 5])
+def test_longest_first_keeps_every_server_within_one_partition_of_the_least_loaded(servers):
+    # Greedy dealing's guarantee (LPT keeps it): the fullest server was the emptiest when it took
+    # its last partition, so max - min <= the largest partition. Sizes fall and rise so that
+    # dealing round-robin by id breaks it.
+    numels = [1, 1, 1, 30, 1, 1, 29, 2, 2, 28, 3, 3, 27, 1]
+    layout = make_layout(numels, servers, partition_bytes=64 * ITEMSIZE)
+    loads = layout.bytes_per_server()
+    assert sum(loads) == ITEMSIZE * sum(numels)
+    assert max(loads) - min(loads) <= ITEMSIZE * max(numels), loads
