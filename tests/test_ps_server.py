@@ -477,11 +477,105 @@ def test_a_step_cut_short_is_rolled_back_values_and_momentum():
     b.close()  # worker 1 dies half-way through step 0
     with pytest.raises(PeerLost, match="worker 1 was lost at step 0"):
         a.recv_header(5.0)
+    a.close()  # (a failed server ends once no worker is connected)
     thread.join(10)
+    assert not thread.is_alive()
     assert server.version == 0 and server.updates == 0
     assert torch.equal(server.params, torch.from_numpy(start))
     assert all(not server.opt.state.get(v) for v in server._views.values())  # no momentum left behind
+
+
+def test_a_step_cut_short_after_a_whole_one_rolls_momentum_back_to_its_value_before():
+    """Step 0 completes (momentum buffers exist), step 1 is half applied, worker 1 dies: values and
+    momentum are those after step 0. SGD updates its momentum buffer in place, so an undo record
+    that kept the buffer itself rather than a copy would restore the half-applied step's momentum."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2)
+    layout = make_layout([12, 3, 6, 2], 1, 16)
+    ids = np.arange(len(layout.partitions))
+    start = np.arange(23, dtype=np.float32)
+    a, b = (raw_worker(server, layout, w, 2, lr=0.5, momentum=0.9) for w in (0, 1))
+    a.send(P.INIT, worker=0, ids=ids, values=[start])
+    grads = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=0)
+        recv_params(ch, layout)
+        ch.send(P.PULL, worker=w, step=1)
+        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
+    for ch in (a, b):
+        recv_partitions(ch, layout, ids.tolist())
+    # step 0: momentum buffer = the mean gradient 2, values start - 0.5 * 2 (exact in float32)
+    assert server.version == 1
+    after_step_0 = torch.from_numpy(start - 1.0)
+    assert torch.equal(server.params, after_step_0)
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=2)
+    a.send(P.PUSH, worker=0, step=1, ids=ids, values=grads)
+    b.send(P.PUSH, worker=1, step=1, ids=ids[:2], values=grads[:2])
+    for ch in (a, b):  # partitions 0 and 1 take step 1 (momentum 0.9 * 2 + 2) and are streamed
+        got: dict = {}
+        while len(got) < 2:
+            step, part = recv_params(ch, layout)
+            assert step == 2
+            got.update(part)
+        assert sorted(got) == [0, 1]
+    assert not torch.equal(server.params, after_step_0)
+    b.close()
+    with pytest.raises(PeerLost, match="worker 1 was lost at step 1"):
+        a.recv_header(5.0)
     a.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert server.version == 1 and server.updates == 1
+    assert torch.equal(server.params, after_step_0)
+    for i, view in server._views.items():
+        momentum = server.opt.state[view]["momentum_buffer"]
+        assert torch.equal(momentum, torch.full_like(momentum, 2.0)), (i, momentum)
+
+
+def wait_serving(server: ParameterServer, w: int) -> None:
+    """Until worker w's request waits on the server (it holds the lock while answering one at once)."""
+    end = time.monotonic() + 10
+    while True:
+        with server._cond:
+            if w in server._serving:
+                return
+        assert time.monotonic() < end, f"worker {w}'s request never waited on the server"
+        time.sleep(0.02)
+
+
+def test_async_applies_each_gradient_over_the_worker_count_and_holds_a_pull_past_the_bound():
+    """Asynchronous, 2 workers, max_staleness 1: every push moves the shard by lr * grad / W on its
+    own; worker 0's pull one step ahead of worker 1 is answered, two steps ahead it waits for
+    worker 1's push and then carries it."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, strategy="async", max_staleness=1)
+    layout = make_layout([12, 3, 6, 2], 1, 16)
+    ids = np.arange(len(layout.partitions))
+    start = np.arange(23, dtype=np.float32)
+    a, b = (raw_worker(server, layout, w, 2, lr=0.5, strategy="async") for w in (0, 1))
+    a.send(P.INIT, worker=0, ids=ids, values=[start])
+    grads = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
+
+    def params_of(got: dict) -> np.ndarray:
+        return np.concatenate([got[i] for i in ids.tolist()])
+
+    a.send(P.PUSH, worker=0, step=0, version=0, ids=ids, values=grads)
+    a.send(P.PULL, worker=0, step=1)  # 1 step ahead of worker 1: within the bound
+    step, got = recv_params(a, layout)
+    assert step == 1 and np.array_equal(params_of(got), start - 0.5)  # 0.5 * 2 / 2 workers
+    a.send(P.PUSH, worker=0, step=1, version=1, ids=ids, values=grads)
+    a.send(P.PULL, worker=0, step=2)  # 2 steps ahead: waits for worker 1
+    wait_serving(server, 0)
+    b.send(P.PUSH, worker=1, step=0, version=0, ids=ids, values=grads)
+    step, got = recv_params(a, layout)
+    assert step == 2 and np.array_equal(params_of(got), start - 1.5)  # three pushes, each -0.5
+    assert server.version == 3 and dict(server.staleness) == {0: 2, 2: 1}
+    for ch in (a, b):
+        ch.close()
+    thread.join(10)
 
 
 def test_a_sync_checkpoint_puts_every_worker_at_the_shards_step(tmp_path):
