@@ -122,6 +122,49 @@ def test_keep_only_the_newest(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_steps_past_nine_digits_sort_by_number_not_by_name(tmp_path):
+    """ckpt-1000000000.pt sorts before ckpt-999999999.pt by name: sorted so, latest() would resume
+    from the older step and keep=1 would delete the file just written."""
+    checkpoint.save(tmp_path, 999_999_999, {"x": torch.tensor([1])}, keep=1)
+    checkpoint.save(tmp_path, 1_000_000_000, {"x": torch.tensor([2])}, keep=1)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [1_000_000_000]
+    found = checkpoint.latest(tmp_path)
+    assert found.step == 1_000_000_000 and found.payload["x"].item() == 2
+
+
+def test_a_save_fsyncs_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    """Without the file's fsync a crash can leave the new name on an empty or partial file; without
+    the directory's, the rename itself may be lost. Neither shows in a test that does not crash the
+    machine, so the order of the calls is checked."""
+    import stat
+
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(f"replace -> {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    checkpoint.save(tmp_path, 3, {"x": torch.tensor([3])})
+    assert calls == ["fsync file", "replace -> ckpt-000000003.pt", "fsync dir"]
+
+
+def test_the_digest_covers_shapes_dtypes_and_containers_not_only_bytes():
+    """The same bytes under another shape, dtype or container are another payload."""
+    t = torch.arange(6, dtype=torch.int32)
+    digests = {checkpoint.digest(p) for p in (
+        {"w": t}, {"w": t.reshape(2, 3)}, {"w": t.reshape(3, 2)}, {"w": t.view(torch.float32)},
+        {"w": [1, 2]}, {"w": (1, 2)}, {"w": 1}, {"w": 1.0}, {"w": True}, {"v": t},
+    )}
+    assert len(digests) == 10
+
+
 def corrupt(path: Path, how: str) -> None:
     raw = bytearray(path.read_bytes())
     if how == "truncated":
