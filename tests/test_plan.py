@@ -240,6 +240,31 @@ def test_mgwfbp_keeps_layers_apart_when_communication_is_hidden():
     assert plan.groups == [(0, 0), (1, 1), (2, 2)]
 
 
+def test_mgwfbp_does_not_merge_a_layer_ready_exactly_when_the_allreduce_could_start():
+    # ready [1, 1]; alpha 0, cost(4) = 4. k=0: start 1, end 5; layer 1 ready at 1 < 5, but the
+    # allreduce could start at 1 = its ready time (not later: the authors' taoc[l] > current_taob
+    # is strict) and waiting 0 saves nothing (0 < alpha = 0 is false): keep them apart.
+    plan = merge([1.0, 0.0], [4.0, 4.0], 0.0, 1.0, method="mgwfbp")
+    assert plan.groups == [(0, 0), (1, 1)]
+    assert plan.ends == [5.0, 9.0]
+
+
+def test_mgwfbp_with_a_custom_cost_saves_cost_a_plus_cost_b_minus_cost_both():
+    # A callable that is not a LinearCost but has the same line: the saving
+    # cost(open) + cost(next) - cost(both) is alpha, so the greedy makes the same groups as with
+    # LinearCost (integers and quarters: the subtraction is exact). The hand case first.
+    line = lambda b: 2.0 + 0.25 * np.asarray(b, dtype=np.float64)  # noqa: E731
+    greedy = merge([1.0, 1.0, 1.0, 3.0], [12.0, 4.0, 8.0, 0.0], cost=line, method="mgwfbp")
+    assert greedy.groups == [(0, 2), (3, 3)] and greedy.ends == [11.0, 13.0]  # as the linear case above
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        times = rng.integers(0, 5, n).astype(float).tolist()
+        sizes = (rng.integers(0, 9, n) * 4).astype(float).tolist()
+        assert (merge(times, sizes, cost=line, method="mgwfbp").groups
+                == merge(times, sizes, 2.0, 0.25, method="mgwfbp").groups), (times, sizes)
+
+
 def test_fixed_threshold_like_ddp():
     mib = 1024 * 1024
     sizes = [0.5 * mib, 0.5 * mib, 0.25 * mib, 1.0 * mib, 0.125 * mib]
