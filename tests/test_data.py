@@ -64,6 +64,21 @@ def test_rank_slices_concatenate_to_the_single_process_batch(world_size, batch_s
         assert expected[0] == list(range(world_size * batch_size))
 
 
+def test_each_epoch_follows_its_own_order_and_the_dropped_remainder_changes():
+    # 20 samples, global batch 6: 3 batches an epoch, 2 samples dropped. Epoch e visits the first
+    # 18 entries of permutation(20, seed, e) in order, split over the ranks; reusing epoch 0's
+    # order every epoch would drop the same 2 samples for ever.
+    ranks = [ShardedSampler(20, 3, rank=r, world_size=2, seed=5) for r in range(2)]
+    per_rank = [take(s, 9) for s in ranks]
+    dropped = []
+    for epoch in range(3):
+        order = permutation(20, 5, epoch).tolist()
+        visited = [i for step in range(3 * epoch, 3 * epoch + 3) for r in range(2) for i in per_rank[r][step]]
+        assert visited == order[:18], f"epoch {epoch}"
+        dropped.append(set(order[18:]))
+    assert len({frozenset(d) for d in dropped}) == 3  # (true for seed 5; a different order each epoch)
+
+
 def test_seek_stands_where_that_many_steps_leave_the_sampler():
     for steps in (0, 1, 11, 12, 13, 40):
         a, b = (ShardedSampler(100, 4, rank=1, world_size=2, seed=1) for _ in range(2))  # 12 batches an epoch
