@@ -75,11 +75,27 @@ def test_abort_round_trip_keeps_type_and_text(error, kind):
 
 
 def test_abort_text_is_bounded_and_valid_utf8():
-    frame = wire.encode_abort(CommError("é" * 5000))
+    # "a" first, so that MAX_ABORT_TEXT (even) bytes end in the middle of a 2-byte "é": with "é"
+    # alone the cut fell on a character boundary and the re-trim was never exercised.
+    frame = wire.encode_abort(CommError("a" + "é" * 5000))
     fh = wire.decode_frame_header(frame[: wire.FRAME_HEADER_SIZE])
-    assert fh.length <= 4 + wire.MAX_ABORT_TEXT
+    assert fh.length == 4 + wire.MAX_ABORT_TEXT - 1  # the half character dropped
+    raw = frame[wire.FRAME_HEADER_SIZE + 4 :]
+    assert raw.decode("utf-8") == "a" + "é" * ((wire.MAX_ABORT_TEXT - 2) // 2)  # strict: no half character
     text = str(wire.abort_error(frame[wire.FRAME_HEADER_SIZE :], 0))
-    assert text.endswith("é")  # cut at a character boundary
+    assert text.endswith("é") and "\ufffd" not in text
+
+
+def test_abort_length_limits_are_exact():
+    def abort_header(length):
+        return struct.pack(f"<4sBBH{CallHeader.SIZE}sQ", wire.FRAME_MAGIC, wire.VERSION, wire.ABORT, 0,
+                           bytes(CallHeader.SIZE), length)
+
+    for length in (4, 4 + wire.MAX_ABORT_TEXT):
+        assert wire.decode_frame_header(abort_header(length)) == wire.FrameHeader(wire.ABORT, None, length)
+    for length in (3, 4 + wire.MAX_ABORT_TEXT + 1):
+        with pytest.raises(ProtocolError, match="ABORT frame claims"):
+            wire.decode_frame_header(abort_header(length))
 
 
 @pytest.mark.parametrize(
@@ -162,6 +178,7 @@ def test_hello_round_trip_and_fresh_nonces():
         (lambda b: b[:5] + bytes([9]) + b[6:], "role"),
         (lambda b: b[:6] + bytes([6, 0]) + b[8:], "flags"),
         (lambda b: b[:8] + struct.pack("<I", 5) + b[12:], "rank 5"),
+        (lambda b: b[:12] + struct.pack("<I", 2) + b[16:], "peer 2"),  # peer == world size 2
         (lambda b: b[:16] + struct.pack("<I", 0) + b[20:], "world size 0"),
         (lambda b: b[:-1], "68 bytes"),
     ],
@@ -207,3 +224,7 @@ def test_macs_bind_role_secret_and_both_nonces():
     assert not wire.mac_ok(mac, wire.handshake_mac(key, wire.CONNECT, c, fresh_accept))
     assert wire.handshake_mac(None, wire.CONNECT, c, a) == bytes(wire.MAC_SIZE)
     assert key not in mac
+    # every byte counts: a MAC differing only in its last byte, or cut short, is refused
+    assert not wire.mac_ok(mac, mac[:-1] + bytes([mac[-1] ^ 1]))
+    assert not wire.mac_ok(mac, mac[:16])
+    assert not wire.mac_ok(mac, mac + b"\0")
