@@ -167,6 +167,28 @@ def test_allreduce_bitwise_identical_on_random_floats(alg, p):
     np.testing.assert_allclose(results[0][6], ref, rtol=1e-9, atol=1e-6)  # order differs: float rounding
 
 
+@pytest.mark.parametrize("alg", ["naive", "central"])
+@pytest.mark.parametrize("p", [3, 4, 5])
+def test_naive_and_central_reduce_in_group_order(alg, p):
+    # Their docstrings promise ((x0 op x1) op x2) ...: position 0 first. Random floats so that the
+    # order shows in the bits (float addition is not associative); the bitwise-identical test
+    # above cannot see an order that is merely the same on every rank.
+    rng = np.random.default_rng(100 + p)
+    n = 257
+    data = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32) for _ in range(p)]
+
+    def body(t):
+        buf = data[t.rank].copy()
+        call_allreduce(alg, t, buf, "sum", "float32", header("allreduce", "sum", alg, "float32", n))
+        return buf
+
+    want = data[0].copy()
+    for x in data[1:]:
+        want += x
+    for rank, got in enumerate(run(p, body)):
+        assert_same(got, want, f"{alg} p={p} rank {rank}")
+
+
 # --- ring: reduce-scatter, allgather, broadcast, barrier -----------------------------------
 
 
