@@ -61,6 +61,20 @@ def test_toy_iteration_times_by_hand():
     assert predict_with_cost(toy(), cost, 2, "wfbp").exposed_s == 4.0
 
 
+def test_backward_of_parameter_free_input_layers_overlaps_the_last_allreduce():
+    # The toy with a parameter-free layer nearest the input (backward 2 s): the gradient layers
+    # are ready at 1, 3, 6 as before, backward ends at 8, and the allreduces' ends are counted
+    # from the start of backward, so they overlap those 2 s rather than follow them.
+    layers = (Layer("input", 1.0, 2.0, 0, 0),) + toy().layers
+    trace = Trace("toy+input", layers, batch_size=4, optimizer_s=0.5)
+    p = predict_with_cost(trace, cost, 2, "wfbp")
+    assert (p.backward_s, p.comm_end_s, p.exposed_s) == (8.0, 10.0, 2.0)
+    assert p.iteration_s == 9.0 + 10.0 + 0.5  # forward + max(backward 8, comm end 10) + optimizer
+    quick = predict_with_cost(trace, lambda n: 0.0 * n + 0.25, 2, "wfbp")
+    assert (quick.comm_end_s, quick.exposed_s) == (6.25, 0.0)  # hidden behind the input layer's 2 s
+    assert quick.iteration_s == 9.0 + 8.0 + 0.5
+
+
 def test_one_gpu_communicates_nothing():
     for schedule in SCHEDULES:
         p = predict_with_cost(toy(), cost, 1, schedule)
