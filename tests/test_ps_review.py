@@ -172,6 +172,24 @@ def test_a_bad_hello_is_refused_naming_the_field_and_the_server_ends(body, word)
     assert not thread.is_alive() and "worker 0 was lost" in out["stats"]["failed"]
 
 
+def test_a_hello_body_over_the_json_limit_is_refused_before_it_is_read():
+    """A good HELLO padded with spaces to MAX_JSON + 1 bytes (valid JSON): refused by its length
+    alone. The server may close before the 4 MiB are sent, so the verdict is read from its stats."""
+    server, thread, out = start_server()
+    body = P.encode_json(hello_of(make_layout([12, 3], 1, 16)))
+    body += b" " * (P.MAX_JSON + 1 - len(body))
+    ch = dial(server, 0, 1)
+    try:
+        ch.send(P.HELLO, worker=0, body=body)
+        ch.recv_header(5.0)
+    except CommError:  # the refusal, or the connection it closed under the send
+        pass
+    ch.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert f"{P.MAX_JSON + 1}-byte HELLO body (at most {P.MAX_JSON})" in out["stats"]["failed"]
+
+
 def test_check_hello_normalizes_a_good_hello():
     hello = check_hello(hello_of(make_layout([12, 3], 1, 16), lr=1, momentum=0), "worker 0")
     assert hello["lr"] == 1.0 and isinstance(hello["lr"], float) and hello["numels"] == [12, 3]

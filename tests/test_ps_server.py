@@ -578,6 +578,41 @@ def test_async_applies_each_gradient_over_the_worker_count_and_holds_a_pull_past
     thread.join(10)
 
 
+def four(n: int) -> np.ndarray:
+    return np.full(n, 4.0, dtype=np.float32)
+
+
+@pytest.mark.parametrize("pushes, words", [
+    ([([0, 0], [four(4), four(4)])], "does not own \\(or twice\\)"),  # one partition twice in a message
+    ([([7], [four(4)])], "does not own"),  # ids 0..6 only
+    ([([0], [four(5)])], "carries 20 value bytes, expected 16"),  # partition 0 holds 4 floats
+    ([([0], [four(3)])], "carries 12 value bytes, expected 16"),
+    ([([0], [four(4)]), ([0], [four(4)])], "pushed a partition twice for step 0"),  # in two messages
+])
+def test_a_malformed_push_is_refused_naming_the_fault_and_applies_nothing(pushes, words):
+    """One worker, sync: each push is checked before its values count; a refused push ends the job
+    and rolls back whatever was stepped (the repeated partition 0 had stepped once already)."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server()
+    layout = make_layout([12, 3, 6, 2], 1, 16)  # 7 partitions of at most 4 floats
+    ids = np.arange(len(layout.partitions))
+    start = np.arange(23, dtype=np.float32)
+    ch = raw_worker(server, layout, 0, 1, lr=0.5)
+    ch.send(P.INIT, worker=0, ids=ids, values=[start])
+    ch.send(P.PULL, worker=0, step=0)
+    recv_params(ch, layout)
+    for push_ids, values in pushes:
+        ch.send(P.PUSH, worker=0, step=0, ids=np.array(push_ids), values=values)
+    with pytest.raises(ProtocolError, match=words):
+        ch.recv_header(5.0)
+    ch.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert server.version == 0 and server.updates == 0
+    assert torch.equal(server.params, torch.from_numpy(start))
+
+
 def test_a_sync_checkpoint_puts_every_worker_at_the_shards_step(tmp_path):
     """Worker 1 has pushed step 1 whole when worker 0 saves at step 1: the shard is at step 1,
     and every worker resumes there (worker 1 pushes step 1 again), not worker 1 at step 2."""
