@@ -124,6 +124,26 @@ def test_a_parameter_server_run_whose_servers_share_no_saved_step_refuses(tmp_pa
     assert len(launches) == 1
 
 
+def test_the_step_a_run_resumes_at_is_the_newest_every_server_saved(tmp_path):
+    """What the line after Ctrl-C names: parameter servers resume at the newest step *every* server
+    holds (server 1's save of step 3 was cut short: step 2); ring workers at their newest whole
+    checkpoint (a damaged newer one is skipped)."""
+    from ringtrain import resume
+
+    for server, steps in ((0, (1, 2, 3)), (1, (1, 2))):
+        for step in steps:
+            checkpoint.save(tmp_path / "ps" / "servers" / f"server-{server}", step, {"version": step}, keep=5)
+    cfg = train.TrainConfig(strategy="ps-sharded", servers=2, checkpoint_dir=str(tmp_path / "ps"))
+    assert resume.resume_step(cfg) == 2
+    none_common = train.TrainConfig(strategy="ps-sharded", servers=3, checkpoint_dir=str(tmp_path / "ps"))
+    (tmp_path / "ps" / "servers" / "server-2").mkdir()  # a third server that saved nothing
+    assert resume.resume_step(none_common) is None
+    for step in (4, 5):
+        checkpoint.save(tmp_path / "ring", step, {"step": step})
+    (tmp_path / "ring" / checkpoint.checkpoint_name(6)).write_text("garbage\n")
+    assert resume.resume_step(train.TrainConfig(checkpoint_dir=str(tmp_path / "ring"))) == 5
+
+
 def save_servers(directory: Path, servers: int, strategy: str = "sync") -> None:
     """Real parameter servers (threads) save step 1 into ``directory``/servers, as a run's do."""
     from ringtrain.ps import ParameterServerTraining
