@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from thread_harness import run_comms
 
+import ringtrain
 from ringtrain import checkpoint, data, models
 from ringtrain.checkpoint import CheckpointError
 
@@ -551,3 +553,43 @@ def test_a_checkpoint_has_the_mode_the_umask_gives_a_new_file(tmp_path, umask):
     finally:
         os.umask(before)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def _found_by_every_rank(dirs: list[Path]):
+    """``latest(dirs[rank], comm=...)`` on one thread per rank: per rank its step, or the exception."""
+
+    def body(comm):
+        try:
+            found = checkpoint.latest(dirs[comm.rank], comm=comm)
+        except Exception as exc:
+            return exc
+        return None if found is None else found.step
+
+    return run_comms(len(dirs), body)
+
+
+def test_ranks_that_find_the_same_checkpoint_resume_from_it(tmp_path):
+    shared = tmp_path / "shared"
+    checkpoint.save(shared, 20, {"w": torch.arange(3)})
+    assert _found_by_every_rank([shared] * 3) == [20, 20, 20]
+    assert _found_by_every_rank([tmp_path / "empty"] * 3) == [None, None, None]
+    # A file per rank (ranks that draw different random numbers save one each): the same step, other contents
+    for rank in range(3):
+        checkpoint.save(tmp_path / f"rank{rank}", 20, {"w": torch.arange(3) + rank})
+    assert _found_by_every_rank([tmp_path / f"rank{rank}" for rank in range(3)]) == [20, 20, 20]
+
+
+@pytest.mark.parametrize("other", ["none", "older"])
+def test_ranks_that_find_different_checkpoints_all_raise_naming_who_found_what(tmp_path, other):
+    # Several nodes, each its own disk: rank 0's node has its checkpoints, the others' nodes not (or
+    # an older one). Without comm= the ranks would resume at different steps, silently.
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    checkpoint.save(node0, 20, {"w": torch.arange(3)})
+    if other == "older":
+        checkpoint.save(node1, 10, {"w": torch.arange(3)})
+    results = _found_by_every_rank([node0, node1, node1])
+    assert all(isinstance(r, ringtrain.MismatchError) for r in results), results
+    said = {"none": "ranks 1, 2: none", "older": "ranks 1, 2: step 10"}[other]
+    for text in map(str, results):  # (each names its own directory: the same path on every node in a real job)
+        assert "rank 0: step 20" in text and said in text, text
+        assert "file system every node shares" in text

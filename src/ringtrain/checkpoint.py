@@ -41,7 +41,7 @@ position in the global batch sequence), so rank 0's file restores every rank's l
     if rank == 0:
         checkpoint.save(run_dir, step, payload, keep=3)
     ...
-    found = checkpoint.latest(run_dir)            # None: start from scratch
+    found = checkpoint.latest(run_dir, comm=comm) # None: start from scratch; the same step on every rank
     if found is not None:
         step = checkpoint.restore_training_state(found.payload, model, optimizer, loader)
 """
@@ -277,19 +277,52 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(path, step, payload)
 
 
-def latest(directory: str | os.PathLike[str], *, warn: bool = True) -> Checkpoint | None:
+def latest(directory: str | os.PathLike[str], *, warn: bool = True, comm: Any = None) -> Checkpoint | None:
     """The valid checkpoint with the highest step in ``directory``, or None if there is none.
     A damaged one is skipped with a warning (``warn=False``: quietly, for a caller that has named
-    it already)."""
+    it already).
+
+    ``comm``: a communicator every rank of which calls this at once; they compare the steps they
+    found, and where those differ every rank raises :class:`ringtrain.MismatchError` naming who
+    found which (only the step: a job whose ranks save a file each finds different contents). On several nodes each reads its own disk: a rank that found none, or
+    an older one, would train on from another step with other optimizer state, and nothing
+    would say so (its parameters drift from the others')."""
+    found = None
     for step, path in reversed(list_checkpoints(directory)):
         try:
-            return load(path)
+            found = load(path)
+            break
         except CheckpointError as exc:
             if warn:
                 warnings.warn(f"skipping checkpoint of step {step}: {exc}", RuntimeWarning, stacklevel=2)
                 if log.hasHandlers():  # (unconfigured, logging's last resort printed the same line again)
                     log.warning("skipping checkpoint of step %d: %s", step, exc)
-    return None
+    if comm is not None and comm.world_size > 1:
+        _same_on_every_rank(found, directory, comm)
+    return found
+
+
+def _same_on_every_rank(found: Checkpoint | None, directory: str | os.PathLike[str], comm: Any) -> None:
+    """Raise MismatchError on every rank unless every rank of ``comm`` found the same checkpoint."""
+    from .errors import MismatchError
+
+    steps = np.full(comm.world_size, -1, np.int64)
+    steps[comm.rank] = -1 if found is None else found.step
+    comm.allgather(steps)
+    kinds: dict[int, list[int]] = {}
+    for rank, step in enumerate(steps.tolist()):
+        kinds.setdefault(step, []).append(rank)
+    if len(kinds) == 1:
+        return
+    what = "; ".join(f"{_ranks(ranks)}: " + ("none" if step < 0 else f"step {step}")
+                     for step, ranks in sorted(kinds.items(), key=lambda kv: kv[1][0]))
+    raise MismatchError(f"the ranks found different checkpoints in {os.fspath(directory)}: {what}. Every rank "
+                        "must see the same files: keep the directory on a file system every node shares, or copy "
+                        "rank 0's checkpoints to every node")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def supersede(directory: str | os.PathLike[str], also: tuple[str, ...] = ()) -> tuple[Path, list[int]] | None:

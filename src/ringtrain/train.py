@@ -505,7 +505,8 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     start = 0
     if cfg.resume:
-        found = checkpoint.latest(cfg.checkpoint_dir, warn=False)  # (the parent named the damaged ones)
+        # (the parent named the damaged ones; comm: every rank must find the same one)
+        found = checkpoint.latest(cfg.checkpoint_dir, warn=False, comm=comm)
         if found is not None:
             start = checkpoint.restore_training_state(found.payload, model, opt, loader)
             _note_other_corpus(found.payload, loader, rank)
