@@ -85,8 +85,9 @@ def _native_mismatch_job(rank, world_size, port, which):
     import ringtrain
 
     comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=10)
-    n = 10 + rank if which == "numel" else 10
-    op = "max" if (which == "op" and rank == 0) else "sum"
+    last = rank == world_size - 1  # at 3 ranks, rank 1 agrees with the rank before it
+    n = 10 + last if which == "numel" else 10
+    op = "max" if (which == "op" and last) else "sum"
     try:
         comm.allreduce(np.ones(n, dtype=np.float32), op=op, algorithm="native")
     except ringtrain.CommError as exc:
@@ -96,11 +97,14 @@ def _native_mismatch_job(rank, world_size, port, which):
     return "returned"
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("which", ["numel", "op"])
-def test_native_allreduce_checks_the_ranks_calls_first(which):
+def test_native_allreduce_checks_the_ranks_calls_first(which, world_size):
     # gloo itself does not: a size mismatch aborted a process (SIGABRT) while the other returned
-    # half-reduced data; an op mismatch returned half max, half sum on both ranks.
-    assert run_ranks(_native_mismatch_job, 2, which) == ["MismatchError", "MismatchError"]
+    # half-reduced data; an op mismatch returned half max, half sum on both ranks. At 3 ranks
+    # the rank whose predecessor agreed with it went on into gloo, and waited out the timeout
+    # there (a DistStoreError, not a CommError) while the others raised MismatchError.
+    assert run_ranks(_native_mismatch_job, world_size, which) == ["MismatchError"] * world_size
 
 
 def _native_close_job(rank, world_size, port):

@@ -254,7 +254,7 @@ class Communicator:
     def _native_allreduce(self, acc: FlatView, op: str, header: CallHeader, deadline: float) -> None:
         """torch.distributed's gloo allreduce of ``acc``, after the ranks have checked each
         other's calls (gloo does not: a size mismatch aborts the process, an op mismatch mixes
-        results); gloo's errors become CommErrors."""
+        results) and every rank knows that all of them passed; gloo's errors become CommErrors."""
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -262,6 +262,10 @@ class Communicator:
         from .collectives import ring
 
         ring.agree(self.transport, header, deadline)
+        # agree() fails only the ranks whose predecessor differs; a rank whose predecessor
+        # agreed would go on into gloo, where the others' abort never reaches it. No rank
+        # leaves the barrier before every rank has entered it, i.e. passed agree().
+        ring.barrier(self.transport, header, deadline)
         if not acc.array.size:
             return
         if self._native_group is None:
