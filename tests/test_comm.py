@@ -179,6 +179,40 @@ def test_closed_communicator_refuses_calls():
         comm.barrier()
 
 
+@pytest.mark.parametrize("call", ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"])
+def test_a_call_refused_while_another_thread_is_in_one_leaves_the_communicator_in_step(call):
+    # The refused call took a sequence number all the same: the job's next collective was a
+    # MismatchError on every rank ("rank 0 called call #3 ... but rank 1 called call #2").
+    import threading
+
+    go = threading.Event()
+
+    def fn(comm):
+        buf = data(comm.rank, 1009, np.float64)
+        if comm.rank == 0:
+            first = threading.Thread(target=comm.allreduce, args=(buf,))
+            first.start()  # waits in the call for rank 1, which waits for `go`
+            while not comm._lock.locked():
+                threading.Event().wait(0.001)
+            with pytest.raises(RuntimeError, match="not thread-safe"):
+                if call == "barrier":
+                    comm.barrier()
+                else:
+                    getattr(comm, call)(np.ones(4))
+            go.set()
+            first.join()
+        else:
+            go.wait()
+            comm.allreduce(buf)
+        again = data(comm.rank, 7, np.float64)
+        comm.allreduce(again)
+        return buf, again
+
+    for buf, again in raise_first(run_comms(2, fn)):
+        np.testing.assert_array_equal(buf, data(0, 1009, np.float64) + data(1, 1009, np.float64))
+        np.testing.assert_array_equal(again, data(0, 7, np.float64) + data(1, 7, np.float64))
+
+
 @pytest.mark.parametrize("call", ["allreduce", "reduce_scatter", "allgather", "broadcast"])
 def test_an_empty_buffer_against_a_full_one_is_a_mismatch_on_every_rank(call):
     # An empty call still sends its header: the others must not wait out the timeout for it.

@@ -20,6 +20,7 @@ The thresholds come from ``ringtrain bench allreduce`` on the development machin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import numbers
 import threading
@@ -100,11 +101,11 @@ class Communicator:
         if self.world_size > 1:
             red = reducer(op, acc.dtype)
             if alg == "native":
-                fn = lambda d: self._native_allreduce(acc, op, header, d)  # noqa: E731
+                fn = lambda h, d: self._native_allreduce(acc, op, h, d)  # noqa: E731
             else:
                 module = importlib.import_module(f"ringtrain.collectives.{alg}")
                 kwargs = {"hosts": self.host_ids} if alg == "hierarchical" else {}
-                fn = lambda d: module.allreduce(self.transport, acc.array, red, header, d, **kwargs)  # noqa: E731
+                fn = lambda h, d: module.allreduce(self.transport, acc.array, red, h, d, **kwargs)  # noqa: E731
             self._call(fn, header)
         else:
             self._call(None, header)
@@ -124,7 +125,7 @@ class Communicator:
         acc = _accumulator(view, op)
         red = reducer(op, acc.dtype)
         if self.world_size > 1:
-            self._call(lambda d: ring.reduce_scatter(self.transport, acc.array, red, header, d), header)
+            self._call(lambda h, d: ring.reduce_scatter(self.transport, acc.array, red, h, d), header)
         else:
             self._call(None, header)
         if op == "mean":
@@ -140,7 +141,7 @@ class Communicator:
         view = flat_view(buf)
         header = self._header("allgather", view, "none", "ring")
         if self.world_size > 1:
-            self._call(lambda d: ring.allgather(self.transport, view.array, header, d), header)
+            self._call(lambda h, d: ring.allgather(self.transport, view.array, h, d), header)
         else:
             self._call(None, header)
         _written(buf, view, view)
@@ -155,11 +156,11 @@ class Communicator:
         view = flat_view(buf)
         header = self._header("broadcast", view, "none", "ring", root=root)
 
-        def run(deadline: float) -> None:
+        def run(h: CallHeader, deadline: float) -> None:
             # The root only sends: the ranks check each other's calls first (ring.agree), so
             # that ranks naming different roots raise MismatchError, not a timeout or silence.
-            ring.agree(self.transport, header, deadline)
-            ring.broadcast(self.transport, view.array, root, header, deadline)
+            ring.agree(self.transport, h, deadline)
+            ring.broadcast(self.transport, view.array, root, h, deadline)
 
         self._call(run if self.world_size > 1 else None, header)
         _written(buf, view, view)
@@ -169,9 +170,9 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         from .collectives import ring
 
-        header = CallHeader(self._next_seq(), "barrier")
+        header = CallHeader(0, "barrier")
         if self.world_size > 1:
-            self._call(lambda d: ring.barrier(self.transport, header, d), header)
+            self._call(lambda h, d: ring.barrier(self.transport, h, d), header)
         else:
             self._call(None, header)
 
@@ -223,11 +224,13 @@ class Communicator:
         return self._seq
 
     def _header(self, kind: str, view: FlatView, op: str, alg: str, root: int = -1) -> CallHeader:
-        return CallHeader(
-            self._next_seq(), kind, op, alg, view.dtype, int(view.array.size), shape_digest(view.shape), root
-        )
+        """The call's header, its sequence number left for _call to take."""
+        return CallHeader(0, kind, op, alg, view.dtype, int(view.array.size), shape_digest(view.shape), root)
 
     def _call(self, fn, header: CallHeader) -> None:
+        """Run ``fn(header, deadline)``, ``header`` stamped with the call's sequence number. The
+        number is taken only once the call holds the lock: a call refused here (closed, broken,
+        another thread's call in progress) must not put this rank a call ahead of the others."""
         if self._closed:
             raise CommError(f"rank {self.rank}: communicator is closed")
         if self._broken is not None:
@@ -240,7 +243,7 @@ class Communicator:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Communicator is not thread-safe: another collective is in progress")
         try:
-            fn(time.monotonic() + self.timeout)
+            fn(dataclasses.replace(header, seq=self._next_seq()), time.monotonic() + self.timeout)
         except BaseException as exc:
             self._broken = exc
             try:
