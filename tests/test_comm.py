@@ -179,6 +179,26 @@ def test_closed_communicator_refuses_calls():
         comm.barrier()
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("algorithm", REAL_ALGORITHMS)
+def test_numpy_array_subclasses_are_reduced_in_place(algorithm, tmp_path):
+    # np.matrix stays 2-D under reshape(-1): the algorithms refused its "flat view" from inside
+    # the call ("collectives need a writable 1-D C-contiguous buffer (use ops.flat_view)"),
+    # which broke the communicator on every rank.
+    def fn(comm):
+        m = np.matrix(data(comm.rank, 10, np.float64).reshape(2, 5))
+        comm.allreduce(m, algorithm=algorithm)
+        mm = np.memmap(tmp_path / f"rank{comm.rank}", dtype=np.float32, mode="w+", shape=(2, 7))
+        mm[:] = data(comm.rank, 14).reshape(2, 7)
+        comm.allreduce(mm, algorithm=algorithm)
+        return m, np.array(mm)
+
+    for m, mm in raise_first(run_comms(3, fn)):
+        assert type(m) is np.matrix and m.shape == (2, 5)
+        np.testing.assert_array_equal(np.asarray(m).ravel(), sum(data(r, 10, np.float64) for r in range(3)))
+        np.testing.assert_array_equal(mm.ravel(), sum(data(r, 14) for r in range(3)))
+
+
 @pytest.mark.parametrize("call", ["allreduce", "reduce_scatter", "allgather", "broadcast", "barrier"])
 def test_a_call_refused_while_another_thread_is_in_one_leaves_the_communicator_in_step(call):
     # The refused call took a sequence number all the same: the job's next collective was a

@@ -63,7 +63,8 @@ def flat_view(buf: Any) -> FlatView:
             raise ValueError("buffer must be C-contiguous (use np.ascontiguousarray and copy back)")
         if not buf.flags.writeable:
             raise ValueError("buffer is read-only; collectives work in place")
-        return FlatView(buf.reshape(-1), name, tuple(buf.shape))
+        # As a plain ndarray: a subclass may not flatten (np.matrix stays 2-D under reshape).
+        return FlatView(buf.view(np.ndarray).reshape(-1), name, tuple(buf.shape))
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
