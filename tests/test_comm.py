@@ -87,6 +87,17 @@ def test_collectives_in_place():
         np.testing.assert_array_equal(bc, data(2, n))
 
 
+def test_broadcast_root_may_be_a_numpy_integer():
+    # root=np.int64(1) (say from np.argmax) was refused: "root must be a rank in [0, 3), got np.int64(1)".
+    def fn(comm):
+        bc = data(comm.rank, 5)
+        comm.broadcast(bc, root=np.int64(1))
+        return bc
+
+    for bc in raise_first(run_comms(3, fn)):
+        np.testing.assert_array_equal(bc, data(1, 5))
+
+
 def test_mismatched_op_raises_on_every_rank():
     def fn(comm):
         comm.allreduce(np.ones(100, dtype=np.float32), op="max" if comm.rank == 1 else "sum", algorithm="ring")
@@ -145,6 +156,8 @@ def test_silent_peer_times_out_and_communicator_stays_broken():
         (lambda c: c.allreduce(torch.ones(4, 4)[:, 1]), "contiguous"),
         (lambda c: c.allreduce([1.0, 2.0]), "numpy array or a CPU torch tensor"),
         (lambda c: c.broadcast(np.ones(3, np.float32), root=5), "root must be a rank"),
+        (lambda c: c.broadcast(np.ones(3, np.float32), root=1.0), "root must be a rank"),
+        (lambda c: c.broadcast(np.ones(3, np.float32), root=True), "root must be a rank"),
         (lambda c: c.allreduce(np.ones(3, np.float32), algorithm="native"), "native"),
     ],
 )

@@ -151,8 +151,9 @@ class Communicator:
         """Copy root's ``buf`` into every rank's ``buf``, in place."""
         from .collectives import ring
 
-        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
+        if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < self.world_size:
             raise ValueError(f"root must be a rank in [0, {self.world_size}), got {root!r}")
+        root = int(root)  # a numpy integer too (the call header packs an int)
         view = flat_view(buf)
         header = self._header("broadcast", view, "none", "ring", root=root)
 
