@@ -136,6 +136,47 @@ def test_close_lets_go_of_the_gloo_group():
         assert after == before, (before, after)
 
 
+def _close_under_a_call_job(rank, world_size, port, transport):
+    import threading
+
+    import ringtrain
+
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport=transport, timeout=5)
+    store = comm.store
+    if rank == 1:  # stays out of the call until rank 0 has closed under it
+        store.wait(["closed"])
+        store.set("bye", "1")
+        comm.close()
+        return None
+    raised = []
+
+    def call():
+        try:
+            comm.allreduce(np.ones(10), algorithm="ring")
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            raised.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    while not comm._lock.locked():
+        threading.Event().wait(0.001)
+    comm.close()
+    caller.join()
+    store.set("closed", "1")
+    store.wait(["bye"])
+    return [(isinstance(exc, ringtrain.CommError), str(exc)) for exc in raised]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "torch"])
+def test_close_from_another_thread_fails_the_call_in_progress_with_a_comm_error(transport):
+    # The call raised what the torn-down transport left: ValueError "operation forbidden on
+    # released memoryview object" (shm), AttributeError "'NoneType' object has no attribute
+    # 'recv'" (torch), PeerLost "connection to rank 1 failed (Bad file descriptor)" (tcp).
+    raised, _ = run_ranks(_close_under_a_call_job, 2, transport)
+    assert len(raised) == 1 and raised[0][0], raised
+    assert "communicator was closed during call #1 allreduce" in raised[0][1], raised
+
+
 def _naive_mismatch_job(rank, world_size, port, rounds):
     import ringtrain
 

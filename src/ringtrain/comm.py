@@ -243,15 +243,22 @@ class Communicator:
             return
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Communicator is not thread-safe: another collective is in progress")
+        header = dataclasses.replace(header, seq=self._next_seq())
         try:
-            fn(dataclasses.replace(header, seq=self._next_seq()), time.monotonic() + self.timeout)
+            fn(header, time.monotonic() + self.timeout)
         except BaseException as exc:
-            self._broken = exc
+            error = exc
+            if self._closed and isinstance(exc, Exception):  # close() from another thread, under the call
+                error = CommError(f"rank {self.rank}: the communicator was closed during {header.describe()} (by "
+                                  f"close() in another thread; the call then failed with {type(exc).__name__}: {exc})")
+            self._broken = error
             try:
-                self.transport.abort(exc)
+                self.transport.abort(error)
             except Exception:  # noqa: BLE001 - best effort; the original error matters
                 pass
-            raise
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self._lock.release()
 
