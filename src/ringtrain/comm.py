@@ -273,10 +273,12 @@ class Communicator:
         from .collectives import ring
 
         ring.agree(self.transport, header, deadline)
-        # agree() fails only the ranks whose predecessor differs; a rank whose predecessor
-        # agreed would go on into gloo, where the others' abort never reaches it. No rank
-        # leaves the barrier before every rank has entered it, i.e. passed agree().
-        ring.barrier(self.transport, header, deadline)
+        # agree() fails only the ranks whose predecessor differs; from 3 ranks on, a rank whose
+        # predecessor agreed would go on into gloo, where the others' abort never reaches it. No
+        # rank leaves the barrier before every rank has entered it, i.e. passed agree(). (On 2
+        # ranks each is the other's predecessor: both have seen every header.)
+        if self.world_size > 2:
+            ring.barrier(self.transport, header, deadline)
         if not acc.array.size:
             return
         if self._native_group is None:
