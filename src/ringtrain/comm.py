@@ -20,7 +20,6 @@ The thresholds come from ``ringtrain bench allreduce`` on the development machin
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import numbers
 import threading
@@ -96,7 +95,7 @@ class Communicator:
         view = flat_view(buf)
         check_op_dtype(op, view.dtype)
         alg = self._resolve(algorithm, view)
-        header = self._header("allreduce", view, op, alg)
+        call = self._call_fields("allreduce", view, op, alg)
         acc = _accumulator(view, op)
         if self.world_size > 1:
             red = reducer(op, acc.dtype)
@@ -106,9 +105,9 @@ class Communicator:
                 module = importlib.import_module(f"ringtrain.collectives.{alg}")
                 kwargs = {"hosts": self.host_ids} if alg == "hierarchical" else {}
                 fn = lambda h, d: module.allreduce(self.transport, acc.array, red, h, d, **kwargs)  # noqa: E731
-            self._call(fn, header)
+            self._call(fn, call)
         else:
-            self._call(None, header)
+            self._call(None, call)
         if op == "mean":
             finish_mean(acc, self.world_size)
         _written(buf, view, acc)
@@ -121,13 +120,13 @@ class Communicator:
 
         view = flat_view(buf)
         check_op_dtype(op, view.dtype)
-        header = self._header("reduce_scatter", view, op, "ring")
+        call = self._call_fields("reduce_scatter", view, op, "ring")
         acc = _accumulator(view, op)
         red = reducer(op, acc.dtype)
         if self.world_size > 1:
-            self._call(lambda h, d: ring.reduce_scatter(self.transport, acc.array, red, h, d), header)
+            self._call(lambda h, d: ring.reduce_scatter(self.transport, acc.array, red, h, d), call)
         else:
-            self._call(None, header)
+            self._call(None, call)
         if op == "mean":
             lo, hi = schedule.chunk_bounds(acc.array.size, self.world_size)[self.rank]
             finish_mean(FlatView(acc.array[lo:hi], acc.dtype, (hi - lo,)), self.world_size)
@@ -139,11 +138,11 @@ class Communicator:
         from .collectives import ring
 
         view = flat_view(buf)
-        header = self._header("allgather", view, "none", "ring")
+        call = self._call_fields("allgather", view, "none", "ring")
         if self.world_size > 1:
-            self._call(lambda h, d: ring.allgather(self.transport, view.array, h, d), header)
+            self._call(lambda h, d: ring.allgather(self.transport, view.array, h, d), call)
         else:
-            self._call(None, header)
+            self._call(None, call)
         _written(buf, view, view)
         return buf
 
@@ -155,7 +154,7 @@ class Communicator:
             raise ValueError(f"root must be a rank in [0, {self.world_size}), got {root!r}")
         root = int(root)  # a numpy integer too (the call header packs an int)
         view = flat_view(buf)
-        header = self._header("broadcast", view, "none", "ring", root=root)
+        call = self._call_fields("broadcast", view, "none", "ring", root=root)
 
         def run(h: CallHeader, deadline: float) -> None:
             # The root only sends: the ranks check each other's calls first (ring.agree), so
@@ -163,7 +162,7 @@ class Communicator:
             ring.agree(self.transport, h, deadline)
             ring.broadcast(self.transport, view.array, root, h, deadline)
 
-        self._call(run if self.world_size > 1 else None, header)
+        self._call(run if self.world_size > 1 else None, call)
         _written(buf, view, view)
         return buf
 
@@ -171,11 +170,10 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         from .collectives import ring
 
-        header = CallHeader(0, "barrier")
         if self.world_size > 1:
-            self._call(lambda h, d: ring.barrier(self.transport, h, d), header)
+            self._call(lambda h, d: ring.barrier(self.transport, h, d), ("barrier",))
         else:
-            self._call(None, header)
+            self._call(None, ("barrier",))
 
     def close(self) -> None:
         """Release every socket, segment and thread. Idempotent."""
@@ -224,14 +222,16 @@ class Communicator:
         self._seq += 1
         return self._seq
 
-    def _header(self, kind: str, view: FlatView, op: str, alg: str, root: int = -1) -> CallHeader:
-        """The call's header, its sequence number left for _call to take."""
-        return CallHeader(0, kind, op, alg, view.dtype, int(view.array.size), shape_digest(view.shape), root)
+    @staticmethod
+    def _call_fields(kind: str, view: FlatView, op: str, alg: str, root: int = -1) -> tuple:
+        """The call's CallHeader fields after its sequence number, which _call takes."""
+        return kind, op, alg, view.dtype, int(view.array.size), shape_digest(view.shape), root
 
-    def _call(self, fn, header: CallHeader) -> None:
-        """Run ``fn(header, deadline)``, ``header`` stamped with the call's sequence number. The
-        number is taken only once the call holds the lock: a call refused here (closed, broken,
-        another thread's call in progress) must not put this rank a call ahead of the others."""
+    def _call(self, fn, call: tuple) -> None:
+        """Run ``fn(header, deadline)``, ``header`` the CallHeader of the next sequence number and
+        the fields ``call``. The number is taken only once the call holds the lock: a call refused
+        here (closed, broken, another thread's call in progress) must not put this rank a call
+        ahead of the others."""
         if self._closed:
             raise CommError(f"rank {self.rank}: communicator is closed")
         if self._broken is not None:
@@ -243,7 +243,7 @@ class Communicator:
             return
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("Communicator is not thread-safe: another collective is in progress")
-        header = dataclasses.replace(header, seq=self._next_seq())
+        header = CallHeader(self._next_seq(), *call)
         try:
             fn(header, time.monotonic() + self.timeout)
         except BaseException as exc:
