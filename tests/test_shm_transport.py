@@ -362,6 +362,23 @@ def test_abort_reaches_the_waiting_peer_with_the_same_type():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("error, said", [(KeyboardInterrupt(), "KeyboardInterrupt: KeyboardInterrupt"),
+                                         (ValueError("bad"), "ValueError: bad")])
+def test_an_abort_for_an_error_of_another_kind_names_it_as_tcp_and_torch_do(error, said):
+    # shm sent str(error) alone: Ctrl-C on one rank was "rank 0 aborted: " on the others.
+    def fn(rank, t):
+        if rank == 0:
+            time.sleep(0.05)
+            t.abort(error)
+            return None
+        with pytest.raises(CommError) as info:
+            t.sendrecv(None, None, 0, np.zeros(4, np.int64), HEADER, time.monotonic() + 10)
+        return type(info.value), str(info.value)
+
+    assert _raise_first(run_ranks(2, fn))[1] == (CommError, f"rank 0 aborted: {said}")
+
+
+@pytest.mark.timeout(30)
 def test_abort_also_stops_a_sender_waiting_for_room():
     def fn(rank, t):
         if rank == 0:

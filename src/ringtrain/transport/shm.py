@@ -393,9 +393,12 @@ class ShmTransport(Transport):
     def abort(self, error: BaseException) -> None:
         if self._closed:
             return
-        code = ERROR_CODES.get(type(error), 0)
+        code = next((ERROR_CODES[t] for t in type(error).__mro__ if t in ERROR_CODES), 0)
+        text = str(error) or type(error).__name__  # as tcp (wire.encode_abort) and torch word it
+        if not isinstance(error, CommError):
+            text = f"{type(error).__name__}: {text}"
         for peer, box in self._out.items():
-            box.set_abort(code, str(error))
+            box.set_abort(code, text)
             self._bells[peer].ring()
 
     def close(self) -> None:
