@@ -52,6 +52,10 @@ def init(
     Arguments left as None are read from torchrun's environment variables. Works whether or
     not the script has called torch.distributed.init_process_group; ringtrain never replaces
     or destroys the user's default process group.
+
+    Every rank must call init() the same number of times (the n-th calls of the ranks meet each
+    other): an init() retried after a CommTimeout on one rank waits for the others' next call,
+    not for their first, so do not retry it in a loop; give a longer ``timeout`` instead.
     """
     global _default
     from .lifecycle import die_with_launcher
