@@ -136,15 +136,16 @@ def test_close_lets_go_of_the_gloo_group():
         assert after == before, (before, after)
 
 
-def _close_under_a_call_job(rank, world_size, port, transport):
+def _close_under_a_call_job(rank, world_size, port, transport, timeout):
     import threading
+    from datetime import timedelta
 
     import ringtrain
 
-    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport=transport, timeout=5)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport=transport, timeout=timeout)
     store = comm.store
     if rank == 1:  # stays out of the call until rank 0 has closed under it
-        store.wait(["closed"])
+        store.wait(["closed"], timedelta(seconds=40))
         store.set("bye", "1")
         comm.close()
         return None
@@ -156,23 +157,33 @@ def _close_under_a_call_job(rank, world_size, port, transport):
         except BaseException as exc:  # noqa: BLE001 - looked at below
             raised.append(exc)
 
+    def asleep(tid):  # the thread waits in the kernel (in the call: for rank 1's data)
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
     caller = threading.Thread(target=call)
     caller.start()
-    while not comm._lock.locked():
+    while not (comm._lock.locked() and asleep(caller.native_id)):
         threading.Event().wait(0.001)
     comm.close()
     caller.join()
     store.set("closed", "1")
-    store.wait(["bye"])
+    store.wait(["bye"], timedelta(seconds=40))
     return [(isinstance(exc, ringtrain.CommError), str(exc)) for exc in raised]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm", "torch"])
-def test_close_from_another_thread_fails_the_call_in_progress_with_a_comm_error(transport):
+@pytest.mark.timeout(60)
+# tcp and shm with a timeout the test would not outlive: close() must wake the call. gloo's
+# wait cannot be woken (torch has no Work.abort in Python): over torch the call ends at its
+# deadline, and then says that the communicator was closed.
+@pytest.mark.parametrize("transport, timeout", [("tcp", 120), ("shm", 120), ("torch", 3)])
+def test_close_from_another_thread_fails_the_call_in_progress_with_a_comm_error(transport, timeout):
     # The call raised what the torn-down transport left: ValueError "operation forbidden on
     # released memoryview object" (shm), AttributeError "'NoneType' object has no attribute
-    # 'recv'" (torch), PeerLost "connection to rank 1 failed (Bad file descriptor)" (tcp).
-    raised, _ = run_ranks(_close_under_a_call_job, 2, transport)
+    # 'recv'" (torch), PeerLost "connection to rank 1 failed (Bad file descriptor)" (tcp); and
+    # over tcp, a call already inside poll() slept on until its deadline (closing a descriptor
+    # does not wake a poll on it).
+    raised, _ = run_ranks(_close_under_a_call_job, 2, transport, timeout, timeout=50)
     assert len(raised) == 1 and raised[0][0], raised
     assert "communicator was closed during call #1 allreduce" in raised[0][1], raised
 

@@ -139,11 +139,11 @@ class _Conn:
     def kill(self, why: str) -> None:
         if self.dead is None:
             self.dead = why
+        try:  # wakes a poll on the socket: the sender thread's, or an exchange's in another thread
+            self.sock.shutdown(socket.SHUT_RDWR)  # (closing a descriptor does not wake a poll on it)
+        except OSError:
+            pass
         if self._sender is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the sender thread's poll
-            except OSError:
-                pass
             self._sender.stop()
             self._sender = None
         try:
