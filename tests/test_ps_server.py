@@ -409,6 +409,18 @@ def recv_params(ch: P.Channel, layout) -> tuple[int, dict]:
     return head.step, out
 
 
+def both_take_step_0(a: P.Channel, b: P.Channel, layout, ids, grads) -> None:
+    """Workers 0 and 1 (``a``, ``b``) pull step 0, ask for step 1 and push ``grads`` for step 0; then
+    each receives the partitions stepped."""
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=0)
+        recv_params(ch, layout)
+        ch.send(P.PULL, worker=w, step=1)
+        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
+    for ch in (a, b):
+        recv_partitions(ch, layout, ids.tolist())
+
+
 def recv_partitions(ch: P.Channel, layout, ids) -> dict:
     """PARAMS messages of step 1 until exactly ``ids`` came (one message each, or merged)."""
     out: dict = {}
@@ -498,13 +510,7 @@ def test_a_step_cut_short_after_a_whole_one_rolls_momentum_back_to_its_value_bef
     a, b = (raw_worker(server, layout, w, 2, lr=0.5, momentum=0.9) for w in (0, 1))
     a.send(P.INIT, worker=0, ids=ids, values=[start])
     grads = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
-    for w, ch in enumerate((a, b)):
-        ch.send(P.PULL, worker=w, step=0)
-        recv_params(ch, layout)
-        ch.send(P.PULL, worker=w, step=1)
-        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
-    for ch in (a, b):
-        recv_partitions(ch, layout, ids.tolist())
+    both_take_step_0(a, b, layout, ids, grads)
     # step 0: momentum buffer = the mean gradient 2, values start - 0.5 * 2 (exact in float32)
     assert server.version == 1
     after_step_0 = torch.from_numpy(start - 1.0)
@@ -625,13 +631,7 @@ def test_a_sync_checkpoint_puts_every_worker_at_the_shards_step(tmp_path):
     a, b = (raw_worker(server, layout, w, 2, lr=0.5) for w in (0, 1))
     a.send(P.INIT, worker=0, ids=ids, values=[np.arange(15, dtype=np.float32)])
     grads = [np.ones(layout.partitions[i].numel, dtype=np.float32) for i in ids]
-    for w, ch in enumerate((a, b)):
-        ch.send(P.PULL, worker=w, step=0)
-        recv_params(ch, layout)
-        ch.send(P.PULL, worker=w, step=1)
-        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
-    for ch in (a, b):
-        recv_partitions(ch, layout, ids.tolist())
+    both_take_step_0(a, b, layout, ids, grads)
     b.send(P.PUSH, worker=1, step=1, ids=ids, values=grads)  # worker 1 runs ahead
     a.send(P.SAVE, worker=0, step=1)
     head = a.recv_header(5.0)
