@@ -135,15 +135,17 @@ def test_a_node_that_never_joins_is_one_line_on_the_node_that_waited(tmp_path):
     assert "Traceback" not in proc.stderr and took < 60, (took, proc.stderr)
 
 
-def start_nodes(tmp_path: Path, script: Path, nnodes: int = 2, join_timeout: int = 30) -> list[subprocess.Popen]:
+def start_nodes(tmp_path: Path, script: Path, nnodes: int = 2, join_timeout: int = 30,
+                told: list[int] | None = None) -> list[subprocess.Popen]:
     """``ringtrain launch`` for nodes 0..nnodes-1 of one job, all on this machine at its network address
-    (each a process group of its own, for kill_nodes)."""
+    (each a process group of its own, for kill_nodes); ``told``: the --nnodes each node is given
+    (default: nnodes)."""
     address, port = network_address(), free_port()
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
     env = dict(os.environ)
     env.pop("RINGTRAIN_SECRET", None)
-    return [subprocess.Popen([sys.executable, "-m", "ringtrain.cli", "launch", "--nnodes", str(nnodes), "--node-rank",
+    return [subprocess.Popen([sys.executable, "-m", "ringtrain.cli", "launch", "--nnodes", str((told or [nnodes] * nnodes)[node]), "--node-rank",
                               str(node), "--master-addr", address, "--master-port", str(port), "--join-timeout",
                               str(join_timeout), "--secret-file", str(secret), str(script)],
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -315,3 +317,22 @@ def test_a_torch_whose_agent_has_no_invoke_run_launches_as_before(monkeypatch):
         ran.append(True)
     assert ran == [True]
     assert not hasattr(api.SimpleElasticAgent, "_invoke_run")
+
+
+@pytest.mark.multiprocess
+def test_nodes_started_with_different_nnodes_end_with_a_mismatch_naming_the_option(tmp_path):
+    """Node 0 told --nnodes 2 and node 1 told 3 formed a job of 2 all the same; the script ran, and then
+    both launchers waited at torchrun's exit barrier (up to 300 s), each for its own count of nodes."""
+    script = tmp_path / "init.py"
+    script.write_text("import ringtrain\n"
+                      "comm = ringtrain.init(timeout=30)\n"
+                      "comm.barrier()\n"
+                      "comm.close()\n")
+    procs = start_nodes(tmp_path, script, told=[2, 3])
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=90)  # (the exit barrier would hold both 300 s)
+            assert proc.returncode == 1, err
+            assert "MismatchError" in err and "different --nnodes (rank 0: 2; rank 1: 3)" in err, err
+    finally:
+        kill_nodes(procs)

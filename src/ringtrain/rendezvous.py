@@ -4,6 +4,7 @@ This is the one module that reads the environment (STYLE.md: no variable sprawl)
 
 - RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: as torchrun (torch.distributed.run) sets them;
 - TORCHELASTIC_USE_AGENT_STORE: set by torchrun when its agent already serves the TCPStore;
+- GROUP_WORLD_SIZE: the number of nodes torchrun was told (--nnodes), compared across ranks;
 - RINGTRAIN_HOST_ID: this rank's host identity (default: the hostname, with torchrun's node rank,
   GROUP_RANK, where it started several nodes). The network-emulation harness gives every rank its
   own, because namespaces share the hostname and /dev/shm;
@@ -41,6 +42,8 @@ class JobInfo:
     master_port: int
     host_id: str
     secret: Optional[bytes]
+    nnodes: int = 0
+    """The nodes this rank's launcher was told the job has (torchrun's --nnodes); 0: not under torchrun."""
 
 
 def _host_id(env) -> str:
@@ -75,7 +78,9 @@ def job_info(rank=None, world_size=None, master_addr=None, master_port=None) -> 
         raise ValueError(f"master_port must be in 1..65535, got {port}")
     host_id = _host_id(env)
     secret = env.get("RINGTRAIN_SECRET")
-    return JobInfo(rank, world_size, master_addr, port, host_id, secret.encode() if secret else None)
+    nnodes = env.get("GROUP_WORLD_SIZE", "")
+    return JobInfo(rank, world_size, master_addr, port, host_id, secret.encode() if secret else None,
+                   int(nnodes) if nnodes.isdigit() else 0)
 
 
 def _int_arg(name: str, value, env_value, default=None) -> int:

@@ -47,15 +47,27 @@ def authenticate(store, info: rendezvous.JobInfo, job: str) -> None:
         )
 
 
-def agree_on_transport(store, info: rendezvous.JobInfo, transport: str) -> None:
-    """Every rank publishes the transport it was asked for; ranks that differ would each wait
-    out the timeout in a different transport's set-up, so all of them raise MismatchError now."""
-    store.set(f"transport/{info.rank}", transport)
-    names = [store.get(f"transport/{r}").decode() for r in range(info.world_size)]
+def agree_on_setup(store, info: rendezvous.JobInfo, transport: str) -> None:
+    """Every rank publishes the transport it was asked for and the number of nodes its launcher
+    was told; where they differ all ranks raise MismatchError now. Ranks of different transports
+    would each wait out the timeout in a different transport's set-up; nodes started with
+    different --nnodes may form a job all the same, and then every
+    launcher waited at torchrun's exit barrier for a node count that never came."""
+    store.set(f"setup/{info.rank}", f"{transport} {info.nnodes}")
+    seen = [store.get(f"setup/{r}").decode().split(" ") for r in range(info.world_size)]
+    names = [name for name, _ in seen]
     if len(set(names)) > 1:
         each = ", ".join(f"rank {r} {'uses transport ' if r == 0 else ''}{n}" for r, n in enumerate(names))
         raise MismatchError(f"rank {info.rank}: ranks disagree about the transport: {each}; "
                             "pass the same transport= on every rank")
+    nodes = [int(n) for _, n in seen]
+    if len(set(nodes)) > 1:
+        told: dict[int, list[int]] = {}
+        for r, n in enumerate(nodes):
+            told.setdefault(n, []).append(r)
+        each = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {n}" for n, rs in told.items())
+        raise MismatchError(f"rank {info.rank}: the nodes were started with different --nnodes ({each}); "
+                            "give every node's launcher the same --nnodes")
 
 
 def create_communicator(
@@ -77,7 +89,7 @@ def create_communicator(
             store.set("job", secrets.token_hex(8))
         job = store.get("job").decode()
         authenticate(store, info, job)
-        agree_on_transport(store, info, transport)
+        agree_on_setup(store, info, transport)
     except CommError:
         raise
     except RuntimeError as exc:  # torch's store wait ran out: some rank never arrived
