@@ -466,16 +466,23 @@ def test_sync_server_streams_each_partition_as_soon_as_it_has_stepped_it():
     assert out["stats"]["failed"] is None
 
 
-def test_a_step_cut_short_is_rolled_back_values_and_momentum():
-    """Two workers; partitions both pushed are stepped (and streamed), then worker 1 dies: all undone."""
+def two_workers_with_momentum():
+    """A server of 4 tensors (23 values, 0..22) for workers 0 and 1 (lr 0.5, momentum 0.9), both
+    connected: server, its thread, layout, partition ids, the start values and the two channels."""
     from ringtrain.ps.sharding import make_layout
 
-    server, thread, out = start_server(workers=2)
+    server, thread, _ = start_server(workers=2)
     layout = make_layout([12, 3, 6, 2], 1, 16)
     ids = np.arange(len(layout.partitions))
     start = np.arange(23, dtype=np.float32)
     a, b = (raw_worker(server, layout, w, 2, lr=0.5, momentum=0.9) for w in (0, 1))
     a.send(P.INIT, worker=0, ids=ids, values=[start])
+    return server, thread, layout, ids, start, a, b
+
+
+def test_a_step_cut_short_is_rolled_back_values_and_momentum():
+    """Two workers; partitions both pushed are stepped (and streamed), then worker 1 dies: all undone."""
+    server, thread, layout, ids, start, a, b = two_workers_with_momentum()
     for w, ch in enumerate((a, b)):
         ch.send(P.PULL, worker=w, step=0)
         recv_params(ch, layout)
@@ -501,14 +508,7 @@ def test_a_step_cut_short_after_a_whole_one_rolls_momentum_back_to_its_value_bef
     """Step 0 completes (momentum buffers exist), step 1 is half applied, worker 1 dies: values and
     momentum are those after step 0. SGD updates its momentum buffer in place, so an undo record
     that kept the buffer itself rather than a copy would restore the half-applied step's momentum."""
-    from ringtrain.ps.sharding import make_layout
-
-    server, thread, out = start_server(workers=2)
-    layout = make_layout([12, 3, 6, 2], 1, 16)
-    ids = np.arange(len(layout.partitions))
-    start = np.arange(23, dtype=np.float32)
-    a, b = (raw_worker(server, layout, w, 2, lr=0.5, momentum=0.9) for w in (0, 1))
-    a.send(P.INIT, worker=0, ids=ids, values=[start])
+    server, thread, layout, ids, start, a, b = two_workers_with_momentum()
     grads = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
     both_take_step_0(a, b, layout, ids, grads)
     # step 0: momentum buffer = the mean gradient 2, values start - 0.5 * 2 (exact in float32)
