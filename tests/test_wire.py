@@ -228,3 +228,17 @@ def test_macs_bind_role_secret_and_both_nonces():
     assert not wire.mac_ok(mac, mac[:-1] + bytes([mac[-1] ^ 1]))
     assert not wire.mac_ok(mac, mac[:16])
     assert not wire.mac_ok(mac, mac + b"\0")
+
+
+def test_an_abort_reason_names_another_kind_of_error_once_and_keeps_a_comm_errors_code():
+    # Every transport words an ABORT with it; Ctrl-C read "KeyboardInterrupt: KeyboardInterrupt".
+    from ringtrain.errors import CommTimeout, MismatchError, PeerLost, abort_reason
+
+    class SlowPeer(CommTimeout):
+        pass
+
+    assert abort_reason(KeyboardInterrupt()) == (0, "KeyboardInterrupt")
+    assert abort_reason(ValueError("bad")) == (0, "ValueError: bad")
+    assert abort_reason(PeerLost("rank 1 is gone")) == (2, "rank 1 is gone")
+    assert abort_reason(MismatchError()) == (3, "MismatchError")
+    assert abort_reason(SlowPeer("late")) == (1, "late")

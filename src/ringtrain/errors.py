@@ -47,3 +47,14 @@ ERROR_CODES: dict[type[CommError], int] = {
     ProtocolError: 5,
 }
 ERROR_TYPES: dict[int, type[CommError]] = {v: k for k, v in ERROR_CODES.items()}
+
+
+def abort_reason(error: BaseException) -> tuple[int, str]:
+    """What an ABORT carries to the peers of a rank that failed with ``error``, on every transport:
+    the wire code of its CommError type (0 for any other error) and its text. A CommError's own
+    text; another error's type and its text where it has one ("ValueError: bad", "KeyboardInterrupt")."""
+    code = next((ERROR_CODES[t] for t in type(error).__mro__ if t in ERROR_CODES), 0)
+    text, name = str(error), type(error).__name__
+    if isinstance(error, CommError):
+        return code, text or name
+    return code, f"{name}: {text}" if text else name

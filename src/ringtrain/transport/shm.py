@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ERROR_CODES, ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from ..errors import ERROR_TYPES, abort_reason, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
 from .base import CallHeader, Recv, Send, Transport
 from .shm_sync import (
     ORDERING_OK,
@@ -393,10 +393,7 @@ class ShmTransport(Transport):
     def abort(self, error: BaseException) -> None:
         if self._closed:
             return
-        code = next((ERROR_CODES[t] for t in type(error).__mro__ if t in ERROR_CODES), 0)
-        text = str(error) or type(error).__name__  # as tcp (wire.encode_abort) and torch word it
-        if not isinstance(error, CommError):
-            text = f"{type(error).__name__}: {text}"
+        code, text = abort_reason(error)
         for peer, box in self._out.items():
             box.set_abort(code, text)
             self._bells[peer].ring()

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import ERROR_CODES, ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost
+from ..errors import ERROR_TYPES, abort_reason, CommError, CommTimeout, MismatchError, PeerLost
 from .base import CallHeader, Recv, Send, Transport
 
 _LEN = struct.Struct("<Q")
@@ -197,10 +197,7 @@ class TorchTransport(Transport):
         if self._closed or self.group is None:
             return
         self._closed = True
-        code = next((ERROR_CODES[t] for t in type(error).__mro__ if t in ERROR_CODES), 0)
-        text = str(error) or type(error).__name__
-        if not isinstance(error, CommError):
-            text = f"{type(error).__name__}: {text}"
+        code, text = abort_reason(error)
         raw = text.encode("utf-8", "replace")[:_MAX_ABORT_TEXT].decode("utf-8", "ignore").encode("utf-8")
         parts = [_ABORT.pack(_ABORT_SEQ, code, len(raw)).ljust(_PROLOGUE, b"\0")]
         parts += [raw[i : i + _PROLOGUE].ljust(_PROLOGUE, b"\0") for i in range(0, len(raw), _PROLOGUE)]

@@ -35,7 +35,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import ERROR_CODES, ERROR_TYPES, AuthError, CommError, ProtocolError
+from ..errors import ERROR_TYPES, abort_reason, AuthError, CommError, ProtocolError
 from .base import CallHeader
 
 VERSION = 1
@@ -77,10 +77,7 @@ def encode_data_header(call: CallHeader, length: int) -> bytes:
 
 def encode_abort(error: BaseException) -> bytes:
     """A whole ABORT frame (header and payload) carrying ``error``'s type and text."""
-    code = next((ERROR_CODES[t] for t in type(error).__mro__ if t in ERROR_CODES), 0)
-    text = str(error) or type(error).__name__
-    if not isinstance(error, CommError):
-        text = f"{type(error).__name__}: {text}"
+    code, text = abort_reason(error)
     raw = text.encode("utf-8", "replace")[:MAX_ABORT_TEXT]
     raw = raw.decode("utf-8", "ignore").encode("utf-8")  # never cut a character in half
     payload = _ABORT_CODE.pack(code) + raw
