@@ -326,7 +326,8 @@ def test_a_checkpoint_of_two_servers_resumed_by_one_says_how_many_servers_made_i
     ps.close()
     join_all(started)
     server, thread, out = start_server(checkpoint_dir=str(tmp_path), resume=True)
-    with pytest.raises(MismatchError, match=r"was made by 2 servers, this job has 1: resume with 2 servers"):
+    said = r"was made by 2 servers, this job has 1: resume with 2 servers \(`ringtrain train --servers 2`, or servers=2 in"
+    with pytest.raises(MismatchError, match=said):
         worker([server.endpoint], partition_mb=ONE_ELEMENT)
     thread.join(10)
     assert not thread.is_alive()

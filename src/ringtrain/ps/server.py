@@ -256,7 +256,8 @@ class ParameterServer:
             if isinstance(made_by, int) and made_by != self.cfg.servers:  # the likeliest cause: say it
                 raise MismatchError(
                     f"{self.name}: the checkpoint in {self.cfg.shard_dir} was made by {made_by} servers, this job has "
-                    f"{self.cfg.servers}: resume with {made_by} servers (--servers {made_by}), or start a new "
+                    f"{self.cfg.servers}: resume with {made_by} servers (`ringtrain train --servers {made_by}`, or "
+                    f"servers={made_by} in a script), or start a new "
                     "checkpoint directory")
             raise MismatchError(f"{self.name}: the checkpoint in {self.cfg.shard_dir} is of another model layout")
         made_by = payload.get("strategy")  # (None: saved before the strategy was recorded)
