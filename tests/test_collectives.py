@@ -19,7 +19,7 @@ import torch
 
 from ringtrain.collectives import ops
 from ringtrain.errors import CommError, MismatchError
-from ringtrain.transport.base import CallHeader, shape_digest
+from ringtrain.transport.base import CallHeader, Recv, shape_digest
 from ringtrain.transport.local import run_threads
 
 pytestmark = pytest.mark.timeout(60)
@@ -423,3 +423,19 @@ def test_silent_peer_times_out_by_the_deadline():
     outcomes = [results[0], results[2]]
     assert all(r is not None and r[1] < 1.4 for r in outcomes), outcomes  # before the peer wakes
     assert CommTimeout in [r[0] for r in outcomes], outcomes
+
+
+@pytest.mark.parametrize("error, said", [(ValueError("bad"), "ValueError: bad"), (KeyboardInterrupt(), "KeyboardInterrupt")])
+def test_the_thread_transport_words_an_abort_as_the_process_transports_do(error, said):
+    # It sent str(error) alone: ValueError("bad") reached the others as "rank 0 aborted: bad".
+    header = CallHeader(1, "allreduce", op="sum", algorithm="ring", dtype="int64", numel=4)
+
+    def fn(t):
+        if t.rank == 0:
+            t.abort(error)
+            return None
+        with pytest.raises(CommError) as info:
+            t.exchange([], [Recv(0, np.zeros(4, np.int64))], header, time.monotonic() + 10)
+        return str(info.value)
+
+    assert run_threads(2, fn, timeout=20)[1] == f"rank 0 aborted: {said}"

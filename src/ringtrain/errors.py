@@ -58,3 +58,12 @@ def abort_reason(error: BaseException) -> tuple[int, str]:
     if isinstance(error, CommError):
         return code, text or name
     return code, f"{name}: {text}" if text else name
+
+
+def abort_payload(error: BaseException, limit: int) -> tuple[int, bytes]:
+    """:func:`abort_reason` with its text as UTF-8 of at most ``limit`` bytes, never cut inside a
+    character (what the tcp and torch transports send)."""
+    code, text = abort_reason(error)
+    raw = text.encode("utf-8", "replace")[:limit]
+    return code, raw.decode("utf-8", "ignore").encode("utf-8")
+

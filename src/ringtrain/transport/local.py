@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ERROR_CODES, ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost
+from ..errors import ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, abort_reason
 from .base import CallHeader, Recv, Send, Transport
 
 _ABORT = "abort"
@@ -81,8 +81,7 @@ class LocalTransport(Transport):
             r.reduce(r.buf, incoming)
 
     def abort(self, error: BaseException) -> None:
-        code = ERROR_CODES.get(type(error), 0)
-        text = str(error)
+        code, text = abort_reason(error)  # (worded as the other transports word it)
         for peer in range(self.world_size):
             if peer != self.rank:
                 self.hub.queues[(self.rank, peer)].put((_ABORT, (code, text), None))

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ERROR_TYPES, abort_reason, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from ..errors import ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError, abort_reason
 from .base import CallHeader, Recv, Send, Transport
 from .shm_sync import (
     ORDERING_OK,

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import ERROR_TYPES, abort_reason, CommError, CommTimeout, MismatchError, PeerLost
+from ..errors import ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, abort_payload
 from .base import CallHeader, Recv, Send, Transport
 
 _LEN = struct.Struct("<Q")
@@ -197,8 +197,7 @@ class TorchTransport(Transport):
         if self._closed or self.group is None:
             return
         self._closed = True
-        code, text = abort_reason(error)
-        raw = text.encode("utf-8", "replace")[:_MAX_ABORT_TEXT].decode("utf-8", "ignore").encode("utf-8")
+        code, raw = abort_payload(error, _MAX_ABORT_TEXT)
         parts = [_ABORT.pack(_ABORT_SEQ, code, len(raw)).ljust(_PROLOGUE, b"\0")]
         parts += [raw[i : i + _PROLOGUE].ljust(_PROLOGUE, b"\0") for i in range(0, len(raw), _PROLOGUE)]
         sends, recvs = [], []

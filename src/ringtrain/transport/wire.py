@@ -35,7 +35,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import ERROR_TYPES, abort_reason, AuthError, CommError, ProtocolError
+from ..errors import ERROR_TYPES, AuthError, CommError, ProtocolError, abort_payload
 from .base import CallHeader
 
 VERSION = 1
@@ -77,9 +77,7 @@ def encode_data_header(call: CallHeader, length: int) -> bytes:
 
 def encode_abort(error: BaseException) -> bytes:
     """A whole ABORT frame (header and payload) carrying ``error``'s type and text."""
-    code, text = abort_reason(error)
-    raw = text.encode("utf-8", "replace")[:MAX_ABORT_TEXT]
-    raw = raw.decode("utf-8", "ignore").encode("utf-8")  # never cut a character in half
+    code, raw = abort_payload(error, MAX_ABORT_TEXT)
     payload = _ABORT_CODE.pack(code) + raw
     return _FRAME.pack(FRAME_MAGIC, VERSION, ABORT, 0, _ZERO_CALL, len(payload)) + payload
 
