@@ -284,9 +284,10 @@ def latest(directory: str | os.PathLike[str], *, warn: bool = True, comm: Any = 
 
     ``comm``: a communicator every rank of which calls this at once; they compare the steps they
     found, and where those differ every rank raises :class:`ringtrain.MismatchError` naming who
-    found which (only the step: a job whose ranks save a file each finds different contents). On several nodes each reads its own disk: a rank that found none, or
-    an older one, would train on from another step with other optimizer state, and nothing
-    would say so (its parameters drift from the others')."""
+    found which (only the step: a job whose ranks save a file each finds different contents).
+    On several nodes each reads its own disk: a rank that found none, or an older one, would
+    train on from another step with other optimizer state, and nothing would say so (its
+    parameters drift from the others')."""
     found = None
     for step, path in reversed(list_checkpoints(directory)):
         try:
@@ -304,25 +305,17 @@ def latest(directory: str | os.PathLike[str], *, warn: bool = True, comm: Any = 
 
 def _same_on_every_rank(found: Checkpoint | None, directory: str | os.PathLike[str], comm: Any) -> None:
     """Raise MismatchError on every rank unless every rank of ``comm`` found the same checkpoint."""
-    from .errors import MismatchError
+    from .errors import MismatchError, ranks_by_value
 
     steps = np.full(comm.world_size, -1, np.int64)
     steps[comm.rank] = -1 if found is None else found.step
     comm.allgather(steps)
-    kinds: dict[int, list[int]] = {}
-    for rank, step in enumerate(steps.tolist()):
-        kinds.setdefault(step, []).append(rank)
-    if len(kinds) == 1:
+    if len(set(steps.tolist())) == 1:
         return
-    what = "; ".join(f"{_ranks(ranks)}: " + ("none" if step < 0 else f"step {step}")
-                     for step, ranks in sorted(kinds.items(), key=lambda kv: kv[1][0]))
+    what = ranks_by_value(steps.tolist(), lambda step: "none" if step < 0 else f"step {step}")
     raise MismatchError(f"the ranks found different checkpoints in {os.fspath(directory)}: {what}. Every rank "
                         "must see the same files: keep the directory on a file system every node shares, or copy "
                         "rank 0's checkpoints to every node")
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def supersede(directory: str | os.PathLike[str], also: tuple[str, ...] = ()) -> tuple[Path, list[int]] | None:

@@ -67,3 +67,15 @@ def abort_payload(error: BaseException, limit: int) -> tuple[int, bytes]:
     raw = text.encode("utf-8", "replace")[:limit]
     return code, raw.decode("utf-8", "ignore").encode("utf-8")
 
+
+def ranks_by_value(values, label=str) -> str:
+    """The ranks grouped by the value each holds, in order of their first rank: ``"ranks 0, 2: a;
+    rank 1: b"`` (``label(value)`` words each value). For errors that say which ranks disagree."""
+    groups: dict = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return "; ".join(f"{_ranks(ranks)}: {label(value)}" for value, ranks in groups.items())
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .comm import Communicator, check_timeout
-from .errors import AuthError, CommError, CommTimeout, MismatchError
+from .errors import AuthError, CommError, CommTimeout, MismatchError, ranks_by_value
 from .transport import TRANSPORTS, make_transport
 
 
@@ -62,12 +62,8 @@ def agree_on_setup(store, info: rendezvous.JobInfo, transport: str) -> None:
                             "pass the same transport= on every rank")
     nodes = [int(n) for _, n in seen]
     if len(set(nodes)) > 1:
-        told: dict[int, list[int]] = {}
-        for r, n in enumerate(nodes):
-            told.setdefault(n, []).append(r)
-        each = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {n}" for n, rs in told.items())
-        raise MismatchError(f"rank {info.rank}: the nodes were started with different --nnodes ({each}); "
-                            "give every node's launcher the same --nnodes")
+        raise MismatchError(f"rank {info.rank}: the nodes were started with different --nnodes "
+                            f"({ranks_by_value(nodes)}); give every node's launcher the same --nnodes")
 
 
 def create_communicator(
