@@ -153,6 +153,18 @@ def start_nodes(tmp_path: Path, script: Path, nnodes: int = 2, join_timeout: int
             for node in range(nnodes)]
 
 
+def after_a_barrier(tmp_path: Path, name: str, then: str = "") -> Path:
+    """A script for start_nodes: every rank calls ringtrain.init() and meets the others in a barrier,
+    then runs ``then`` (os, sys and time imported)."""
+    script = tmp_path / name
+    script.write_text("import os, sys, time\n"
+                      "import ringtrain\n"
+                      "comm = ringtrain.init(timeout=30)\n"
+                      "comm.barrier()\n"
+                      "comm.close()\n" + then)
+    return script
+
+
 def kill_nodes(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -167,13 +179,7 @@ def kill_nodes(procs: list[subprocess.Popen]) -> None:
 def test_a_node_whose_ranks_finished_does_not_wait_for_a_node_whose_ranks_failed(tmp_path):
     """torchrun's agent whose ranks succeeded waits at exit for every other node's agent (300 s); one
     whose ranks failed used not to check in, so node 0 sat there 5 minutes after node 1 had failed."""
-    script = tmp_path / "node1_fails.py"
-    script.write_text("import os, sys\n"
-                      "import ringtrain\n"
-                      "comm = ringtrain.init(timeout=30)\n"
-                      "comm.barrier()\n"
-                      "comm.close()\n"
-                      "sys.exit(3 if os.environ['GROUP_RANK'] == '1' else 0)\n")
+    script = after_a_barrier(tmp_path, "node1_fails.py", "sys.exit(3 if os.environ['GROUP_RANK'] == '1' else 0)\n")
     procs = start_nodes(tmp_path, script)
     try:
         _, err1 = procs[1].communicate(timeout=90)
@@ -190,15 +196,10 @@ def test_a_node_whose_ranks_finished_does_not_wait_for_a_node_whose_ranks_failed
 def test_a_node_whose_ranks_finished_is_not_a_traceback_when_node_0_failed(tmp_path):
     """Node 0 serves the rendezvous store: when its ranks failed and it left, a node waiting at torchrun's
     exit barrier used to log 'Error waiting on exit barrier' with a traceback from the closed store."""
-    script = tmp_path / "node0_fails.py"
-    script.write_text("import os, sys, time\n"
-                      "import ringtrain\n"
-                      "comm = ringtrain.init(timeout=30)\n"
-                      "comm.barrier()\n"
-                      "comm.close()\n"
-                      "if os.environ['GROUP_RANK'] == '0':\n"
-                      "    time.sleep(2)  # (node 1 is at the exit barrier by now)\n"
-                      "    sys.exit(3)\n")
+    script = after_a_barrier(tmp_path, "node0_fails.py",
+                             "if os.environ['GROUP_RANK'] == '0':\n"
+                             "    time.sleep(2)  # (node 1 is at the exit barrier by now)\n"
+                             "    sys.exit(3)\n")
     procs = start_nodes(tmp_path, script)
     try:
         _, err0 = procs[0].communicate(timeout=90)
@@ -323,11 +324,7 @@ def test_a_torch_whose_agent_has_no_invoke_run_launches_as_before(monkeypatch):
 def test_nodes_started_with_different_nnodes_end_with_a_mismatch_naming_the_option(tmp_path):
     """Node 0 told --nnodes 2 and node 1 told 3 formed a job of 2 all the same; the script ran, and then
     both launchers waited at torchrun's exit barrier (up to 300 s), each for its own count of nodes."""
-    script = tmp_path / "init.py"
-    script.write_text("import ringtrain\n"
-                      "comm = ringtrain.init(timeout=30)\n"
-                      "comm.barrier()\n"
-                      "comm.close()\n")
+    script = after_a_barrier(tmp_path, "init.py")
     procs = start_nodes(tmp_path, script, told=[2, 3])
     try:
         for proc in procs:
