@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 from torch import nn
 
 from ringtrain.ps import ParameterServer, ServerConfig
+from ringtrain.ps import protocol as P
 
 
 def tiny(seed: int = 0) -> nn.Module:
@@ -28,3 +30,38 @@ def start_server(secret: bytes, **kw) -> tuple[ParameterServer, threading.Thread
     t = threading.Thread(target=lambda: out.setdefault("stats", server.serve()), daemon=True)
     t.start()
     return server, t, out
+
+
+def recv_params(ch: P.Channel, layout) -> tuple[int, dict]:
+    """One PARAMS message: its step and {partition id: values}."""
+    head = ch.recv_header(5.0)
+    assert head.kind == P.PARAMS, head.name
+    ids = ch.recv_ids(head, len(layout.partitions)).tolist()
+    out = {}
+    for i in ids:
+        out[i] = np.empty(layout.partitions[i].numel, dtype=np.float32)
+        ch.recv_into(out[i])
+    return head.step, out
+
+
+def recv_partitions(ch: P.Channel, layout, ids, step: int | None = None) -> dict:
+    """PARAMS messages (of ``step``, where given) until exactly ``ids`` came (one message each, or merged)."""
+    out: dict = {}
+    while len(out) < len(ids):
+        got_step, got = recv_params(ch, layout)
+        assert (step is None or got_step == step) and not set(got) & set(out)
+        out.update(got)
+    assert sorted(out) == sorted(ids)
+    return out
+
+
+def both_take_step_0(a: P.Channel, b: P.Channel, layout, ids, grads) -> None:
+    """Workers 0 and 1 (``a``, ``b``) pull step 0, ask for step 1 and push ``grads`` for step 0; then
+    each receives the partitions stepped."""
+    for w, ch in enumerate((a, b)):
+        ch.send(P.PULL, worker=w, step=0)
+        recv_params(ch, layout)
+        ch.send(P.PULL, worker=w, step=1)
+        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
+    for ch in (a, b):
+        recv_partitions(ch, layout, ids.tolist(), step=1)

@@ -27,7 +27,7 @@ from ringtrain.ps.sharding import layout_digest, make_layout
 from ringtrain.transport import tcp_setup
 from ringtrain.transport.local import on_threads
 import ps_harness
-from ps_harness import tiny
+from ps_harness import both_take_step_0, recv_partitions, tiny
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"review-secret"
@@ -83,23 +83,6 @@ def raw_worker(server: ParameterServer, hello: dict, workers: int = 1) -> P.Chan
     assert head.kind == P.WELCOME, head.name
     ch.recv_json(head)
     return ch
-
-
-def recv_params(ch: P.Channel, layout) -> tuple[int, dict]:
-    head = ch.recv_header(5.0)
-    assert head.kind == P.PARAMS, head.name
-    out = {}
-    for i in ch.recv_ids(head, len(layout.partitions)).tolist():
-        out[i] = np.empty(layout.partitions[i].numel, dtype=np.float32)
-        ch.recv_into(out[i])
-    return head.step, out
-
-
-def recv_partitions(ch: P.Channel, layout, ids) -> None:
-    got: set = set()
-    while len(got) < len(ids):
-        got.update(recv_params(ch, layout)[1])
-    assert sorted(got) == sorted(ids)
 
 
 def wait_for(condition, what: str, timeout: float = 5.0) -> None:
@@ -362,13 +345,7 @@ def test_a_save_while_a_step_is_half_applied_holds_the_shard_before_the_step(tmp
     a, b = (raw_worker(server, hello_of(layout, w), workers=2) for w in (0, 1))
     a.send(P.INIT, worker=0, ids=ids, values=[start])
     twos = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
-    for w, ch in enumerate((a, b)):
-        ch.send(P.PULL, worker=w, step=0)
-        recv_params(ch, layout)
-        ch.send(P.PULL, worker=w, step=1)
-        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=twos)
-    for ch in (a, b):
-        recv_partitions(ch, layout, ids.tolist())
+    both_take_step_0(a, b, layout, ids, twos)
     for w, ch in enumerate((a, b)):
         ch.send(P.PULL, worker=w, step=2)
     b.send(P.PUSH, worker=1, step=1, ids=ids, values=twos)

@@ -22,7 +22,7 @@ from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
 from ringtrain.transport.local import on_threads
 import ps_harness
-from ps_harness import tiny
+from ps_harness import both_take_step_0, recv_params, tiny
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = b"test-secret"
@@ -397,39 +397,9 @@ def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float,
     return ch
 
 
-def recv_params(ch: P.Channel, layout) -> tuple[int, dict]:
-    """One PARAMS message: its step and {partition id: values}."""
-    head = ch.recv_header(5.0)
-    assert head.kind == P.PARAMS, head.name
-    ids = ch.recv_ids(head, len(layout.partitions)).tolist()
-    out = {}
-    for i in ids:
-        out[i] = np.empty(layout.partitions[i].numel, dtype=np.float32)
-        ch.recv_into(out[i])
-    return head.step, out
-
-
-def both_take_step_0(a: P.Channel, b: P.Channel, layout, ids, grads) -> None:
-    """Workers 0 and 1 (``a``, ``b``) pull step 0, ask for step 1 and push ``grads`` for step 0; then
-    each receives the partitions stepped."""
-    for w, ch in enumerate((a, b)):
-        ch.send(P.PULL, worker=w, step=0)
-        recv_params(ch, layout)
-        ch.send(P.PULL, worker=w, step=1)
-        ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
-    for ch in (a, b):
-        recv_partitions(ch, layout, ids.tolist())
-
-
 def recv_partitions(ch: P.Channel, layout, ids) -> dict:
     """PARAMS messages of step 1 until exactly ``ids`` came (one message each, or merged)."""
-    out: dict = {}
-    while len(out) < len(ids):
-        step, got = recv_params(ch, layout)
-        assert step == 1 and not set(got) & set(out)
-        out.update(got)
-    assert sorted(out) == sorted(ids)
-    return out
+    return ps_harness.recv_partitions(ch, layout, ids, step=1)
 
 
 def test_sync_server_streams_each_partition_as_soon_as_it_has_stepped_it():
