@@ -504,3 +504,47 @@ def test_torch_ddps_default_buckets_are_a_candidate_and_kept_when_fastest(monkey
     assert kept == "buckets" and groups == [(0, 7), (8, 15)], (kept, groups, trial)
     messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
     assert messages and "keeping torch DDP's default buckets" in messages[0], messages
+
+
+def test_mgwfbps_merge_is_a_candidate_and_kept_when_fastest_and_replans_keep_its_rule(monkeypatch, caplog):
+    """MG-WFBP's merge (made to group the 9 layers in threes here) beside the trial's other
+    candidates; every other layout made slow: the trial keeps it on every rank, and re-plans
+    after a drift plan by MG-WFBP's rule again, not by the schedule asked for."""
+    from ringtrain import plan as planner
+    from ringtrain.ddp import wrapper
+
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    threes = [(0, 5), (6, 11), (12, 17)]  # 9 layers, weight and bias each: 18 parameters
+    monkeypatch.setattr(planner, "_mgwfbp_groups", lambda ready, sizes, cost: list(threes))
+    real_mark = wrapper.DistributedDataParallel._mark_ready
+
+    def mark_ready(self, bucket):
+        if self.plan.groups != threes:
+            time.sleep(0.01)  # per ready bucket of any other plan
+        return real_mark(self, bucket)
+
+    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(9)])
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
+                                      replan_interval=1, drift_threshold=1e-9)
+        x = torch.randn(8, 64)
+        train_until_settled(ddp, x, 60)
+        for _ in range(3):  # re-plans (any drift re-plans)
+            ddp(x).sum().backward()
+        out = ddp.settled, ddp.kept, ddp.plan.method, ddp.plan.groups, ddp.trial
+        ddp.close()
+        return out
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1], results
+    settled, kept, method, groups, trial = results[0]
+    labels = [c["label"] for c in trial]
+    assert settled and "mgwfbp" in labels and labels.index("mgwfbp") > labels.index("plan"), trial
+    assert kept == "mgwfbp" and method == "mgwfbp" and groups == threes, (kept, method, groups, trial)
+    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
+    assert messages and "keeping the MG-WFBP merge" in messages[0], messages
+    replans = [r.getMessage() for r in caplog.records if "plan (" in r.getMessage()]
+    assert len(replans) >= 2 and "plan (mgwfbp" in replans[-1], replans

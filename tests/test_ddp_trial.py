@@ -87,6 +87,7 @@ def test_the_clearly_fastest_candidate_stays_after_one_round():
         trial.step((0.06, 0.1, 0.07))
     labels = [c["label"] for c in trial.candidates]
     assert labels[0] == "plan" and set(labels) <= set(CANDIDATES) and len(labels) >= 2, labels
+    assert labels == [label for label in CANDIDATES if label in labels], "not in CANDIDATES' order (the earlier of equals stays)"
     groupings = [tuple(c["plan"].groups) for c in trial.candidates]
     assert len(set(groupings)) == len(groupings), "two candidates grouped alike"
     slow = {label: 0.2 for label in labels}
@@ -134,7 +135,7 @@ def test_it_decides_on_the_medians_the_ranks_agreed_not_its_own():
 
     fake = FakeWrapper(sizes, agreed)
     trial = fake.trial(times)
-    run_trial(trial, fake, {"plan": 0.05, "free": 0.1, "single": 0.1, "buckets": 0.1})
+    run_trial(trial, fake, {"plan": 0.05, "free": 0.1, "mgwfbp": 0.1, "single": 0.1, "buckets": 0.1})
     assert trial.kept != "plan"
     assert ("verify plan", "max") in fake.agreements
 

@@ -39,9 +39,10 @@ from .procs import emit, interrupted, progress, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
-#: Enough for the optimal wrapper's whole trial: warm-up, profile, three probes and one
-#: allreduce of 5 iterations each, then up to VERIFY_ROUNDS rounds of 5 per candidate.
-MAX_WARMUP_STEPS = 100
+#: Enough for the optimal wrapper's whole trial: warm-up and profile (3), three probes and one
+#: allreduce of 5 iterations each, then up to VERIFY_ROUNDS rounds of 5 per candidate (98 with
+#: all five candidates).
+MAX_WARMUP_STEPS = 120
 SWEEP_REPEATS = 7
 TIMELINE_STEPS = 3
 #: Steps each parameter-server job takes before its timed ones (the first pushes every
@@ -447,7 +448,8 @@ def _worker(cfg: dict) -> int:
                 plan = ddp.plan
                 # The plan in force: "optimal" may have measured that a single allreduce is faster here.
                 # (as the wrapper planned it: its trial may have kept the plan of free overlap)
-                # (its trial may also have kept torch DDP's default buckets, the first one smaller)
+                # (its trial may also have kept torch DDP's default buckets, the first one smaller,
+                # or MG-WFBP's merge: plan.method then says mgwfbp)
                 buckets = ddp.kept == "buckets"  # (DDP_BUCKETS[1] is the 25 MiB every fixed plan here has)
                 pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
                                          interference=slow,

@@ -20,7 +20,9 @@ callables and calls :meth:`Planning.after_iteration` once per synchronizing back
    ``ringtrain.plan.Interference``); the optimal plan is made again with it. Then *candidates*
    take turns, one iteration each (every bucket layout kept, so all meet the same machine load):
    that plan, the optimal plan of free overlap (as on a GPU: where the fitted interference
-   over-charges overlap it merges less), the single allreduce, and torch DDP's default buckets
+   over-charges overlap it merges less), the MG-WFBP authors' greedy merge (on 4 ranks sharing
+   2 cores it was measured faster than both in some runs: the model's interference is a fit
+   of three probes), the single allreduce, and torch DDP's default buckets
    (so that the schedule kept is never slower than DDP's own grouping beyond the trial's
    noise). The fastest median forward+backward (the slowest rank's) stays, with more rounds
    where the two fastest are close; the earlier of equals (a margin towards fewer allreduces
@@ -28,8 +30,8 @@ callables and calls :meth:`Planning.after_iteration` once per synchronizing back
    less, down to one allreduce after backward). ``planned_with`` is the interference it was
    planned with, ``kept`` which candidate stays (``fell_back``, the wrapper's property: the
    single allreduce), ``record`` what was timed. The one kept is laid out afresh and re-plans
-   keep its way of planning (the single allreduce and DDP's buckets, which the profile does not
-   change, are not re-planned).
+   keep its way of planning (``method``; the single allreduce and DDP's buckets, which the
+   profile does not change, are not re-planned).
 
 Every collective here (the profile exchange, the trial's agreements) runs on the wrapper's
 communication thread, between iterations, in the same order on every rank.
@@ -89,6 +91,12 @@ class Planning:
         """The interference the plan in force was made with: the measured one, or none where
         the trial measured the plan of free overlap to be the fastest."""
         return planner.Interference() if self.kept == "free" else self.interference
+
+    @property
+    def method(self) -> str:
+        """The planner's method the plan in force was made by and re-plans use: the schedule
+        asked for, or ``mgwfbp`` where the trial measured the MG-WFBP merge to be the fastest."""
+        return "mgwfbp" if self.kept == "mgwfbp" else self.options.schedule
 
     def start(self) -> None:
         """Put the first layout in force: one bucket, in reverse registration order, as torch's
@@ -180,7 +188,7 @@ class Planning:
                 return
             self._log(f"backward profile drifted by {100 * moved:.0f}% of the backward time; re-planning")
         ordered = times[order]
-        plan = planner.merge(ordered, self.sizes[order], cost=self.cost, method=self.options.schedule,
+        plan = planner.merge(ordered, self.sizes[order], cost=self.cost, method=self.method,
                              bucket_cap_mb=self.options.bucket_cap_mb, interference=self.interference,
                              planned_with=self.planned_with)
         self.plan_times = ordered

@@ -10,9 +10,9 @@ After its first plan, a ``DistributedDataParallel`` with ``schedule="optimal"`` 
   while backward does (:func:`.calibration.fit_interference`, :func:`.calibration.fit_comm_slowdown`).
   With the interference given (``DDPOptions.interference``) or one layer, there are no probes.
 - *candidate*: a plan the ``verify`` phase times: the plan made with the interference
-  (``plan``), the optimal plan of free overlap (``free``), the single allreduce (``single``) and
-  torch DDP's default buckets (``buckets``), each only if its grouping differs from those before
-  it. Every candidate's buckets are laid out once and kept, so that switching costs nothing.
+  (``plan``), the optimal plan of free overlap (``free``), the MG-WFBP authors' greedy merge
+  (``mgwfbp``), the single allreduce (``single``) and torch DDP's default buckets (``buckets``),
+  each only if its grouping differs from those before it. Every candidate's buckets are laid out once and kept, so that switching costs nothing.
 - *round*: the candidates take turns, one iteration each, until each has run
   ``verify_iterations`` more; all meet the same machine load. Where the two fastest medians
   (the slowest rank's forward+backward over every round so far) are within ``VERIFY_MARGIN`` of
@@ -40,8 +40,8 @@ VERIFY_ROUNDS = 3
 #: torch DDP's default bucket caps, MiB (first bucket, then every other): one of the candidates.
 DDP_BUCKETS = (1.0, 25.0)
 #: What the log and the summary call each candidate.
-CANDIDATES = {"plan": "the plan", "free": "the plan of free overlap", "single": "one allreduce after backward",
-              "buckets": "torch DDP's default buckets"}
+CANDIDATES = {"plan": "the plan", "free": "the plan of free overlap", "mgwfbp": "the MG-WFBP merge",
+              "single": "one allreduce after backward", "buckets": "torch DDP's default buckets"}
 #: The candidates that are no plan of the planner's: the backward profile does not change them,
 #: so once kept they are not re-planned.
 FIXED_CANDIDATES = ("single", "buckets")
@@ -149,12 +149,13 @@ class PlanTrial:
         times, sizes = self.times, self.sizes
         free = planner.merge(times, sizes, cost=self.cost, method="optimal", interference=self.interference,
                              planned_with=planner.Interference())
+        mgwfbp = planner.merge(times, sizes, cost=self.cost, method="mgwfbp", interference=self.interference)
         first_mb, cap_mb = DDP_BUCKETS
         buckets = planner.merge(times, sizes, cost=self.cost, method="fixed", bucket_cap_mb=cap_mb,
                                 first_bucket_mb=first_mb, interference=self.interference)
         candidates: list[dict] = []
-        for label, plan in (("plan", self.plan_for("verify")), ("free", free), ("single", self.plans["single"]),
-                            ("buckets", buckets)):
+        for label, plan in (("plan", self.plan_for("verify")), ("free", free), ("mgwfbp", mgwfbp),
+                            ("single", self.plans["single"]), ("buckets", buckets)):
             if all(plan.groups != c["plan"].groups for c in candidates):
                 candidates.append({"label": label, "plan": plan, "rows": []})
         if len(candidates) == 1:
