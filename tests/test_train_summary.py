@@ -64,6 +64,13 @@ def test_a_run_that_kept_torch_ddps_buckets_says_so():
         "under the plan in force: torch DDP's default buckets, which the trial timed faster than the optimal plan)")
 
 
+def test_a_run_that_kept_mgwfbps_merge_says_so():
+    mgwfbp = SimpleNamespace(method="mgwfbp")
+    comm = train._communication(wrapper(mgwfbp, settled=True, kept="mgwfbp"), [(mgwfbp, True, stats(0.6, 5))] * 4)
+    assert summary_text(comm, steps_run=40).endswith(
+        "under the plan in force: the MG-WFBP merge, which the trial timed faster than the optimal plan)")
+
+
 def test_a_run_that_ended_during_the_trial_says_so_and_shows_no_share():
     probe = SimpleNamespace(method="custom")
     ran = [(probe, False, stats(0.77, 24))] * 20

@@ -675,7 +675,7 @@ def _communication_text(s: dict) -> str:
         k = comm["buckets"]
         kept = comm["kept"]
         plan = (f"{CANDIDATES[kept]}, which the trial timed faster than the optimal plan"
-                if kept in FIXED_CANDIDATES else f"the {comm['plan_in_force']} plan")
+                if kept in FIXED_CANDIDATES + ("mgwfbp",) else f"the {comm['plan_in_force']} plan")
         return (f"{100 * comm['hidden_fraction']:.0f}% hidden behind backward, {k} allreduce{'s' * (k != 1)} per "
                 f"step (median of the last {n} step{'s' * (n != 1)}, those run under the plan in force: {plan})")
     if s["steps_run"] <= comm["profiling_steps"]:
