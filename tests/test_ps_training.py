@@ -291,3 +291,25 @@ def test_servers_resumed_at_different_steps_say_which_checkpoints_to_remove():
     text = str(info.value)
     assert "[10, 20]" in text and "parameter server 0 at 10.77.0.1:41000 resumed at step 20" in text, text
     assert "checkpoints after step 10" in text and "every machine shares" in text, text
+
+
+def test_the_async_notice_of_a_lost_worker_is_said_once_on_the_logger_and_kept(caplog, recwarn):
+    """Once as a WARNING on the ringtrain.ps.worker logger (stderr where logging is not set up)
+    with no warnings.warn beside it (which printed it a second time, pointing at the receiver
+    thread), once in ``notices``; told again only when fewer workers are left."""
+    import logging
+    from types import SimpleNamespace
+
+    from ringtrain.ps.worker import ParameterServerTraining
+
+    caplog.set_level(logging.WARNING, logger="ringtrain.ps.worker")
+    me = SimpleNamespace(worker=0, workers=3, _live=3, notices=[])
+    link = SimpleNamespace(ch=SimpleNamespace(peer="parameter server 0"))
+    for live in (2, 2, 1):
+        ParameterServerTraining._note_live(me, live, link)
+    expected = [f"worker 0: parameter server 0 reports {n} of 3 workers left; asynchronous training goes on with them"
+                for n in (2, 1)]
+    assert me.notices == expected
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ringtrain.ps.worker", "WARNING", text) for text in expected]
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in recwarn]

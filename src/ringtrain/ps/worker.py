@@ -44,7 +44,6 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -572,8 +571,10 @@ class ParameterServerTraining:
                     "asynchronous training goes on with them")
             self._live = live
             self.notices.append(note)
+            # Once, on the ringtrain.ps logger (printed to stderr where logging is not set up): a
+            # warnings.warn beside it printed the notice twice, the second time pointing at this
+            # receiver thread's line instead of anything of the user's.
             log.warning("%s", note)
-            warnings.warn(note, RuntimeWarning, stacklevel=1)
 
     def _fail(self, exc: CommError, link: _Link) -> None:
         with self._cond:
