@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -237,8 +238,51 @@ def test_a_node_whose_node_0_never_answers_is_one_line_without_torchs_cpp_log(tm
                     str(free_port()), "--join-timeout", "1", "--secret-file", str(secret), str(script)], tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr
-    assert len(lines) == 2 and lines[1].startswith("ringtrain launch: torchrun failed: "), proc.stderr
-    assert "start node 0 (--node-rank 0)" in lines[1], proc.stderr
+    assert len(lines) == 2 and lines[1].startswith("ringtrain launch: node 0's rendezvous store at "), proc.stderr
+    assert "nothing accepted a connection" in lines[1] and "start node 0 (--node-rank 0)" in lines[1], proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("service", ["silent", "http"])
+def test_a_node_whose_master_port_is_another_service_ends_within_the_join_timeout(service, tmp_path):
+    """A service at --master-addr:--master-port that accepts and never answers held node 1 in torchrun's
+    store client past 120 s with --join-timeout 5 (it has no deadline once connected); one that answered
+    as HTTP failed it after 8.4 s with torch's "Ping failed, invalid value returned from server"."""
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    address = network_address()
+    with socket.socket() as listener:
+        listener.bind((address, 0))
+        listener.listen(8)
+        if service == "http":
+            def answer():
+                while True:
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError:
+                        return
+                    with conn:
+                        conn.recv(64)
+                        conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+            threading.Thread(target=answer, daemon=True).start()
+        t0 = time.monotonic()
+        proc = run_cli(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", address, "--master-port",
+                        str(listener.getsockname()[1]), "--join-timeout", "2", "--secret-file", str(secret),
+                        str(script)], tmp_path, timeout=30)
+        took = time.monotonic() - t0
+        listener.shutdown(socket.SHUT_RDWR)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert len(lines) == 2 and lines[1].startswith("ringtrain launch: node 0's rendezvous store at "), proc.stderr
+    if service == "silent":
+        assert "does not answer as a store" in lines[1] and "--join-timeout 2 s" in lines[1], proc.stderr
+        assert 2.0 <= took < 2.0 + 1.5, took  # (1.5 s: this command's own start)
+    else:
+        assert "something else answers there (b'HTTP')" in lines[1] and "--master-port" in lines[1], proc.stderr
+        assert took < 1.5, took
 
 
 @pytest.mark.multiprocess
@@ -292,6 +336,7 @@ def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypa
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
     monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog: 0)
+    monkeypatch.setattr(launch, "reach_node_0", lambda args: args)  # (no node 0 at 192.0.2.1 to ask)
     monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
 
     def warnings(node_rank: int, address: str) -> list[str]:

@@ -34,7 +34,8 @@ class ProtocolError(CommError):
 
 class RendezvousError(CommError):
     """The job's rendezvous store cannot be set up, for a reason that waiting will not fix
-    (its port is already taken on rank 0). Not a CommTimeout: retrying does not help."""
+    (its port is already taken on rank 0, or another service answers at MASTER_ADDR:MASTER_PORT).
+    Not a CommTimeout: retrying does not help."""
 
 
 #: Wire codes for carrying an error to peers in an ABORT frame (see transport.base).

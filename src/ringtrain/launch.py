@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -135,7 +136,40 @@ def run(args: argparse.Namespace) -> int:
             print(f"ringtrain launch: warning: --master-addr {args.master_addr} is not an address of this machine, "
                   "but node 0 (this one) serves the job's rendezvous there: give node 0 its own address, or this node "
                   "the --node-rank it has", file=sys.stderr)
+        if args.node_rank > 0:
+            try:
+                args = reach_node_0(args)
+            except ValueError as exc:
+                print(f"ringtrain launch: {exc}", file=sys.stderr)
+                return 1
     return run_torchrun(torchrun_argv(args), "ringtrain launch")
+
+
+def reach_node_0(args: argparse.Namespace) -> argparse.Namespace:
+    """Wait, within --join-timeout, for node 0's rendezvous store to answer; ``args`` with the
+    seconds left as its join timeout (for torchrun's rendezvous), or ValueError saying why not.
+
+    torchrun's store client keeps no deadline against an endpoint that is not a store: a
+    service that accepted and never answered held node 1 past 120 s with --join-timeout 5, one
+    that answered otherwise (HTTP) failed it after 8.4 s with torch's "Ping failed". Asked
+    here first (``store_probe``), with the deadline, torchrun's client only meets a store.
+    """
+    from . import store_probe
+
+    deadline = time.monotonic() + args.join_timeout
+    where = f"{args.master_addr}:{args.master_port}"
+    try:
+        store_probe.wait_for_store(args.master_addr, args.master_port, deadline)
+    except store_probe.NotAStore as exc:
+        raise ValueError(f"node 0's rendezvous store at {where}: {store_probe.describe(exc)}; check "
+                         "--master-addr and --master-port (node 0's, the same on every node)") from None
+    except store_probe.NoStoreYet as exc:
+        what = ("check --master-addr and --master-port (node 0's)" if exc.kind == "silent" else
+                "start node 0 (--node-rank 0) within --join-timeout, or check this node can reach its "
+                "--master-addr and --master-port")
+        raise ValueError(f"node 0's rendezvous store at {where} did not answer within --join-timeout "
+                         f"{args.join_timeout:g} s: {store_probe.describe(exc)}; {what}") from None
+    return argparse.Namespace(**{**vars(args), "join_timeout": max(deadline - time.monotonic(), 1.0)})
 
 
 def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None = None,

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from . import store_probe
 from .errors import CommTimeout, RendezvousError
 
 _HANDSHAKE_GRACE = 0.5  # seconds past the deadline that torch's client may take to give up itself
@@ -156,15 +157,26 @@ def _serve_store(info: JobInfo, timeout: float) -> dist.Store:
 def _reach_store(info: JobInfo, timeout: float) -> dist.Store:
     """A TCPStore client of the server at MASTER_ADDR:MASTER_PORT, within ``timeout`` seconds.
 
-    torch's client neither keeps its deadline (it retries past it, printing a C++ trace each
-    time) nor has one at all once connected (a service that accepts and never answers holds
-    it forever). So: connect with our own deadline first, then let torch's client handshake
-    run on a daemon thread that is abandoned at the deadline (it ends when the service
-    closes the connection, and never keeps the process from exiting).
+    torch's client keeps no deadline against an endpoint that is not a store (it retries past
+    it, printing a C++ trace each time, or waits forever on a service that accepts and never
+    answers). So ``store_probe`` first asks the endpoint, with our deadline, whether a store
+    answers there; only then is torch's client made. It still runs on a daemon thread that
+    is abandoned at the deadline, should a store that just answered stop answering.
     """
     deadline = time.monotonic() + timeout
     where = f"{info.master_addr}:{info.master_port}"
-    _wait_for_listener(info, deadline, timeout)
+    try:
+        store_probe.wait_for_store(info.master_addr, info.master_port, deadline)
+    except store_probe.NotAStore as exc:  # waiting will not change what holds the port
+        raise RendezvousError(
+            f"rank {info.rank}: cannot reach the rendezvous store at {where}: "
+            f"{store_probe.describe(exc)}; check MASTER_ADDR/MASTER_PORT (rank 0's store listens there)"
+        ) from None
+    except store_probe.NoStoreYet as exc:
+        raise CommTimeout(
+            f"rank {info.rank}: could not reach the rendezvous store at {where} within {timeout:g} s: "
+            f"{store_probe.describe(exc)}; check that rank 0 is running and MASTER_ADDR/MASTER_PORT"
+        ) from None
     made: dict[str, object] = {}
 
     def make() -> None:
@@ -184,33 +196,12 @@ def _reach_store(info: JobInfo, timeout: float) -> dist.Store:
     if thread.is_alive():
         raise CommTimeout(
             f"rank {info.rank}: could not reach the rendezvous store at {where} within {timeout:g} s: "
-            "something accepts connections there but does not answer as a store; check MASTER_ADDR/MASTER_PORT"
+            "it answered once, then stopped answering; check MASTER_ADDR/MASTER_PORT"
         )
     raise CommTimeout(
         f"rank {info.rank}: could not reach the rendezvous store at {where} within {timeout:g} s: "
         f"{_torch_text(made['error'])}"  # type: ignore[arg-type]
     )
-
-
-def _wait_for_listener(info: JobInfo, deadline: float, timeout: float) -> None:
-    """Return once something accepts TCP connections at the master's endpoint; CommTimeout at
-    ``deadline`` (rank 0 may start later than this rank, so refusals are retried)."""
-    delay, last = 0.05, None
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CommTimeout(
-                f"rank {info.rank}: could not reach the rendezvous store at {info.master_addr}:{info.master_port} "
-                f"within {timeout:g} s: nothing accepted a connection there ({last}); check that rank 0 is "
-                "running and MASTER_ADDR/MASTER_PORT"
-            )
-        try:
-            with socket.create_connection((info.master_addr, info.master_port), timeout=min(left, 2.0)):
-                return
-        except OSError as exc:
-            last = exc.strerror or str(exc) or type(exc).__name__
-        time.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
-        delay = min(2 * delay, 0.5)
 
 
 def _torch_text(exc: BaseException) -> str:
