@@ -697,6 +697,102 @@ def test_silent_connection_is_dropped_after_the_handshake_timeout():
     assert set(res["socks"]) == {1}
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_silent_strangers_do_not_hold_back_a_genuine_peer(kind):
+    """Handshakes run one at a time: 8 connections that said nothing, made ahead of rank 1, held it
+    for 8 x the handshake timeout (8 x 2 s here, past its 5 s dial deadline; 40 s of a 30 s set-up
+    with the default 5 s)."""
+    lt = ListenerThread(handshake_timeout=2.0)
+    strangers = [lt.raw(kind) for _ in range(8)]
+    try:
+        time.sleep(0.2)  # (the listener has accepted them all)
+        t0 = time.monotonic()
+        lt.legit().close()
+        took = time.monotonic() - t0
+        res = lt.finish()
+    finally:
+        for s in strangers:
+            s.close()
+    assert "error" not in res and set(res["socks"]) == {1}, res
+    assert took < 1.0, took
+    assert lt.listener.refused == 8  # (dropped when set-up ended: none of them was admitted)
+
+
+@pytest.mark.timeout(30)
+def test_stalled_handshakes_are_dropped_at_their_own_deadlines_side_by_side():
+    """Each connection has handshake_timeout from its accept: 6 that stall (3 silent, 3 after a hello)
+    are all refused about 0.5 s after they came, not one after another, and the listener waits on."""
+    lt = ListenerThread(handshake_timeout=0.5)
+    job = tcp_setup.Identity(1, 2, "fuzz", SECRET).job
+    stalled = [lt.raw() for _ in range(3)]
+    for _ in range(3):
+        s = lt.raw("unix")
+        s.sendall(wire.Hello.fresh(wire.CONNECT, True, 1, 0, 2, job).pack())  # then no MAC
+        stalled.append(s)
+    t0 = time.monotonic()
+    while lt.listener.refused < 6 and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    took = time.monotonic() - t0
+    for s in stalled:
+        assert read_until_closed(s)[wire.HELLO_SIZE + wire.MAC_SIZE:] == b""  # no ACK, closed
+        s.close()
+    assert lt.listener.refused == 6 and took < 1.0, (lt.listener.refused, took)
+    assert lt.thread.is_alive()  # still waiting for rank 1
+    lt.legit().close()
+    res = lt.finish()
+    assert set(res["socks"]) == {1} and lt.listener._seen and len(lt.listener._seen) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_flood_of_silent_strangers_past_the_cap_drops_the_oldest_not_the_genuine_peer(monkeypatch):
+    monkeypatch.setattr(tcp_setup, "MAX_PENDING_HANDSHAKES", 4)
+    lt = ListenerThread(handshake_timeout=10.0)
+    strangers = [lt.raw() for _ in range(20)]
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        lt.legit().close()
+        took = time.monotonic() - t0
+        res = lt.finish()
+    finally:
+        for s in strangers:
+            s.close()
+    assert set(res["socks"]) == {1} and took < 1.0, (res, took)
+    assert lt.listener.refused == 20
+
+
+@pytest.mark.timeout(60)
+def test_silent_strangers_at_a_ranks_port_do_not_stall_the_mesh():
+    """End to end through TcpTransport.connect: 8 silent connections to rank 0's published endpoint
+    before rank 1 dials. Before: set-up took 40 s (8 x HANDSHAKE_TIMEOUT), past a 30 s timeout
+    (CommTimeout on rank 0, PeerLost on rank 1); now as without them."""
+    import json
+
+    store = dist.HashStore()
+    held: list[socket.socket] = []
+
+    def connect(r):
+        if r == 1:
+            store.wait(["p/tcp/0"])
+            endpoint = tuple(json.loads(bytes(store.get("p/tcp/0")))["tcp"])
+            held.extend(socket.create_connection(endpoint, timeout=5) for _ in range(8))
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        t = TcpTransport.connect(r, 2, store, secret=SECRET, timeout=30.0, host_ids=["a", "b"], prefix="p")
+        return t, time.monotonic() - t0
+
+    try:
+        res = on_threads(2, connect, timeout=40)
+    finally:
+        for s in held:
+            s.close()
+    for r in res:
+        assert not isinstance(r, BaseException), res
+        r[0].close()
+    assert res[1][1] < 2.0, res
+
+
 @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     st.one_of(

@@ -10,9 +10,9 @@ Words (hellos and the handshake's messages are defined in ``wire.py``):
   (of the store prefix) and, if the job has one, that it holds the job's shared secret. The
   parameter server's channels use the same handshake (``ps.protocol``).
 - *listener*: this rank's listening sockets during set-up (one Unix, one TCP, as needed);
-  it answers handshakes one at a time, refuses (logs and closes) anything that fails one,
-  and keeps serving until every expected peer is in or the deadline passes. It is closed
-  once the mesh is built.
+  it runs handshakes side by side, each with its own deadline, refuses (logs and closes)
+  anything that fails one or says nothing by then, and keeps serving until every expected
+  peer is in or the deadline passes. It is closed once the mesh is built.
 - *endpoint*: where a listener can be reached, published in the job's store under
   ``{prefix}/tcp/{rank}``.
 
@@ -23,6 +23,7 @@ handshake is AuthError or ProtocolError saying why.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import math
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 SOCKET_BUFFER_BYTES = 4 << 20
 #: A listener gives any one incoming handshake at most this long.
 HANDSHAKE_TIMEOUT = 5.0
+#: Handshakes a listener runs at once (at least twice the ranks it expects); beyond, the oldest goes.
+MAX_PENDING_HANDSHAKES = 128
 
 _IN = select.POLLIN | select.POLLPRI
 
@@ -160,35 +163,80 @@ def connect_handshake(sock: socket.socket, me: Identity, peer: int, deadline: fl
         raise PeerLost(f"rank {me.rank}: connection to rank {peer} failed during the handshake: {exc}") from None
 
 
-def accept_handshake(sock: socket.socket, me: Identity, expected: set[int], seen_nonces: set[bytes], deadline: float) -> int:
-    """Run the acceptor's side; return the peer's rank. Raises CommError/OSError on refusal.
+class Acceptance:
+    """The acceptor's side of one handshake, as steps without I/O: ``accept_handshake`` runs one
+    on a blocking socket, ``Listener`` many at once on non-blocking ones (so that strangers who
+    connect and say nothing cannot hold a genuine peer's handshake back).
 
+    ``expected``: the ranks that may still connect (read at each step: the listener's own set).
     ``seen_nonces``: the connector nonces of the handshakes this listener admitted; one seen
     again is a replay. A nonce is added only once its MAC verified.
     """
+
+    __slots__ = ("me", "expected", "seen_nonces", "_hello", "_answer", "_rank")
+
+    def __init__(self, me: Identity, expected: set[int], seen_nonces: set[bytes]):
+        self.me = me
+        self.expected = expected
+        self.seen_nonces = seen_nonces
+        self._hello = self._answer = b""
+        self._rank = -1
+
+    def hello(self, data: bytes) -> tuple[bytes, Optional[CommError]]:
+        """The connector's hello (HELLO_SIZE bytes): what to send back, and the refusal to raise
+        once it is sent (None: wait for the MAC). A hello that does not parse raises at once."""
+        theirs = wire.Hello.unpack(data)
+        mine = wire.Hello.fresh(wire.ACCEPT, self.me.has_secret, self.me.rank, theirs.rank, self.me.world_size,
+                                self.me.job)
+        mine_bytes = mine.pack()
+        # Answer first, so that a connector of another job or with other secrets can say why.
+        answer = mine_bytes + self.me.mac(wire.ACCEPT, data, mine_bytes)
+        try:
+            wire.check_hello(theirs, mine)
+            wire.check_secrets_agree(theirs, self.me.has_secret)
+            if theirs.rank not in self.expected:
+                raise ProtocolError(f"rank {theirs.rank} is not expected to connect to rank {self.me.rank} (now)")
+            if theirs.nonce in self.seen_nonces:
+                raise AuthError(f"replayed handshake claiming rank {theirs.rank}")
+        except CommError as refusal:
+            return answer, refusal
+        self._hello, self._answer, self._rank = data, mine_bytes, theirs.rank
+        return answer, None
+
+    def mac(self, mac: bytes) -> int:
+        """The connector's MAC (MAC_SIZE bytes): its rank once verified (then send ``wire.ACK``)."""
+        if not wire.mac_ok(self.me.mac(wire.CONNECT, self._hello, self._answer), mac):
+            raise AuthError(f"peer claiming rank {self._rank} failed authentication")
+        if self._rank not in self.expected:  # another connection proved this rank in the meantime
+            raise ProtocolError(f"rank {self._rank} is not expected to connect to rank {self.me.rank} (now)")
+        # Recorded only now that the MAC (over both nonces) verified: a stranger cannot grow the set.
+        self.seen_nonces.add(wire.Hello.unpack(self._hello).nonce)
+        return self._rank
+
+    def left_early(self) -> CommError:
+        """The refusal for a connection that closed before the step it owed."""
+        if self._rank < 0:
+            return ProtocolError("connection closed before a complete hello")
+        return AuthError(f"peer claiming rank {self._rank} left before proving it holds the secret")
+
+
+def accept_handshake(sock: socket.socket, me: Identity, expected: set[int], seen_nonces: set[bytes], deadline: float) -> int:
+    """Run the acceptor's side on a blocking socket; return the peer's rank. Raises CommError/OSError
+    on refusal (``Acceptance`` says what is checked)."""
+    steps = Acceptance(me, expected, seen_nonces)
     data = _recv_exact(sock, wire.HELLO_SIZE, deadline)
     if data is None:
-        raise ProtocolError("connection closed before a complete hello")
-    theirs = wire.Hello.unpack(data)
-    mine = wire.Hello.fresh(wire.ACCEPT, me.has_secret, me.rank, theirs.rank, me.world_size, me.job)
-    mine_bytes = mine.pack()
-    # Answer first, so that a connector of another job or with other secrets can say why.
-    _send_all(sock, mine_bytes + me.mac(wire.ACCEPT, data, mine_bytes), deadline)
-    wire.check_hello(theirs, mine)
-    wire.check_secrets_agree(theirs, me.has_secret)
-    if theirs.rank not in expected:
-        raise ProtocolError(f"rank {theirs.rank} is not expected to connect to rank {me.rank} (now)")
-    if theirs.nonce in seen_nonces:
-        raise AuthError(f"replayed handshake claiming rank {theirs.rank}")
+        raise steps.left_early()
+    answer, refusal = steps.hello(data)
+    _send_all(sock, answer, deadline)
+    if refusal is not None:
+        raise refusal
     mac = _recv_exact(sock, wire.MAC_SIZE, deadline)
     if mac is None:
-        raise AuthError(f"peer claiming rank {theirs.rank} left before proving it holds the secret")
-    if not wire.mac_ok(me.mac(wire.CONNECT, data, mine_bytes), mac):
-        raise AuthError(f"peer claiming rank {theirs.rank} failed authentication")
-    # Recorded only now that the MAC (over both nonces) verified: a stranger cannot grow the set.
-    seen_nonces.add(theirs.nonce)
+        raise steps.left_early()
+    rank = steps.mac(mac)
     _send_all(sock, wire.ACK, deadline)
-    return theirs.rank
+    return rank
 
 
 class Listener:
@@ -229,45 +277,95 @@ class Listener:
             raise
 
     def accept(self, expected: set[int], deadline: float) -> dict[int, socket.socket]:
-        """Admit one authenticated connection from each rank in ``expected``."""
+        """Admit one authenticated connection from each rank in ``expected``.
+
+        Handshakes run side by side on non-blocking sockets, each with its own deadline
+        (``handshake_timeout`` from its accept): connections that say nothing wait out theirs
+        without holding back anyone else's. Run one at a time, 8 such connections made ahead of
+        a genuine peer held it for 8 x 5 s, past a 30 s set-up deadline.
+        """
         waiting = set(expected)
         got: dict[int, socket.socket] = {}
+        pending: dict[int, _Pending] = {}  # by fd, oldest first
         poller = select.poll()
         by_fd = {s.fileno(): s for s in self._socks}
-        for fd in by_fd:
+        for fd, s in by_fd.items():
+            s.setblocking(False)
             poller.register(fd, _IN)
+        cap = max(MAX_PENDING_HANDSHAKES, 2 * len(expected))
         try:
             while waiting:
-                left = remaining(deadline)
+                now = time.monotonic()
+                for fd in [fd for fd, p in pending.items() if p.deadline <= now]:
+                    self._refuse(pending.pop(fd), poller, "handshake timed out")
+                left = deadline - now
                 if left <= 0:
                     raise CommTimeout(
                         f"rank {self.me.rank}: ranks {sorted(waiting)} did not connect before the deadline"
                     )
-                for fd, _ in poller.poll(math.ceil(left * 1000)):
-                    try:
-                        conn, addr = by_fd[fd].accept()
-                    except (BlockingIOError, InterruptedError):
+                wake = min([deadline] + [p.deadline for p in pending.values()])
+                for fd, events in poller.poll(max(math.ceil((wake - now) * 1000), 1)):
+                    if fd in by_fd:
+                        self._take(by_fd[fd], pending, poller, waiting, cap)
                         continue
-                    peer = self._admit(conn, addr, waiting, deadline)
-                    if peer is not None:
-                        waiting.discard(peer)
-                        got[peer] = conn
+                    p = pending.get(fd)
+                    if p is None:
+                        continue
+                    try:
+                        rank = p.step(events)
+                    except (CommError, OSError) as exc:
+                        del pending[fd]
+                        if p.rank is not None:  # (it proved itself, then its ACK could not be sent)
+                            waiting.add(p.rank)
+                        reason = f"{type(exc).__name__}: {exc}"
+                        self._refuse(p, poller, reason)
+                        continue
+                    if p.rank is not None:
+                        waiting.discard(p.rank)  # claimed at once: no second handshake for it
+                    if rank is not None:  # its ACK is sent: admitted
+                        del pending[fd]
+                        poller.unregister(fd)
+                        got[rank] = p.conn
+                    else:
+                        poller.modify(fd, p.events())
         except BaseException:
             for s in got.values():
                 s.close()
             raise
+        finally:
+            for p in pending.values():  # set-up is over (or failed) before theirs finished
+                self._refuse(p, poller, "set-up ended before its handshake finished")
         return got
 
-    def _admit(self, conn: socket.socket, addr, waiting: set[int], deadline: float) -> Optional[int]:
-        conn_deadline = min(deadline, time.monotonic() + self.handshake_timeout)
+    def _take(self, listening: socket.socket, pending: dict, poller, waiting: set[int], cap: int) -> None:
+        """Accept what the listening socket holds; beyond ``cap`` handshakes the oldest is dropped
+        (a genuine one needs one round trip; a stranger's would wait for its deadline)."""
+        while True:
+            try:
+                conn, addr = listening.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:  # out of descriptors: make room, or give up as before
+                if exc.errno not in (errno.EMFILE, errno.ENFILE) or not pending:
+                    raise
+                self._refuse(pending.pop(next(iter(pending))), poller, "too many handshakes at once")
+                continue
+            if len(pending) >= cap:
+                self._refuse(pending.pop(next(iter(pending))), poller, "too many handshakes at once")
+            conn.setblocking(False)
+            p = _Pending(conn, addr, Acceptance(self.me, waiting, self._seen),
+                         time.monotonic() + self.handshake_timeout)
+            pending[conn.fileno()] = p
+            poller.register(conn.fileno(), p.events())
+
+    def _refuse(self, p: "_Pending", poller, reason: str) -> None:
+        self.refused += 1
+        log.warning("rank %d refused a connection from %r: %s", self.me.rank, p.addr or "local", reason)
         try:
-            return accept_handshake(conn, self.me, waiting, self._seen, conn_deadline)
-        except (CommError, OSError) as exc:  # socket.timeout is an OSError
-            self.refused += 1
-            reason = "handshake timed out" if isinstance(exc, socket.timeout) else f"{type(exc).__name__}: {exc}"
-            log.warning("rank %d refused a connection from %r: %s", self.me.rank, addr or "local", reason)
-            conn.close()
-            return None
+            poller.unregister(p.conn.fileno())
+        except (KeyError, ValueError):
+            pass
+        p.conn.close()
 
     def close(self) -> None:
         for s in self._socks:
@@ -279,6 +377,56 @@ class Listener:
             except FileNotFoundError:
                 pass
             self._unix_path = None
+
+
+class _Pending:
+    """One connection's handshake in a listener: what it still owes (``need`` bytes) and what is
+    still to be sent to it (``out``), driven by ``step`` on each poll event."""
+
+    __slots__ = ("conn", "addr", "steps", "deadline", "need", "got", "out", "refusal", "rank")
+
+    def __init__(self, conn: socket.socket, addr, steps: Acceptance, deadline: float):
+        self.conn, self.addr, self.steps, self.deadline = conn, addr, steps, deadline
+        self.need, self.got, self.out = wire.HELLO_SIZE, b"", b""
+        self.refusal: Optional[CommError] = None  # raised once the answer is out
+        self.rank: Optional[int] = None  # proven (MAC verified); admitted once the ACK is out
+
+    def events(self) -> int:
+        return select.POLLOUT if self.out else _IN
+
+    def step(self, events: int) -> Optional[int]:
+        """Move on after a poll event; the rank once admitted (its ACK sent), else None.
+        Raises CommError/OSError for a refusal."""
+        if self.out:
+            try:
+                sent = self.conn.send(self.out)
+            except (BlockingIOError, InterruptedError):
+                return None
+            self.out = self.out[sent:]
+            if self.out:
+                return None
+            if self.refusal is not None:
+                raise self.refusal
+            return self.rank  # (None while the answer to its hello went out)
+        if not events & _IN and events & (select.POLLHUP | select.POLLERR):
+            raise self.steps.left_early()
+        try:
+            chunk = self.conn.recv(self.need - len(self.got))
+        except (BlockingIOError, InterruptedError):
+            return None
+        if not chunk:
+            raise self.steps.left_early()
+        self.got += chunk
+        if len(self.got) < self.need:
+            return None
+        data, self.got = self.got, b""
+        if self.need == wire.HELLO_SIZE:
+            self.out, self.refusal = self.steps.hello(data)
+            self.need = wire.MAC_SIZE
+        else:
+            self.rank = self.steps.mac(data)
+            self.out, self.need = wire.ACK, 0
+        return self.step(select.POLLOUT)  # (a send this small almost always goes at once)
 
 
 def _address(endpoints: dict, same_host: bool, peer: int) -> tuple[int, object]:
