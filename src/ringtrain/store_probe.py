@@ -1,7 +1,7 @@
 """Is there a rendezvous store at MASTER_ADDR:MASTER_PORT? Asked with a deadline, before torch's client.
 
 torch's TCPStore client keeps no deadline against an endpoint that is not a store: one that
-accepts and never answers held it forever (``ringtrain launch --join-timeout 5`` on node 1:
+accepts and never answers held it with no end in sight (``ringtrain launch --join-timeout 5`` on node 1:
 still waiting after 120 s), and one that answers with other bytes (an HTTP server) made it
 retry past its timeout, print a C++ stack per try and, when abandoned on a thread at
 ``init()``'s deadline, abort the process at exit (SIGABRT in 3 of 6 runs). So the endpoint is
