@@ -276,7 +276,7 @@ def test_a_port_that_answers_as_something_else_is_a_rendezvous_error_at_once_and
         for _ in range(4):  # (_init_in_subprocess asserts exit status 0 each time)
             name, seconds, message, stderr = _init_in_subprocess(1, s.getsockname()[1], 5.0)
             assert name == "RendezvousError", message  # waiting would not help
-            assert "something else answers there (b'HTTP')" in message and "MASTER_PORT" in message, message
+            assert "something else answers there (b'HTTP/1.1')" in message and "MASTER_PORT" in message, message
             assert "frame #" not in stderr and "TCPStore" not in stderr, stderr
             assert seconds < 1.0, seconds
         s.shutdown(socket.SHUT_RDWR)

@@ -1,7 +1,7 @@
 """store_probe: asking MASTER_ADDR:MASTER_PORT whether a rendezvous store answers, with a deadline.
 
-The probe speaks torch's own client handshake (VALIDATE, PING); checked here against both of
-torch's store servers, so that a torch whose protocol changed fails this test, not every job."""
+The probe speaks torch's store protocol (VALIDATE, then GETNUMKEYS); checked here against both
+of torch's store servers, so that a torch whose protocol changed fails this test, not every job."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_a_service_that_answers_otherwise_is_not_a_store_at_once():
     finally:
         service.close()
     assert took < 1.0, took
-    assert info.value.answer == b"HTTP"
+    assert info.value.answer == b"HTTP/1.1"
     assert "not a ringtrain/torch TCPStore" in store_probe.describe(info.value)
 
 

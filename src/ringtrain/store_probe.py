@@ -8,11 +8,14 @@ retry past its timeout, print a C++ stack per try and, when abandoned on a threa
 asked first, here, in Python, on one socket with the caller's deadline, and torch's client
 is only started once a store has answered.
 
-The question is the one torch's own client asks when it connects (``TCPStore.cpp``, checked
-against both of torch's servers, libuv and the classic one, by ``tests/test_store_probe.py``):
-a VALIDATE query carrying torch's magic number, then a PING carrying a number the store must
-echo back. Four bytes echoed: a store. Other bytes: something else holds the port, and waiting
-will not change that. Nothing by the deadline: something accepts connections but does not
+The question is in torch's store protocol (``TCPStoreBackend.hpp``; checked against both of
+torch's servers, libuv and the classic one, by ``tests/test_store_probe.py``): the VALIDATE
+query carrying torch's magic number, which every client sends first, then GETNUMKEYS, which a
+store answers with its key count, eight bytes (int64). Both have had these numbers in every
+torch this package accepts (>= 2.4). The PING that torch's own client sends on connect is not
+in every version's list, and a store that does not know a query closes the connection, which
+would look like a store not yet up. Eight bytes of a plausible count (below 2**40): a store.
+Other bytes: something else holds the port, and waiting will not change that. Nothing by the deadline: something accepts connections but does not
 answer as a store. Refused, or closed without an answer (rank 0 not started yet, or a
 forwarder whose target is not up): asked again until the deadline.
 
@@ -22,14 +25,14 @@ load time, see ``launch._cpp_log_off_in_this_process``).
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import time
 from typing import Optional
 
-_VALIDATE, _PING = 0, 13  # torch's c10d QueryType values
+_VALIDATE, _GETNUMKEYS = 0, 7  # torch's c10d QueryType values
 _MAGIC = 0x3C85F7CE  # torch's validationMagicNumber
+_MAX_KEYS = 1 << 40  # a key count above this is no store's: other bytes read as one
 _RETRY_DELAY = (0.05, 0.5)  # first and largest pause between tries (doubling)
 
 
@@ -82,21 +85,21 @@ def wait_for_store(host: str, port: int, deadline: float) -> None:
 
 
 def _ask(host: str, port: int, deadline: float) -> Optional[bytes]:
-    """One try: None if a store echoed the ping, b"" if the connection closed without an answer,
-    else the bytes that came instead (up to 4). _Silent at the deadline once connected."""
-    nonce = (os.getpid() ^ int.from_bytes(os.urandom(4), "little")) & 0xFFFFFFFF
-    query = struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce)
+    """One try: None if a store answered with its key count, b"" if the connection closed
+    without an answer, else the bytes that came instead (up to 8). _Silent at the deadline
+    once connected."""
+    query = struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<B", _GETNUMKEYS)
     with socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(query)
         got = b""
-        while len(got) < 4:
+        while len(got) < 8:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Silent
             sock.settimeout(left)
             try:
-                chunk = sock.recv(4 - len(got))
+                chunk = sock.recv(8 - len(got))
             except socket.timeout:
                 raise _Silent from None
             except ConnectionResetError:
@@ -104,7 +107,7 @@ def _ask(host: str, port: int, deadline: float) -> Optional[bytes]:
             if not chunk:
                 return got  # closed: b"" (no answer) or a short answer, which no store sends
             got += chunk
-    return None if got == struct.pack("<I", nonce) else got
+    return None if 0 <= struct.unpack("<q", got)[0] < _MAX_KEYS else got
 
 
 def describe(error: Exception) -> str:
