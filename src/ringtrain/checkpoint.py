@@ -44,6 +44,10 @@ position in the global batch sequence), so rank 0's file restores every rank's l
     found = checkpoint.latest(run_dir, comm=comm) # None: start from scratch; the same step on every rank
     if found is not None:
         step = checkpoint.restore_training_state(found.payload, model, optimizer, loader)
+
+``save`` holds rank 0 for the whole write while the other ranks wait for it in their next
+collective: a write longer than the communicator's timeout fails them. :class:`CheckpointWriter`
+(checkpoint_writer) copies the payload at the step and writes the same file on a thread.
 """
 
 from __future__ import annotations
@@ -419,3 +423,8 @@ def restore_training_state(payload: dict[str, Any], model: torch.nn.Module,
         loader.load_state_dict(payload["data"])
     restore_rng(payload["rng"])
     return int(payload["step"])
+
+
+# --- written in the background (checkpoint_writer: a save that does not hold up the other ranks) ---------
+
+from .checkpoint_writer import CheckpointWriter, snapshot  # noqa: E402  (checkpoint_writer imports this module lazily)
