@@ -515,6 +515,56 @@ def test_a_save_that_cannot_be_made_fails_that_call_only(tmp_path, where):
     assert stats["steps"] == 3 and out["stats"]["failed"] is None and out["stats"]["version"] == 3
 
 
+def test_a_background_save_is_answered_before_the_write_which_may_outlast_the_timeout(tmp_path, monkeypatch):
+    """save_checkpoint(background=True): the server copies its shard, answers, and writes it on a
+    thread; a write held 1.5 s, longer than the 1 s timeout, holds up neither the save nor the
+    training after it (the server used to write in the worker's connection and lose it as silent)."""
+    from test_checkpoint_writer import Disk
+
+    disk = Disk(monkeypatch)
+    server, thread, out = start_server(checkpoint_dir=str(tmp_path), timeout=1.0)
+    ps = worker([server.endpoint], timeout=1.0)
+    train(ps, 1)
+    t0 = time.monotonic()
+    ps.save_checkpoint(background=True)
+    train(ps, 3)
+    ps.save_checkpoint(background=True)  # queued behind the write of step 1
+    assert time.monotonic() - t0 < 0.5 and disk.started == [1]
+    threading.Timer(1.5, disk.open).start()
+    train(ps, 5)
+    ps.close()
+    thread.join(10)
+    assert out["stats"]["failed"] is None and server.write_error is None
+    assert time.monotonic() - t0 >= 1.5  # serve() ended once the writes were done
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "server-0")] == [1, 3]
+    assert checkpoint.latest(tmp_path / "server-0").payload["version"] == 3
+
+
+def test_a_background_write_that_fails_is_said_by_the_next_save_and_at_the_end(tmp_path, monkeypatch):
+    from test_checkpoint_writer import Disk
+
+    disk = Disk(monkeypatch)
+    disk.fail = {1, 3}
+    disk.open()
+    server, thread, out = start_server(checkpoint_dir=str(tmp_path))
+    ps = worker([server.endpoint])
+    train(ps, 1)
+    ps.save_checkpoint(background=True)
+    wait_for(lambda: not server._writer.writing, "the write of step 1")
+    train(ps, 2)
+    why = (f"could not write an earlier checkpoint to {tmp_path / 'server-0'} in the background (could not write "
+           f"the checkpoint {tmp_path / 'server-0' / 'ckpt-000000001.pt'}: No space left on device")
+    with pytest.raises(CommError, match=f"step 2 was not saved: .*{re.escape(why)}.*step 2 is not saved either"):
+        ps.save_checkpoint(background=True)
+    train(ps, 3)  # the job goes on
+    ps.save_checkpoint(background=True)  # (answered: its write fails after)
+    stats = ps.close()
+    thread.join(10)
+    assert stats["steps"] == 3 and out["stats"]["failed"] is None
+    assert "ckpt-000000003.pt: No space left on device" in str(server.write_error)
+    assert checkpoint.list_checkpoints(tmp_path / "server-0") == []
+
+
 # --- 13. a local optimizer's step --------------------------------------------------------------------
 
 @pytest.mark.parametrize("when", ["after backward", "after the next values arrived"])

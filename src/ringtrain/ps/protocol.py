@@ -20,7 +20,8 @@ module only adds what travels inside a DATA frame's payload):
   ``step`` - 1, asynchronous ones answer with the whole shard once the staleness bound allows),
   PARAMS (server -> worker: some partitions of the shard, any order, for the pull of ``step``,
   at ``version``; ``extra`` = workers still alive), SAVE / SAVED (checkpoint the
-  shard at ``step``; a SAVED with ``extra`` = 1 says the save failed, its JSON body
+  shard at ``step``; a SAVE with ``extra`` = 1 is answered once the shard is copied, the file
+  written in the background; a SAVED with ``extra`` = 1 says the save failed, its JSON body
   ``{"error": why}``, and the connection goes on), BYE (worker -> server, then server -> worker
   with its counters as JSON).
   Errors go back as the wire's ABORT frames, so a worker raises the same error type the server

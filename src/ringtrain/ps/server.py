@@ -34,7 +34,11 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   clock is saved as s, asynchronous too (async has no global step: every worker resumes at the
   saving worker's step, on every server alike). The strategy is saved, and a job of the other kind
   refuses the checkpoint. A save that fails (no checkpoint directory, a write error) is answered
-  with the reason and the job goes on.
+  with the reason and the job goes on. A SAVE marked *background* is answered once the shard is
+  copied and written on a thread (checkpoint_writer; one write at a time, one more copy queued
+  behind it), so that the saving worker, and the others that wait for its next push, do not wait
+  for the disk (a write longer than ``timeout`` failed the job); the error of such a write is the
+  answer to a later SAVE, and fails serve() at the end.
 - *resume*: the servers' shard folders are siblings (``<checkpoint_dir>/server-<k>``); each server
   resumes at the newest step whose file is whole in every sibling folder it can see, so a save
   cut short on some servers resumes at the step before it on all of them. (A folder that does not
@@ -154,6 +158,8 @@ class ParameterServer:
         self._status = ["waiting"] * W  # waiting, connected, bye, lost
         self._heard = [0.0] * W  # monotonic time of each worker's last message
         self._serving: set[int] = set()  # workers whose message waits in _wait_until
+        self._writer = checkpoint.CheckpointWriter(cfg.shard_dir) if cfg.shard_dir else None
+        self.write_error: Optional[OSError] = None  # a background write that failed after the last SAVE
         self._first_connected: Optional[float] = None
         self._channels: dict[int, P.Channel] = {}
         self._threads: list[threading.Thread] = []  # connection threads (serve() joins them)
@@ -311,7 +317,19 @@ class ParameterServer:
             self._close_listener()
             acceptor.join(1.0)
             self._join_connections()
+            self._finish_writes()
         return self.stats()
+
+    def _finish_writes(self) -> None:
+        """Wait for a checkpoint written in the background; keep its error in ``write_error``
+        (run_server raises it: the job's last checkpoint was not written)."""
+        if self._writer is None:
+            return
+        try:
+            self._writer.wait()
+        except OSError as exc:
+            log.error("%s could not write its last checkpoint to %s: %s", self.name, self.cfg.shard_dir, exc)
+            self.write_error = exc
 
     def _join_connections(self, limit: float = 5.0) -> None:
         """Wait (at most ``limit`` s) for every connection thread to end: stats() then counts every
@@ -785,12 +803,15 @@ class ParameterServer:
                 if s in ("connected", "waiting") and u != w and step - self._clock[u] > self.cfg.max_staleness]
 
     def _on_save(self, w: int, ch: P.Channel, head) -> None:
-        """Checkpoint the shard as it was at step ``head.step`` and answer SAVED; a save that cannot be
-        made is answered with the reason (SAVED, extra 1) and serving goes on."""
+        """Checkpoint the shard as it was at step ``head.step`` and answer SAVED (``extra`` 1: once
+        the shard is copied, written in the background); a save that cannot be made is answered
+        with the reason (SAVED, extra 1) and serving goes on."""
         if head.body:
             raise ProtocolError(f"worker {w} sent a SAVE with a body")
         if head.step < 0:
             raise ProtocolError(f"worker {w} asked for a checkpoint of step {head.step}")
+        if head.extra not in (0, 1):
+            raise ProtocolError(f"worker {w} sent a SAVE with extra {head.extra} (0: written, 1: in the background)")
         try:
             if self.cfg.shard_dir is None:
                 raise _SaveRefused(f"{self.name} was started without a checkpoint directory, so it cannot save "
@@ -798,7 +819,7 @@ class ParameterServer:
             if self.cfg.synchronous:
                 self._wait_until(w, lambda: None if self.version >= head.step
                                  else f"step {head.step} was not reached for a checkpoint")
-            self._save(head.step)
+            self._save(head.step, background=bool(head.extra))
         except _SaveRefused as exc:
             log.error("%s", exc)
             ch.send(P.SAVED, worker=w, step=head.step, version=self.version, extra=1,
@@ -806,8 +827,14 @@ class ParameterServer:
             return
         ch.send(P.SAVED, worker=w, step=head.step, version=head.step if self.cfg.synchronous else self.version)
 
-    def _save(self, step: int) -> None:
-        """Write the checkpoint of ``step`` (see *checkpoint of step s* above); _SaveRefused if it cannot be."""
+    def _save(self, step: int, background: bool = False) -> None:
+        """Write the checkpoint of ``step`` (see *checkpoint of step s* above), or only start to in the
+        ``background``; _SaveRefused if it cannot be, or if the background write before it failed."""
+        try:  # (one write in flight at most, and in the background one more queued behind it)
+            self._writer.wait(at_most=1 if background else 0)
+        except OSError as exc:
+            raise _SaveRefused(f"{self.name} could not write an earlier checkpoint to {self.cfg.shard_dir} in the "
+                               f"background ({exc}), so step {step} is not saved either") from None
         with self._cond:
             version, params, momentum = self._state_at(step) if self.cfg.synchronous else self._state_now()
             payload = {
@@ -826,7 +853,9 @@ class ParameterServer:
                 "staleness": {str(k): v for k, v in self.staleness.items()},
             }
         try:
-            checkpoint.save(self.cfg.shard_dir, step, payload)
+            self._writer.save(step, payload, wait=not background)  # (copied: the write needs no lock)
+            if not background:
+                self._writer.wait()
         except OSError as exc:
             raise _SaveRefused(f"{self.name} could not write the checkpoint of step {step} to "
                                f"{self.cfg.shard_dir}: {exc}") from None
@@ -917,7 +946,8 @@ def sum_in_order(grads: list[torch.Tensor]) -> torch.Tensor:
 def run_server(cfg: ServerConfig, ready=None) -> dict:
     """Make a server, report its endpoint through ``ready(endpoint)``, serve; return its stats.
 
-    Raises the server's failure (a CommError) after serving if the job failed.
+    Raises the server's failure (a CommError) after serving if the job failed, or the error of its
+    last checkpoint's write in the background (a CheckpointWriteError).
     """
     server = ParameterServer(cfg)
     if ready is not None:
@@ -925,4 +955,6 @@ def run_server(cfg: ServerConfig, ready=None) -> dict:
     stats = server.serve()
     if server.failed is not None:
         raise server.failed
+    if server.write_error is not None:
+        raise server.write_error
     return stats

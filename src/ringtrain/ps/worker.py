@@ -432,18 +432,23 @@ class ParameterServerTraining:
         self._raise_if_closed()
         self._wait_params(range(len(self.params)))
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, *, background: bool = False) -> None:
         """Have every server checkpoint its shard at this worker's step (call from one worker).
 
         A server that cannot save (no checkpoint directory, a write error) says why: raised as a
-        CommError naming it; the connections stay up and training may go on."""
+        CommError naming it; the connections stay up and training may go on.
+
+        ``background``: return once every server has copied its shard, which it writes on a thread
+        of its own, so that no worker waits for the servers' disks (a write longer than ``timeout``
+        failed the job). A write that fails is raised by the next save_checkpoint; the last one's
+        error fails its server at the end of the job (ps.run_server)."""
         self._raise_if_closed()
         step = self.step_count
         with self._cond:  # (a save of the same step again waits for its own answers)
             for link in self._links:
                 link.saved, link.save_error = -1, None
         for link in self._links:
-            link.jobs.put(("save", step))
+            link.jobs.put(("save", step, int(background)))
         deadline = time.monotonic() + self.opts.timeout
         with self._cond:
             while any(link.saved < step for link in self._links):
@@ -513,7 +518,7 @@ class ParameterServerTraining:
                 elif kind == "pull":
                     link.ch.send(P.PULL, worker=self.worker, step=job[1])
                 elif kind == "save":
-                    link.ch.send(P.SAVE, worker=self.worker, step=job[1])
+                    link.ch.send(P.SAVE, worker=self.worker, step=job[1], extra=job[2])
                 elif kind == "bye":
                     link.ch.send(P.BYE, worker=self.worker)
         except CommError as exc:
