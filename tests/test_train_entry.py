@@ -24,6 +24,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -342,6 +344,35 @@ def test_sigterm_during_a_checkpoint_save_takes_effect_once_the_save_is_done():
         signal.signal(signal.SIGTERM, before)
 
 
+def test_sigterm_during_a_background_checkpoint_write_takes_effect_once_the_write_is_done(tmp_path, monkeypatch):
+    """Rank 0 writes checkpoints on a thread while it trains: a SIGTERM then (torchrun stopping the
+    job) would end the process mid-write and lose that checkpoint; it waits for the write, then
+    goes to the handler the process had."""
+    from test_checkpoint_writer import Disk
+
+    disk = Disk(monkeypatch)
+    events = []
+
+    def handler(signum, frame):
+        events.append(f"SIGTERM handled, checkpoints {[s for s, _ in checkpoint.list_checkpoints(tmp_path)]}")
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        writer = checkpoint.CheckpointWriter(tmp_path)
+        with train._sigterm_finishes_write(writer):
+            writer.save(4, {"x": torch.ones(2)})
+            threading.Timer(0.3, disk.open).start()
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # (the handler runs between bytecodes of the main thread)
+                if events:
+                    break
+                time.sleep(0.01)
+        assert events == ["SIGTERM handled, checkpoints [4]"]
+        assert signal.getsignal(signal.SIGTERM) is handler and writer.writing == []
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def busy_port() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -521,7 +552,7 @@ def test_ctrl_c_during_a_save_lets_it_finish_then_stops_the_run(tmp_path):
     # checkpoint lost and no step for the parent's line.
     saved = []
 
-    def save(step):
+    def save(step, last):
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C arrives while the checkpoint is being written
         saved.append(step)
 

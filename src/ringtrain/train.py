@@ -12,10 +12,12 @@ The parent starts the workers through torch's own launcher (torch.distributed.ru
 worker joins with ``ringtrain.init``, wraps the model in ``ringtrain.DistributedDataParallel``
 and trains on its slice of every global batch. Rank 0 shows a progress bar (loss, samples/s),
 writes a checkpoint every K steps (atomic: write, fsync, rename; model, optimizer, data
-position and RNG state) and ends with a summary: samples/s, scaling against one worker, and
-the share of communication hidden behind backward (over the steps run under the plan in force
-at the end, not those that profiled backward or tried candidate plans). Ctrl-C stops every
-worker and says, in one line, where the same command resumes (exit status 130).
+position and RNG state, copied at the step and written on a background thread while training
+goes on, so a slow disk does not hold up the other workers) and ends with a summary:
+samples/s, scaling against one worker, and the share of communication hidden behind backward
+(over the steps run under the plan in force at the end, not those that profiled backward or
+tried candidate plans). Ctrl-C stops every worker and says, in one line, where the same
+command resumes (exit status 130).
 
 *Scaling against one worker*: before and after training, every worker times a few training
 steps (forward, backward, optimizer step) of the same model without communication, all at
@@ -86,9 +88,9 @@ class TrainConfig:
     optimal on several workers, the trial of plans (up to some 70 steps); a run that ends sooner writes no step and
     says so."""
     timeout: float = 120.0
-    """Seconds any communication may wait before it fails. It must also cover writing one checkpoint: the other
-    workers wait for rank 0 in the next step while it saves, and a longer save fails the run as a CommTimeout
-    naming rank 0."""
+    """Seconds any communication may wait before it fails. Rank 0 writes checkpoints on a background thread while
+    training goes on, one at a time: only the part of a write that outlasts the next --checkpoint-every steps holds
+    up the others (rank 0 waits for it at the next save), and that part must be shorter."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     strategy: str = "ring"
@@ -447,10 +449,94 @@ def _interrupts_held():
             raise KeyboardInterrupt
 
 
-def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
+def _checkpoint_writer(cfg: TrainConfig, rank: int):
+    """Rank 0's CheckpointWriter (None on the other ranks, or without checkpoints).
+
+    In the background rather than a save in the loop or a barrier with a deadline long enough for
+    it: the other ranks wait for rank 0 in the next step's communication, and a write longer than
+    --timeout (a big model, a slow or network disk) failed the run as a CommTimeout naming rank 0;
+    no deadline fits a write of unknown length, and a barrier would stall every rank for the disk.
+    Rank 0 copies the state at the step (model, optimizer, data position, RNG) and trains on."""
+    if rank != 0 or not cfg.checkpoint_every:
+        return None
+    from .checkpoint import CheckpointWriter
+
+    # Checkpoints of later steps are damaged ones (a ring run resumes from the newest whole
+    # one), named once by the parent: no warning about them at every save.
+    return CheckpointWriter(cfg.checkpoint_dir, warn_later=cfg.strategy != "ring")
+
+
+def _saver(cfg: TrainConfig, writer, state_at):
+    """``save(step, last)`` for _loop: ``state_at(step)`` copied now and written by ``writer`` in
+    the background, the last one queued behind the write in flight. A save that must wait for
+    the write before it (a disk slower than --checkpoint-every steps) says so first, once: the
+    other workers wait for rank 0 meanwhile, and fail the run after --timeout."""
+    said = []
+
+    def save(step: int, last: bool) -> None:
+        behind = writer.writing
+        if behind and not last and not said:
+            said.append(step)
+            print(f"note: the checkpoint of step {behind[0]} is still being written at step {step}: rank 0 waits for "
+                  f"it before it saves again, and the other workers wait for rank 0 (up to --timeout "
+                  f"{cfg.timeout:g} s); the disk is slower than --checkpoint-every {cfg.checkpoint_every} steps: save "
+                  "less often, or give a longer --timeout", file=sys.stderr)
+        writer.save(step, state_at(step), wait=not last)
+
+    return save
+
+
+def _finish_write(writer) -> None:
+    """Wait for the checkpoint write in flight, Ctrl-C and SIGTERM held (the process ends next, at
+    once, and would cut it off: the checkpoint before it stays whole, but this one is lost). Its
+    error is said, not raised: the caller is on its way out for another reason."""
+    if writer is None:
+        return
+    with contextlib.suppress(KeyboardInterrupt), _interrupts_held():
+        try:
+            writer.wait()
+        except Exception as exc:
+            print(f"ringtrain train: a checkpoint was not written: {exc}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _sigterm_finishes_write(writer):
+    """SIGTERM (torchrun stopping the job: a scheduler, or another rank that failed) while rank 0
+    writes a checkpoint in the background: the write ends first (_finish_write), then the signal
+    goes to the handler the process had. A save in the loop held SIGTERM the same way
+    (_interrupts_held); the write now outlasts the save call."""
+    if writer is None:
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+
+    def finish_then_terminate(signum, frame):
+        signal.signal(signal.SIGTERM, before)
+        _finish_write(writer)
+        signal.raise_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, finish_then_terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _wait_for_last_write(writer) -> None:
+    """The end of a run: wait for the last checkpoint's write (Ctrl-C and SIGTERM held, as a save
+    held them), after the job's last communication so that no other rank waits for the disk;
+    its error (a full disk) fails the run."""
+    if writer is not None:
+        with _interrupts_held():
+            writer.wait()
+
+
+def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str, writer=None):
     """Steps ``start`` .. cfg.steps: ``step_fn(x, y) -> loss`` on each batch, a progress bar and
-    ``save(step)`` every cfg.checkpoint_every steps and after the last on rank 0. Returns step
-    times and losses; Ctrl-C raises _Interrupted with the steps done."""
+    ``save(step, last)`` every cfg.checkpoint_every steps and after the last on rank 0 (``last``:
+    the save of the last step, whose write the caller waits for once the job's last communication
+    is done, so that no rank waits for the disk). Returns step times and losses; Ctrl-C raises
+    _Interrupted with the steps done, once the checkpoint writes in flight (``writer``'s) are done."""
     bar = None
     if rank == 0 and cfg.progress and start < cfg.steps:
         from tqdm import tqdm
@@ -471,11 +557,12 @@ def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}")
             if rank == 0 and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 with _interrupts_held():
-                    save(done)
+                    save(done, done == cfg.steps)
         if rank == 0 and cfg.checkpoint_every and start < cfg.steps and cfg.steps % cfg.checkpoint_every:
             with _interrupts_held():
-                save(cfg.steps)  # the last step too, so that the same command run again has nothing to do
+                save(cfg.steps, True)  # the last step too, so that the same command run again has nothing to do
     except KeyboardInterrupt:
+        _finish_write(writer)
         raise _Interrupted(done, rank) from None
     finally:
         if bar is not None:
@@ -537,27 +624,27 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         ran.append((plan, settled, ddp.last_stats))
         return loss
 
-    def save(step):
-        # Checkpoints of later steps are damaged ones (a ring run resumes from the newest whole
-        # one), named once by the parent: no warning about them at every save.
-        checkpoint.save(cfg.checkpoint_dir, step, _training_state(cfg, step, model, opt, loader), warn_later=False)
+    writer = _checkpoint_writer(cfg, rank)
+    save = _saver(cfg, writer, lambda step: _training_state(cfg, step, model, opt, loader))
 
-    times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} x{p}")
-    if rank == 0 and cfg.timeline and ran and not any(settled for _, settled, _ in ran):
-        print(f"warning: --timeline {ddp.timeline_path}: no step traced: the trace starts at the first step run under "
-              f"the settled plan (see --help), and this run's {len(ran)} steps ended before it; run more --steps",
-              file=sys.stderr)
+    with _sigterm_finishes_write(writer), writer or contextlib.nullcontext():
+        times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} x{p}", writer)
+        if rank == 0 and cfg.timeline and ran and not any(settled for _, settled, _ in ran):
+            print(f"warning: --timeline {ddp.timeline_path}: no step traced: the trace starts at the first step run "
+                  f"under the settled plan (see --help), and this run's {len(ran)} steps ended before it; run more "
+                  "--steps", file=sys.stderr)
 
-    # Timed again after training (warm caches, same load); the faster of the two is the fair
-    # one-worker rate, so scaling is never flattered by a cold first measurement.
-    one_rate = max(one_rate, one_worker_rate())
-    rate_buf = np.array([one_rate], dtype=np.float64)
-    comm.allreduce(rate_buf, op="mean")
-    summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]), start)
-    if p > 1 and ran:
-        summary["communication"] = _communication(ddp, ran)
-    ddp.close()
-    comm.close()
+        # Timed again after training (warm caches, same load); the faster of the two is the fair
+        # one-worker rate, so scaling is never flattered by a cold first measurement.
+        one_rate = max(one_rate, one_worker_rate())
+        rate_buf = np.array([one_rate], dtype=np.float64)
+        comm.allreduce(rate_buf, op="mean")
+        summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]), start)
+        if p > 1 and ran:
+            summary["communication"] = _communication(ddp, ran)
+        ddp.close()
+        comm.close()
+        _wait_for_last_write(writer)
     if rank == 0:
         _report(summary, json_summary)
     return 0
@@ -568,7 +655,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import numpy as np
     import torch
 
-    from . import checkpoint, data, ps, rendezvous
+    from . import data, ps, rendezvous
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -597,13 +684,18 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         pst.step()
         return loss
 
-    def save(step):
-        pst.save_checkpoint()  # every server saves its shard at this step
-        checkpoint.save(cfg.checkpoint_dir, step, _training_state(cfg, step, model, None, loader))
+    writer = _checkpoint_writer(cfg, rank)
+    save_state = _saver(cfg, writer, lambda step: _training_state(cfg, step, model, None, loader))
 
-    times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} {cfg.strategy} x{p}")
-    pst.wait()
-    stats = pst.close()
+    def save(step, last):
+        pst.save_checkpoint(background=True)  # every server copies its shard at this step and writes it
+        save_state(step, last)
+
+    with _sigterm_finishes_write(writer), writer or contextlib.nullcontext():
+        times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} {cfg.strategy} x{p}", writer)
+        pst.wait()
+        stats = pst.close()
+        _wait_for_last_write(writer)
     one_rate = max(one_rate, one_worker_rate())
     summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate, start)
     summary["parameter_servers"] = stats
