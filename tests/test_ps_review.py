@@ -22,7 +22,7 @@ from ringtrain import checkpoint
 from ringtrain.errors import CommError, MismatchError, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, ServerConfig, launch_local
 from ringtrain.ps import protocol as P
-from ringtrain.ps.server import check_hello
+from ringtrain.ps.server_config import check_hello
 from ringtrain.ps.sharding import layout_digest, make_layout
 from ringtrain.transport import tcp_setup
 from ringtrain.transport.local import on_threads

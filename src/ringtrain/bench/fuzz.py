@@ -268,7 +268,8 @@ def serve_frames(pipe) -> None:
 
 def serve_ps(pipe, workers: int) -> None:
     """An asynchronous parameter server for ``workers`` workers; report its stats at the end."""
-    from ..ps.server import ParameterServer, ServerConfig
+    from ..ps.server import ParameterServer
+    from ..ps.server_config import ServerConfig
 
     tally = _quiet_tally()
     server = ParameterServer(ServerConfig(index=0, servers=1, workers=workers, strategy="async", job=JOB,

@@ -6,7 +6,8 @@ See docs/ps.md for the loop, the launch roles and the guarantees.
 """
 
 from .launch import LocalServers, benchmark, is_server_rank, launch_local, run_server_role, worker_from_env
-from .server import STRATEGIES, ParameterServer, ServerConfig, run_server
+from .server import ParameterServer, run_server
+from .server_config import STRATEGIES, ServerConfig
 from .sharding import Layout, Partition, make_layout
 from .worker import ParameterServerTraining, PSOptions
 

@@ -15,7 +15,7 @@ import json
 import sys
 
 from .launch import is_server_rank, run_server_role, train_steps, worker_from_env
-from .server import STRATEGIES
+from .server_config import STRATEGIES
 
 RESULT_PREFIX = "RESULT "
 

@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 from .. import rendezvous
 from ..errors import CommError, CommTimeout
-from .server import ServerConfig, run_server
+from .server import run_server
+from .server_config import ServerConfig
 from .worker import ParameterServerTraining, PSOptions
 
 _STORE_KEY = "ringtrain-ps/{job}/server/{k}"

@@ -39,10 +39,9 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   behind it), so that the saving worker, and the others that wait for its next push, do not wait
   for the disk (a write longer than ``timeout`` failed the job); the error of such a write is the
   answer to a later SAVE, and fails serve() at the end.
-- *resume*: the servers' shard folders are siblings (``<checkpoint_dir>/server-<k>``); each server
-  resumes at the newest step whose file is whole in every sibling folder it can see, so a save
-  cut short on some servers resumes at the step before it on all of them. (A folder that does not
-  exist at all is taken for one on another machine's disk and not consulted.)
+- *resume*: at the newest step whose shard file is whole in every server's folder this one can
+  see, if this job may take it (``shard_resume``); what a HELLO and a ServerConfig hold is
+  ``server_config``'s.
 
 Threads: one per connection reads that worker's messages in order; synchronous servers add
 one *outbox* sender per worker, so that answering one worker's pull never stalls reading another
@@ -52,14 +51,11 @@ worker's push. Every wait ends by ``timeout`` with CommTimeout naming who is mis
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import socket
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -69,74 +65,17 @@ from .. import checkpoint
 from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
 from ..transport import tcp_setup
 from . import protocol as P
-from .sharding import ITEMSIZE, layout_digest, make_layout, partition_count
+from . import shard_resume
+from .server_config import HELLO_KEYS, MAX_PARTITIONS, ServerConfig, check_hello
+from .sharding import layout_digest, make_layout, partition_count
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("sync", "async", "sharded")
-#: Sanity bounds on what a HELLO may ask for (larger is a corrupt or hostile HELLO, not a model).
-MAX_PARAMETERS = 1 << 20
-MAX_NUMEL = 1 << 40
-MAX_PARTITIONS = 1 << 20
-_HELLO_KEYS = ("digest", "numels", "partition_bytes", "lr", "momentum", "weight_decay", "strategy")
 _NOTHING = object()  # (the send loop: no item taken ahead)
 
 
 class _SaveRefused(Exception):
     """A checkpoint this server cannot write: answered to the worker that asked, serving goes on."""
-
-
-@dataclass(kw_only=True, slots=True)
-class ServerConfig:
-    index: int
-    """This server's number k in [0, servers)."""
-    servers: int
-    """K, the number of servers of the job."""
-    workers: int
-    """W, the number of workers of the job."""
-    strategy: str = "sync"
-    """'sync' (alias 'sharded') or 'async'."""
-    max_staleness: Optional[int] = 0
-    """async only: how many steps a worker may run ahead of the slowest (None: unbounded).
-
-    0 still applies every gradient on arrival (no aggregation) but no worker pulls for step c+1
-    before every live worker has pushed step c. Measured on the character
-    LM (40 steps, lr 0.05, momentum 0.9): within 2% of synchronous loss at 0, 12-16% worse at 1-2.
-    """
-    host: str = "127.0.0.1"
-    """Address to listen on."""
-    port: int = 0
-    """Port to listen on (0: any free one)."""
-    job: str = "ps"
-    """Job name mixed into the handshake, so that peers of another job are refused."""
-    secret: Optional[bytes] = field(default=None, repr=False)
-    """The job's shared secret (RINGTRAIN_SECRET); None: no authentication (still framed)."""
-    timeout: float = 60.0
-    """Seconds any wait may last before CommTimeout."""
-    checkpoint_dir: str = ""
-    """Where this server's shard checkpoints go ('' = no checkpoints); a subfolder per server."""
-    resume: bool = False
-    """Start from the newest valid shard checkpoint in checkpoint_dir."""
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.servers < 1 or self.workers < 1:
-            raise ValueError(f"servers and workers must be >= 1, got {self.servers} and {self.workers}")
-        if not 0 <= self.index < self.servers:
-            raise ValueError(f"index must be in [0, {self.servers}), got {self.index}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
-
-    @property
-    def synchronous(self) -> bool:
-        return self.strategy != "async"
-
-    @property
-    def shard_dir(self) -> Optional[Path]:
-        return Path(self.checkpoint_dir) / f"server-{self.index}" if self.checkpoint_dir else None
 
 
 class ParameterServer:
@@ -170,41 +109,16 @@ class ParameterServer:
         self.staleness: Counter[int] = Counter()
         self._settings: Optional[dict] = None
         self._initialized = False
-        self._resume_payload = self._load_resume()
+        self._resume_payload = shard_resume.newest_whole(cfg, self.name) if cfg.resume else None
         self.version = 0
         self.updates = 0
 
     # --- set-up -------------------------------------------------------------------------------
-    def _load_resume(self) -> Optional[dict]:
-        """The payload of the newest step whose shard file is whole in every server's folder (see
-        *resume* above); None: start afresh."""
-        if not (self.cfg.resume and self.cfg.shard_dir):
-            return None
-        root, me = Path(self.cfg.checkpoint_dir), self.cfg.index
-        folders = {k: root / f"server-{k}" for k in range(self.cfg.servers)}
-        saved = {k: dict(checkpoint.list_checkpoints(d)) for k, d in folders.items() if k == me or d.is_dir()}
-        for step in sorted(set.intersection(*(set(files) for files in saved.values())), reverse=True):
-            try:
-                mine = checkpoint.load(saved[me][step])
-                for k, files in saved.items():  # whole there too? (one at a time, each dropped at once)
-                    if k != me:
-                        checkpoint.load(files[step])
-            except checkpoint.CheckpointError as exc:
-                log.warning("%s: skipping step %d, not whole on every server: %s", self.name, step, exc)
-                continue
-            if step != max(saved[me]):
-                log.warning("%s resumes at step %d, the newest step every server saved (its own newest is %d)",
-                            self.name, step, max(saved[me]))
-            return mine.payload
-        if saved[me]:
-            log.warning("%s: no step is saved whole by every server in %s: starting afresh", self.name, root)
-        return None
-
     def _configure(self, hello: dict) -> None:
         """First HELLO (checked by check_hello): build the layout and optimizer. Later ones must agree
         with it, the layout digest first (caller holds lock)."""
         if self._settings is not None:
-            diff = [k for k in _HELLO_KEYS if self._settings[k] != hello[k]]
+            diff = [k for k in HELLO_KEYS if self._settings[k] != hello[k]]
             if diff:
                 raise MismatchError(f"worker {hello['worker']} disagrees with the other workers about {diff}")
             return
@@ -254,31 +168,10 @@ class ParameterServer:
                 if not self.cfg.synchronous:  # (synchronous: every lost worker fails the job anyway)
                     self._fail(exc)
                 raise
-        self._settings = {k: hello[k] for k in _HELLO_KEYS}
+        self._settings = {k: hello[k] for k in HELLO_KEYS}
 
     def _restore(self, payload: dict, digest: str) -> None:
-        if payload.get("layout") != digest:
-            made_by = payload.get("servers")
-            if isinstance(made_by, int) and made_by != self.cfg.servers:  # the likeliest cause: say it
-                raise MismatchError(
-                    f"{self.name}: the checkpoint in {self.cfg.shard_dir} was made by {made_by} servers, this job has "
-                    f"{self.cfg.servers}: resume with {made_by} servers (`ringtrain train --servers {made_by}`, or "
-                    f"servers={made_by} in a script), or start a new "
-                    "checkpoint directory")
-            raise MismatchError(f"{self.name}: the checkpoint in {self.cfg.shard_dir} is of another model layout")
-        made_by = payload.get("strategy")  # (None: saved before the strategy was recorded)
-        if made_by is not None and (made_by == "async") != (self.cfg.strategy == "async"):
-            kind = "an asynchronous" if made_by == "async" else "a synchronous"
-            raise MismatchError(
-                f"{self.name}: the checkpoint in {self.cfg.shard_dir} was made by {kind} job (strategy "
-                f"{made_by!r}), this job's strategy is {self.cfg.strategy!r}: resume with strategy {made_by!r} "
-                "or start a new checkpoint directory")
-        made_with, W = len(payload["clocks"]), self.cfg.workers
-        if made_with != W:
-            raise MismatchError(
-                f"{self.name}: the checkpoint in {self.cfg.shard_dir} was made with {made_with} "
-                f"worker{'s' * (made_with != 1)}, this job has {W}: resume with {made_with} "
-                f"worker{'s' * (made_with != 1)} (--workers {made_with}) or start a new checkpoint directory")
+        shard_resume.check_resumable(payload, digest, self.cfg, self.name)
         self.params.copy_(payload["params"])
         if payload.get("momentum") is not None:
             momentum = payload["momentum"]
@@ -892,47 +785,6 @@ class ParameterServer:
 def _tell_all(channels: list, error: CommError) -> None:
     for ch in channels:
         ch.send_abort(error)
-
-
-def check_hello(hello: dict, who: str) -> dict:
-    """A HELLO's fields, checked (types, finite, in range) and normalized; ProtocolError naming the
-    first bad one. (What the fields must agree with is _configure's business.)"""
-    def bad(key: str, why: str) -> ProtocolError:
-        return ProtocolError(f"{who} sent a HELLO whose {key!r} {why}, got {str(hello.get(key))[:80]}")
-
-    def integer(key: str, low: int, high: int, value=_NOTHING) -> int:
-        value = hello.get(key) if value is _NOTHING else value
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise bad(key, f"must be an integer in [{low}, {high}]")
-        return value
-
-    def number(key: str, positive: bool) -> float:
-        value = hello.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad(key, "must be a number")
-        try:
-            value = float(value)
-        except OverflowError:
-            value = math.inf
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise bad(key, f"must be finite and {'> 0' if positive else '>= 0'}")
-        return value
-
-    numels = hello.get("numels")
-    if not isinstance(numels, list) or len(numels) > MAX_PARAMETERS:
-        raise bad("numels", f"must be a list of at most {MAX_PARAMETERS} parameter sizes")
-    out = {"worker": integer("worker", 0, 1 << 31),
-           "numels": [integer("numels", 0, MAX_NUMEL, n) for n in numels],
-           "partition_bytes": integer("partition_bytes", ITEMSIZE, MAX_NUMEL),
-           "lr": number("lr", positive=True),
-           "momentum": number("momentum", positive=False),
-           "weight_decay": number("weight_decay", positive=False)}
-    for key, allowed in (("strategy", STRATEGIES), ("digest", None)):
-        value = hello.get(key)
-        if not isinstance(value, str) or (allowed is not None and value not in allowed):
-            raise bad(key, f"must be {'one of ' + str(allowed) if allowed else 'a string'}")
-        out[key] = value
-    return out
 
 
 def sum_in_order(grads: list[torch.Tensor]) -> torch.Tensor:

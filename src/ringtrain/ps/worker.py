@@ -56,7 +56,7 @@ from .. import plan as planner
 from ..collectives.ops import check_cpu_module
 from ..errors import CommError, CommTimeout, PeerLost, ProtocolError
 from . import protocol as P
-from .server import STRATEGIES
+from .server_config import STRATEGIES
 from .sharding import make_layout
 
 log = logging.getLogger(__name__)
