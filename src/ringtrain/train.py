@@ -56,8 +56,8 @@ class TrainConfig:
     """Reference model."""
     steps: int = 100
     """Optimizer steps in total (a resumed run continues to this count). 100: enough for the
-    optimal schedule's trial of plans to finish on 2 workers (about 70 steps) and the summary to
-    measure the plan it kept, in about 25 s."""
+    optimal schedule's trial of plans to finish on 2 workers (18 to 93 steps; 38 in a run here)
+    and the summary to measure the plan it kept, in about 25 s."""
     batch_size: int = 0
     """Per-worker batch; 0 = the model's default."""
     lr: float = 0.05
@@ -85,7 +85,7 @@ class TrainConfig:
     timeline: str = ""
     """Write a Chrome trace of compute and communication to this path (one file per rank, <stem>.rank<r><suffix>).
     It holds the first 10 steps run under the settled plan: after 3 steps that time backward and, with --schedule
-    optimal on several workers, the trial of plans (up to some 70 steps); a run that ends sooner writes no step and
+    optimal on several workers, the trial of plans (up to 93 steps); a run that ends sooner writes no step and
     says so."""
     timeout: float = 120.0
     """Seconds any communication may wait before it fails. Rank 0 writes checkpoints on a background thread while
