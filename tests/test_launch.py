@@ -4,6 +4,7 @@ command prints around torchrun."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -100,6 +101,39 @@ def test_the_rank_that_failed_is_named_first_and_its_exit_code_returned(tmp_path
                      "ringtrain launch: rank 0 failed (killed by SIGTERM)"], proc.stderr
     # Neither torchrun's banner nor its own log line of the failure: the lines above say it.
     assert "OMP_NUM_THREADS" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_scripts_exception_is_named_in_its_line_without_record(tmp_path):
+    """A script that raised ValueError('bad') on rank 1 after ringtrain.init() was only "rank 1 failed
+    (exit code 1)": torchrun's error file is written by @record alone, which user scripts lack. init()
+    now writes it; and rank 0's PeerLost, raised a moment later in the same second, is named after it."""
+    script = tmp_path / "bad.py"
+    script.write_text("import ringtrain\n"
+                      "comm = ringtrain.init(timeout=30)\n"
+                      "comm.barrier()\n"
+                      "def helper():\n"
+                      "    raise ValueError('bad')\n"
+                      "if comm.rank == 1:\n"
+                      "    helper()\n"
+                      "comm.barrier()\n")
+    proc = run_cli(["launch", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)], tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ringtrain launch: ")]
+    assert proc.returncode == 1, proc.stderr
+    assert lines[0] == "ringtrain launch: rank 1 failed (exit code 1): ValueError: bad [bad.py:5 in helper]", proc.stderr
+    assert len(lines) == 2 and lines[1].startswith("ringtrain launch: rank 0 failed ("), proc.stderr
+    assert "ValueError: bad" in proc.stderr.split("ringtrain launch: ")[0], proc.stderr  # its traceback as before
+
+
+def test_error_files_written_by_init_order_ranks_within_a_second():
+    same = 1_700_000_000
+    first = {"message": "ValueError: bad", "extraInfo": {"timestamp": str(same), "ringtrain_time": f"{same}.25"}}
+    later = {"message": "PeerLost: rank 0: rank 1 died", "extraInfo": {"timestamp": str(same), "ringtrain_time": f"{same}.5"}}
+    failures = {0: Failure(1, same, later), 1: Failure(1, same, first)}
+    assert [r for r, _ in sorted(failures.items(), key=lambda item: launch._failure_order(*item))] == [1, 0]
+    # written by @record (no ringtrain_time): by rank, as before
+    failures = {0: Failure(1, same, {"message": "x"}), 1: Failure(1, same, {"message": "y"})}
+    assert [r for r, _ in sorted(failures.items(), key=lambda item: launch._failure_order(*item))] == [0, 1]
 
 
 @pytest.mark.parametrize("value", ["0", "nan", "-5"])
@@ -378,3 +412,25 @@ def test_nodes_started_with_different_nnodes_end_with_a_mismatch_naming_the_opti
             assert "MismatchError" in err and "different --nnodes (rank 0: 2; rank 1: 3)" in err, err
     finally:
         kill_nodes(procs)
+
+
+def test_init_records_an_uncaught_exception_once_and_prints_it_as_before(tmp_path, monkeypatch):
+    from ringtrain import errorfile
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda *info: printed.append(info[1]))
+    monkeypatch.delenv(errorfile.ERROR_FILE_ENV, raising=False)
+    assert errorfile.record_uncaught() is False  # not under a launcher: nothing installed
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, str(path))
+    assert errorfile.record_uncaught() and errorfile.record_uncaught()  # (a second init(): one hook)
+    sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert not path.exists()  # Ctrl-C is not the rank's error (as with @record)
+    try:
+        raise ValueError("bad")
+    except ValueError as exc:
+        error = exc
+    sys.excepthook(ValueError, error, error.__traceback__)
+    assert printed == [printed[0], error] and len(printed) == 2
+    failure = Failure(1, 0, json.loads(path.read_text())["message"])
+    assert launch.describe_failure(1, failure).startswith("rank 1 failed (exit code 1): ValueError: bad [test_launch.py:")

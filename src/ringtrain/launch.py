@@ -16,7 +16,9 @@ memory: a node is a hostname and --node-rank (or RINGTRAIN_HOST_ID where set), s
 share a hostname are still told apart.
 
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
-failed (exit code N)``, the rank that failed first before those torchrun stopped after it;
+failed (exit code N): ValueError: bad [train.py:12 in step]``, the rank that failed first before
+those torchrun stopped after it (the exception and the line that raised it are written by the rank
+once it has called ``ringtrain.init()``, see errorfile.py; the script needs no ``@record``);
 torchrun's own errors (a --master-port in use) are one line too, and so is Ctrl-C once the
 ranks have stopped (torchrun passes SIGINT on to every rank; exit status 130; what the ranks
 print on it is the script's own).
@@ -311,10 +313,15 @@ def _failure_order(rank: int, failure) -> tuple:
     """Who failed first: a rank that ended by itself before one torchrun stopped (SIGTERM, nothing
     recorded) after it; then by time (torch's are whole seconds); in the same second a rank killed by
     a signal torchrun does not send (kill -9, the OOM killer, a crash) before the ranks that saw it
-    go (their PeerLost, recorded before torchrun's SIGTERM); then by rank."""
+    go (their PeerLost, recorded before torchrun's SIGTERM); then, where ringtrain.init() wrote the
+    error files, by their time to the microsecond (a script's ValueError before the PeerLost of its
+    peers in the same second); then by rank."""
+    from .errorfile import recorded_time
+
     stopped = failure.exitcode == -signal.SIGTERM and not isinstance(failure.message, dict)
     killed = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
-    return stopped, failure.timestamp, not killed, rank
+    fine = recorded_time(failure.message)
+    return stopped, failure.timestamp, not killed, math.inf if fine is None else fine, rank
 
 
 def _exit_status(exitcode: int) -> int:

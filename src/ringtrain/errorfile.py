@@ -1,0 +1,71 @@
+"""A rank's uncaught exception, written to the error file torch's launcher reads.
+
+torchrun (and so ``ringtrain launch``) hands each rank a file for its exception
+(TORCHELASTIC_ERROR_FILE), but a rank writes it only through torch's ``@record`` decorator on its
+main, which user scripts rarely have. Without it a failed rank was only "rank 1 failed (exit code
+1)", and its exception was somewhere in the ranks' interleaved tracebacks above. ``ringtrain.init()``
+calls :func:`record_uncaught`: an uncaught exception of the main thread is then written there in
+@record's format (``launch.describe_failure`` prints its type, text and the frame that raised it)
+and then printed as before. Only an ``Exception``, as @record: Ctrl-C and ``sys.exit`` are not a
+rank's error.
+
+The file also holds the time to the microsecond (``ringtrain_time``): torch's own timestamp is in
+whole seconds, so a rank's ValueError and the PeerLost its peers raise a moment later fell in one
+second and the lower rank was named first (``launch._failure_order`` reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""Where torchrun tells each rank to write its exception (set by torchrun for every worker)."""
+
+
+def record_uncaught() -> bool:
+    """Write the main thread's uncaught exception to this rank's error file before it is printed;
+    True where the launcher gave one (under torchrun), False elsewhere (nothing changes then).
+    Calling it again (a second ``init()``) installs nothing more."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return False
+    previous = sys.excepthook
+    if getattr(previous, "_ringtrain_error_file", None) == path:
+        return True
+
+    def hook(kind, value, tb):
+        if isinstance(value, Exception):
+            try:
+                write(path, value, tb)
+            except Exception:  # (a full disk, a removed directory): the traceback below still says it
+                pass
+        previous(kind, value, tb)
+
+    hook._ringtrain_error_file = path  # type: ignore[attr-defined]
+    sys.excepthook = hook
+    return True
+
+
+def write(path: str, error: BaseException, tb=None) -> None:
+    """``error`` in the file at ``path``, as torch's ErrorHandler.record_exception writes it."""
+    now = time.time()
+    data = {"message": {"message": f"{type(error).__name__}: {error}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(error), error, tb)),
+                                      "timestamp": str(int(now)), "ringtrain_time": repr(now)}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def recorded_time(message) -> float | None:
+    """The time (seconds since the epoch, to the microsecond) a rank recorded its error file,
+    from a torchrun failure's ``message``; None where it was written otherwise (by @record)."""
+    if not isinstance(message, dict):
+        return None
+    try:
+        return float(message["extraInfo"]["ringtrain_time"])
+    except (KeyError, TypeError, ValueError):
+        return None
