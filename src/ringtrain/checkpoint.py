@@ -427,4 +427,6 @@ def restore_training_state(payload: dict[str, Any], model: torch.nn.Module,
 
 # --- written in the background (checkpoint_writer: a save that does not hold up the other ranks) ---------
 
-from .checkpoint_writer import CheckpointWriter, snapshot  # noqa: E402  (checkpoint_writer imports this module lazily)
+from . import checkpoint_writer as _writer  # noqa: E402  (checkpoint_writer imports this module lazily)
+
+CheckpointWriter, snapshot = _writer.CheckpointWriter, _writer.snapshot
