@@ -14,6 +14,7 @@ import os
 import queue
 import socket
 import tempfile
+import threading
 import time
 import traceback
 
@@ -84,3 +85,23 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, allow_missing: 
             except OSError:
                 pass
     return [out.get(r) for r in range(world_size)]
+
+
+HTTP_REPLY = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
+
+
+def answer_like_http(listener: socket.socket) -> None:
+    """Answer every connection to ``listener`` (listening) as an HTTP server answers bytes it
+    does not understand, on a daemon thread, until the listener is closed: a service that holds
+    the port but is no rendezvous store."""
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(HTTP_REPLY)
+
+    threading.Thread(target=serve, daemon=True).start()

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from mp_harness import RankError, run_ranks
+from mp_harness import RankError, answer_like_http, run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
 
@@ -259,26 +259,15 @@ def test_a_port_that_answers_as_something_else_is_a_rendezvous_error_at_once_and
     # (a C++ stack on stderr per try), was abandoned on its thread, and the process then died of
     # SIGABRT at exit in 3 of 6 runs ("terminate called without an active exception").
     import socket
-    import threading
 
     with _silent_listener() as s:
-        def answer_like_http():
-            while True:
-                try:
-                    conn, _ = s.accept()
-                except OSError:
-                    return
-                with conn:
-                    conn.recv(64)
-                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-
-        threading.Thread(target=answer_like_http, daemon=True).start()
+        answer_like_http(s)
         for _ in range(4):  # (_init_in_subprocess asserts exit status 0 each time)
             name, seconds, message, stderr = _init_in_subprocess(1, s.getsockname()[1], 5.0)
             assert name == "RendezvousError", message  # waiting would not help
             assert "something else answers there (b'HTTP/1.1')" in message and "MASTER_PORT" in message, message
             assert "frame #" not in stderr and "TCPStore" not in stderr, stderr
-            assert seconds < 1.0, seconds
+            assert seconds < 2.5, seconds  # (at once, not at the 5 s deadline)
         s.shutdown(socket.SHUT_RDWR)
 
 

@@ -10,12 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from mp_harness import answer_like_http
 from ringtrain import cli, launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -291,17 +291,7 @@ def test_a_node_whose_master_port_is_another_service_ends_within_the_join_timeou
         listener.bind((address, 0))
         listener.listen(8)
         if service == "http":
-            def answer():
-                while True:
-                    try:
-                        conn, _ = listener.accept()
-                    except OSError:
-                        return
-                    with conn:
-                        conn.recv(64)
-                        conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-
-            threading.Thread(target=answer, daemon=True).start()
+            answer_like_http(listener)
         t0 = time.monotonic()
         proc = run_cli(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", address, "--master-port",
                         str(listener.getsockname()[1]), "--join-timeout", "2", "--secret-file", str(secret),

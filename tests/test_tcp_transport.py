@@ -715,7 +715,7 @@ def test_silent_strangers_do_not_hold_back_a_genuine_peer(kind):
         for s in strangers:
             s.close()
     assert "error" not in res and set(res["socks"]) == {1}, res
-    assert took < 1.0, took
+    assert took < 1.8, took  # (one at a time, the first stranger alone held it 2 s)
     assert lt.listener.refused == 8  # (dropped when set-up ended: none of them was admitted)
 
 
@@ -737,7 +737,7 @@ def test_stalled_handshakes_are_dropped_at_their_own_deadlines_side_by_side():
     for s in stalled:
         assert read_until_closed(s)[wire.HELLO_SIZE + wire.MAC_SIZE:] == b""  # no ACK, closed
         s.close()
-    assert lt.listener.refused == 6 and took < 1.0, (lt.listener.refused, took)
+    assert lt.listener.refused == 6 and took < 2.0, (lt.listener.refused, took)  # (one after another: 3 s)
     assert lt.thread.is_alive()  # still waiting for rank 1
     lt.legit().close()
     res = lt.finish()
@@ -758,7 +758,7 @@ def test_a_flood_of_silent_strangers_past_the_cap_drops_the_oldest_not_the_genui
     finally:
         for s in strangers:
             s.close()
-    assert set(res["socks"]) == {1} and took < 1.0, (res, took)
+    assert set(res["socks"]) == {1} and took < 5.0, (res, took)  # (behind the strangers: 10 s or more)
     assert lt.listener.refused == 20
 
 
