@@ -51,6 +51,19 @@ def steps_in(directory) -> list[int]:
     return [step for step, _ in checkpoint.list_checkpoints(directory)]
 
 
+def test_a_payload_given_as_copied_is_written_as_it_is_and_any_other_is_copied(tmp_path, monkeypatch):
+    """``copied=True`` (a parameter server's shard, cloned under its lock): the write gets the
+    caller's tensors themselves, not a second copy; without it, tensors of their own."""
+    written = []
+    monkeypatch.setattr(checkpoint, "atomic_save", lambda obj, path: written.append(obj["payload"]["params"]))
+    given = torch.arange(6.0)
+    with checkpoint.CheckpointWriter(tmp_path) as writer:
+        writer.save(1, {"params": given}, copied=True)
+        writer.save(2, {"params": given})
+    assert written[0] is given
+    assert written[1] is not given and written[1].data_ptr() != given.data_ptr() and torch.equal(written[1], given)
+
+
 def test_the_checkpoint_is_the_state_at_the_call_not_after_the_next_step(tmp_path, monkeypatch):
     disk = Disk(monkeypatch)
     model = torch.nn.Linear(4, 3)

@@ -92,17 +92,19 @@ class CheckpointWriter:
         """The steps whose writes are in flight or queued, oldest first ([]: none)."""
         return [step for step, thread in self._writes if thread.is_alive()]
 
-    def save(self, step: int, payload: dict[str, Any], *, wait: bool = True) -> None:
+    def save(self, step: int, payload: dict[str, Any], *, wait: bool = True, copied: bool = False) -> None:
         """Copy ``payload`` now and write it as the checkpoint of ``step`` on a thread of its own.
         Waits for the write before it first (``wait=False``: queues behind it) and raises the
-        error of an earlier write (this one is then not written)."""
+        error of an earlier write (this one is then not written). ``copied``: the payload's
+        tensors are already copies the caller gives away (a parameter server's shard, copied
+        under its lock): written as they are, not copied a second time."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if not isinstance(payload, dict):
             raise ValueError(f"payload must be a dict, got {type(payload).__name__}")
         self._join(keep=0 if wait else 1)
         self._raise_error()
-        copy = snapshot(payload)
+        copy = payload if copied else snapshot(payload)
         before = self._writes[-1][1] if self._writes else None
         # Not a daemon: an interpreter that exits normally waits for the file to be whole.
         thread = threading.Thread(target=self._write, args=(step, copy, before), name=f"checkpoint-writer-{step}")

@@ -746,7 +746,8 @@ class ParameterServer:
                 "staleness": {str(k): v for k, v in self.staleness.items()},
             }
         try:
-            self._writer.save(step, payload, wait=not background)  # (copied: the write needs no lock)
+            # (_state_at/_state_now copied the shard under the lock: the write needs no lock, nor another copy)
+            self._writer.save(step, payload, wait=not background, copied=True)
             if not background:
                 self._writer.wait()
         except OSError as exc:
