@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 from .collectives.ops import FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view, mark_written, reducer
 from .errors import CommError, CommTimeout, PeerLost
 from .transport.base import CallHeader, Transport, shape_digest
+from .transport.ctrl_c import Breaker
 
 ALGORITHMS = ("ring", "naive", "central", "halving_doubling", "hierarchical", "native", "auto")
 AUTO_SMALL_BYTES = 64 * 1024
@@ -291,9 +292,13 @@ class Communicator:
                "max": dist.ReduceOp.MAX, "prod": dist.ReduceOp.PRODUCT}[op]
         opts = dist.AllreduceOptions()
         opts.reduceOp = red
+        breaker = getattr(self._native_factory, "breaker", None) or Breaker()  # Ctrl-C ends the wait
         try:
-            self._native_group.allreduce([tensor], opts).wait()
+            with breaker.waiting():
+                self._native_group.allreduce([tensor], opts).wait()
         except RuntimeError as exc:  # gloo's and the store's errors (DistError is one)
+            if breaker.broken:
+                raise CommError(f"rank {self.rank}: interrupted (Ctrl-C) in gloo during {header.describe()}") from exc
             text = str(exc)
             kind = CommTimeout if "timeout" in text.lower() or "timed out" in text.lower() else PeerLost
             raise kind(f"rank {self.rank}: gloo failed during {header.describe()}: {text}") from exc

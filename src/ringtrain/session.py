@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import secrets
 from datetime import timedelta
+from functools import partial
 from typing import Optional
 
 import torch.distributed as dist
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from . import rendezvous
 from .comm import Communicator, check_timeout
 from .errors import AuthError, CommError, CommTimeout, MismatchError, ranks_by_value
-from .transport import TRANSPORTS, make_transport
+from .transport import TRANSPORTS, ctrl_c, make_transport
 
 
 def _proof(secret: Optional[bytes], job: str, rank: int) -> str:
@@ -128,19 +129,25 @@ class _GlooGroup:
     def __init__(self, store, rank: int, world_size: int, timeout: float):
         self._args = (store, rank, world_size, timedelta(seconds=timeout))
         self._group = None
+        self.breaker = ctrl_c.Breaker()
 
     def __call__(self):
         if self._group is None:
             store, rank, world_size, timeout = self._args
             if dist.is_initialized():
-                self._group = dist.new_group(backend="gloo", timeout=timeout)
+                make = partial(dist.new_group, backend="gloo", timeout=timeout)
             else:
-                self._group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+                make = partial(dist.ProcessGroupGloo, dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+            self._group, sockets = ctrl_c.made_sockets(make)
+            self.breaker = ctrl_c.Breaker(sockets)  # Ctrl-C ends a wait in it (see transport.ctrl_c)
+            ctrl_c.watch(self.breaker)
         return self._group
 
     def close(self) -> None:
         group, self._group = self._group, None
         self._args = None
+        ctrl_c.unwatch(self.breaker)
+        self.breaker = ctrl_c.Breaker()
         if group is not None and dist.is_initialized():
             try:  # a group made by new_group is registered with torch.distributed: unregister it
                 dist.destroy_process_group(group)

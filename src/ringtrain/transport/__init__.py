@@ -75,4 +75,5 @@ def make_transport(
         )
     from .torchdist import TorchTransport
 
-    return TorchTransport(rank, world_size, process_group_factory(), timeout=timeout)
+    group = process_group_factory()
+    return TorchTransport(rank, world_size, group, timeout=timeout, breaker=getattr(process_group_factory, "breaker", None))

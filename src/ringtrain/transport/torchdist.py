@@ -30,6 +30,7 @@ import torch
 
 from ..errors import ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, abort_payload
 from .base import CallHeader, Recv, Send, Transport
+from .ctrl_c import Breaker
 
 _LEN = struct.Struct("<Q")
 _PROLOGUE = CallHeader.SIZE + _LEN.size
@@ -47,8 +48,9 @@ def _bytes_tensor(arr: np.ndarray) -> torch.Tensor:
 class TorchTransport(Transport):
     name = "torch"
 
-    def __init__(self, rank: int, world_size: int, group, *, timeout: float):
+    def __init__(self, rank: int, world_size: int, group, *, timeout: float, breaker=None):
         self.rank = rank
+        self._breaker = breaker if breaker is not None else Breaker()  # Ctrl-C ends a wait (transport.ctrl_c)
         self.world_size = world_size
         self.group = group
         self.timeout = timeout
@@ -64,8 +66,12 @@ class TorchTransport(Transport):
         if left <= 0:
             raise CommTimeout(f"rank {self.rank}: deadline passed before {what} rank {peer} during {header.describe()}")
         try:
-            ok = work.wait(timedelta(seconds=left))
+            with self._breaker.waiting():
+                ok = work.wait(timedelta(seconds=left))
         except RuntimeError as exc:
+            if self._breaker.broken:
+                raise CommError(f"rank {self.rank}: interrupted (Ctrl-C) while {what} rank {peer} during "
+                                f"{header.describe()}") from exc
             text = str(exc)
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise CommTimeout(f"rank {self.rank}: {what} rank {peer} timed out during {header.describe()}") from exc
