@@ -358,8 +358,9 @@ def test_sigterm_during_a_background_checkpoint_write_takes_effect_once_the_writ
 
     before = signal.signal(signal.SIGTERM, handler)
     try:
-        writer = checkpoint.CheckpointWriter(tmp_path)
-        with train._sigterm_finishes_write(writer):
+        ckpt = train._Checkpoints(train.TrainConfig(checkpoint_dir=str(tmp_path)), 0, lambda step: {})
+        writer = ckpt.writer
+        with ckpt:
             writer.save(4, {"x": torch.ones(2)})
             threading.Timer(0.3, disk.open).start()
             os.kill(os.getpid(), signal.SIGTERM)

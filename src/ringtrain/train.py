@@ -449,94 +449,108 @@ def _interrupts_held():
             raise KeyboardInterrupt
 
 
-def _checkpoint_writer(cfg: TrainConfig, rank: int):
-    """Rank 0's CheckpointWriter (None on the other ranks, or without checkpoints).
+class _Checkpoints:
+    """Rank 0's checkpoints, written in the background: ``with _Checkpoints(cfg, rank, state_at) as
+    ckpt`` around the training, ``ckpt.save`` for _loop, ``ckpt.finish()`` at the end. No writer
+    (all of it a no-op) on the other ranks, or without --checkpoint-every.
 
     In the background rather than a save in the loop or a barrier with a deadline long enough for
     it: the other ranks wait for rank 0 in the next step's communication, and a write longer than
     --timeout (a big model, a slow or network disk) failed the run as a CommTimeout naming rank 0;
     no deadline fits a write of unknown length, and a barrier would stall every rank for the disk.
-    Rank 0 copies the state at the step (model, optimizer, data position, RNG) and trains on."""
-    if rank != 0 or not cfg.checkpoint_every:
-        return None
-    from .checkpoint import CheckpointWriter
+    Rank 0 copies the state at the step (model, optimizer, data position, RNG) and trains on.
 
-    # Checkpoints of later steps are damaged ones (a ring run resumes from the newest whole
-    # one), named once by the parent: no warning about them at every save.
-    return CheckpointWriter(cfg.checkpoint_dir, warn_later=cfg.strategy != "ring")
+    The write in flight outlasts the save call; it is waited for here, in one of three ways:
 
+    - the run's end (:meth:`finish`, after the job's last communication, so that no other rank
+      waits for the disk): Ctrl-C and SIGTERM held, as a save held them; its error (a full disk)
+      fails the run;
+    - Ctrl-C (_loop's _Interrupted leaving the block) or SIGTERM (torchrun stopping the job): the
+      process ends next and would cut the write off, losing that checkpoint: it ends first, Ctrl-C
+      and SIGTERM held, its error said, not raised (the run is on its way out for another
+      reason); then SIGTERM goes to the handler the process had;
+    - any other exception: the CheckpointWriter's own exit, which waits and logs the write's
+      error rather than hiding the exception with it.
 
-def _saver(cfg: TrainConfig, writer, state_at):
-    """``save(step, last)`` for _loop: ``state_at(step)`` copied now and written by ``writer`` in
-    the background, the last one queued behind the write in flight. A save that must wait for
-    the write before it (a disk slower than --checkpoint-every steps) says so first, once: the
-    other workers wait for rank 0 meanwhile, and fail the run after --timeout."""
-    said = []
+    ``before_save``: called first at every save (a parameter-server job's servers save their shards)."""
 
-    def save(step: int, last: bool) -> None:
-        behind = writer.writing
-        if behind and not last and not said:
-            said.append(step)
+    def __init__(self, cfg: TrainConfig, rank: int, state_at, before_save=None):
+        self.cfg, self.state_at, self.before_save = cfg, state_at, before_save
+        self.writer = None
+        self._said = False
+        self._sigterm_before = None
+        if rank == 0 and cfg.checkpoint_every:
+            from .checkpoint import CheckpointWriter
+
+            # Checkpoints of later steps are damaged ones (a ring run resumes from the newest whole
+            # one), named once by the parent: no warning about them at every save.
+            self.writer = CheckpointWriter(cfg.checkpoint_dir, warn_later=cfg.strategy != "ring")
+
+    def save(self, step: int, last: bool) -> None:
+        """``state_at(step)`` copied now and written in the background, the last one queued behind
+        the write in flight. A save that must wait for the write before it (a disk slower than
+        --checkpoint-every steps) says so first, once: the other workers wait for rank 0
+        meanwhile, and fail the run after --timeout."""
+        if self.writer is None:
+            return
+        if self.before_save is not None:
+            self.before_save()
+        behind = self.writer.writing
+        if behind and not last and not self._said:
+            self._said = True
+            cfg = self.cfg
             print(f"note: the checkpoint of step {behind[0]} is still being written at step {step}: rank 0 waits for "
                   f"it before it saves again, and the other workers wait for rank 0 (up to --timeout "
                   f"{cfg.timeout:g} s); the disk is slower than --checkpoint-every {cfg.checkpoint_every} steps: save "
                   "less often, or give a longer --timeout", file=sys.stderr)
-        writer.save(step, state_at(step), wait=not last)
+        self.writer.save(step, self.state_at(step), wait=not last)
 
-    return save
+    def finish(self) -> None:
+        """The end of a run: wait for the last checkpoint's write, Ctrl-C and SIGTERM held; its
+        error fails the run."""
+        if self.writer is not None:
+            with _interrupts_held():
+                self.writer.wait()
 
+    def _finish_on_the_way_out(self) -> None:
+        """Ctrl-C or SIGTERM: wait for the write in flight, Ctrl-C and SIGTERM held; its error said."""
+        with contextlib.suppress(KeyboardInterrupt), _interrupts_held():
+            try:
+                self.writer.wait()
+            except Exception as exc:
+                print(f"ringtrain train: a checkpoint was not written: {exc}", file=sys.stderr)
 
-def _finish_write(writer) -> None:
-    """Wait for the checkpoint write in flight, Ctrl-C and SIGTERM held (the process ends next, at
-    once, and would cut it off: the checkpoint before it stays whole, but this one is lost). Its
-    error is said, not raised: the caller is on its way out for another reason."""
-    if writer is None:
-        return
-    with contextlib.suppress(KeyboardInterrupt), _interrupts_held():
-        try:
-            writer.wait()
-        except Exception as exc:
-            print(f"ringtrain train: a checkpoint was not written: {exc}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _sigterm_finishes_write(writer):
-    """SIGTERM (torchrun stopping the job: a scheduler, or another rank that failed) while rank 0
-    writes a checkpoint in the background: the write ends first (_finish_write), then the signal
-    goes to the handler the process had. A save in the loop held SIGTERM the same way
-    (_interrupts_held); the write now outlasts the save call."""
-    if writer is None:
-        yield
-        return
-    before = signal.getsignal(signal.SIGTERM)
-
-    def finish_then_terminate(signum, frame):
-        signal.signal(signal.SIGTERM, before)
-        _finish_write(writer)
+    def _finish_then_terminate(self, signum, frame) -> None:
+        signal.signal(signal.SIGTERM, self._sigterm_before)
+        self._finish_on_the_way_out()
         signal.raise_signal(signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, finish_then_terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    def __enter__(self) -> _Checkpoints:
+        if self.writer is not None:
+            self._sigterm_before = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._finish_then_terminate)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.writer is None:
+            return
+        try:
+            if exc_type is None:
+                self.finish()
+            elif issubclass(exc_type, _Interrupted):
+                self._finish_on_the_way_out()
+            else:
+                self.writer.__exit__(exc_type, exc, tb)
+        finally:
+            signal.signal(signal.SIGTERM, self._sigterm_before)
 
 
-def _wait_for_last_write(writer) -> None:
-    """The end of a run: wait for the last checkpoint's write (Ctrl-C and SIGTERM held, as a save
-    held them), after the job's last communication so that no other rank waits for the disk;
-    its error (a full disk) fails the run."""
-    if writer is not None:
-        with _interrupts_held():
-            writer.wait()
-
-
-def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str, writer=None):
+def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
     """Steps ``start`` .. cfg.steps: ``step_fn(x, y) -> loss`` on each batch, a progress bar and
     ``save(step, last)`` every cfg.checkpoint_every steps and after the last on rank 0 (``last``:
     the save of the last step, whose write the caller waits for once the job's last communication
     is done, so that no rank waits for the disk). Returns step times and losses; Ctrl-C raises
-    _Interrupted with the steps done, once the checkpoint writes in flight (``writer``'s) are done."""
+    _Interrupted with the steps done (the caller's _Checkpoints then waits for the write in flight)."""
     bar = None
     if rank == 0 and cfg.progress and start < cfg.steps:
         from tqdm import tqdm
@@ -562,7 +576,6 @@ def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save
             with _interrupts_held():
                 save(cfg.steps, True)  # the last step too, so that the same command run again has nothing to do
     except KeyboardInterrupt:
-        _finish_write(writer)
         raise _Interrupted(done, rank) from None
     finally:
         if bar is not None:
@@ -624,11 +637,8 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         ran.append((plan, settled, ddp.last_stats))
         return loss
 
-    writer = _checkpoint_writer(cfg, rank)
-    save = _saver(cfg, writer, lambda step: _training_state(cfg, step, model, opt, loader))
-
-    with _sigterm_finishes_write(writer), writer or contextlib.nullcontext():
-        times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} x{p}", writer)
+    with _Checkpoints(cfg, rank, lambda step: _training_state(cfg, step, model, opt, loader)) as ckpt:
+        times, losses = _loop(cfg, rank, p, start, loader, step_fn, ckpt.save, f"{cfg.model} x{p}")
         if rank == 0 and cfg.timeline and ran and not any(settled for _, settled, _ in ran):
             print(f"warning: --timeline {ddp.timeline_path}: no step traced: the trace starts at the first step run "
                   f"under the settled plan (see --help), and this run's {len(ran)} steps ended before it; run more "
@@ -644,7 +654,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
             summary["communication"] = _communication(ddp, ran)
         ddp.close()
         comm.close()
-        _wait_for_last_write(writer)
+        ckpt.finish()
     if rank == 0:
         _report(summary, json_summary)
     return 0
@@ -684,18 +694,13 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         pst.step()
         return loss
 
-    writer = _checkpoint_writer(cfg, rank)
-    save_state = _saver(cfg, writer, lambda step: _training_state(cfg, step, model, None, loader))
-
-    def save(step, last):
-        pst.save_checkpoint(background=True)  # every server copies its shard at this step and writes it
-        save_state(step, last)
-
-    with _sigterm_finishes_write(writer), writer or contextlib.nullcontext():
-        times, losses = _loop(cfg, rank, p, start, loader, step_fn, save, f"{cfg.model} {cfg.strategy} x{p}", writer)
+    # (every server copies its shard at the step and writes it, then rank 0 its own state)
+    with _Checkpoints(cfg, rank, lambda step: _training_state(cfg, step, model, None, loader),
+                      before_save=partial(pst.save_checkpoint, background=True)) as ckpt:
+        times, losses = _loop(cfg, rank, p, start, loader, step_fn, ckpt.save, f"{cfg.model} {cfg.strategy} x{p}")
         pst.wait()
         stats = pst.close()
-        _wait_for_last_write(writer)
+        ckpt.finish()
     one_rate = max(one_rate, one_worker_rate())
     summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate, start)
     summary["parameter_servers"] = stats
