@@ -223,7 +223,7 @@ def load(path: str | Path) -> Trace:
     path = Path(path)
     fmt = _format(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # (a BOM, as Excel's "CSV UTF-8" writes, is not text)
     except OSError as e:
         raise ValueError(f"cannot read trace file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:

@@ -1,0 +1,32 @@
+"""Review of `ringtrain simulate` / `ringtrain plan` inputs: files and options a user gets wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ringtrain.sim.traces import load
+
+pytestmark = pytest.mark.timeout(60)
+
+CSV = "# model: m\n# batch_size: 4\nname,forward_s,backward_s,grad_bytes,params\na,0.1,0.2,100,25\nb,0.1,0.3,40,10\n"
+DOC = {"model": "m", "batch_size": 4, "layers": [
+    {"name": "a", "forward_s": 0.1, "backward_s": 0.2, "grad_bytes": 100, "params": 25},
+    {"name": "b", "forward_s": 0.1, "backward_s": 0.3, "grad_bytes": 40, "params": 10}]}
+
+
+def test_a_trace_file_with_a_byte_order_mark_loads(tmp_path):
+    # Excel's "CSV UTF-8" (and Notepad) start the file with a BOM, often with Windows line endings:
+    # the BOM made the first '# model:' line not a comment ("trace is missing the field 'model'"),
+    # and a JSON file with a BOM was "Unexpected UTF-8 BOM".
+    plain = load(_write(tmp_path / "plain.csv", CSV.encode()))
+    excel = load(_write(tmp_path / "excel.csv", b"\xef\xbb\xbf" + CSV.replace("\n", "\r\n").encode()))
+    assert excel == plain
+    as_json = load(_write(tmp_path / "bom.json", b"\xef\xbb\xbf" + json.dumps(DOC).encode()))
+    assert as_json == plain
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
