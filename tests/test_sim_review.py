@@ -27,6 +27,21 @@ def test_a_trace_file_with_a_byte_order_mark_loads(tmp_path):
     assert as_json == plain
 
 
+def test_a_csv_row_with_more_values_than_columns_is_refused(tmp_path):
+    # A row with a value too many (a stray comma in a name, a shifted row) was read with the extra
+    # value silently dropped; a row short of values is refused already.
+    long = CSV.replace("a,0.1,0.2,100,25", "a,0.1,0.2,100,25,7")
+    with pytest.raises(ValueError, match=r"layers\[0\] has 6 values for the 5 columns"):
+        load(_write(tmp_path / "long.csv", long.encode()))
+    # (a stray comma in a name shifted every value: "conv,1" read as name "conv", forward_s 1)
+    shifted = CSV.replace("a,0.1,0.2,100,25", "conv,1,0.1,0.2,100,25")
+    with pytest.raises(ValueError, match=r"layers\[0\] has 6 values"):
+        load(_write(tmp_path / "shifted.csv", shifted.encode()))
+    # a trailing comma (an empty value past the last column) is not a value
+    assert load(_write(tmp_path / "trailing.csv", CSV.replace("25\n", "25,\n").encode())) == load(
+        _write(tmp_path / "plain.csv", CSV.encode()))
+
+
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path

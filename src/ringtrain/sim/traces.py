@@ -207,7 +207,14 @@ def loads_csv(text: str) -> Trace:
                 meta[key.strip()] = value.strip()
         elif line.strip():
             body.append(line)
-    meta["layers"] = list(csv.DictReader(body))
+    reader = csv.DictReader(body)
+    meta["layers"] = list(reader)
+    for i, row in enumerate(meta["layers"]):
+        # DictReader keeps a row's values beyond the header under None (empty ones: a trailing comma)
+        if any(v.strip() for v in row.get(None, ())):
+            columns = len(reader.fieldnames or ())
+            raise ValueError(f"layers[{i}] has {columns + len(row[None])} values for the {columns} columns "
+                             f"of the header ({', '.join(reader.fieldnames or ())})")
     return Trace.from_dict(meta)
 
 
