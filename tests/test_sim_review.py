@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ringtrain.cli import main
 from ringtrain.sim.traces import load
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,6 +41,25 @@ def test_a_csv_row_with_more_values_than_columns_is_refused(tmp_path):
     # a trailing comma (an empty value past the last column) is not a value
     assert load(_write(tmp_path / "trailing.csv", CSV.replace("25\n", "25,\n").encode())) == load(
         _write(tmp_path / "plain.csv", CSV.encode()))
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--gpus", "4,8,4", "--gpus: 4 given twice"),
+    ("--schedules", "wfbp,optimal,wfbp", "--schedules: wfbp given twice"),
+    ("--algorithms", "ring,ring", "--algorithms: ring given twice"),
+])
+def test_simulate_refuses_a_value_given_twice(option, value, message, capsys):
+    # Each was accepted: --json and --csv then held every row twice (--gpus 4,4 --algorithms ring,ring
+    # --schedules optimal,optimal: 8 identical rows), the table a column twice.
+    argv = ["simulate", "--model", "lstm-ptb", "--cluster", "10GbE", "--gpus", "4", "--json", option, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"ringtrain simulate: {message}" in err
+
+
+def test_plan_refuses_a_method_given_twice(capsys):
+    assert main(["plan", "--model", "lstm-ptb", "--gpus", "4", "--methods", "optimal,optimal"]) == 2
+    assert "ringtrain plan: --methods: optimal given twice" in capsys.readouterr().err
 
 
 def _write(path, data: bytes):

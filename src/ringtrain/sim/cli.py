@@ -75,6 +75,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def split(value: str, option: str, accepted: Sequence[str] | None = None) -> list[str]:
+    """``value``'s comma-separated items; with ``accepted``, each one of those, at most once (a
+    schedule or algorithm given twice would repeat every row of --json and --csv)."""
     items = [v.strip() for v in value.split(",")]
     if not any(items):
         raise ValueError(f"{option}: needs at least one value")
@@ -84,7 +86,16 @@ def split(value: str, option: str, accepted: Sequence[str] | None = None) -> lis
         for v in items:
             if v not in accepted:
                 raise ValueError(f"{option}: unknown value {v!r}; choose from {', '.join(accepted)}")
+        _refuse_repeats(items, option)
     return items
+
+
+def _refuse_repeats(items: Sequence[Any], option: str) -> None:
+    seen: set[Any] = set()
+    for v in items:
+        if v in seen:
+            raise ValueError(f"{option}: {v} given twice")
+        seen.add(v)
 
 
 def parse_gpus(value: str) -> list[int]:
@@ -97,6 +108,7 @@ def parse_gpus(value: str) -> list[int]:
         if p < 1:
             raise ValueError(f"--gpus: GPU counts must be >= 1, got {p}")
         out.append(p)
+    _refuse_repeats(out, "--gpus")  # (each GPU count's rows would come twice)
     return out
 
 
