@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ringtrain.cli import main
+from ringtrain.sim import clusters
 from ringtrain.sim.traces import load
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,6 +61,12 @@ def test_simulate_refuses_a_value_given_twice(option, value, message, capsys):
 def test_plan_refuses_a_method_given_twice(capsys):
     assert main(["plan", "--model", "lstm-ptb", "--gpus", "4", "--methods", "optimal,optimal"]) == 2
     assert "ringtrain plan: --methods: optimal given twice" in capsys.readouterr().err
+
+
+def test_a_cluster_key_given_twice_is_refused():
+    # 'alpha=1e-5,beta=1e-9,alpha=2' ran with alpha=2 (the last one), silently.
+    with pytest.raises(ValueError, match="alpha given twice"):
+        clusters.custom("alpha=1e-5,beta=1e-9,alpha=2")
 
 
 def _write(path, data: bytes):

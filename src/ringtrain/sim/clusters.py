@@ -119,11 +119,15 @@ def custom(spec: str, gpus_per_node: int = 8) -> Cluster:
     intra_beta, servers, name``; ``gpus_per_node`` (``--gpus-per-node``) unless the spec gives it."""
     fields: dict[str, Any] = {"gpus_per_node": gpus_per_node}
     allowed = ("alpha", "beta", "gamma", "gpus_per_node", "nics_per_node", "servers", "intra_alpha", "intra_beta", "name")
+    given: set[str] = set()
     for part in spec.split(","):
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in allowed:
             raise ValueError(f"--cluster {spec!r}: expected key=value pairs with keys {', '.join(allowed)}")
+        if key in given:  # (the last one was used, silently)
+            raise ValueError(f"--cluster {spec!r}: {key} given twice")
+        given.add(key)
         counts = ("gpus_per_node", "nics_per_node", "servers")
         try:
             fields[key] = value.strip() if key == "name" else int(value) if key in counts else float(value)
