@@ -63,6 +63,13 @@ def test_plan_refuses_a_method_given_twice(capsys):
     assert "ringtrain plan: --methods: optimal given twice" in capsys.readouterr().err
 
 
+def test_plan_refuses_all_models_written_with_a_space(capsys):
+    # --model ' all' (a shell variable with a space) passed plan's "exactly one model" check and
+    # planned resnet50, the first of all the zoo models, without a word.
+    assert main(["plan", "--model", " all", "--gpus", "4"]) == 2
+    assert "ringtrain plan: --model: give exactly one" in capsys.readouterr().err
+
+
 def test_a_cluster_key_given_twice_is_refused():
     # 'alpha=1e-5,beta=1e-9,alpha=2' ran with alpha=2 (the last one), silently.
     with pytest.raises(ValueError, match="alpha given twice"):

@@ -40,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if not args.model or args.model.lower() == "all" or "," in args.model:
+        if not args.model or args.model.strip().lower() == "all" or "," in args.model:  # (load_traces strips)
             raise ValueError("--model: give exactly one zoo model, trace file or profile:NAME")
         if args.gpus < 1:
             raise ValueError(f"--gpus: the GPU count must be an integer >= 1, got {args.gpus}")
