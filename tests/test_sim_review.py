@@ -76,6 +76,14 @@ def test_a_cluster_key_given_twice_is_refused():
         clusters.custom("alpha=1e-5,beta=1e-9,alpha=2")
 
 
+def test_a_csv_header_with_spaces_after_the_commas_loads(tmp_path):
+    # 'name, forward_s, backward_s, ...' (as people type it) was 'layers[0] is missing the field
+    # 'forward_s'' with the column there, while values with the same spaces were read.
+    spaced = CSV.replace("name,forward_s,backward_s,grad_bytes,params", "name, forward_s, backward_s, grad_bytes, params")
+    spaced = spaced.replace("a,0.1,0.2,100,25", "a, 0.1, 0.2, 100, 25")
+    assert load(_write(tmp_path / "spaced.csv", spaced.encode())) == load(_write(tmp_path / "plain.csv", CSV.encode()))
+
+
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path

@@ -208,6 +208,8 @@ def loads_csv(text: str) -> Trace:
         elif line.strip():
             body.append(line)
     reader = csv.DictReader(body)
+    if reader.fieldnames:  # 'name, forward_s, ...' (values may have the spaces too: float() strips them)
+        reader.fieldnames = [f.strip() for f in reader.fieldnames]
     meta["layers"] = list(reader)
     for i, row in enumerate(meta["layers"]):
         # DictReader keeps a row's values beyond the header under None (empty ones: a trailing comma)
