@@ -441,3 +441,58 @@ def test_missing_gradients_are_named_without_the_parameters_counted_unused():
         assert "2 of the 4 parameters expected" in message, message
     assert results[0][1]["unused.weight"] is None
     assert all(torch.equal(g, results[1][1][k]) for k, g in results[0][1].items() if g is not None)
+
+
+# --- 10. buffers are broadcast as torch's DDP does: not at the forwards of no_sync() ---------------
+
+class _Normed(nn.Module):
+    """A linear layer and a BatchNorm: buffers (running statistics) to broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _micro_x(rank: int, k: int) -> torch.Tensor:
+    return torch.arange(12.0).reshape(4, 3).sin() * (1 + rank) + k / 4
+
+
+def test_no_sync_passes_with_buffers_send_nothing_so_ranks_may_accumulate_unevenly():
+    """torch's DDP broadcasts buffers at a forward only after a synchronizing forward that tracked
+    gradients (require_forward_param_sync): inside no_sync() only the first forward does, so ranks
+    may run different numbers of micro-batches before the synchronizing one. Broadcasting at every
+    forward sent one broadcast per no_sync() micro-batch, and uneven counts mismatched the ranks'
+    collectives."""
+    torch.manual_seed(0)
+    base = _Normed()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        ddp(_micro_x(comm.rank, 0)).pow(2).sum().backward()  # one synchronizing step
+        model.zero_grad()
+        seqs = []
+        with ddp.no_sync():
+            for k in range(2 + comm.rank):  # rank 0: 2 micro-batches, rank 1: 3
+                ddp(_micro_x(comm.rank, k + 1)).pow(2).sum().backward()
+                seqs.append(comm._seq)
+        ddp(_micro_x(comm.rank, 9)).pow(2).sum().backward()
+        grads = _grads(model)
+        ddp.close()
+        return seqs, grads
+
+    results = raise_first(run_comms(2, body))
+    for seqs, _ in results:
+        assert len(set(seqs)) == 1, f"no_sync() forwards after the first communicated: {seqs}"
+    per_rank = []
+    for rank in range(2):
+        alone = copy.deepcopy(base)
+        for k in [*range(1, 3 + rank), 9]:
+            alone(_micro_x(rank, k)).pow(2).sum().backward()
+        per_rank.append(_grads(alone))
+    _assert_grads(results[0][1], _mean(per_rank))
+    assert all(torch.equal(g, results[1][1][k]) for k, g in results[0][1].items())

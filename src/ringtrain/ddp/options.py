@@ -37,7 +37,9 @@ class DDPOptions:
     what ``no_sync()`` accumulated in their ``.grad``). One that no rank has a gradient for keeps
     its ``.grad`` (None stays None), as with torch's DDP."""
     broadcast_buffers: bool = True
-    """Copy rank 0's module buffers to every rank at each forward (torch DDP's default)."""
+    """Copy rank 0's module buffers to every rank at each forward that follows a synchronizing
+    forward tracking gradients (torch DDP's default and rule: the first forward inside
+    ``no_sync()`` or under ``torch.no_grad()`` broadcasts, the ones after it do not)."""
     warmup_iterations: int = 1
     """Synchronizing iterations before profiling starts (first-iteration costs excluded)."""
     profile_iterations: int = 2

@@ -3,8 +3,8 @@
 How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibration`,
 :mod:`.timeline`):
 
-1. ``forward`` runs the wrapped module (after broadcasting its buffers from rank 0, as torch's
-   DDP does), puts a hook on the output's gradient to stamp the *backward start*, and, with
+1. ``forward`` runs the wrapped module (after broadcasting its buffers from rank 0 where the
+   forward before it synchronized and tracked gradients, as torch's DDP does), puts a hook on the output's gradient to stamp the *backward start*, and, with
    ``find_unused_parameters=True``, walks the autograd graph from the output to learn which
    parameters will get a gradient (the *expected* ones). Then, at the first gradient, one small
    allreduce (max) of which parameters have a gradient on each rank is queued ahead of every
@@ -253,10 +253,13 @@ class DistributedDataParallel(nn.Module):
         if self._frozen and torch.is_grad_enabled():
             self._check_still_frozen()
         t0 = time.perf_counter()
-        if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers:
+        if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers and st.sync_buffers:
             self._broadcast_tensors(self._module_buffers, "broadcast buffers")
         broadcast_s = time.perf_counter() - t0
         out = self.module(*inputs, **kwargs)
+        # As torch's DDP (require_forward_param_sync): the next forward broadcasts the buffers only
+        # after a synchronizing forward that tracks gradients, not after a no_sync() or evaluation one.
+        st.sync_buffers = torch.is_grad_enabled() and st.sync
         if torch.is_grad_enabled():
             if st.sync:
                 self._arm(out)
@@ -666,12 +669,13 @@ class DistributedDataParallel(nn.Module):
 class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
-    __slots__ = ("sync", "armed", "generation", "first_armed", "expected", "unused", "forward_span", "iteration",
+    __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "expected", "unused", "forward_span", "iteration",
                  "failed", "active", "pending", "launched", "jobs", "used", "used_job", "ready", "got", "stamps",
                  "bwd_start", "first", "last", "broadcast_s", "hooks_s", "retired")
 
     def __init__(self, n: int):
         self.sync = True  # False inside no_sync()
+        self.sync_buffers = True  # the next forward broadcasts the buffers (the last one synchronized)
         self.armed = False  # the last forward asked for a synchronizing backward
         self.generation = 0  # synchronizing forwards so far (the last one's number)
         self.first_armed = 0  # the first of those since the last disarming (a backward's end, a no_sync() forward)
