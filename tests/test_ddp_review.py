@@ -496,3 +496,28 @@ def test_no_sync_passes_with_buffers_send_nothing_so_ranks_may_accumulate_uneven
         per_rank.append(_grads(alone))
     _assert_grads(results[0][1], _mean(per_rank))
     assert all(torch.equal(g, results[1][1][k]) for k, g in results[0][1].items())
+
+
+# --- 11. a parameter whose dtype changed after wrapping is refused, naming it ---------------------
+
+@pytest.mark.parametrize("as_view", [True, False])
+def test_a_parameter_converted_after_wrapping_is_refused_naming_it(as_view):
+    """The buckets have the dtypes the parameters had when the wrapper was made. ``ddp.double()``
+    afterwards: with gradient_as_bucket_view=False the float64 gradients were averaged in the
+    float32 bucket and copied back rounded (1 + 1.5e-12 came back as 1.0, silently); with True,
+    torch refused to make the float32 slot the .grad, in words that do not say why."""
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1, bias=False)
+        ddp = DistributedDataParallel(model, comm, gradient_as_bucket_view=as_view, **FAST)
+        ddp.double()
+        x = torch.tensor([[1.0 + 1e-12 * (comm.rank + 1)]], dtype=torch.float64)
+        with pytest.raises(RuntimeError) as info:
+            ddp(x).sum().backward()
+        ddp.close()
+        return str(info.value)
+
+    for message in raise_first(run_comms(2, body)):
+        assert "'weight'" in message and "torch.float64" in message and "torch.float32" in message, message
+        assert "wrap" in message, message
