@@ -521,3 +521,32 @@ def test_a_parameter_converted_after_wrapping_is_refused_naming_it(as_view):
     for message in raise_first(run_comms(2, body)):
         assert "'weight'" in message and "torch.float64" in message and "torch.float32" in message, message
         assert "wrap" in message, message
+
+
+# --- 12. ranks whose models differ are refused at construction, naming the difference -------------
+
+@pytest.mark.parametrize("case", ["same_bytes", "vocabulary"])
+def test_models_that_differ_across_ranks_are_refused_naming_the_parameter(case):
+    """torch's DDP checks at construction that every rank's parameters have rank 0's shapes. The
+    construction broadcast copies bytes: models of the same total size but other shapes were
+    accepted silently, rank 0's values poured into rank 1's other shapes ("same_bytes"), and a
+    vocabulary that differs per rank failed with "ranks disagree ... broadcast(dtype=uint8,
+    numel=200) ... numel=216", naming no parameter."""
+
+    def body(comm):
+        torch.manual_seed(0)
+        if case == "same_bytes":
+            dims = [(4, 2), (2, 2)] if comm.rank == 0 else [(2, 2), (4, 2)]
+            model = nn.Sequential(*[nn.Linear(*d) for d in dims])
+        else:
+            model = nn.Sequential(nn.Embedding(10 + 2 * comm.rank, 4), nn.Linear(4, 2))
+        with pytest.raises(RuntimeError) as info:
+            DistributedDataParallel(model, comm, **FAST)
+        return str(info.value)
+
+    messages = raise_first(run_comms(2, body))
+    if case == "same_bytes":
+        assert "'0.weight'" in messages[1] and "(2, 4)" in messages[1] and "(2, 2)" in messages[1], messages[1]
+    else:
+        assert "'0.weight'" in messages[1] and "(10, 4)" in messages[1] and "(12, 4)" in messages[1], messages[1]
+    assert "ranks [1]" in messages[0], messages[0]  # rank 0 says which rank differs

@@ -55,6 +55,8 @@ the unused-parameter check) and nothing is copied or sent.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -132,6 +134,7 @@ class DistributedDataParallel(nn.Module):
             self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
             self._module_buffers = [b for b in module.buffers() if b.numel()]
 
+            self._check_same_model(module)
             self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers, "broadcast parameters")
             if opts.cost is not None:
                 self.cost = opts.cost
@@ -646,6 +649,43 @@ class DistributedDataParallel(nn.Module):
         """Put buckets laid out earlier back in force (between iterations: none in flight).
         Gradients still views of the other buckets are copied in by the hooks as usual."""
         self._order, self._plan, self._specs, self._counts, self._bucket_index, self._slots, self._bufs = layout
+
+    def _check_same_model(self, module: nn.Module) -> None:
+        """A RuntimeError on every rank, naming the first difference, where some rank's parameters
+        and buffers differ from rank 0's in name, shape, dtype or requires_grad (torch's DDP checks
+        shapes so): the broadcast that follows copies bytes, so models of the same total size
+        would take rank 0's values in other shapes, silently, and their buckets would not match."""
+        if self.world_size == 1:
+            return
+        mine = [["parameter", n, list(t.shape), str(t.dtype), t.requires_grad] for n, t in module.named_parameters()]
+        mine += [["buffer", n, list(t.shape), str(t.dtype), False] for n, t in module.named_buffers()]
+        text = json.dumps(mine).encode()
+        digest = np.frombuffer(hashlib.sha256(text).digest(), dtype=np.uint8).copy()
+        rank0 = digest.copy()
+        self._thread.run("compare models", partial(self.comm.broadcast, rank0, 0), self._timeout)
+        differs = np.zeros(self.world_size)
+        differs[self.rank] = not np.array_equal(rank0, digest)
+        self._thread.run("compare models", partial(self.comm.allreduce, differs, "max", "auto"), self._timeout)
+        if not differs.any():
+            return
+        size = np.array([len(text)], dtype=np.int64)
+        self._thread.run("compare models", partial(self.comm.broadcast, size, 0), self._timeout)
+        theirs = np.frombuffer(text, dtype=np.uint8).copy() if self.rank == 0 else np.zeros(int(size[0]), np.uint8)
+        self._thread.run("compare models", partial(self.comm.broadcast, theirs, 0), self._timeout)
+        ranks = [int(r) for r in np.flatnonzero(differs)]
+        detail = f"ranks {ranks} have a module that differs from rank 0's (their errors name the difference)"
+        if differs[self.rank]:
+            theirs = json.loads(theirs.tobytes())
+
+            def what(entry) -> str:
+                kind, name, shape, dtype, grad = entry
+                return f"{kind} {name!r} of shape {tuple(shape)}, {dtype}" + (", requires_grad" if grad else "")
+
+            first = next((k for k, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
+            detail = (f"rank 0 has {what(theirs[first]) if first < len(theirs) else 'nothing more'} where rank "
+                      f"{self.rank} has {what(mine[first]) if first < len(mine) else 'nothing more'} "
+                      f"(entry {first} of the parameters then buffers)")
+        raise RuntimeError(f"ringtrain.DistributedDataParallel: every rank must wrap the same module, but {detail}.")
 
     def _broadcast_tensors(self, tensors: list[torch.Tensor], label: str) -> None:
         """Copy rank 0's values of ``tensors`` to every rank: one broadcast of their bytes."""
