@@ -375,14 +375,14 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"parameter {self._names[pid]!r} has a sparse gradient; "
                              "ringtrain.DistributedDataParallel reduces dense gradients only")
         slot = self._slots[pid]
+        if grad.data_ptr() == slot.data_ptr():  # accumulated in place into the slot: nothing to copy
+            return
         if grad.dtype != slot.dtype or grad.shape != slot.shape:  # (copy_ would cast or broadcast, silently)
             raise RuntimeError(
                 f"ringtrain.DistributedDataParallel: parameter {self._names[pid]!r} has a {grad.dtype} gradient of "
                 f"shape {tuple(grad.shape)}, but was {slot.dtype} of shape {tuple(slot.shape)} when the wrapper was "
                 "made, and its bucket was laid out so. Convert or resize the module before wrapping it (or close "
                 "this wrapper and wrap the module again).")
-        if grad.data_ptr() == slot.data_ptr():  # accumulated in place into the slot: nothing to copy
-            return
         slot.copy_(grad)
         if self.options.gradient_as_bucket_view and grad.stride() == slot.stride():
             # The slot becomes the gradient: when the bucket's allreduce ends, .grad already
