@@ -87,3 +87,11 @@ def test_a_csv_header_with_spaces_after_the_commas_loads(tmp_path):
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+def test_layer_times_that_add_up_past_a_float_are_refused(tmp_path):
+    # Each time was checked finite, their sum was not: two layers of 1e308 s made every total
+    # inf, the predictions NaN, and --json wrote Infinity and NaN, which is not JSON.
+    huge = CSV.replace("a,0.1,0.2,100,25", "a,1e308,1e308,100,25")
+    with pytest.raises(ValueError, match="add up past what a float holds"):
+        load(_write(tmp_path / "huge.csv", huge.encode()))

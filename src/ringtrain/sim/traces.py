@@ -85,6 +85,8 @@ class Trace:
             raise ValueError(f"trace {self.model}: optimizer_s must be finite and >= 0, got {self.optimizer_s}")
         if not any(layer.grad_bytes for layer in self.layers):
             raise ValueError(f"trace {self.model}: no layer produces a gradient")
+        if not math.isfinite(self.forward_s + self.backward_s + self.optimizer_s):  # each finite, the sum not
+            raise ValueError(f"trace {self.model}: the layers' times add up past what a float holds; give seconds")
 
     @property
     def forward_s(self) -> float:
