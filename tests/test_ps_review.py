@@ -605,3 +605,23 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_not_silently_left_untrai
     ps.close()
     thread.join(10)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("lr", float("inf")), ("momentum", float("inf")), ("weight_decay", float("inf")), ("lr", True), ("lr", "0.1"),
+    ("timeout", float("inf")), ("partition_mb", float("inf")), ("alpha", float("inf")),
+])
+def test_worker_settings_no_server_takes_are_refused_before_connecting(setting, value):
+    # Before: lr/momentum/weight_decay inf or True were accepted, the server refused the HELLO and
+    # ended the job (ProtocolError); timeout or partition_mb inf crashed with a raw OverflowError,
+    # lr "0.1" with a raw TypeError.
+    with pytest.raises(ValueError, match=setting):
+        ParameterServerTraining(tiny(), servers=[("127.0.0.1", 9)], worker=0, workers=1,
+                                **{"timeout": 1.0, setting: value})
+
+
+def test_numpy_scalar_settings_are_taken_as_floats():
+    from ringtrain.ps import PSOptions
+
+    opts = PSOptions(lr=np.float32(0.5), momentum=np.float64(0.9), timeout=np.int64(3))
+    assert (opts.lr, opts.momentum, opts.timeout) == (0.5, 0.9, 3.0) and type(opts.lr) is float

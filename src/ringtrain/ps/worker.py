@@ -41,6 +41,8 @@ a server reports (a lost worker in a synchronous job) comes back with the server
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import queue
 import threading
 import time
@@ -99,12 +101,13 @@ class PSOptions:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.schedule not in planner.METHODS:
             raise ValueError(f"schedule must be one of {planner.METHODS}, got {self.schedule!r}")
-        for name in ("lr", "timeout", "partition_mb"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("momentum", "weight_decay", "alpha", "beta"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "timeout", "partition_mb", "momentum", "weight_decay", "alpha", "beta"):
+            value, positive = getattr(self, name), name in ("lr", "timeout", "partition_mb")
+            # (the servers refuse a HELLO whose lr, momentum or weight_decay is not finite)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                    or not (value > 0 if positive else value >= 0)):
+                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+            object.__setattr__(self, name, float(value))  # (a numpy scalar goes into the HELLO's JSON)
 
     @property
     def partition_bytes(self) -> int:
