@@ -625,3 +625,21 @@ def test_numpy_scalar_settings_are_taken_as_floats():
 
     opts = PSOptions(lr=np.float32(0.5), momentum=np.float64(0.9), timeout=np.int64(3))
     assert (opts.lr, opts.momentum, opts.timeout) == (0.5, 0.9, 3.0) and type(opts.lr) is float
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("servers", 2.0), ("workers", True), ("index", 0.0), ("max_staleness", 1.5), ("timeout", float("inf")),
+    ("servers", "1"),
+])
+def test_server_settings_of_the_wrong_kind_are_refused_naming_them(setting, value):
+    # Before: servers=2.0 made launch_local fail with "TypeError: 'float' object cannot be
+    # interpreted as an integer", workers=1.0 a server that failed to start with a TypeError
+    # traceback, servers="1" a raw TypeError; max_staleness 1.5 and timeout inf were accepted.
+    with pytest.raises(ValueError, match=setting):
+        ServerConfig(**{"index": 0, "servers": 1, "workers": 1, setting: value})
+
+
+def test_launch_local_refuses_a_float_server_count_before_starting_anything():
+    with pytest.raises(ValueError, match="servers"):
+        launch_local(2.0, 1)
+

@@ -9,6 +9,7 @@ serving machinery.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -60,14 +61,22 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("servers", "workers", "index", "max_staleness"):
+            value = getattr(self, name)
+            if value is None and name == "max_staleness":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer{' or None' if name == 'max_staleness' else ''}, "
+                                 f"got {value!r}")
         if self.servers < 1 or self.workers < 1:
             raise ValueError(f"servers and workers must be >= 1, got {self.servers} and {self.workers}")
         if not 0 <= self.index < self.servers:
             raise ValueError(f"index must be in [0, {self.servers}), got {self.index}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real)
+                or not (math.isfinite(self.timeout) and self.timeout > 0)):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
 
     @property
     def synchronous(self) -> bool:
