@@ -643,3 +643,26 @@ def test_launch_local_refuses_a_float_server_count_before_starting_anything():
     with pytest.raises(ValueError, match="servers"):
         launch_local(2.0, 1)
 
+
+@pytest.mark.parametrize("case", ["wider", "frozen"])
+def test_workers_whose_models_differ_are_refused_naming_the_first_parameter_that_differs(case):
+    # Before: "worker 1 disagrees with the other workers about ['digest', 'numels']", naming no parameter.
+    started = start_servers(1, workers=2)
+    endpoints = [s.endpoint for s, _, _ in started]
+
+    def model(w: int) -> torch.nn.Module:
+        m = tiny()
+        if w == 1 and case == "wider":
+            m[2] = torch.nn.Linear(3, 5)
+        if w == 1 and case == "frozen":
+            m[0].weight.requires_grad_(False)
+        return m
+
+    results = on_threads(2, lambda w: worker(endpoints, w, 2, model=model(w), timeout=5.0).close(), timeout=30)
+    texts = " | ".join(str(r) for r in results)
+    assert all(isinstance(r, CommError) for r in results), texts
+    if case == "wider":
+        assert re.search(r"parameter #2 .* (15|6) elements, the first worker's (6|15)", texts), texts
+    else:
+        assert re.search(r"it has [34] parameters that require a gradient, the first worker [34]", texts), texts
+    join_all(started)

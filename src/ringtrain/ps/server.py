@@ -120,7 +120,8 @@ class ParameterServer:
         if self._settings is not None:
             diff = [k for k in HELLO_KEYS if self._settings[k] != hello[k]]
             if diff:
-                raise MismatchError(f"worker {hello['worker']} disagrees with the other workers about {diff}")
+                raise MismatchError(f"worker {hello['worker']} disagrees with the other workers about {diff}"
+                                    + _first_numel_difference(hello["numels"], self._settings["numels"]))
             return
         numels, partition_bytes = hello["numels"], hello["partition_bytes"]
         if layout_digest(numels, self.cfg.servers, partition_bytes) != hello["digest"]:
@@ -811,3 +812,17 @@ def run_server(cfg: ServerConfig, ready=None) -> dict:
     if server.write_error is not None:
         raise server.write_error
     return stats
+
+
+def _first_numel_difference(theirs: list[int], ours: list[int]) -> str:
+    """Where a worker's parameter sizes first differ from the first worker's, for the HELLO refusal
+    (the server knows sizes only: parameters are numbered as the worker serves them)."""
+    if len(theirs) != len(ours):
+        what = f"it has {len(theirs)} parameters that require a gradient, the first worker {len(ours)}"
+    else:
+        i = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+        if i is None:
+            return ""
+        what = (f"its parameter #{i} (counting those of module.parameters() that require a gradient) has "
+                f"{theirs[i]} elements, the first worker's {ours[i]}")
+    return (f": {what}. Every worker must wrap the same model, with the same parameters requiring a gradient")
