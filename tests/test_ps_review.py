@@ -666,3 +666,12 @@ def test_workers_whose_models_differ_are_refused_naming_the_first_parameter_that
     else:
         assert re.search(r"it has [34] parameters that require a gradient, the first worker [34]", texts), texts
     join_all(started)
+
+
+def test_a_module_with_nothing_to_train_is_refused_saying_so():
+    # Before: "ValueError: no parameter elements to serve (parameter sizes [])" from the layout.
+    model = tiny()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires a gradient"):
+        ParameterServerTraining(model, servers=[("127.0.0.1", 9)], worker=0, workers=1, timeout=1.0)

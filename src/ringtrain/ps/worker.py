@@ -144,6 +144,9 @@ class ParameterServerTraining:
         self.module, self.opts, self.worker, self.workers = module, opts, worker, workers
         self.num_servers = K = len(servers)
         self.params = _unique_params(module)
+        if not self.params:
+            raise ValueError("ringtrain.ps.ParameterServerTraining: the module has no parameter that requires a "
+                             "gradient, so the servers would have nothing to train")
         self._versions = [p._version for p in self.params]  # nothing of ours writes them in place
         names = {id(p): n for n, p in module.named_parameters()}
         self._names = [names.get(id(p), f"parameter {i}") for i, p in enumerate(self.params)]
