@@ -675,3 +675,13 @@ def test_a_module_with_nothing_to_train_is_refused_saying_so():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter that requires a gradient"):
         ParameterServerTraining(model, servers=[("127.0.0.1", 9)], worker=0, workers=1, timeout=1.0)
+
+
+def test_a_worker_count_other_than_the_servers_says_which_counts_to_compare():
+    # Before: "rank 0 says world size 2, this rank 1 has 3 (handshake ranks: servers 0..0, worker w
+    # is 1 + w)": world sizes and ranks the caller never gave, not the workers= that differs.
+    started = start_server(workers=1)
+    with pytest.raises(ProtocolError, match=r"world size 3 = 1 server\(s\) \+ workers=2"):
+        worker([started[0].endpoint], 0, 2, timeout=2.0)
+    worker([started[0].endpoint], 0, 1).close()  # the server still serves its one worker
+    join_all([started])

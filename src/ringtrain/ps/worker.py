@@ -203,9 +203,11 @@ class ParameterServerTraining:
                 try:
                     sock = P.dial(endpoint, me, k, opts.timeout)
                 except CommError as exc:  # (its text numbers peers as the handshake does: say which that is)
+                    sizes = (f"; world size {K + W} = {K} server(s) + workers={W}: a server that says another was "
+                             "started for another number of workers or servers" if "world size" in str(exc) else "")
                     raise type(exc)(f"worker {self.worker} could not join parameter server {k} at {endpoint[0]}:"
                                     f"{endpoint[1]}: {exc} (handshake ranks: servers 0..{K - 1}, worker w is "
-                                    f"{K} + w)") from None
+                                    f"{K} + w{sizes})") from None
                 ch = P.Channel(sock, f"parameter server {k} at {endpoint[0]}:{endpoint[1]}", opts.timeout)
                 links.append(_Link(k, ch))
                 ch.send(P.HELLO, worker=self.worker, body=P.encode_json(hello))
