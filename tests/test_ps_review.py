@@ -685,3 +685,14 @@ def test_a_worker_count_other_than_the_servers_says_which_counts_to_compare():
         worker([started[0].endpoint], 0, 2, timeout=2.0)
     worker([started[0].endpoint], 0, 1).close()  # the server still serves its one worker
     join_all([started])
+
+
+@pytest.mark.parametrize("strategy, staleness", [("sync", 2), ("sharded", None)])
+def test_a_staleness_bound_for_a_synchronous_server_is_refused_not_ignored(strategy, staleness):
+    # Before: launch_local(strategy="sync", max_staleness=2) was accepted and the bound ignored.
+    with pytest.raises(ValueError, match="max_staleness .*async"):
+        ServerConfig(index=0, servers=1, workers=1, strategy=strategy, max_staleness=staleness)
+    from ringtrain.ps.__main__ import parse
+
+    with pytest.raises(SystemExit):
+        parse(["--strategy", strategy, "--max-staleness", "-1" if staleness is None else str(staleness)])

@@ -41,6 +41,8 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--servers must be >= 1, got {args.servers}")
     if args.max_staleness < -1:
         p.error(f"--max-staleness must be >= 0, or -1 for unbounded; got {args.max_staleness}")
+    if args.max_staleness and args.strategy != "async":
+        p.error(f"--max-staleness is for --strategy async; got {args.max_staleness} with --strategy {args.strategy}")
     return args
 
 

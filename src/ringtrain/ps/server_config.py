@@ -74,6 +74,9 @@ class ServerConfig:
             raise ValueError(f"index must be in [0, {self.servers}), got {self.index}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.synchronous and self.max_staleness != 0:
+            raise ValueError(f"max_staleness is for strategy 'async' (a synchronous server keeps every worker at one "
+                             f"step); got {self.max_staleness} with strategy {self.strategy!r}")
         if (isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real)
                 or not (math.isfinite(self.timeout) and self.timeout > 0)):
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
