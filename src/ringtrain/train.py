@@ -451,7 +451,7 @@ def _interrupts_held():
 
 class _Checkpoints:
     """Rank 0's checkpoints, written in the background: ``with _Checkpoints(cfg, rank, state_at) as
-    ckpt`` around the training, ``ckpt.save`` for _loop, ``ckpt.finish()`` at the end. No writer
+    ckpt`` around the training and the job's last communication, ``ckpt.save`` for _loop. No writer
     (all of it a no-op) on the other ranks, or without --checkpoint-every.
 
     In the background rather than a save in the loop or a barrier with a deadline long enough for
@@ -462,8 +462,8 @@ class _Checkpoints:
 
     The write in flight outlasts the save call; it is waited for here, in one of three ways:
 
-    - the run's end (:meth:`finish`, after the job's last communication, so that no other rank
-      waits for the disk): Ctrl-C and SIGTERM held, as a save held them; its error (a full disk)
+    - the run's end (leaving the block without an exception, after the job's last communication,
+      so that no other rank waits for the disk): Ctrl-C and SIGTERM held, as a save held them; its error (a full disk)
       fails the run;
     - Ctrl-C (_loop's _Interrupted leaving the block) or SIGTERM (torchrun stopping the job): the
       process ends next and would cut the write off, losing that checkpoint: it ends first, Ctrl-C
@@ -505,13 +505,6 @@ class _Checkpoints:
                   "less often, or give a longer --timeout", file=sys.stderr)
         self.writer.save(step, self.state_at(step), wait=not last)
 
-    def finish(self) -> None:
-        """The end of a run: wait for the last checkpoint's write, Ctrl-C and SIGTERM held; its
-        error fails the run."""
-        if self.writer is not None:
-            with _interrupts_held():
-                self.writer.wait()
-
     def _finish_on_the_way_out(self) -> None:
         """Ctrl-C or SIGTERM: wait for the write in flight, Ctrl-C and SIGTERM held; its error said."""
         with contextlib.suppress(KeyboardInterrupt), _interrupts_held():
@@ -535,8 +528,9 @@ class _Checkpoints:
         if self.writer is None:
             return
         try:
-            if exc_type is None:
-                self.finish()
+            if exc_type is None:  # the run's end: its error fails the run
+                with _interrupts_held():
+                    self.writer.wait()
             elif issubclass(exc_type, _Interrupted):
                 self._finish_on_the_way_out()
             else:
@@ -654,7 +648,6 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
             summary["communication"] = _communication(ddp, ran)
         ddp.close()
         comm.close()
-        ckpt.finish()
     if rank == 0:
         _report(summary, json_summary)
     return 0
@@ -700,7 +693,6 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         times, losses = _loop(cfg, rank, p, start, loader, step_fn, ckpt.save, f"{cfg.model} {cfg.strategy} x{p}")
         pst.wait()
         stats = pst.close()
-        ckpt.finish()
     one_rate = max(one_rate, one_worker_rate())
     summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate, start)
     summary["parameter_servers"] = stats

@@ -72,8 +72,17 @@ class Breaker:
         self._lock = threading.Lock()
         self.broken = False
 
-    def waiting(self) -> "_Waiting":
-        return _Waiting(self)
+    def waiting(self) -> Breaker:
+        """A wait in progress while in the ``with`` block (the breaker counts them itself)."""
+        return self
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._waits += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._waits -= 1
 
     def break_if_waiting(self) -> bool:
         """Shut down the group's connected sockets if a wait is in progress (the watcher's call)."""
@@ -92,21 +101,6 @@ class Breaker:
             except OSError:  # gone already, or not connected: nothing to wake
                 continue
         return True
-
-
-class _Waiting:
-    __slots__ = ("_breaker",)
-
-    def __init__(self, breaker: Breaker):
-        self._breaker = breaker
-
-    def __enter__(self) -> None:
-        with self._breaker._lock:
-            self._breaker._waits += 1
-
-    def __exit__(self, *exc) -> None:
-        with self._breaker._lock:
-            self._breaker._waits -= 1
 
 
 class _Watcher:
