@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from .collectives.ops import FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view, mark_written, reducer
-from .errors import CommError, CommTimeout, PeerLost
+from .errors import CommError
 from .transport.base import CallHeader, Transport, shape_digest
 from .transport.ctrl_c import Breaker
 
@@ -297,11 +297,7 @@ class Communicator:
             with breaker.waiting():
                 self._native_group.allreduce([tensor], opts).wait()
         except RuntimeError as exc:  # gloo's and the store's errors (DistError is one)
-            if breaker.broken:
-                raise CommError(f"rank {self.rank}: interrupted (Ctrl-C) in gloo during {header.describe()}") from exc
-            text = str(exc)
-            kind = CommTimeout if "timeout" in text.lower() or "timed out" in text.lower() else PeerLost
-            raise kind(f"rank {self.rank}: gloo failed during {header.describe()}: {text}") from exc
+            raise breaker.failure(exc, self.rank, "waiting in gloo's allreduce", header.describe()) from exc
 
 
 def _accumulator(view: FlatView, op: str) -> FlatView:

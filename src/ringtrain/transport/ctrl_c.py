@@ -33,6 +33,8 @@ import threading
 import weakref
 from typing import Callable, TypeVar
 
+from ..errors import CommError, CommTimeout, PeerLost
+
 T = TypeVar("T")
 
 
@@ -64,7 +66,7 @@ class Breaker:
     """The sockets of one gloo group and the waits in progress on them.
 
     ``with breaker.waiting(): work.wait(...)`` around each wait; ``broken`` says, after a failed
-    wait, that it failed because Ctrl-C shut the group down (the caller words its error so)."""
+    wait, that it failed because Ctrl-C shut the group down, and ``failure`` words the error."""
 
     def __init__(self, sockets: frozenset[tuple[int, int]] = frozenset()):
         self._sockets = sockets
@@ -83,6 +85,17 @@ class Breaker:
     def __exit__(self, *exc) -> None:
         with self._lock:
             self._waits -= 1
+
+    def failure(self, exc: RuntimeError, rank: int, doing: str, during: str) -> CommError:
+        """What a wait that raised ``exc`` (gloo's or the store's RuntimeError) means, for rank
+        ``rank`` ``doing`` something ("receiving from rank 1") ``during`` a call: interrupted by
+        Ctrl-C (this breaker shut the group down), a CommTimeout (gloo's deadline), or a PeerLost."""
+        if self.broken:
+            return CommError(f"rank {rank}: interrupted (Ctrl-C) while {doing} during {during}")
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return CommTimeout(f"rank {rank}: {doing} timed out during {during}: {text}")
+        return PeerLost(f"rank {rank}: {doing} failed during {during}: {text}")
 
     def break_if_waiting(self) -> bool:
         """Shut down the group's connected sockets if a wait is in progress (the watcher's call)."""

@@ -69,13 +69,7 @@ class TorchTransport(Transport):
             with self._breaker.waiting():
                 ok = work.wait(timedelta(seconds=left))
         except RuntimeError as exc:
-            if self._breaker.broken:
-                raise CommError(f"rank {self.rank}: interrupted (Ctrl-C) while {what} rank {peer} during "
-                                f"{header.describe()}") from exc
-            text = str(exc)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise CommTimeout(f"rank {self.rank}: {what} rank {peer} timed out during {header.describe()}") from exc
-            raise PeerLost(f"rank {self.rank}: {what} rank {peer} failed during {header.describe()}: {text}") from exc
+            raise self._breaker.failure(exc, self.rank, f"{what} rank {peer}", header.describe()) from exc
         if ok is False:
             raise CommTimeout(f"rank {self.rank}: {what} rank {peer} timed out during {header.describe()}")
 
