@@ -1,0 +1,411 @@
+"""DistributedDataParallel on the model patterns real training scripts use: each one gives the
+result torch's DDP gives, or a clear error where torch's DDP gives one.
+
+Each pattern runs 3 steps on 2 ranks (some on 3) over threads and is checked against a
+simulation of data-parallel training in one thread (``_simulated``): a copy of the model per
+rank, each computing its own batch's gradients, averaged, then the same optimizer step; rank
+0's buffers copied to the others at each forward after the first, as torch's DDP broadcasts
+them. Gradients after the first backward and parameters after the last step must be equal on
+every rank (bitwise) and to the simulation's. ``test_as_torch_ddp`` runs the same patterns under
+torch's own DDP (gloo) and this wrapper in the same two processes and compares them bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mp_harness import free_port, run_ranks
+from thread_harness import raise_first, run_comms
+from ringtrain.ddp import DistributedDataParallel
+
+FAST = dict(alpha=2e-5, beta=1e-9, warmup_iterations=0, profile_iterations=1)
+pytestmark = pytest.mark.timeout(60)
+STEPS = 3
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+class Tied(nn.Module):
+    """A language model's embedding and output projection sharing one Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mid(self.emb(idx))))
+
+
+class Twice(nn.Module):
+    """One layer applied twice in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+
+class Checkpointed(nn.Module):
+    """A block under torch.utils.checkpoint; ``twice``: the same block checkpointed twice."""
+
+    def __init__(self, reentrant: bool, twice: bool = False):
+        super().__init__()
+        self.reentrant, self.twice = reentrant, twice
+        self.a = nn.Linear(5, 7)
+        self.blk = nn.Sequential(nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 7))
+        self.b = nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = checkpoint(self.blk, torch.tanh(self.a(x)), use_reentrant=self.reentrant)
+        if self.twice:
+            h = checkpoint(self.blk, torch.tanh(h), use_reentrant=self.reentrant)
+        return self.b(h)
+
+
+class MLP(nn.Module):
+    def __init__(self, dtype=torch.float64, head_dtype=None):
+        super().__init__()
+        self.a = nn.Linear(5, 7, dtype=dtype)
+        self.b = nn.Linear(7, 3, dtype=head_dtype or dtype)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype))
+
+
+class Heads(nn.Module):
+    """A forward returning a nested structure: a dict holding a tuple holding a list and a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7, dtype=torch.float64)
+        self.h1 = nn.Linear(7, 3, dtype=torch.float64)
+        self.h2 = nn.Linear(7, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return {"logits": self.h1(h), "aux": (self.h2(h), [h.sum(), {"z": h}]), "n": 3}
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7, dtype=torch.float64)
+        self.bn = nn.BatchNorm1d(7, dtype=torch.float64)
+        self.b = nn.Linear(7, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+# --- data and losses: loss(model, rank, step) --------------------------------------------------------
+
+def _batch(rank: int, step: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 5, generator=g).to(dtype), torch.randint(0, 3, (4,), generator=g)
+
+
+def ce(model, rank, step, dtype=torch.float64):
+    x, y = _batch(rank, step, dtype)
+    return F.cross_entropy(model(x), y)
+
+
+def tied_loss(model, rank, step):
+    idx = torch.randint(0, 11, (4, 3), generator=torch.Generator().manual_seed(1000 * step + rank))
+    return F.cross_entropy(model(idx).reshape(-1, 11), idx.roll(1, 1).reshape(-1))
+
+
+def autocast_loss(model, rank, step):
+    x, y = _batch(rank, step, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    return F.cross_entropy(out.float(), y)
+
+
+def siamese_loss(model, rank, step):
+    x, y = _batch(rank, step)
+    a, b = model(x), model(x.flip(0))  # two forwards, one backward
+    return F.cross_entropy(a, y) + (a - b).pow(2).mean()
+
+
+def nested_loss(model, rank, step):
+    x, y = _batch(rank, step)
+    out = model(x)
+    return F.cross_entropy(out["logits"], y) + out["aux"][0].pow(2).mean() + out["aux"][1][1]["z"].mean()
+
+
+def logits_only_loss(model, rank, step):
+    """Uses one output of several: h2 gets no gradient (it is in the graph of an output)."""
+    x, y = _batch(rank, step)
+    return F.cross_entropy(model(x)["logits"], y)
+
+
+def rank_dependent_loss(model, rank, step):
+    """The aux head is used on some ranks at some steps, on none at step 1 (3 ranks: 0/2/1)."""
+    x, y = _batch(rank, step)
+    out = model(x)
+    loss = F.cross_entropy(out["logits"], y)
+    return loss + out["aux"][0].pow(2).mean() if (rank + step) % 2 and step != 1 else loss
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def groups(model):
+    return torch.optim.SGD([{"params": model.a.parameters(), "lr": 0.2},
+                            {"params": model.b.parameters(), "lr": 0.05, "momentum": 0.9}], lr=0.1)
+
+
+def two_optimizers(model):
+    return [torch.optim.Adam(model.a.parameters(), lr=0.01), torch.optim.SGD(model.b.parameters(), lr=0.1)]
+
+
+def with_scheduler(model):
+    opt = sgd(model)
+    return [opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)]
+
+
+def clip(model):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # right after backward: on the mean
+
+
+# --- the two sides ---------------------------------------------------------------------------------
+
+def _grads(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _steps(opts) -> None:
+    for o in opts if isinstance(opts, list) else [opts]:
+        o.step()  # (a scheduler's step after its optimizer's)
+
+
+def _zero(opts) -> None:
+    for o in opts if isinstance(opts, list) else [opts]:
+        if isinstance(o, torch.optim.Optimizer):
+            o.zero_grad()
+
+
+def _trained(ddp, model, rank, loss, opt, after):
+    """``STEPS`` steps of ``loss`` through ``ddp`` (the wrapper, or the module alone)."""
+    first = None
+    for step in range(STEPS):
+        _zero(opt)
+        loss(ddp, rank, step).backward()
+        if after is not None:
+            after(model)
+        first = first if first is not None else _grads(model)
+        _steps(opt)
+    return first, _state(model)
+
+
+def _ours(base, world, loss, opt=sgd, after=None, **options):
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST, **options)
+        try:
+            return _trained(ddp, model, comm.rank, loss, opt(model), after)
+        finally:
+            ddp.close()
+
+    return raise_first(run_comms(world, body))
+
+
+def _simulated(base, world, loss, opt=sgd, after=None):
+    """Data-parallel training simulated in one thread: per-rank copies, gradients averaged."""
+    models = [copy.deepcopy(base) for _ in range(world)]
+    opts = [opt(m) for m in models]
+    first = None
+    for step in range(STEPS):
+        for m, o in zip(models, opts):
+            if step:  # rank 0's buffers at each forward after a synchronizing one
+                for b, b0 in zip(m.buffers(), models[0].buffers()):
+                    b.copy_(b0)
+            _zero(o)
+        for rank, m in enumerate(models):
+            loss(m, rank, step).backward()
+        params = [dict(m.named_parameters()) for m in models]
+        for name in params[0]:
+            got = [p[name].grad for p in params]
+            if all(g is None for g in got):
+                continue  # no rank has one: stays None (find_unused_parameters)
+            mean = sum(torch.zeros_like(p[name]) if g is None else g for p, g in zip(params, got)) / world
+            for p in params:
+                p[name].grad = mean.clone()
+        for m in models:
+            if after is not None:
+                after(m)
+        first = first if first is not None else _grads(models[0])
+        for o in opts:
+            _steps(o)
+    return first, _state(models[0])
+
+
+def _same(got, want, what, tol) -> None:
+    assert got.keys() == want.keys(), what
+    for k in want:
+        if want[k] is None:
+            assert got[k] is None, f"{what} {k}: expected None, got {got[k]}"
+        elif tol is None:
+            assert torch.equal(got[k], want[k]), f"{what} {k}: {got[k]} != {want[k]}"
+        else:
+            torch.testing.assert_close(got[k], want[k], **tol, msg=lambda m: f"{what} {k}: {m}")
+
+
+# float64: the simulation's local gradients come from another thread than the rank's (torch may
+# split a reduction otherwise) and it sums 3 ranks in another order than the ring: ~1 ulp.
+F64 = dict(rtol=1e-12, atol=1e-15)
+# float32 parameters: the same reasons, at float32's precision.
+F32 = dict(rtol=1e-5, atol=1e-7)
+
+
+def _check(make, world, loss, opt=sgd, after=None, tol=F64, **options):
+    torch.manual_seed(0)
+    base = make()
+    results = _ours(base, world, loss, opt, after, **options)
+    for rank, (grads, state) in enumerate(results):  # every rank holds the same, bitwise
+        _same(grads, results[0][0], f"rank {rank} gradient", None)
+        _same({k: v for k, v in state.items() if "running" not in k and "num_batches" not in k},
+              {k: v for k, v in results[0][1].items() if "running" not in k and "num_batches" not in k},
+              f"rank {rank} parameter", None)
+    grads, state = _simulated(base, world, loss, opt, after)
+    _same(results[0][0], grads, "gradient", tol)
+    _same(results[0][1], state, "state", tol)
+    return results
+
+
+# --- patterns that work ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_weights_tied_between_embedding_and_output_projection(world):
+    results = _check(lambda: Tied().double(), world, tied_loss)
+    assert "out.weight" not in results[0][0]  # one Parameter, one name (named_parameters dedups)
+
+
+def test_a_layer_applied_twice_in_one_forward():
+    _check(lambda: Twice().double(), 2, ce)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    _check(lambda: Checkpointed(reentrant).double(), 2, ce)
+
+
+def test_a_block_checkpointed_twice_without_reentrance_with_find_unused_parameters():
+    _check(lambda: Checkpointed(False, twice=True).double(), 2, ce, find_unused_parameters=True)
+
+
+def test_autocast_to_bfloat16_in_forward():
+    # bfloat16 forward; float32 gradients, averaged with the float32 tolerance.
+    _check(lambda: MLP(torch.float32), 2, autocast_loss, tol=F32)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_float64_parameters(world):
+    _check(MLP, world, ce)
+
+
+def test_float32_and_float64_parameters_in_one_module():
+    _check(lambda: MLP(torch.float32, torch.float64), 2, lambda m, r, s: ce(m, r, s, torch.float32), tol=F32)
+
+
+def test_gradient_clipping_right_after_backward_clips_the_mean():
+    _check(MLP, 2, ce, after=clip)
+
+
+@pytest.mark.parametrize("opt", [groups, two_optimizers, with_scheduler])
+def test_param_groups_several_optimizers_and_a_scheduler(opt):
+    _check(MLP, 2, ce, opt=opt)
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_two_forwards_before_one_backward(find_unused):
+    _check(MLP, 2, siamese_loss, find_unused_parameters=find_unused)
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_forward_returning_a_nested_dict_tuple_list(find_unused):
+    _check(Heads, 2, nested_loss, find_unused_parameters=find_unused)
+
+
+def test_batchnorm_buffers_as_torch_ddp_broadcasts_them():
+    results = _check(Normed, 2, ce)
+    # As torch's DDP: the last forward's own statistics stay until the next forward broadcasts rank 0's.
+    assert not torch.equal(results[0][1]["bn.running_mean"], results[1][1]["bn.running_mean"])
+
+
+def test_eval_and_train_switching_and_a_state_dict_round_trip():
+    torch.manual_seed(0)
+    base = Normed()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        opt = sgd(model)
+        outs = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            ce(ddp, comm.rank, step).backward()
+            opt.step()
+            ddp.eval()
+            assert not model.training
+            with torch.no_grad():
+                outs.append(ddp(_batch(0, 9)[0]))  # rank 0's buffers (broadcast at this forward)
+            outs.append(ddp(_batch(0, 9)[0]).detach())  # tracks gradients, no backward: changes nothing
+            ddp.train()
+        state = ddp.state_dict()
+        again = DistributedDataParallel(copy.deepcopy(base), comm, **FAST)
+        again.load_state_dict(state)
+        loaded = _state(again.module)
+        again.close()
+        ddp.close()
+        return outs, state, loaded, _state(model)
+
+    results = raise_first(run_comms(2, body))
+    for outs, state, loaded, own in results:
+        assert list(state) == ["module." + k for k in base.state_dict()]  # torch DDP's key layout
+        _same(loaded, own, "loaded", None)
+        for got, want in zip(outs, results[0][0]):
+            assert torch.equal(got, want)  # the same evaluation on every rank
+    # The same evaluation as the simulation's rank 0 after the same steps, at the same buffers.
+    sim = copy.deepcopy(base)
+    sim.load_state_dict(results[0][3])
+    sim.eval()
+    torch.testing.assert_close(sim(_batch(0, 9)[0]), results[0][0][-1], **F64)
+
+
+# --- only part of the outputs in the loss ----------------------------------------------------------
+
+def test_a_loss_on_part_of_the_outputs_is_an_error_naming_the_rest_without_find_unused():
+    """As torch's DDP: "Expected to have finished reduction in the prior iteration..." at the
+    next forward."""
+    torch.manual_seed(0)
+    base = Heads()
+
+    def body(comm):
+        ddp = DistributedDataParallel(copy.deepcopy(base), comm, **FAST)
+        logits_only_loss(ddp, comm.rank, 0).backward()
+        with pytest.raises(RuntimeError, match=r"without a gradient.*'h2.weight', 'h2.bias'.*find_unused_parameters=True"):
+            ddp(_batch(comm.rank, 1)[0])
+        ddp.close()
+
+    raise_first(run_comms(2, body))
