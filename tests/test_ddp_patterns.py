@@ -409,3 +409,54 @@ def test_a_loss_on_part_of_the_outputs_is_an_error_naming_the_rest_without_find_
         ddp.close()
 
     raise_first(run_comms(2, body))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_loss_on_part_of_the_outputs_with_find_unused_parameters(world):
+    """The output the loss ignores reaches h2: the walk from every output expected a gradient for
+    it, so the backward never ended (the next forward raised "ended without a gradient for
+    ['h2.weight', 'h2.bias']"). Now the outputs pass through one node whose backward sees which
+    the loss used, as torch's _DDPSink: h2 is unused, its .grad stays None."""
+    results = _check(Heads, world, logits_only_loss, find_unused_parameters=True)
+    assert results[0][0]["h2.weight"] is None
+
+
+def test_a_head_used_on_some_ranks_with_find_unused_parameters():
+    """A rank whose loss ignored the aux output waited for h2's gradient and returned from backward
+    without averaging; its peers waited in the allreduce until the communicator's timeout (20 s),
+    then both failed. As torch's DDP, h2 now gets the mean of the ranks that used it."""
+    t0 = time.monotonic()
+    results = _check(Heads, 3, rank_dependent_loss, find_unused_parameters=True)
+    assert results[0][0]["h2.weight"] is not None
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_penalty_on_a_head_the_loss_ignores_is_still_an_error_naming_it():
+    """A parameter counted unused (only an output the loss ignores reaches it) that gets a gradient
+    from a term taken from the parameters directly: named, as for a parameter no output reaches."""
+    torch.manual_seed(0)
+    base = Heads()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        with pytest.raises(RuntimeError, match="'h2.weight' got a gradient, but the forward's outputs that the loss"):
+            (logits_only_loss(ddp, comm.rank, 0) + model.h2.weight.pow(2).sum()).backward()
+        ddp.close()
+
+    raise_first(run_comms(2, body))
+
+
+def test_no_sync_then_a_loss_on_part_of_the_outputs():
+    """A head used only under no_sync() contributes what it accumulated."""
+    def loss(model, rank, step):
+        sync = getattr(model, "no_sync", None)
+        if step == 1 and sync is not None:
+            with sync():
+                nested_loss(model, rank, 10).backward()
+        elif step == 1:
+            nested_loss(model, rank, 10).backward()
+        return logits_only_loss(model, rank, step)
+
+    results = _check(Heads, 2, loss, find_unused_parameters=True)
+    assert results[0][0]["h2.weight"] is None  # (step 0)

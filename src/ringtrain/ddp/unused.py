@@ -19,8 +19,9 @@ communication error that abandoning found, if any).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,11 +45,55 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def reachable_params(outputs: list[torch.Tensor], pid_of: dict[int, int]) -> set[int]:
-    """Ids of the parameters whose gradient-accumulation nodes the outputs' graph reaches."""
+def with_tensors(out: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """``out`` with the tensors :func:`output_tensors` finds replaced, in that order, by ``tensors``
+    (the same nesting and container types; a dataclass is copied, its fields set anew)."""
+    if isinstance(out, torch.Tensor):
+        return next(tensors)
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple
+        return type(out)(*(with_tensors(item, tensors) for item in out))
+    if isinstance(out, (list, tuple)):
+        return type(out)(with_tensors(item, tensors) for item in out)
+    if isinstance(out, dict):
+        copied = copy.copy(out)  # (keeps an OrderedDict's or a ModelOutput's type)
+        for key, item in out.items():
+            copied[key] = with_tensors(item, tensors)
+        return copied
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        copied = copy.copy(out)
+        for f in dataclasses.fields(out):
+            object.__setattr__(copied, f.name, with_tensors(getattr(out, f.name), tensors))
+        return copied
+    return out
+
+
+class OutputSink(torch.autograd.Function):
+    """find_unused_parameters: the outputs that have a graph pass through one node (cloned, as
+    torch's DDP's ``_DDPSink`` does), whose backward runs before any node of the forward's graph
+    and sees which outputs the loss used (a gradient) and which it did not (None). It calls
+    ``on_backward(roots)`` with the graph nodes of the used outputs (None: all were used)."""
+
+    @staticmethod
+    def forward(ctx, on_backward, *outputs):
+        ctx.on_backward = on_backward
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        roots = None
+        if any(g is None for g in grads):
+            roots = [edge[0] for edge, g in zip(ctx.next_functions, grads) if g is not None]  # (tensors only)
+        ctx.on_backward(roots)
+        return (None,) + grads
+
+
+def reachable_params(outputs: list[torch.Tensor], pid_of: dict[int, int], nodes: Sequence = ()) -> set[int]:
+    """Ids of the parameters whose gradient-accumulation nodes the outputs' graph (or the graph
+    from ``nodes``) reaches."""
     found: set[int] = set()
     seen: set = set()
-    stack = [t.grad_fn for t in outputs]
+    stack = [t.grad_fn for t in outputs] + list(nodes)
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -110,7 +155,7 @@ def unused_got_gradient_error(name: str) -> RuntimeError:
     """Parameter ``name`` got a gradient though ``find_unused_parameters`` counted it unused."""
     return RuntimeError(
         f"ringtrain.DistributedDataParallel: parameter {name!r} got a gradient, but the forward's "
-        "outputs do not reach it, so find_unused_parameters=True counted it as unused and its bucket was "
+        "outputs that the loss uses do not reach it, so find_unused_parameters=True counted it as unused and its bucket was "
         "already averaged with zeros for it. Compute every term of the loss from the wrapper's outputs "
         "(not from the module's parameters directly), or run that part inside the wrapper's forward.")
 

@@ -5,8 +5,9 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
 
 1. ``forward`` runs the wrapped module (after broadcasting its buffers from rank 0 where the
    forward before it synchronized and tracked gradients, as torch's DDP does), puts a hook on the output's gradient to stamp the *backward start*, and, with
-   ``find_unused_parameters=True``, walks the autograd graph from the output to learn which
-   parameters will get a gradient (the *expected* ones). Then, at the first gradient, one small
+   ``find_unused_parameters=True``, walks the autograd graph from the output and passes the
+   output's tensors through an :class:`.unused.OutputSink`, whose backward runs first and learns
+   which parameters the outputs the loss used reach (the *expected* ones). Then, at the first gradient, one small
    allreduce (max) of which parameters have a gradient on each rank is queued ahead of every
    bucket: the others contribute zeros (or what ``no_sync()`` accumulated), and one that no
    rank has keeps ``.grad`` None, as with torch's DDP (``find_unused_parameters`` only).
@@ -79,8 +80,8 @@ from .comm_thread import CommThread, settle_all
 from .options import DDPOptions
 from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
-from .unused import (earlier_forward_error, missing_gradients_error, output_tensors, reachable_params,
-                     unused_everywhere, unused_got_gradient_error, used_bitmap)
+from .unused import (OutputSink, earlier_forward_error, missing_gradients_error, output_tensors, reachable_params,
+                     unused_everywhere, unused_got_gradient_error, used_bitmap, with_tensors)
 
 logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
@@ -265,7 +266,7 @@ class DistributedDataParallel(nn.Module):
         st.sync_buffers = torch.is_grad_enabled() and st.sync
         if torch.is_grad_enabled():
             if st.sync:
-                self._arm(out)
+                out = self._arm(out)
                 st.broadcast_s = broadcast_s
                 st.forward_span = (t0, time.perf_counter())
             else:  # a no_sync() pass: the backward that follows accumulates locally
@@ -282,26 +283,32 @@ class DistributedDataParallel(nn.Module):
                 "wrapper was made and do now, so their gradients would not be averaged. Set requires_grad before "
                 "wrapping: to change it during training, close this wrapper and wrap the module again.")
 
-    def _arm(self, out: Any) -> None:
-        """Make the backward of a synchronizing forward's outputs average the gradients. Only such
-        a forward arms (and sets what it expects): one under ``torch.no_grad()`` between it and
-        its backward (an evaluation, say) leaves that backward armed."""
+    def _arm(self, out: Any) -> Any:
+        """Make the backward of a synchronizing forward's outputs average the gradients; returns
+        the outputs (with ``find_unused_parameters``, passed through an :class:`OutputSink`). Only
+        such a forward arms: one under ``torch.no_grad()`` between it and its backward (an
+        evaluation, say) leaves that backward armed."""
         st = self._s
         outputs = [t for t in output_tensors(out) if t.grad_fn is not None]
-        reached = None
-        if self.options.find_unused_parameters:
-            # No tensor with a graph found in the output: nothing to walk, all are expected.
-            used = reachable_params(outputs, self._pid_of) if outputs else range(len(self._params))
-            st.expected = len(used)
-            st.unused = {pid for pid in range(len(self._params)) if pid not in used}
-            reached = frozenset(used)
         st.generation += 1
         if not st.armed:  # (else this one supersedes an armed forward whose backward has not begun)
             st.first_armed = st.generation
         st.armed = True
         me = weakref.ref(self)
-        for t in outputs:
-            t.register_hook(partial(_backward_start_hook, me, st.generation, reached))
+        if not self.options.find_unused_parameters:
+            for t in outputs:
+                t.register_hook(partial(_backward_start_hook, me))
+            return out
+        if not outputs:  # no tensor with a graph in the output: nothing to walk, all are expected
+            st.expected, st.unused, st.decided = len(self._params), set(), st.generation
+            return out
+        # What the outputs reach (a reentrant checkpoint is refused here, at the forward). The
+        # backward decides, at the sink, what is unused: what the outputs the loss used reach.
+        # Until then every parameter counts as unused: a gradient before it is one the outputs
+        # cannot have given (a loss term taken from the parameters).
+        reached = frozenset(reachable_params(outputs, self._pid_of))
+        st.expected, st.unused, st.decided = len(self._params), set(range(len(self._params))), None
+        return _through_sink(out, outputs, partial(_sink_hook, me, st.generation, reached))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -322,16 +329,33 @@ class DistributedDataParallel(nn.Module):
 
     # --- hooks -------------------------------------------------------------------------------
 
-    def _on_backward_start(self, generation: int, reached: Optional[frozenset], grad: torch.Tensor) -> None:
+    def _on_backward_start(self) -> None:
         st = self._s
-        if reached is not None and st.first_armed <= generation < st.generation:
-            # find_unused_parameters: this backward goes through the outputs of a forward that a
-            # later one superseded before any backward; the later one decided what is unused.
+        if st.armed and st.bwd_start is None:
+            st.bwd_start = time.perf_counter()
+
+    def _on_sink(self, generation: int, reached: frozenset, roots: Optional[list]) -> None:
+        """find_unused_parameters: the backward reached the outputs of forward ``generation``,
+        which reach ``reached``; ``roots``: the graph nodes of the outputs it used (None: all).
+        The first forward a backward reaches (normally the last one) decides what is unused:
+        what the outputs it used do not reach, torch's DDP's rule."""
+        st = self._s
+        if generation < st.first_armed:  # a forward before the armed ones: its backward stays local
+            return
+        if roots is not None:
+            reached = frozenset(reachable_params([], self._pid_of, roots))
+        if st.armed and st.decided is None:
+            st.decided = generation
+            st.expected = len(reached)
+            st.unused = {pid for pid in range(len(self._params)) if pid not in reached}
+            st.kept = {pid: (self._params[pid].grad, self._params[pid].grad._version) for pid in st.unused
+                       if self._params[pid].grad is not None}
+            self._on_backward_start()
+        elif st.decided is not None and generation != st.decided:
+            # This backward goes through the outputs of another forward than the one that decided.
             late = reached & st.unused
             if late:
                 raise self._earlier_forward_error(late)
-        if st.armed and st.bwd_start is None:
-            st.bwd_start = time.perf_counter()
 
     def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
         st = self._s
@@ -350,6 +374,10 @@ class DistributedDataParallel(nn.Module):
 
     def _take_gradient(self, pid: int, param: torch.Tensor, now: float) -> None:
         st = self._s
+        if pid in st.unused and self._no_new_gradient(pid, param):
+            # find_unused_parameters: only outputs the loss ignored reach it; autograd ran its
+            # accumulation (through the sink) with no gradient.
+            return
         if not st.active:
             self._begin_backward(now)
         if pid in st.unused:
@@ -390,6 +418,15 @@ class DistributedDataParallel(nn.Module):
             param.grad = slot
             self._s.retired.append(grad)  # freed at the next forward (see _State.retired)
 
+    def _no_new_gradient(self, pid: int, param: torch.Tensor) -> bool:
+        """find_unused_parameters: whether unused parameter ``pid``'s ``.grad`` is still what it
+        was when the backward decided it unused (None, or the same tensor, unmodified)."""
+        grad = param.grad
+        if grad is None:
+            return True
+        kept = self._s.kept.get(pid)
+        return kept is not None and kept[0] is grad and kept[1] == grad._version
+
     def _begin_backward(self, now: float) -> None:
         st = self._s
         st.active = True
@@ -404,6 +441,7 @@ class DistributedDataParallel(nn.Module):
                 self._slots[pid].zero_()
             else:  # it contributes what no_sync() accumulated
                 self._into_slot(pid, param, param.grad)
+                st.kept[pid] = (param.grad, param.grad._version)
             self._mark_ready(self._bucket_index[pid])
 
     def _launch_used_bitmap(self) -> None:
@@ -518,6 +556,7 @@ class DistributedDataParallel(nn.Module):
         st.stamps = [_NAN] * n
         st.bwd_start = None
         st.hooks_s = 0.0
+        st.kept = {}
         if not self.options.find_unused_parameters:
             st.expected = n
 
@@ -715,7 +754,7 @@ class DistributedDataParallel(nn.Module):
 class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
-    __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "expected", "unused", "forward_span", "iteration",
+    __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "decided", "kept", "expected", "unused", "forward_span", "iteration",
                  "failed", "active", "pending", "launched", "jobs", "used", "used_job", "ready", "got", "stamps",
                  "bwd_start", "first", "last", "broadcast_s", "hooks_s", "retired")
 
@@ -725,6 +764,10 @@ class _State:
         self.armed = False  # the last forward asked for a synchronizing backward
         self.generation = 0  # synchronizing forwards so far (the last one's number)
         self.first_armed = 0  # the first of those since the last disarming (a backward's end, a no_sync() forward)
+        self.decided: Optional[int] = None  # find_unused_parameters: the forward whose outputs decided `unused`
+        # find_unused_parameters: the .grad (and its version) of each unused parameter that had one
+        # when the backward decided; autograd runs the hooks of those only unused outputs reach too.
+        self.kept: dict = {}
         self.expected = n  # gradients that end the backward pass
         self.unused: set[int] = set()  # find_unused_parameters: ids outside the graph
         self.forward_span: Optional[tuple[float, float]] = None
@@ -761,11 +804,23 @@ def _grad_hook(ddp: weakref.ref, pid: int, param: torch.Tensor) -> None:
         wrapper._on_grad_ready(pid, param)
 
 
-def _backward_start_hook(ddp: weakref.ref, generation: int, reached: Optional[frozenset],
-                         grad: torch.Tensor) -> None:
-    """An output's gradient hook (the backward start); it holds the wrapper weakly. ``generation``:
-    the number of the forward that made the output; ``reached``: with find_unused_parameters,
-    the ids of the parameters that forward's outputs reach (else None)."""
+def _backward_start_hook(ddp: weakref.ref, grad: torch.Tensor) -> None:
+    """An output's gradient hook (the backward start); it holds the wrapper weakly."""
     wrapper = ddp()
     if wrapper is not None:
-        wrapper._on_backward_start(generation, reached, grad)
+        wrapper._on_backward_start()
+
+
+@torch.compiler.disable  # run as is under torch.compile (traced, the module's forward lost its inputs)
+def _through_sink(out: Any, outputs: list[torch.Tensor], on_backward) -> Any:
+    """``out`` with its ``outputs`` (the tensors with a graph) passed through an OutputSink."""
+    sunk = iter(OutputSink.apply(on_backward, *outputs))
+    return with_tensors(out, (next(sunk) if t.grad_fn is not None else t for t in output_tensors(out)))
+
+
+def _sink_hook(ddp: weakref.ref, generation: int, reached: frozenset, roots: Optional[list]) -> None:
+    """find_unused_parameters: the :class:`OutputSink`'s backward (see ``_on_sink``); it holds the
+    wrapper weakly."""
+    wrapper = ddp()
+    if wrapper is not None:
+        wrapper._on_sink(generation, reached, roots)
