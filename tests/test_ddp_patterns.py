@@ -314,6 +314,60 @@ def test_a_block_checkpointed_twice_without_reentrance_with_find_unused_paramete
     _check(lambda: Checkpointed(False, twice=True).double(), 2, ce, find_unused_parameters=True)
 
 
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_a_block_checkpointed_twice_with_reentrance_is_an_error_naming_the_way_out(find_unused):
+    """Each reentrant recomputation runs a backward of its own: blk's parameters get two gradients
+    in one backward. The second was reported as "the previous backward pass ended without a
+    gradient for ['a.weight', 'a.bias'] ... Pass find_unused_parameters=True" (which refuses a
+    reentrant checkpoint). torch's DDP raises "Expected to mark a variable ready only once"
+    (static_graph=True makes it work there)."""
+    torch.manual_seed(0)
+    base = Checkpointed(True, twice=True).double()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        with pytest.raises(RuntimeError, match="got a second gradient in one synchronizing backward") as info:
+            ce(ddp, comm.rank, 0).backward()
+        model.zero_grad()
+        ddp.close()
+        # find_unused_parameters=True: refused at the forward, as for any reentrant checkpoint.
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        with pytest.raises(RuntimeError, match="reentrant torch.utils.checkpoint.*use_reentrant=False"):
+            ddp(_batch(comm.rank, 0)[0])
+        ddp.close()
+        return str(info.value)
+
+    for message in raise_first(run_comms(2, body)):
+        assert "'blk.2." in message and "['a.weight', 'a.bias']" in message, message
+        assert "use_reentrant=False" in message and "static_graph" in message, message
+
+
+class FirstCheckpointed(MLP):
+    """The first layer under a reentrant checkpoint: its input (the batch) requires no gradient."""
+
+    def forward(self, x):
+        return self.b(torch.tanh(checkpoint(self.a, x, use_reentrant=True)))
+
+
+def test_a_reentrant_checkpoint_of_the_first_layer_names_its_parameters_missing():
+    """torch's checkpoint gives the layer no gradient (with a warning), alone as under either DDP;
+    torch's DDP fails at the next forward ("Expected to have finished reduction ..."), so does
+    this one, naming them."""
+    torch.manual_seed(0)
+    base = FirstCheckpointed()
+
+    def body(comm):
+        ddp = DistributedDataParallel(copy.deepcopy(base), comm, **FAST)
+        with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+            ce(ddp, comm.rank, 0).backward()
+        with pytest.raises(RuntimeError, match=r"without a gradient for 2 of the 4 .*\['a.weight', 'a.bias'\]"):
+            ddp(_batch(comm.rank, 1)[0])
+        ddp.close()
+
+    raise_first(run_comms(2, body))
+
+
 def test_autocast_to_bfloat16_in_forward():
     # bfloat16 forward; float32 gradients, averaged with the float32 tolerance.
     _check(lambda: MLP(torch.float32), 2, autocast_loss, tol=F32)

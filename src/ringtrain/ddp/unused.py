@@ -151,6 +151,18 @@ def missing_gradients_error(names: Sequence[str], params: Sequence[torch.Tensor]
         "then that exception is the one to fix.)")
 
 
+def second_gradient_error(name: str, missing: list[str]) -> RuntimeError:
+    """Parameter ``name`` got a second gradient while the parameters ``missing`` had none yet."""
+    return RuntimeError(
+        f"ringtrain.DistributedDataParallel: parameter {name!r} got a second gradient in one synchronizing "
+        f"backward pass, before {len(missing)} expected parameters had their first: {missing}. Either this backward "
+        "accumulates its gradient twice: a module called more than once inside a reentrant "
+        "torch.utils.checkpoint (use_reentrant=True), whose recomputations each run a backward of their own; "
+        "pass use_reentrant=False (torch's DDP refuses this too unless static_graph=True, which this wrapper does "
+        "not have). Or a second backward through the outputs of one forward came before the first had every "
+        "gradient: backpropagate the sum of the losses once.")
+
+
 def unused_got_gradient_error(name: str) -> RuntimeError:
     """Parameter ``name`` got a gradient though ``find_unused_parameters`` counted it unused."""
     return RuntimeError(

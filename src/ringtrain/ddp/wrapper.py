@@ -81,7 +81,7 @@ from .options import DDPOptions
 from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
 from .unused import (OutputSink, earlier_forward_error, missing_gradients_error, output_tensors, reachable_params,
-                     unused_everywhere, unused_got_gradient_error, used_bitmap, with_tensors)
+                     second_gradient_error, unused_everywhere, unused_got_gradient_error, used_bitmap, with_tensors)
 
 logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
@@ -382,9 +382,9 @@ class DistributedDataParallel(nn.Module):
             self._begin_backward(now)
         if pid in st.unused:
             raise self._unused_got_gradient_error(pid)
-        if st.got[pid]:
-            # A second gradient before the first backward ended: that one lacked some.
-            raise self._missing_gradients_error()
+        if st.got[pid]:  # (a reentrant checkpoint's module called twice, or a backward that lacked some)
+            missing = [self._names[i] for i in range(len(self._params)) if not st.got[i] and i not in st.unused]
+            raise self._abandoning(second_gradient_error(self._names[pid], missing))
         st.got[pid] = 1
         st.stamps[pid] = now
         st.last = now
