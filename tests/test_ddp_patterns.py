@@ -12,7 +12,9 @@ torch's own DDP (gloo) and this wrapper in the same two processes and compares t
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import io
 import time
 
@@ -100,6 +102,36 @@ class Heads(nn.Module):
         return {"logits": self.h1(h), "aux": (self.h2(h), [h.sum(), {"z": h}]), "n": 3}
 
 
+@dataclasses.dataclass(frozen=True)
+class Out:
+    logits: torch.Tensor
+    aux: torch.Tensor
+    note: str = "not a tensor"
+
+
+Pair = collections.namedtuple("Pair", "logits aux")
+
+
+class Outputs(collections.OrderedDict):
+    """As transformers' ModelOutput: an OrderedDict subclass."""
+
+
+class Structured(nn.Module):
+    """A forward returning a frozen dataclass, a namedtuple or an OrderedDict subclass."""
+
+    def __init__(self, kind: type):
+        super().__init__()
+        self.kind = kind
+        self.a = nn.Linear(5, 7, dtype=torch.float64)
+        self.h1 = nn.Linear(7, 3, dtype=torch.float64)
+        self.h2 = nn.Linear(7, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        logits, aux = self.h1(h), self.h2(h)
+        return self.kind(logits=logits, aux=aux)
+
+
 class Normed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -160,6 +192,32 @@ def rank_dependent_loss(model, rank, step):
     out = model(x)
     loss = F.cross_entropy(out["logits"], y)
     return loss + out["aux"][0].pow(2).mean() if (rank + step) % 2 and step != 1 else loss
+
+
+def structured_loss(model, rank, step):
+    x, y = _batch(rank, step)
+    out = model(x)
+    assert type(out) is getattr(model, "module", model).kind  # (the wrapper, or the module alone)
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    return F.cross_entropy(logits, y)
+
+
+def inplace_loss(model, rank, step):
+    """Modifies an output in place (it is the sink's clone under find_unused_parameters)."""
+    x, y = _batch(rank, step)
+    out = model(x)
+    out["logits"].mul_(2)
+    return F.cross_entropy(out["logits"], y)
+
+
+class ZeroedInPlace(torch.optim.SGD):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=False)  # gradients accumulate into the bucket views
+
+
+class NeverZeroed(torch.optim.SGD):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # each step's gradient adds to the last step's mean
 
 
 def sgd(model):
@@ -391,6 +449,11 @@ def test_param_groups_several_optimizers_and_a_scheduler(opt):
     _check(MLP, 2, ce, opt=opt)
 
 
+@pytest.mark.parametrize("kind", [ZeroedInPlace, NeverZeroed])
+def test_gradients_zeroed_in_place_or_accumulated_over_steps(kind):
+    _check(MLP, 2, ce, opt=lambda m: kind(m.parameters(), lr=0.1))
+
+
 @pytest.mark.parametrize("find_unused", [False, True])
 def test_two_forwards_before_one_backward(find_unused):
     _check(MLP, 2, siamese_loss, find_unused_parameters=find_unused)
@@ -475,6 +538,18 @@ def test_a_loss_on_part_of_the_outputs_with_find_unused_parameters(world):
     assert results[0][0]["h2.weight"] is None
 
 
+@pytest.mark.parametrize("kind", [Out, Pair, Outputs])
+def test_a_dataclass_namedtuple_or_ordereddict_subclass_output_with_find_unused_parameters(kind):
+    """Rebuilt around the sink's clones with its own type. (torch's DDP does not look into a
+    dataclass or an OrderedDict subclass: there the ignored head fails its next forward.)"""
+    results = _check(lambda: Structured(kind), 2, structured_loss, find_unused_parameters=True)
+    assert results[0][0]["h2.weight"] is None
+
+
+def test_an_output_modified_in_place_with_find_unused_parameters():
+    _check(Heads, 2, inplace_loss, find_unused_parameters=True)
+
+
 def test_a_head_used_on_some_ranks_with_find_unused_parameters():
     """A rank whose loss ignored the aux output waited for h2's gradient and returned from backward
     without averaging; its peers waited in the allreduce until the communicator's timeout (20 s),
@@ -538,6 +613,10 @@ TORCH_PATTERNS = {
     "part of the outputs, find_unused": (Heads, logits_only_loss, sgd, None, True),
     "head on some ranks, find_unused": (Heads, rank_dependent_loss, sgd, None, True),
     "batchnorm": (Normed, ce, sgd, None, False),
+    "zeroed in place": (MLP, ce, lambda m: ZeroedInPlace(m.parameters(), lr=0.1), None, False),
+    "never zeroed": (MLP, ce, lambda m: NeverZeroed(m.parameters(), lr=0.1), None, False),
+    "output modified in place, find_unused": (Heads, inplace_loss, sgd, None, True),
+    "namedtuple output, find_unused": (lambda: Structured(Pair), structured_loss, sgd, None, True),
     "part of the outputs": (Heads, logits_only_loss, sgd, None, False),
     "reentrant checkpoint twice": (lambda: Checkpointed(True, twice=True).double(), ce, sgd, None, False),
 }
