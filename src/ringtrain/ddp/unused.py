@@ -7,7 +7,9 @@ gradients that are missing or should not have come. Words (those of :mod:`.wrapp
 - *outputs*: the tensors of a forward's output that have a graph (:func:`output_tensors` finds them
   in nested tuples, lists, dicts and dataclasses).
 - *reached*: the ids of the parameters whose gradient-accumulation nodes the outputs' autograd
-  graph reaches (:func:`reachable_params`); the others are *unused* for that backward.
+  graph reaches (:func:`reachable_params`): at the forward from every output, then, at the
+  :class:`OutputSink`'s backward, from the outputs the loss used; the others are *unused* for
+  that backward.
 - *used bitmap*: one byte per parameter, 1 where this rank has a gradient for it (used in this
   backward, or accumulated under ``no_sync()``); its allreduce (max) is queued ahead of every
   bucket, and a parameter no rank has a gradient for keeps ``.grad`` None, as with torch's DDP.

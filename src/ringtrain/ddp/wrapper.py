@@ -29,7 +29,7 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    for a parameter that ``find_unused_parameters`` counted unused (a loss term taken from the
    module's parameters, not from the outputs) is an error naming it, and so is a backward through
    the outputs of a forward that a later one superseded (each forward finds what its own outputs
-   reach; the last one decides) where that reaches parameters the last one does not. A backward whose
+   reach, the one the backward reaches first, normally the last, decides) where that reaches parameters the last one does not. A backward whose
    communication failed raises that CommError, and every later ``forward`` raises a
    CommError that names it (the communicator is broken; nothing more can be averaged). Only a
    backward begun by the wrapper's ``forward`` is averaged: one through the module itself
