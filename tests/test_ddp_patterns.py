@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import io
 import time
+import warnings
 
 import pytest
 import torch
@@ -417,13 +418,17 @@ def test_a_reentrant_checkpoint_of_the_first_layer_names_its_parameters_missing(
 
     def body(comm):
         ddp = DistributedDataParallel(copy.deepcopy(base), comm, **FAST)
-        with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
-            ce(ddp, comm.rank, 0).backward()
+        ce(ddp, comm.rank, 0).backward()  # (torch warns "None of the inputs have requires_grad=True")
         with pytest.raises(RuntimeError, match=r"without a gradient for 2 of the 4 .*\['a.weight', 'a.bias'\]"):
             ddp(_batch(comm.rank, 1)[0])
         ddp.close()
 
-    raise_first(run_comms(2, body))
+    # The ranks are threads of this process, and warnings.catch_warnings (pytest.warns) is not
+    # thread-safe: one rank's exit restored the filters inside the other's, which then missed
+    # torch's warning now and then. Torch's warning is not what is tested: it is silenced here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
+        raise_first(run_comms(2, body))
 
 
 def test_autocast_to_bfloat16_in_forward():
