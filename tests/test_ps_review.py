@@ -64,8 +64,9 @@ def train(ps: ParameterServerTraining, steps: int, save_after: tuple[int, ...] =
 
 
 def hello_of(layout, w: int = 0, strategy: str = "sync", **over) -> dict:
-    return {"worker": w, "numels": list(layout.numels), "partition_bytes": layout.partition_bytes,
-            "digest": layout.digest(), "strategy": strategy, "lr": 0.5, "momentum": 0.9, "weight_decay": 0.0,
+    return {"worker": w, "numels": list(layout.numels), "shapes": [[n] for n in layout.numels],
+            "partition_bytes": layout.partition_bytes, "digest": layout.digest(), "strategy": strategy,
+            "lr": 0.5, "momentum": 0.9, "weight_decay": 0.0,
             **over}
 
 
@@ -111,7 +112,8 @@ def test_a_server_left_without_partitions_refuses_the_hello_and_ends():
     """Server 3 of 4 for a model of 2 partitions: the worker hears why, the server does not hang."""
     server, thread, out = start_server(index=3, servers=4)
     pb = 4 << 20
-    hello = {"worker": 0, "numels": [12, 3], "partition_bytes": pb, "digest": layout_digest([12, 3], 4, pb),
+    hello = {"worker": 0, "numels": [12, 3], "shapes": [[3, 4], [3]], "partition_bytes": pb,
+             "digest": layout_digest([12, 3], 4, pb),
              "strategy": "sync", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}
     ch = dial(server, 0, 1)
     ch.send(P.HELLO, worker=0, body=P.encode_json(hello))
@@ -138,9 +140,19 @@ NESTED = b'{"worker":0,"numels":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     ({"partition_bytes": 2}, "'partition_bytes' must be an integer in \\[4, "),
     ({"strategy": ["sync"]}, "'strategy' must be one of"),
     ({"worker": True}, "'worker' must be an integer"),
-    ({"numels": [13, 3]}, "layout digest differs"),  # checked before any layout is built
+    ({"numels": [13, 3], "shapes": [[13], [3]]}, "layout digest differs"),  # checked before any layout is built
+    ({"shapes": None}, "'shapes' must be a list of 2 shapes"),
+    ({"shapes": [[12]]}, "'shapes' must be a list of 2 shapes"),
+    ({"shapes": [[3, 4], 3]}, "'shapes' must be a list of 2 shapes"),
+    ({"shapes": [[3, 4.0], [3]]}, "'shapes' must hold lists of integers in \\[0, "),
+    ({"shapes": [[3, -4], [3]]}, "'shapes' must hold lists of integers in \\[0, "),
+    ({"shapes": [[3, True], [3]]}, "'shapes' must hold lists of integers in \\[0, "),
+    ({"shapes": [[1] * 65, [3]]}, "'shapes' must hold lists of at most 64 sizes"),
+    ({"shapes": [[3, 5], [3]]}, "'shapes' must .* elements as 'numels' says: parameter #0 has shape \\(3, 5\\) "
+                                "but 12 elements"),
 ], ids=["nested", "lr<0", "lr=inf", "momentum=nan", "numel=1e400", "numel=12.0", "numel<0", "partition_bytes",
-        "strategy", "worker=true", "digest"])
+        "strategy", "worker=true", "digest", "shapes=null", "shapes-short", "shape=3", "dim=4.0", "dim<0",
+        "dim=true", "65-dims", "shape!=numel"])
 def test_a_bad_hello_is_refused_naming_the_field_and_the_server_ends(body, word):
     server, thread, out = start_server()
     layout = make_layout([12, 3], 1, 16)
@@ -176,6 +188,8 @@ def test_a_hello_body_over_the_json_limit_is_refused_before_it_is_read():
 def test_check_hello_normalizes_a_good_hello():
     hello = check_hello(hello_of(make_layout([12, 3], 1, 16), lr=1, momentum=0), "worker 0")
     assert hello["lr"] == 1.0 and isinstance(hello["lr"], float) and hello["numels"] == [12, 3]
+    hello = check_hello(hello_of(make_layout([12, 1, 0], 1, 16), shapes=[[2, 3, 2], [], [4, 0]]), "worker 0")
+    assert hello["shapes"] == [[2, 3, 2], [], [4, 0]]  # (a 0-dimensional parameter has 1 element)
 
 
 def test_an_unexpected_exception_in_a_connection_is_reported_and_every_peer_told(monkeypatch):
@@ -232,7 +246,8 @@ def test_an_async_checkpoint_over_two_servers_resumes(tmp_path):
     endpoints = [s.endpoint for s, _, _ in started]
     ps = worker(endpoints, 0, 2, strategy="async", momentum=0.0)
     ps.wait()
-    hello = hello_of(ps.layout, 1, "async", lr=0.1, momentum=0.0, weight_decay=0.0)
+    hello = hello_of(ps.layout, 1, "async", lr=0.1, momentum=0.0, weight_decay=0.0,
+                     shapes=[list(p.shape) for p in ps.params])
     chans = [raw_worker(s, hello, workers=2) for s, _, _ in started]
     ids = ps._ids[0]
     chans[0].send(P.PUSH, worker=1, step=0, ids=ids,
@@ -644,6 +659,27 @@ def test_launch_local_refuses_a_float_server_count_before_starting_anything():
         launch_local(2.0, 1)
 
 
+def wrap_two(endpoints, model) -> list:
+    """Workers 0 and 1 wrap model(w) against ``endpoints``, then close: what each returned or raised.
+    Neither closes before both were answered (a worker 0 that said BYE before worker 1's HELLO came
+    would end cleanly, 1 run in 3 here)."""
+    both = threading.Barrier(2, timeout=20)
+
+    def run(w: int):
+        try:
+            ps = worker(endpoints, w, 2, model=model(w), timeout=5.0)
+        except BaseException:
+            both.abort()
+            raise
+        try:
+            both.wait()
+        except threading.BrokenBarrierError:  # (the other was refused: the servers end the job)
+            pass
+        return ps.close()
+
+    return on_threads(2, run, timeout=30)
+
+
 @pytest.mark.parametrize("case", ["wider", "frozen"])
 def test_workers_whose_models_differ_are_refused_naming_the_first_parameter_that_differs(case):
     # Before: "worker 1 disagrees with the other workers about ['digest', 'numels']", naming no parameter.
@@ -658,13 +694,51 @@ def test_workers_whose_models_differ_are_refused_naming_the_first_parameter_that
             m[0].weight.requires_grad_(False)
         return m
 
-    results = on_threads(2, lambda w: worker(endpoints, w, 2, model=model(w), timeout=5.0).close(), timeout=30)
+    results = wrap_two(endpoints, model)
     texts = " | ".join(str(r) for r in results)
     assert all(isinstance(r, CommError) for r in results), texts
     if case == "wider":
         assert re.search(r"parameter #2 .* (15|6) elements, the first worker's (6|15)", texts), texts
     else:
         assert re.search(r"it has [34] parameters that require a gradient, the first worker [34]", texts), texts
+    join_all(started)
+
+
+class _TransposedLinear(torch.nn.Module):
+    """Linear(4, 3) with its weight stored transposed: shape (4, 3), torch's is (3, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 3))
+        self.bias = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+@pytest.mark.parametrize("case, theirs", [("transposed", "(4, 3)"), ("reshaped", "(2, 6)"), ("flattened", "(12,)")])
+def test_workers_whose_parameter_shapes_differ_at_the_same_size_are_refused_naming_both_shapes(case, theirs):
+    # Before: both workers were accepted (the HELLO had sizes, not shapes) and trained one
+    # another's weights scrambled: worker 1's (4, 3) got worker 0's (3, 4) values, element by element.
+    started = start_servers(1, workers=2)
+    endpoints = [s.endpoint for s, _, _ in started]
+
+    def model(w: int) -> torch.nn.Module:
+        m = tiny()
+        if w == 1 and case == "transposed":
+            m[0] = _TransposedLinear()
+        if w == 1 and case in ("reshaped", "flattened"):
+            m[0].weight = torch.nn.Parameter(torch.zeros(2, 6) if case == "reshaped" else torch.zeros(12))
+        return m
+
+    results = wrap_two(endpoints, model)
+    texts = " | ".join(str(r) for r in results)
+    assert all(isinstance(r, CommError) for r in results), texts
+    ours = re.escape("(3, 4)")
+    pattern = (rf"disagrees with the other workers about \['shapes'\]: its parameter #0 \(counting those of "
+               rf"module.parameters\(\) that require a gradient\) has shape ({re.escape(theirs)}|{ours}), the first "
+               rf"worker's ({re.escape(theirs)}|{ours})")
+    assert re.search(pattern, texts), texts
     join_all(started)
 
 

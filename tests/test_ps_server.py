@@ -230,7 +230,8 @@ def server_and_silent_worker(strategy: str):
 
     server, thread, out = start_server(workers=2, strategy=strategy, timeout=1.5)
     layout = make_layout([p.numel() for p in tiny().parameters()], 1, PSOptions().partition_bytes)
-    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum, strategy=strategy)
+    silent = raw_worker(server, layout, 1, 2, lr=0.1, momentum=PSOptions().momentum, strategy=strategy,
+                        shapes=[list(p.shape) for p in tiny().parameters()])
     return server, thread, out, silent
 
 
@@ -331,7 +332,8 @@ def test_a_worker_lost_half_way_through_a_push_leaves_the_shard_untouched():
                                  partition_mb=4 / (1 << 20))
     ps.wait()
     ch = P.Channel(P.dial(server.endpoint, P.ps_identity(2, 3, "ps", SECRET), 0, 5.0), "server", 5.0)
-    hello = {"worker": 1, "numels": list(ps.layout.numels), "partition_bytes": ps.opts.partition_bytes,
+    hello = {"worker": 1, "numels": list(ps.layout.numels), "shapes": [list(p.shape) for p in ps.params],
+             "partition_bytes": ps.opts.partition_bytes,
              "digest": ps.layout.digest(), "strategy": "sync", "lr": ps.opts.lr, "momentum": ps.opts.momentum,
              "weight_decay": 0.0}
     ch.send(P.HELLO, worker=1, body=P.encode_json(hello))
@@ -385,10 +387,12 @@ def test_roles_and_rank_entry_arguments():
 
 
 def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float, momentum: float = 0.0,
-               strategy: str = "sync") -> P.Channel:
-    """A worker speaking the protocol by hand: handshake and HELLO; WELCOME read."""
+               strategy: str = "sync", shapes=None) -> P.Channel:
+    """A worker speaking the protocol by hand: handshake and HELLO; WELCOME read. ``shapes``: the
+    parameters' (as a real worker of the same job has them), or one dimension each."""
     ch = P.Channel(P.dial(server.endpoint, P.ps_identity(1 + w, 1 + workers, "ps", SECRET), 0, 5.0), "server", 5.0)
-    hello = {"worker": w, "numels": list(layout.numels), "partition_bytes": layout.partition_bytes,
+    hello = {"worker": w, "numels": list(layout.numels), "shapes": shapes or [[n] for n in layout.numels],
+             "partition_bytes": layout.partition_bytes,
              "digest": layout.digest(), "strategy": strategy, "lr": lr, "momentum": momentum, "weight_decay": 0.0}
     ch.send(P.HELLO, worker=w, body=P.encode_json(hello))
     head = ch.recv_header(5.0)

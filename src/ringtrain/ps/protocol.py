@@ -11,8 +11,8 @@ module only adds what travels inside a DATA frame's payload):
   partition ids (u32 each) and then the partitions' float32 values in the order of the ids,
   or, for HELLO, WELCOME and BYE, a UTF-8 JSON body of at most MAX_JSON bytes. No pickle.
 - *kinds*:
-  HELLO (worker -> server, JSON: worker index, layout sizes and digest, strategy and optimizer
-  settings), WELCOME (server -> worker, JSON: the server's version and whether it still needs
+  HELLO (worker -> server, JSON: worker index, layout sizes and digest, parameter shapes,
+  strategy and optimizer settings), WELCOME (server -> worker, JSON: the server's version and whether it still needs
   initial values), INIT (worker 0 -> server: initial values of the whole shard), PUSH (worker ->
   server: gradients of some partitions for ``step``, tagged with the ``version`` of the
   parameters they were computed from), PULL (worker -> server: "send me the shard's values for
@@ -58,7 +58,7 @@ HELLO, WELCOME, INIT, PUSH, PULL, PARAMS, SAVE, SAVED, BYE = range(1, 10)
 KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", INIT: "INIT", PUSH: "PUSH", PULL: "PULL",
               PARAMS: "PARAMS", SAVE: "SAVE", SAVED: "SAVED", BYE: "BYE"}
 JSON_KINDS = (HELLO, WELCOME, BYE, SAVED)  # (SAVED: only a failed save's)
-#: The largest JSON body (HELLO carries one integer per parameter tensor).
+#: The largest JSON body (HELLO carries a size and a shape per parameter tensor).
 MAX_JSON = 4 << 20
 
 _HEADER = struct.Struct("<4sBBHIIqqQ")  # magic kind flags reserved worker count step version extra

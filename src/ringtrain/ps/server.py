@@ -51,6 +51,7 @@ worker's push. Every wait ends by ``timeout`` with CommTimeout naming who is mis
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import socket
 import threading
@@ -66,7 +67,7 @@ from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolEr
 from ..transport import tcp_setup
 from . import protocol as P
 from . import shard_resume
-from .server_config import HELLO_KEYS, MAX_PARTITIONS, ServerConfig, check_hello
+from .server_config import HELLO_KEYS, MAX_PARTITIONS, ServerConfig, check_hello, format_shape
 from .sharding import layout_digest, make_layout, partition_count
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class ParameterServer:
             diff = [k for k in HELLO_KEYS if self._settings[k] != hello[k]]
             if diff:
                 raise MismatchError(f"worker {hello['worker']} disagrees with the other workers about {diff}"
-                                    + _first_numel_difference(hello["numels"], self._settings["numels"]))
+                                    + _first_difference(hello["shapes"], self._settings["shapes"]))
             return
         numels, partition_bytes = hello["numels"], hello["partition_bytes"]
         if layout_digest(numels, self.cfg.servers, partition_bytes) != hello["digest"]:
@@ -814,15 +815,20 @@ def run_server(cfg: ServerConfig, ready=None) -> dict:
     return stats
 
 
-def _first_numel_difference(theirs: list[int], ours: list[int]) -> str:
-    """Where a worker's parameter sizes first differ from the first worker's, for the HELLO refusal
-    (the server knows sizes only: parameters are numbered as the worker serves them)."""
+def _first_difference(theirs: list[list[int]], ours: list[list[int]]) -> str:
+    """Where a worker's parameter shapes first differ from the first worker's, for the HELLO refusal
+    (the server knows sizes and shapes only: parameters are numbered as the worker serves them)."""
     if len(theirs) != len(ours):
         what = f"it has {len(theirs)} parameters that require a gradient, the first worker {len(ours)}"
     else:
         i = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
         if i is None:
             return ""
-        what = (f"its parameter #{i} (counting those of module.parameters() that require a gradient) has "
-                f"{theirs[i]} elements, the first worker's {ours[i]}")
+        a, b = theirs[i], ours[i]
+        where = f"its parameter #{i} (counting those of module.parameters() that require a gradient) has"
+        if math.prod(a) != math.prod(b):
+            what = (f"{where} {math.prod(a)} elements, the first worker's {math.prod(b)} (shapes {format_shape(a)} "
+                    f"and {format_shape(b)})")
+        else:
+            what = f"{where} shape {format_shape(a)}, the first worker's {format_shape(b)}"
     return (f": {what}. Every worker must wrap the same model, with the same parameters requiring a gradient")

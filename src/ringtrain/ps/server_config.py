@@ -22,8 +22,10 @@ STRATEGIES = ("sync", "async", "sharded")
 MAX_PARAMETERS = 1 << 20
 MAX_NUMEL = 1 << 40
 MAX_PARTITIONS = 1 << 20
-#: The HELLO fields every worker of a job must send alike (the server compares them).
-HELLO_KEYS = ("digest", "numels", "partition_bytes", "lr", "momentum", "weight_decay", "strategy")
+MAX_DIMS = 64  # (torch allows fewer)
+#: The HELLO fields every worker of a job must send alike (the server compares them). "shapes"
+#: is not in the layout's digest (the layout depends on sizes only): it is compared on its own.
+HELLO_KEYS = ("digest", "numels", "shapes", "partition_bytes", "lr", "momentum", "weight_decay", "strategy")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,6 +123,7 @@ def check_hello(hello: dict, who: str) -> dict:
         raise bad("numels", f"must be a list of at most {MAX_PARAMETERS} parameter sizes")
     out = {"worker": integer("worker", 0, 1 << 31),
            "numels": [integer("numels", 0, MAX_NUMEL, n) for n in numels],
+           "shapes": _shapes(hello.get("shapes"), numels, bad),
            "partition_bytes": integer("partition_bytes", ITEMSIZE, MAX_NUMEL),
            "lr": number("lr", positive=True),
            "momentum": number("momentum", positive=False),
@@ -131,3 +134,24 @@ def check_hello(hello: dict, who: str) -> dict:
             raise bad(key, f"must be {'one of ' + str(allowed) if allowed else 'a string'}")
         out[key] = value
     return out
+
+
+def _shapes(shapes, numels: list[int], bad) -> list[list[int]]:
+    """HELLO's "shapes": one list of dimension sizes per parameter, each of as many elements as
+    "numels" says (checked after "numels")."""
+    if not isinstance(shapes, list) or len(shapes) != len(numels) or not all(isinstance(s, list) for s in shapes):
+        raise bad("shapes", f"must be a list of {len(numels)} shapes (lists of dimension sizes), one per 'numels'")
+    for i, shape in enumerate(shapes):
+        if len(shape) > MAX_DIMS:
+            raise bad("shapes", f"must hold lists of at most {MAX_DIMS} sizes (parameter #{i} has {len(shape)})")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_NUMEL for d in shape):
+            raise bad("shapes", f"must hold lists of integers in [0, {MAX_NUMEL}] (parameter #{i}: {str(shape)[:80]})")
+        if math.prod(shape) != numels[i]:
+            raise bad("shapes", f"must have as many elements as 'numels' says: parameter #{i} has shape "
+                                f"{format_shape(shape)} but {numels[i]} elements")
+    return shapes
+
+
+def format_shape(shape) -> str:
+    """A shape as a tuple is written: (3, 4), (12,), ()."""
+    return str(tuple(shape))

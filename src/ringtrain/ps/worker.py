@@ -193,7 +193,8 @@ class ParameterServerTraining:
     def _connect(self, servers: Sequence[Sequence]) -> list[_Link]:
         K, W, opts = self.num_servers, self.workers, self.opts
         me = P.ps_identity(K + self.worker, K + W, opts.job, opts.secret)
-        hello = {"worker": self.worker, "numels": list(self.layout.numels), "partition_bytes": opts.partition_bytes,
+        hello = {"worker": self.worker, "numels": list(self.layout.numels),
+                 "shapes": [list(p.shape) for p in self.params], "partition_bytes": opts.partition_bytes,
                  "digest": self.layout.digest(), "strategy": opts.strategy, "lr": opts.lr,
                  "momentum": opts.momentum, "weight_decay": opts.weight_decay}
         links = []
