@@ -770,3 +770,64 @@ def test_a_staleness_bound_for_a_synchronous_server_is_refused_not_ignored(strat
 
     with pytest.raises(SystemExit):
         parse(["--strategy", strategy, "--max-staleness", "-1" if staleness is None else str(staleness)])
+
+
+# --- 15. step() without backward ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("when", ["first step", "after a step", "forward only"])
+def test_a_step_without_any_gradient_is_refused_and_moves_nothing(when):
+    # Before: step() with no gradient at all pushed zeros and the servers' momentum moved every
+    # parameter (by 0.9 x the last update after a step); torch's SGD leaves parameters whose .grad
+    # is None alone. Now a RuntimeError before anything is pushed, and training goes on as if the
+    # call had not been made.
+    server, thread, out = start_server()
+    model, ref = tiny(), tiny()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ps = worker([server.endpoint], model=model, momentum=0.9)
+    x = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+
+    def both_step():
+        for m, step in ((model, ps.step), (ref, opt.step)):
+            m.zero_grad(set_to_none=True)
+            m(x).pow(2).sum().backward()
+            step()
+
+    if when != "first step":
+        both_step()
+    model.zero_grad(set_to_none=True)
+    if when == "forward only":
+        model(x)
+    ps.wait()
+    before, version = [p.detach().clone() for p in model.parameters()], server.version
+    with pytest.raises(RuntimeError, match=r"worker 0: step\(\) was called but no parameter has a gradient.*"
+                                           r"call loss\.backward\(\) before ps\.step\(\)"):
+        ps.step()
+    ps.wait()
+    assert server.version == version and all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    both_step()  # and it trains on, as torch does
+    ps.wait()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    stats = ps.close()
+    thread.join(10)
+    assert out["stats"]["failed"] is None and stats["steps"] == server.version
+
+
+def test_zero_gradients_without_backward_step_as_torch_does():
+    """Gradients set to zeros (not None) with no backward: pushed as zeros, momentum moves the
+    parameters, as torch's SGD moves them."""
+    server, thread, out = start_server()
+    model, ref = tiny(), tiny()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ps = worker([server.endpoint], model=model, momentum=0.9)
+    x = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    for m, step in ((model, ps.step), (ref, opt.step)):
+        m(x).pow(2).sum().backward()
+        step()
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        step()
+    ps.wait()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert not torch.equal(model[0].weight, tiny()[0].weight)
+    ps.close()
+    thread.join(10)

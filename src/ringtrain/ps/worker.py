@@ -26,7 +26,8 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   is answered with the whole shard. A forward pre-hook on each module waits only for that
   module's own parameters (``overlap_pull``).
 - The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
-  the gradients (set to None). A parameter that got no gradient is pushed as zeros.
+  the gradients (set to None). A parameter that got no gradient is pushed as zeros; a
+  ``step()`` with no gradient at all (no backward since the last) is refused, pushing nothing.
 - *version*: a tensor's in-place write counter (``Tensor._version``). The receiver writes
   through numpy views, which leave it alone, so a parameter whose version moved was written by
   the caller (a local ``optimizer.step()``, ``load_state_dict``): ``step()`` refuses it, as it
@@ -327,6 +328,7 @@ class ParameterServerTraining:
         self._check_pushed_grads()
         self._check_params_unwritten()
         self._check_unserved()
+        self._check_some_gradient()
         left = [g for g, pushed in enumerate(self._pushed) if not pushed]
         if left:  # parameters without a gradient: pushed as zeros, once their values of this step are in
             self._wait_params([i for g in left for i in self._groups[g]])
@@ -380,6 +382,21 @@ class ParameterServerTraining:
                 "ParameterServerTraining was made, so the servers do not hold it and its gradient would never be "
                 "applied: set requires_grad before wrapping the module (make a new ParameterServerTraining, "
                 "with new servers, to train it)")
+
+    def _check_some_gradient(self) -> None:
+        """step() with no gradient at all (no backward since the last step(), or ever) would push
+        zeros, and the servers' momentum and weight decay would still move every parameter, where
+        torch's optimizers skip parameters whose .grad is None: refuse it before anything is pushed.
+        (Some parameters without a gradient beside others that have one are pushed as zeros.)"""
+        if any(self._pushed) or any(p.grad is not None for p in self.params):
+            return
+        raise RuntimeError(
+            f"worker {self.worker}: step() was called but no parameter has a gradient (no backward() since the last "
+            "ps.step(), which clears them, or since zero_grad(set_to_none=True), or none yet), and nothing was "
+            "pushed: the servers would apply zero gradients, whose momentum and weight decay still move the "
+            "parameters. Nothing was sent; call loss.backward() before ps.step() (a worker with no data for a "
+            "synchronous step can take part with a zero loss, e.g. "
+            "sum(p.sum() for p in model.parameters()) * 0)")
 
     def _plan(self) -> None:
         """Group parameters for pushes from the first step's backward timings."""
