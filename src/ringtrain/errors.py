@@ -7,6 +7,9 @@ part-way through a different step, so every later call raises too (create a new 
 
 from __future__ import annotations
 
+import math
+import numbers
+
 
 class CommError(RuntimeError):
     """Base class: something went wrong while ranks were communicating."""
@@ -80,3 +83,13 @@ def ranks_by_value(values, label=str) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def check_number(name: str, value, *, positive: bool = True, unit: str = "") -> float:
+    """``value`` as a float, where it is a finite real number > 0 (``positive``) or >= 0; never a
+    bool (a ``True`` passed for a timeout is a mistake, not 1 s). Else a ValueError naming
+    ``name`` (``unit``: " of seconds", say, in the message)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{name} must be a finite number{unit} {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, check_number
 from .sharding import ITEMSIZE
 
 STRATEGIES = ("sync", "async", "sharded")
@@ -79,9 +79,7 @@ class ServerConfig:
         if self.synchronous and self.max_staleness != 0:
             raise ValueError(f"max_staleness is for strategy 'async' (a synchronous server keeps every worker at one "
                              f"step); got {self.max_staleness} with strategy {self.strategy!r}")
-        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real)
-                or not (math.isfinite(self.timeout) and self.timeout > 0)):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
+        check_number("timeout", self.timeout, unit=" of seconds")
 
     @property
     def synchronous(self) -> bool:

@@ -42,8 +42,6 @@ a server reports (a lost worker in a synchronous job) comes back with the server
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import queue
 import threading
 import time
@@ -57,7 +55,7 @@ from torch import nn
 
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
-from ..errors import CommError, CommTimeout, PeerLost, ProtocolError
+from ..errors import CommError, CommTimeout, PeerLost, ProtocolError, check_number
 from . import protocol as P
 from .server_config import STRATEGIES
 from .sharding import make_layout
@@ -104,11 +102,9 @@ class PSOptions:
             raise ValueError(f"schedule must be one of {planner.METHODS}, got {self.schedule!r}")
         for name in ("lr", "timeout", "partition_mb", "momentum", "weight_decay", "alpha", "beta"):
             value, positive = getattr(self, name), name in ("lr", "timeout", "partition_mb")
-            # (the servers refuse a HELLO whose lr, momentum or weight_decay is not finite)
-            if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-                    or not (value > 0 if positive else value >= 0)):
-                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
-            object.__setattr__(self, name, float(value))  # (a numpy scalar goes into the HELLO's JSON)
+            # (the servers refuse a HELLO whose lr, momentum or weight_decay is not finite; a float,
+            # not a numpy scalar, goes into the HELLO's JSON)
+            object.__setattr__(self, name, check_number(name, value, positive=positive))
 
     @property
     def partition_bytes(self) -> int:
