@@ -195,6 +195,24 @@ def rank_dependent_loss(model, rank, step):
     return loss + out["aux"][0].pow(2).mean() if (rank + step) % 2 and step != 1 else loss
 
 
+class WithInput(nn.Module):
+    """Returns, beside its logits, an output computed from the input alone (no parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        return {"logits": self.a(x), "scaled": x * 2}
+
+
+def no_parameter_loss(model, rank, step):
+    """Rank 1's loss at step 1 uses only the output that reaches no parameter."""
+    x, y = _batch(rank, step)
+    out = model(x.requires_grad_())
+    return out["scaled"].pow(2).mean() if (rank, step) == (1, 1) else F.cross_entropy(out["logits"], y)
+
+
 def structured_loss(model, rank, step):
     x, y = _batch(rank, step)
     out = model(x)
@@ -565,6 +583,17 @@ def test_a_head_used_on_some_ranks_with_find_unused_parameters():
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_whose_loss_reaches_no_parameter_with_find_unused_parameters(world):
+    """Rank 1's backward at step 1 got no gradient: nothing began or ended it, so it returned
+    without taking part, and its next backward's allreduces paired with the other ranks' of
+    this one (rank 0's step-1 gradients came back averaged with rank 1's step-2 ones), then the
+    ranks failed apart. It now takes part with zeros: every rank gets the mean, as torch's DDP."""
+    t0 = time.monotonic()
+    _check(WithInput, world, no_parameter_loss, find_unused_parameters=True)
+    assert time.monotonic() - t0 < 10
+
+
 def test_a_penalty_on_a_head_the_loss_ignores_is_still_an_error_naming_it():
     """A parameter counted unused (only an output the loss ignores reaches it) that gets a gradient
     from a term taken from the parameters directly: named, as for a parameter no output reaches."""
@@ -622,6 +651,7 @@ TORCH_PATTERNS = {
     "never zeroed": (MLP, ce, lambda m: NeverZeroed(m.parameters(), lr=0.1), None, False),
     "output modified in place, find_unused": (Heads, inplace_loss, sgd, None, True),
     "namedtuple output, find_unused": (lambda: Structured(Pair), structured_loss, sgd, None, True),
+    "a rank's loss reaches no parameter, find_unused": (WithInput, no_parameter_loss, sgd, None, True),
     "part of the outputs": (Heads, logits_only_loss, sgd, None, False),
     "reentrant checkpoint twice": (lambda: Checkpointed(True, twice=True).double(), ce, sgd, None, False),
 }

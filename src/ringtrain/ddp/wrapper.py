@@ -351,11 +351,30 @@ class DistributedDataParallel(nn.Module):
             st.kept = {pid: (self._params[pid].grad, self._params[pid].grad._version) for pid in st.unused
                        if self._params[pid].grad is not None}
             self._on_backward_start()
+            if not st.expected:
+                self._without_gradients()
         elif st.decided is not None and generation != st.decided:
             # This backward goes through the outputs of another forward than the one that decided.
             late = reached & st.unused
             if late:
                 raise self._earlier_forward_error(late)
+
+    def _without_gradients(self) -> None:
+        """find_unused_parameters: the outputs the loss used reach no parameter, so no gradient
+        will begin or end this backward; the other ranks' allreduces wait for this rank's (and,
+        left out, would pair with its next backward's). It takes part now, with zeros (or what
+        ``no_sync()`` accumulated), and its backward ends here."""
+        st = self._s
+        now = time.perf_counter()
+        with self._lock:
+            try:
+                self._begin_backward(now)
+                st.last = now
+                self._end_backward()
+            except BaseException:
+                if st.active:
+                    self._abandon_iteration()
+                raise
 
     def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
         st = self._s
