@@ -831,3 +831,31 @@ def test_zero_gradients_without_backward_step_as_torch_does():
     assert not torch.equal(model[0].weight, tiny()[0].weight)
     ps.close()
     thread.join(10)
+
+
+# --- docs review: every worker of the loop in docs/ps.md saves -------------------------------------
+
+@pytest.mark.parametrize("background", [False, True])
+def test_saves_asked_by_two_workers_at_once_are_both_made(tmp_path, background):
+    """docs/ps.md's loop ends with pst.save_checkpoint(); run by W workers, every worker asks at
+    the same step. The server's connection threads shared its CheckpointWriter unguarded: one
+    joined or popped the write the other had queued ("RuntimeError: cannot join thread before it
+    is started" with worker processes, "IndexError: pop from empty list" here: [False] failed 4
+    runs in 4), and the server dropped that worker as lost, ending the job."""
+    server, thread, out = start_server(workers=2, checkpoint_dir=str(tmp_path))
+    workers = [worker([server.endpoint], w, 2) for w in range(2)]
+    gate = threading.Barrier(2)
+
+    def body(w):
+        for s in range(3):
+            train(workers[w], s + 1)
+            gate.wait(10)
+            workers[w].save_checkpoint(background=background)
+        return workers[w].close()
+
+    results = on_threads(2, body, timeout=40)
+    thread.join(10)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert out["stats"]["failed"] is None and server.write_error is None
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "server-0")] == [1, 2, 3]
+    assert checkpoint.latest(tmp_path / "server-0").payload["version"] == 3

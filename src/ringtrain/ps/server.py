@@ -99,6 +99,9 @@ class ParameterServer:
         self._heard = [0.0] * W  # monotonic time of each worker's last message
         self._serving: set[int] = set()  # workers whose message waits in _wait_until
         self._writer = checkpoint.CheckpointWriter(cfg.shard_dir) if cfg.shard_dir else None
+        # The writer is not thread-safe, and every worker's connection thread may ask for a save
+        # (every worker does where each calls save_checkpoint): one save at a time.
+        self._save_lock = threading.Lock()
         self.write_error: Optional[OSError] = None  # a background write that failed after the last SAVE
         self._first_connected: Optional[float] = None
         self._channels: dict[int, P.Channel] = {}
@@ -725,6 +728,10 @@ class ParameterServer:
     def _save(self, step: int, background: bool = False) -> None:
         """Write the checkpoint of ``step`` (see *checkpoint of step s* above), or only start to in the
         ``background``; _SaveRefused if it cannot be, or if the background write before it failed."""
+        with self._save_lock:
+            self._save_locked(step, background)
+
+    def _save_locked(self, step: int, background: bool) -> None:
         try:  # (one write in flight at most, and in the background one more queued behind it)
             self._writer.wait(at_most=1 if background else 0)
         except OSError as exc:
