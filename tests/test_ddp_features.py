@@ -635,3 +635,16 @@ def test_one_rank_overhead_tool_pairs_equal_training(name):
     assert result["plain_step_ms"] > 0 and result["ddp_step_ms"] > 0
     with pytest.raises(ValueError, match="model must be one of"):
         overhead.measure("conv")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--rounds", "0"], ["--steps", "-3"], ["--rounds", "-1"]])
+def test_overhead_tool_refuses_counts_below_one_naming_the_option(argv, capsys):
+    # Before: python -m ringtrain.ddp.overhead --steps 0 (or --rounds 0) built the model, timed
+    # nothing and ended in a traceback, "statistics.StatisticsError: no median for empty data".
+    from ringtrain.ddp import overhead
+
+    with pytest.raises(SystemExit) as exc:
+        overhead.main(["--models", "tiny", "--out", "", *argv])
+    assert exc.value.code == 2
+    assert f"{argv[0]} must be >= 1" in capsys.readouterr().err

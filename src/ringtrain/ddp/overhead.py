@@ -111,6 +111,9 @@ def main(argv=None) -> None:
     bad = [m for m in names if m not in model_names()]
     if bad or not names:
         parser.error(f"--models: each must be one of {model_names()}, got {args.models!r}")
+    for option, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{option} must be >= 1, got {value}")
     results = []
     for name in names:
         result = measure(name, args.steps, args.rounds)
