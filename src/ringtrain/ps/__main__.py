@@ -1,7 +1,7 @@
 """One rank of a parameter-server benchmark job: ``python -m ringtrain.ps --servers K ...``.
 
 Started on every rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-RINGTRAIN_SECRET), e.g. by ``ringtrain.bench.procs.run_ranks("ringtrain.ps", args, W + K)``:
+RINGTRAIN_SECRET), e.g. by ``ringtrain.bench.procs.run_ranks("ringtrain.ps", args, W + K, timeout=S)``:
 ranks [0, W) train a reference model for ``--steps`` steps on their slice of every global
 batch, the last K ranks serve. Rank 0 prints one line ``RESULT {json}``: its step times and
 losses, median step time and samples/s (after 2 warm-up steps), its bytes per server, and
