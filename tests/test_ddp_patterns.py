@@ -625,6 +625,59 @@ def test_no_sync_then_a_loss_on_part_of_the_outputs():
     assert results[0][0]["h2.weight"] is None  # (step 0)
 
 
+
+class AuxFirst(nn.Module):
+    """Heads whose aux head is computed before the logits: autograd reaches h1 first in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7, dtype=torch.float64)
+        self.h1 = nn.Linear(7, 3, dtype=torch.float64)
+        self.h2 = nn.Linear(7, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        aux = self.h2(h)
+        return {"logits": self.h1(h), "aux": aux}
+
+
+def aux_at_first_loss(model, rank, step):
+    """Uses the aux head at step 0 only: from step 1 h2 has a .grad the loss does not add to."""
+    x, y = _batch(rank, step)
+    out = model(x)
+    loss = F.cross_entropy(out["logits"], y)
+    return loss + out["aux"].pow(2).mean() if step == 0 else loss
+
+
+@pytest.mark.parametrize("kind", [ZeroedInPlace, NeverZeroed])
+def test_a_head_the_loss_ignores_whose_grad_shares_a_bucket_with_used_ones(kind):
+    """h2 ignored at steps 1 and 2 but with a .grad (a view of the one bucket, zeroed in place or
+    kept): h1's gradient, accumulated in place into its own view of that bucket, moved the
+    bucket's version counter, which h2's .grad shares, so autograd's accumulation of h2 with no
+    gradient was taken for a new one: "'h2.bias' got a gradient, but the forward's outputs that
+    the loss uses do not reach it" on every rank."""
+    _check(AuxFirst, 2, aux_at_first_loss, opt=lambda m: kind(m.parameters(), lr=0.1),
+           find_unused_parameters=True, schedule="fixed")
+
+
+
+def aux_gradient_norm_then_logits_loss(model, rank, step):
+    """torch.autograd.grad of the aux output for h2's parameters (a gradient norm, say: their .grad
+    untouched), then a loss that ignores the aux head."""
+    x, y = _batch(rank, step)
+    h2 = [p for name, p in model.named_parameters() if "h2" in name]
+    torch.autograd.grad(model.module(x)["aux"].pow(2).sum() if hasattr(model, "module")
+                        else model(x)["aux"].pow(2).sum(), h2)
+    return F.cross_entropy(model(x)["logits"], y)
+
+
+def test_torch_autograd_grad_for_a_head_the_loss_then_ignores():
+    """autograd.grad calls a parameter's gradient hook but not its post-accumulate hook: the mark
+    of a gradient it left must not make the next backward's accumulation of h2 with none an error."""
+    results = _check(AuxFirst, 2, aux_gradient_norm_then_logits_loss, find_unused_parameters=True)
+    assert results[0][0]["h2.weight"] is None
+
+
 # --- against torch's own DDP (gloo), in real processes -------------------------------------------
 
 # name: (model, loss, optimizer, after backward, find_unused_parameters). Those that fail under

@@ -167,6 +167,8 @@ class DistributedDataParallel(nn.Module):
             me = weakref.ref(self)
             self._hooks = [p.register_post_accumulate_grad_hook(partial(_grad_hook, me, pid))
                            for pid, p in enumerate(self._params)]
+            if opts.find_unused_parameters:  # (see _State.incoming)
+                self._hooks += [p.register_hook(partial(_incoming_hook, me, pid)) for pid, p in enumerate(self._params)]
         except BaseException:  # a failed broadcast or sweep (ranks disagree, a peer lost): leave nothing behind
             for h in self._hooks:
                 h.remove()
@@ -346,10 +348,9 @@ class DistributedDataParallel(nn.Module):
             reached = frozenset(reachable_params([], self._pid_of, roots))
         if st.armed and st.decided is None:
             st.decided = generation
+            st.incoming = bytearray(len(self._params))  # (torch.autograd.grad runs the gradient hooks only)
             st.expected = len(reached)
             st.unused = {pid for pid in range(len(self._params)) if pid not in reached}
-            st.kept = {pid: (self._params[pid].grad, self._params[pid].grad._version) for pid in st.unused
-                       if self._params[pid].grad is not None}
             self._on_backward_start()
             if not st.expected:
                 self._without_gradients()
@@ -378,6 +379,7 @@ class DistributedDataParallel(nn.Module):
 
     def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
         st = self._s
+        st.arrived, st.incoming[pid] = st.incoming[pid], 0
         if not st.armed:
             return
         now = time.perf_counter()
@@ -393,7 +395,7 @@ class DistributedDataParallel(nn.Module):
 
     def _take_gradient(self, pid: int, param: torch.Tensor, now: float) -> None:
         st = self._s
-        if pid in st.unused and self._no_new_gradient(pid, param):
+        if pid in st.unused and not st.arrived:
             # find_unused_parameters: only outputs the loss ignored reach it; autograd ran its
             # accumulation (through the sink) with no gradient.
             return
@@ -437,15 +439,6 @@ class DistributedDataParallel(nn.Module):
             param.grad = slot
             self._s.retired.append(grad)  # freed at the next forward (see _State.retired)
 
-    def _no_new_gradient(self, pid: int, param: torch.Tensor) -> bool:
-        """find_unused_parameters: whether unused parameter ``pid``'s ``.grad`` is still what it
-        was when the backward decided it unused (None, or the same tensor, unmodified)."""
-        grad = param.grad
-        if grad is None:
-            return True
-        kept = self._s.kept.get(pid)
-        return kept is not None and kept[0] is grad and kept[1] == grad._version
-
     def _begin_backward(self, now: float) -> None:
         st = self._s
         st.active = True
@@ -460,7 +453,6 @@ class DistributedDataParallel(nn.Module):
                 self._slots[pid].zero_()
             else:  # it contributes what no_sync() accumulated
                 self._into_slot(pid, param, param.grad)
-                st.kept[pid] = (param.grad, param.grad._version)
             self._mark_ready(self._bucket_index[pid])
 
     def _launch_used_bitmap(self) -> None:
@@ -575,7 +567,6 @@ class DistributedDataParallel(nn.Module):
         st.stamps = [_NAN] * n
         st.bwd_start = None
         st.hooks_s = 0.0
-        st.kept = {}
         if not self.options.find_unused_parameters:
             st.expected = n
 
@@ -773,7 +764,7 @@ class DistributedDataParallel(nn.Module):
 class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
-    __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "decided", "kept", "expected", "unused", "forward_span", "iteration",
+    __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "decided", "incoming", "arrived", "expected", "unused", "forward_span", "iteration",
                  "failed", "active", "pending", "launched", "jobs", "used", "used_job", "ready", "got", "stamps",
                  "bwd_start", "first", "last", "broadcast_s", "hooks_s", "retired")
 
@@ -784,9 +775,13 @@ class _State:
         self.generation = 0  # synchronizing forwards so far (the last one's number)
         self.first_armed = 0  # the first of those since the last disarming (a backward's end, a no_sync() forward)
         self.decided: Optional[int] = None  # find_unused_parameters: the forward whose outputs decided `unused`
-        # find_unused_parameters: the .grad (and its version) of each unused parameter that had one
-        # when the backward decided; autograd runs the hooks of those only unused outputs reach too.
-        self.kept: dict = {}
+        # find_unused_parameters: 1 where autograd is accumulating a gradient into the parameter (its
+        # gradient hook saw one), 0 where it runs the accumulation with none (only outputs the loss
+        # ignored reach it, through the sink); read and cleared by the post-accumulate hook, into
+        # `arrived`. (Not .grad's version: a .grad that is a bucket view shares its counter with
+        # the whole bucket, which another parameter's in-place accumulation moves.)
+        self.incoming = bytearray(n)
+        self.arrived = 0
         self.expected = n  # gradients that end the backward pass
         self.unused: set[int] = set()  # find_unused_parameters: ids outside the graph
         self.forward_span: Optional[tuple[float, float]] = None
@@ -821,6 +816,14 @@ def _grad_hook(ddp: weakref.ref, pid: int, param: torch.Tensor) -> None:
     wrapper = ddp()
     if wrapper is not None:
         wrapper._on_grad_ready(pid, param)
+
+
+def _incoming_hook(ddp: weakref.ref, pid: int, grad: Optional[torch.Tensor]) -> None:
+    """find_unused_parameters: parameter ``pid``'s gradient hook, called before its accumulation
+    (``grad`` None: autograd runs it with no gradient); it holds the wrapper weakly."""
+    wrapper = ddp()
+    if wrapper is not None and grad is not None:
+        wrapper._s.incoming[pid] = 1
 
 
 def _backward_start_hook(ddp: weakref.ref, grad: torch.Tensor) -> None:
