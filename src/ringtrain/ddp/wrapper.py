@@ -296,21 +296,30 @@ class DistributedDataParallel(nn.Module):
         if not st.armed:  # (else this one supersedes an armed forward whose backward has not begun)
             st.first_armed = st.generation
         st.armed = True
-        me = weakref.ref(self)
         if not self.options.find_unused_parameters:
+            me = weakref.ref(self)
             for t in outputs:
                 t.register_hook(partial(_backward_start_hook, me))
             return out
         if not outputs:  # no tensor with a graph in the output: nothing to walk, all are expected
             st.expected, st.unused, st.decided = len(self._params), set(), st.generation
             return out
+        return self._arm_sink(out, outputs)
+
+    # Run as is under torch.compile: traced, the module's forward lost its inputs, and the weak
+    # reference to the wrapper that the sink's hook holds became the wrapper itself (the sink's
+    # backward called its forward).
+    @torch.compiler.disable
+    def _arm_sink(self, out: Any, outputs: list[torch.Tensor]) -> Any:
+        """find_unused_parameters: ``out`` with its ``outputs`` passed through an OutputSink."""
+        st = self._s
         # What the outputs reach (a reentrant checkpoint is refused here, at the forward). The
         # backward decides, at the sink, what is unused: what the outputs the loss used reach.
         # Until then every parameter counts as unused: a gradient before it is one the outputs
         # cannot have given (a loss term taken from the parameters).
         reached = frozenset(reachable_params(outputs, self._pid_of))
         st.expected, st.unused, st.decided = len(self._params), set(range(len(self._params))), None
-        return _through_sink(out, outputs, partial(_sink_hook, me, st.generation, reached))
+        return _through_sink(out, outputs, partial(_sink_hook, weakref.ref(self), st.generation, reached))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -833,7 +842,6 @@ def _backward_start_hook(ddp: weakref.ref, grad: torch.Tensor) -> None:
         wrapper._on_backward_start()
 
 
-@torch.compiler.disable  # run as is under torch.compile (traced, the module's forward lost its inputs)
 def _through_sink(out: Any, outputs: list[torch.Tensor], on_backward) -> Any:
     """``out`` with its ``outputs`` (the tensors with a graph) passed through an OutputSink."""
     sunk = iter(OutputSink.apply(on_backward, *outputs))
