@@ -388,7 +388,6 @@ class DistributedDataParallel(nn.Module):
 
     def _on_grad_ready(self, pid: int, param: torch.Tensor) -> None:
         st = self._s
-        st.arrived, st.incoming[pid] = st.incoming[pid], 0
         if not st.armed:
             return
         now = time.perf_counter()
@@ -404,7 +403,7 @@ class DistributedDataParallel(nn.Module):
 
     def _take_gradient(self, pid: int, param: torch.Tensor, now: float) -> None:
         st = self._s
-        if pid in st.unused and not st.arrived:
+        if pid in st.unused and not st.incoming[pid]:
             # find_unused_parameters: only outputs the loss ignored reach it; autograd ran its
             # accumulation (through the sink) with no gradient.
             return
@@ -773,7 +772,7 @@ class DistributedDataParallel(nn.Module):
 class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
-    __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "decided", "incoming", "arrived", "expected", "unused", "forward_span", "iteration",
+    __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "decided", "incoming", "expected", "unused", "forward_span", "iteration",
                  "failed", "active", "pending", "launched", "jobs", "used", "used_job", "ready", "got", "stamps",
                  "bwd_start", "first", "last", "broadcast_s", "hooks_s", "retired")
 
@@ -784,13 +783,13 @@ class _State:
         self.generation = 0  # synchronizing forwards so far (the last one's number)
         self.first_armed = 0  # the first of those since the last disarming (a backward's end, a no_sync() forward)
         self.decided: Optional[int] = None  # find_unused_parameters: the forward whose outputs decided `unused`
-        # find_unused_parameters: 1 where autograd is accumulating a gradient into the parameter (its
-        # gradient hook saw one), 0 where it runs the accumulation with none (only outputs the loss
-        # ignored reach it, through the sink); read and cleared by the post-accumulate hook, into
-        # `arrived`. (Not .grad's version: a .grad that is a bucket view shares its counter with
-        # the whole bucket, which another parameter's in-place accumulation moves.)
+        # find_unused_parameters: 1 where autograd accumulated a gradient into the parameter since
+        # the sink decided (its gradient hook saw one), 0 where it ran the accumulation with none
+        # (only outputs the loss ignored reach it, through the sink); read for the unused
+        # parameters only, cleared where the sink decides. (Not .grad's version: a .grad that is
+        # a bucket view shares its counter with the whole bucket, which another parameter's
+        # in-place accumulation moves.) Without the flag nothing sets or reads it.
         self.incoming = bytearray(n)
-        self.arrived = 0
         self.expected = n  # gradients that end the backward pass
         self.unused: set[int] = set()  # find_unused_parameters: ids outside the graph
         self.forward_span: Optional[tuple[float, float]] = None
