@@ -625,15 +625,8 @@ def test_no_sync_then_a_loss_on_part_of_the_outputs():
     assert results[0][0]["h2.weight"] is None  # (step 0)
 
 
-
-class AuxFirst(nn.Module):
+class AuxFirst(Heads):
     """Heads whose aux head is computed before the logits: autograd reaches h1 first in backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(5, 7, dtype=torch.float64)
-        self.h1 = nn.Linear(7, 3, dtype=torch.float64)
-        self.h2 = nn.Linear(7, 2, dtype=torch.float64)
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
