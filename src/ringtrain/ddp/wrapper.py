@@ -291,7 +291,8 @@ class DistributedDataParallel(nn.Module):
         such a forward arms: one under ``torch.no_grad()`` between it and its backward (an
         evaluation, say) leaves that backward armed."""
         st = self._s
-        outputs = [t for t in output_tensors(out) if t.grad_fn is not None]
+        found = output_tensors(out)
+        outputs = [t for t in found if t.grad_fn is not None]
         st.generation += 1
         if not st.armed:  # (else this one supersedes an armed forward whose backward has not begun)
             st.first_armed = st.generation
@@ -304,14 +305,15 @@ class DistributedDataParallel(nn.Module):
         if not outputs:  # no tensor with a graph in the output: nothing to walk, all are expected
             st.expected, st.unused, st.decided = len(self._params), set(), st.generation
             return out
-        return self._arm_sink(out, outputs)
+        return self._arm_sink(out, found, outputs)
 
     # Run as is under torch.compile: traced, the module's forward lost its inputs, and the weak
     # reference to the wrapper that the sink's hook holds became the wrapper itself (the sink's
     # backward called its forward).
     @torch.compiler.disable
-    def _arm_sink(self, out: Any, outputs: list[torch.Tensor]) -> Any:
-        """find_unused_parameters: ``out`` with its ``outputs`` passed through an OutputSink."""
+    def _arm_sink(self, out: Any, found: list[torch.Tensor], outputs: list[torch.Tensor]) -> Any:
+        """find_unused_parameters: ``out`` (whose tensors are ``found``) with its ``outputs`` (those
+        of them with a graph) passed through an OutputSink."""
         st = self._s
         # What the outputs reach (a reentrant checkpoint is refused here, at the forward). The
         # backward decides, at the sink, what is unused: what the outputs the loss used reach.
@@ -319,7 +321,7 @@ class DistributedDataParallel(nn.Module):
         # cannot have given (a loss term taken from the parameters).
         reached = frozenset(reachable_params(outputs, self._pid_of))
         st.expected, st.unused, st.decided = len(self._params), set(range(len(self._params))), None
-        return _through_sink(out, outputs, partial(_sink_hook, weakref.ref(self), st.generation, reached))
+        return _through_sink(out, found, outputs, partial(_sink_hook, weakref.ref(self), st.generation, reached))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -841,10 +843,11 @@ def _backward_start_hook(ddp: weakref.ref, grad: torch.Tensor) -> None:
         wrapper._on_backward_start()
 
 
-def _through_sink(out: Any, outputs: list[torch.Tensor], on_backward) -> Any:
-    """``out`` with its ``outputs`` (the tensors with a graph) passed through an OutputSink."""
+def _through_sink(out: Any, found: list[torch.Tensor], outputs: list[torch.Tensor], on_backward) -> Any:
+    """``out`` (whose tensors are ``found``, in output_tensors' order) with its ``outputs`` (those of
+    them with a graph) passed through an OutputSink."""
     sunk = iter(OutputSink.apply(on_backward, *outputs))
-    return with_tensors(out, (next(sunk) if t.grad_fn is not None else t for t in output_tensors(out)))
+    return with_tensors(out, (next(sunk) if t.grad_fn is not None else t for t in found))
 
 
 def _sink_hook(ddp: weakref.ref, generation: int, reached: frozenset, roots: Optional[list]) -> None:
