@@ -629,5 +629,5 @@ def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_pat
         assert "".join(line.split()) in text, line
     message = refusal(["train", "--strategy", "ps-sync", "--bucket-cap-mb", "5", "--checkpoint-dir", str(tmp_path)],
                       launches, capsys)
-    assert message.endswith("--bucket-cap-mb sets the ring's allreduce; --strategy ps-sync sends gradients to "
+    assert message.endswith("--bucket-cap-mb is for the ring's allreduce only; --strategy ps-sync sends gradients to "
                             "parameter servers and would ignore it"), message

@@ -132,8 +132,8 @@ class TrainConfig:
             ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "bucket_cap_mb", "timeline")
                          if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default]
             if ring_only:
-                verb, them = ("sets", "it") if len(ring_only) == 1 else ("set", "them")
-                raise ValueError(f"{', '.join(ring_only)} {verb} the ring's allreduce; --strategy {self.strategy} "
+                verb, them = ("is", "it") if len(ring_only) == 1 else ("are", "them")
+                raise ValueError(f"{', '.join(ring_only)} {verb} for the ring's allreduce only; --strategy {self.strategy} "
                                  f"sends gradients to parameter servers and would ignore {them}")
             if not self.servers:
                 self.servers = 2 if self.strategy == "ps-sharded" else 1
