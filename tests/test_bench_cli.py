@@ -29,9 +29,12 @@ def no_ranks(monkeypatch):
         return [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
                  "nbytes": cfg["sizes"][0], "median_s": 1e-4, "busbw_GBps": 0.04, "net": args.net}]
 
-    def train_launch(module, module_args, nprocs, args):
+    def train_launch(module, module_args, nprocs, args, on_result=None):
         calls.append(nprocs)
-        return [{"rows": [dict(ALONE_ROW)]}]
+        docs = [{"rows": [dict(ALONE_ROW)]}]
+        for doc in docs if on_result else ():  # as run_ranks: each as it comes, then all
+            on_result(doc)
+        return docs
 
     monkeypatch.setattr(bench_allreduce, "_launch", allreduce_launch)
     monkeypatch.setattr(bench_train, "_launch", train_launch)

@@ -4,6 +4,7 @@ SIGINT once rank 0 is at work, and kills whatever of that session is left at the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,3 +81,21 @@ def test_ctrl_c_on_bench_train_is_one_line_and_leaves_no_empty_timelines_folder(
     lines = [l for l in err.splitlines() if not l.startswith("#")]
     assert status == 130 and lines == ["ringtrain bench train: interrupted; nothing saved"], err
     assert not (tmp_path / "out" / "timelines").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_ctrl_c_on_bench_train_keeps_the_models_it_finished(tmp_path):
+    # A run cut short kept nothing: the ranks sent every model's rows at the end (on the lent
+    # 16-core machine three runs, stopped at their deadlines in their last model, saved nothing).
+    argv = ["bench", "train", "--models", "charlm,mlp", "--schedules", "single", "--world-size", "2",
+            "--batch-size", "4", "--steps", "40", "--rounds", "2", "--no-torch-ddp", "--out", str(tmp_path / "out")]
+    status, err, _ = interrupt_when(argv, "# mlp: warming up", tmp_path)
+    lines = [l for l in err.splitlines() if not l.startswith("#")]
+    saved = sorted((tmp_path / "out").glob("train-none-2r-*.json"))
+    assert status == 130 and len(saved) == 1, err
+    assert lines == [f"ringtrain bench train: interrupted; the rows finished so far saved to {saved[0]}"], err
+    doc = json.loads(saved[0].read_text())
+    assert [(r["model"], r["impl"]) for r in doc["rows"]] == [("charlm", "ringtrain"), ("charlm", "alone")]
+    assert len(doc["rows"][0]["iter_s"]) == 80
+    assert doc["notes"] == ["interrupted (Ctrl-C) before the run ended: the rows finished by then, of charlm"]

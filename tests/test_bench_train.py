@@ -172,3 +172,42 @@ def test_the_planners_single_allreduce_costs_its_communication_after_compute_alo
     predicted = planner_iteration_s(trace, single)
     assert predicted == pytest.approx(compute_alone + communication, rel=1e-12)
     assert predicted > compute_alone
+
+
+def test_a_rank_failing_after_a_model_keeps_that_models_rows_and_names_the_failure(monkeypatch, tmp_path, capsys):
+    # The ranks sent every model's rows only at the end, so a run stopped in its last model (a
+    # rank that died, the --timeout) lost all of them.
+    from pathlib import Path
+
+    from ringtrain import cli
+    from ringtrain.bench import train
+    from ringtrain.bench.procs import RankFailed
+
+    def launch(module, module_args, nprocs, args, on_result=None):
+        assert module == "ringtrain.cli" and on_result is not None  # the ring job
+        on_result({"rows": [{"model": "charlm", "impl": "alone", "schedule": "no communication",
+                             "median_iter_s": 0.1, "iter_s": [0.1], "world_size": 2}]})
+        raise RankFailed("rank 1 exited with status 1:\nboom")
+
+    monkeypatch.setattr(train, "_launch", launch)
+    rc = cli.main(["bench", "train", "--models", "charlm,mlp", "--world-size", "2", "--out", str(tmp_path), "--json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 1 and err.strip().endswith("ringtrain bench train: rank 1 exited with status 1:\nboom"), err
+    assert [r["model"] for r in doc["rows"]] == ["charlm"]
+    assert doc["notes"] == ["a rank failed before the run ended: the rows finished by then, of charlm"]
+    assert json.loads(Path(doc["saved_to"]).read_text())["rows"] == doc["rows"]
+
+
+def test_a_rank_failing_before_any_row_is_the_one_line_error_it_was(monkeypatch, tmp_path, capsys):
+    from ringtrain import cli
+    from ringtrain.bench import train
+    from ringtrain.bench.procs import RankFailed
+
+    def launch(*args, **kwargs):
+        raise RankFailed("ranks [0, 1] still running after 1s:\n")
+
+    monkeypatch.setattr(train, "_launch", launch)
+    rc = cli.main(["bench", "train", "--models", "mlp", "--world-size", "2", "--out", str(tmp_path)])
+    assert rc == 1 and "ringtrain bench train: ranks [0, 1] still running after 1s" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..lifecycle import LAUNCHER_ENV
 
@@ -47,8 +47,13 @@ def run_ranks(
     timeout: float,
     net=None,
     extra_env: Optional[dict] = None,
+    on_result: Optional[Callable[[dict], None]] = None,
 ) -> list[dict]:
-    """Run the job; return the list of RESULT documents printed by rank 0."""
+    """Run the job; return the list of RESULT documents printed by rank 0.
+
+    ``on_result`` is also given each document as it comes, while the job runs: a caller that
+    keeps them has what the job finished when it is then stopped (Ctrl-C, a failed rank, the
+    deadline), which the returned list, made at the end, cannot give."""
     with ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world_size)]
         master = net.addr(0) if net is not None else "127.0.0.1"
@@ -64,7 +69,7 @@ def run_ranks(
         )
         env[LAUNCHER_ENV] = str(os.getpid())  # (a rank that finds this process gone ends: die_with_parent)
         argv = [sys.executable, "-m", module, *args]
-        echo = _Progress(logs[0])
+        echo = _Progress(logs[0], on_result)
         procs = []
         try:
             for rank in range(world_size):
@@ -94,10 +99,12 @@ def _tail(log, n: int = 30) -> str:
 
 
 class _Progress:
-    """Rank 0's PROGRESS lines echoed to stderr as they come. The log is read with pread: the
-    rank writes through the same open file, and moving its offset would overwrite its output."""
+    """Rank 0's PROGRESS lines echoed to stderr as they come, and its RESULT documents handed to
+    ``on_result``. The log is read with pread: the rank writes through the same open file, and
+    moving its offset would overwrite its output."""
 
-    def __init__(self, log) -> None:
+    def __init__(self, log, on_result: Optional[Callable[[dict], None]] = None) -> None:
+        self.on_result = on_result
         self.fd = log.fileno()
         self.offset = 0
         self.partial = b""
@@ -110,6 +117,8 @@ class _Progress:
         for line in lines:
             if line.startswith(PROGRESS_PREFIX.encode()):
                 print(line[len(PROGRESS_PREFIX):].decode(errors="replace"), file=sys.stderr, flush=True)
+            elif self.on_result is not None and line.startswith(RESULT_PREFIX.encode()):
+                self.on_result(json.loads(line[len(RESULT_PREFIX):]))
 
 
 def _wait_all(procs, logs, timeout: float, poll=lambda: None) -> None:

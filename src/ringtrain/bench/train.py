@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from .machine import check_out_dir, check_ranks, plural, run_stamp
-from .procs import emit, interrupted, progress, run_ranks
+from .procs import RankFailed, emit, interrupted, progress, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
@@ -98,38 +98,65 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"--transport shm: under --net {args.net} each rank is a host of its own and shared memory "
                      "cannot cross them; tcp timed instead")
     timelines = Path(cfg["timeline_dir"]) if out_dir else None
+    rows: list[dict] = []
+    ps_runs: dict[tuple, list[dict]] = {}
+    stopped, failure = None, None  # why the run ended before its last job, if it did
     try:
-        rows = _measure(cfg, names, strategies, args)
+        _measure(cfg, names, strategies, args, rows, ps_runs)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
-        kept = "nothing saved"
-        if timelines is not None and any(timelines.glob(f"{cfg['timeline_stem']}-*")):
-            kept += f" but the timelines in {timelines}"
-        return interrupted("ringtrain bench train", kept)
+        stopped = "interrupted (Ctrl-C)"
+    except RankFailed as exc:
+        stopped, failure = "a rank failed", exc
     finally:
         if timelines is not None:
             with contextlib.suppress(OSError):
                 timelines.rmdir()  # only when empty: the wrappers make it before any timeline is written
+    rows += [_ps_row(docs, args) for docs in ps_runs.values()]
+    _predict_ps(rows)
+    if stopped and not rows:
+        if failure is not None:
+            raise failure
+        kept = "nothing saved"
+        if timelines is not None and any(timelines.glob(f"{cfg['timeline_stem']}-*")):
+            kept += f" but the timelines in {timelines}"
+        return interrupted("ringtrain bench train", kept)
+    if stopped:
+        notes.append(f"{stopped} before the run ended: the rows finished by then, of "
+                     f"{', '.join(dict.fromkeys(r['model'] for r in rows))}")
     from .machine import print_result, result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
     doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows, "notes": notes})
+    kept = "the rows finished so far printed"
     if out_dir:
         path = save_result(kind, doc, out_dir, stamp=stamp)
         doc["saved_to"] = str(path)
-        doc["charts"] = _charts(rows, path.with_suffix(""))
+        kept = f"the rows finished so far saved to {path}"
+        try:
+            doc["charts"] = _charts(rows, path.with_suffix(""))
+        except KeyboardInterrupt:
+            print_result(doc, format_table(rows), args.json)
+            return interrupted("ringtrain bench train", f"while drawing the charts; the results saved to {path}")
     print_result(doc, format_table(rows), args.json)
-    return 0
+    if failure is not None:
+        print(f"ringtrain bench train: {failure}", file=sys.stderr)
+        return 1
+    return interrupted("ringtrain bench train", kept) if stopped else 0
 
 
-def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Namespace) -> list[dict]:
-    """The rows of the ring job (every schedule, alone, torch DDP) and of every parameter-server job."""
-    rows = []
+def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Namespace, rows: list[dict],
+             ps_runs: dict[tuple, list[dict]]) -> None:
+    """Measure into ``rows`` the ring job's rows (every schedule, alone, torch DDP), model by model
+    as its rank 0 sends them, and into ``ps_runs`` each parameter-server job's documents, job by
+    job: a run stopped early keeps in them what it finished."""
     if "ring" in strategies:
-        docs = _launch("ringtrain.cli", ["bench", "train", "--worker", json.dumps(cfg)], args.world_size, args)
-        rows += [dict(r, net=args.net, world_size=args.world_size) for d in docs for r in d["rows"]]
+        def arrived(doc: dict) -> None:
+            rows.extend(dict(r, net=args.net, world_size=args.world_size) for r in doc["rows"])
+
+        _launch("ringtrain.cli", ["bench", "train", "--worker", json.dumps(cfg)], args.world_size, args,
+                on_result=arrived)
     # Parameter-server jobs take turns round by round, as the ring's schedules do iteration by
     # iteration, so that 1 and 2 servers meet the same load; each job warms up for PS_WARMUP_STEPS.
-    ps_runs: dict[tuple, list[dict]] = {}
     for r in range(args.rounds if strategies.get("ps") else 0):
         for strategy, servers in strategies["ps"]:
             for name in names:
@@ -140,9 +167,6 @@ def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Names
                     ps_args += ["--batch-size", str(args.batch_size)]
                 docs = _launch("ringtrain.ps", ps_args, args.world_size + servers, args)
                 ps_runs.setdefault((name, strategy, servers), []).extend(docs)
-    rows += [_ps_row(docs, args) for docs in ps_runs.values()]
-    _predict_ps(rows)
-    return rows
 
 
 def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
@@ -202,13 +226,13 @@ def parse_strategies(text: str) -> dict:
     return out
 
 
-def _launch(module: str, module_args: list[str], nprocs: int, args) -> list[dict]:
+def _launch(module: str, module_args: list[str], nprocs: int, args, on_result=None) -> list[dict]:
     if args.net == "none":
-        return run_ranks(module, module_args, nprocs, timeout=args.timeout)
+        return run_ranks(module, module_args, nprocs, timeout=args.timeout, on_result=on_result)
     from .netem import EmulatedNetwork
 
     with EmulatedNetwork(nprocs, rate=args.net) as net:
-        return run_ranks(module, module_args, nprocs, timeout=args.timeout, net=net)
+        return run_ranks(module, module_args, nprocs, timeout=args.timeout, net=net, on_result=on_result)
 
 
 def _ps_row(docs: list[dict], args) -> dict:
@@ -317,8 +341,8 @@ def _worker(cfg: dict) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, p = dist.get_rank(), dist.get_world_size()
     comm = ringtrain.init(transport=cfg["transport"], timeout=300)
-    rows = []
     for name in cfg["models"]:
+        rows = []  # this model's, sent to the parent as soon as they are known (a run cut short keeps them)
         spec = models.spec(name)
         batch = cfg["batch_size"] or spec.batch_size
         base = models.build(name, seed=0)
@@ -480,9 +504,9 @@ def _worker(cfg: dict) -> int:
         for c in configs:
             if c["impl"] == "ringtrain":
                 c["wrapped"].close()
+        if rank == 0:
+            emit({"rows": rows})
     comm.close()
-    if rank == 0:
-        emit({"rows": rows})
     dist.destroy_process_group()
     return 0
 
