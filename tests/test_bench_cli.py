@@ -24,10 +24,10 @@ def no_ranks(monkeypatch):
     """Both benchmarks' launches answer at once; each call's world size is recorded."""
     calls = []
 
-    def allreduce_launch(p, cfg, args):
+    def allreduce_launch(p, cfg, args, rows):
         calls.append(p)
-        return [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
-                 "nbytes": cfg["sizes"][0], "median_s": 1e-4, "busbw_GBps": 0.04, "net": args.net}]
+        rows += [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
+                  "nbytes": cfg["sizes"][0], "median_s": 1e-4, "busbw_GBps": 0.04, "net": args.net}]
 
     def train_launch(module, module_args, nprocs, args, on_result=None):
         calls.append(nprocs)
@@ -83,7 +83,7 @@ def test_help_shows_the_defaults(words, shown, capsys):
 def test_quick_takes_an_explicit_repeats_as_given(extra, repeats, monkeypatch):
     # --quick --repeats 7 ran 5 repeats: 7 was taken as "not given".
     seen = []
-    monkeypatch.setattr(bench_allreduce, "_launch", lambda p, cfg, args: seen.append(cfg) or [])
+    monkeypatch.setattr(bench_allreduce, "_launch", lambda p, cfg, args, rows: seen.append(cfg))
     argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K", "--no-mpi", "--out", "", "--json"]
     assert cli.main(argv + extra) == 0
     assert seen[0]["repeats"] == repeats
@@ -164,9 +164,10 @@ def test_more_ranks_than_four_per_core_get_a_one_line_warning(argv, ranks, warne
 
 def fake_busbw(monkeypatch, busbw_by_size):
     """Ranks that report gloo at the given busbw (GB/s) per size."""
-    def launch(p, cfg, args):
-        return [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
-                 "nbytes": n, "median_s": 1e-4, "busbw_GBps": busbw_by_size[n], "net": args.net} for n in cfg["sizes"]]
+    def launch(p, cfg, args, rows):
+        rows += [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
+                  "nbytes": n, "median_s": 1e-4, "busbw_GBps": busbw_by_size[n], "net": args.net}
+                 for n in cfg["sizes"]]
 
     monkeypatch.setattr(bench_allreduce, "_launch", launch)
 
@@ -180,7 +181,7 @@ def fake_busbw(monkeypatch, busbw_by_size):
 def test_shm_left_out_under_net_is_said(transports, timed, note, monkeypatch, capsys):
     # --transports shm --net 1gbit timed tcp without a word.
     seen = []
-    monkeypatch.setattr(bench_allreduce, "_launch", lambda p, cfg, args: seen.append(cfg) or [])
+    monkeypatch.setattr(bench_allreduce, "_launch", lambda p, cfg, args, rows: seen.append(cfg))
     argv = ALLREDUCE[:9] + [transports] + ALLREDUCE[10:] + ["--net", "1gbit", "--out", ""]
     assert cli.main(argv + ["--json"]) == 0
     notes = json.loads(capsys.readouterr().out)["notes"]
@@ -281,3 +282,69 @@ def test_rank_zeros_progress_lines_reach_stderr_as_it_runs(tmp_path, capsys):
     assert docs == [{"done": True}]
     err = capsys.readouterr().err
     assert err.splitlines() == ["# step 0", "# step 1", "# step 2"], err
+
+
+def ranks_that_fail(monkeypatch, finishing: dict[int, int], failure: Exception):
+    """run_ranks for bench allreduce: rank 0 sends the rows of the first ``finishing[p]`` sizes,
+    one size at a time as the worker does, then the launch of world size p ends in ``failure``
+    (a world size not in ``finishing`` finishes every size)."""
+    def run_ranks(module, module_args, p, *, timeout, net=None, on_result=None):
+        cfg = json.loads(module_args[module_args.index("--worker") + 1])
+        sizes = cfg["sizes"][:finishing.get(p, len(cfg["sizes"]))]
+        docs = [{"rows": [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
+                           "nbytes": n, "median_s": 1e-4, "times_s": [1e-4], "busbw_GBps": 0.04}]} for n in sizes]
+        for doc in docs if on_result else ():
+            on_result(doc)
+        if p in finishing:
+            raise failure
+        return docs
+
+    monkeypatch.setattr(bench_allreduce, "run_ranks", run_ranks)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_failing_in_the_last_world_size_keeps_the_sizes_finished_and_names_the_failure(
+        monkeypatch, tmp_path, capsys):
+    # The ranks sent their rows only at the end and the parent kept them only once every world
+    # size was done: a run stopped in its last world size (a rank that died, --timeout) saved nothing.
+    from pathlib import Path
+
+    from ringtrain.bench.procs import RankFailed
+
+    ranks_that_fail(monkeypatch, {4: 1}, RankFailed("rank 3 exited with status 1:\nboom"))
+    argv = ALLREDUCE[:3] + ["2,4", *ALLREDUCE[4:5], "4K,64K", *ALLREDUCE[6:]]
+    rc = cli.main(argv + ["--out", str(tmp_path), "--json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 1 and err.strip().endswith("ringtrain bench allreduce: rank 3 exited with status 1:\nboom"), err
+    assert [(r["world_size"], r["nbytes"], r["net"]) for r in doc["rows"]] == [
+        (2, 4 << 10, "none"), (2, 64 << 10, "none"), (4, 4 << 10, "none")]
+    assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi",
+                            "stopped (rank 3 exited with status 1) before the run ended: the rows finished by then, "
+                            "for world size 2 at 4K, 64K (2 of 2 sizes); world size 4 at 4K (1 of 2 sizes)"]
+    saved = json.loads(Path(doc["saved_to"]).read_text())
+    assert saved["rows"] == doc["rows"] and saved["notes"] == doc["notes"]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_failing_before_any_size_is_the_one_line_error_it_was(monkeypatch, tmp_path, capsys):
+    from ringtrain.bench.procs import RankFailed
+
+    ranks_that_fail(monkeypatch, {2: 0}, RankFailed("ranks [0, 1] still running after 1s:\n"))
+    rc = cli.main(ALLREDUCE + ["--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 1 and err.strip().splitlines() == [
+        "# world size 2: 1 size x 2 configurations", "ringtrain bench allreduce: ranks [0, 1] still running after 1s:"]
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_after_a_size_prints_that_sizes_rows_and_exits_130(monkeypatch, capsys):
+    ranks_that_fail(monkeypatch, {2: 1}, KeyboardInterrupt())
+    argv = ALLREDUCE[:5] + ["4K,64K"] + ALLREDUCE[6:] + ["--out", ""]
+    assert cli.main(argv) == 130
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == "ringtrain bench allreduce: interrupted; the rows finished so far printed", err
+    assert "\n4K " in out and "\n64K " not in out, out
+    assert ("note: interrupted (Ctrl-C) before the run ended: the rows finished by then, for world size 2 at 4K "
+            "(1 of 2 sizes)") in out, out

@@ -29,8 +29,9 @@ def session_alive(sid: int) -> list[int]:
     return left
 
 
-def interrupt_when(argv: list[str], ready: str, tmp_path: Path) -> tuple[int, str, int]:
-    """Run ``ringtrain argv``; SIGINT it once ``ready`` is on its stderr. (status, stderr, pid)."""
+def interrupt_when(argv: list[str], ready: str, tmp_path: Path, settle: float = 1.0) -> tuple[int, str, int]:
+    """Run ``ringtrain argv``; SIGINT it ``settle`` seconds after ``ready`` is on its stderr.
+    (status, stderr, pid)"""
     err_path = tmp_path / "stderr"
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(err_path, "w") as err:
@@ -41,7 +42,7 @@ def interrupt_when(argv: list[str], ready: str, tmp_path: Path) -> tuple[int, st
         while ready not in err_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
             time.sleep(0.1)
-        time.sleep(1.0)  # into the ranks' work
+        time.sleep(settle)  # into the ranks' work
         os.kill(proc.pid, signal.SIGINT)
         status = proc.wait(timeout=60)
         deadline = time.monotonic() + 10  # ranks get SIGKILL; give the kernel a moment to reap
@@ -99,3 +100,24 @@ def test_ctrl_c_on_bench_train_keeps_the_models_it_finished(tmp_path):
     assert [(r["model"], r["impl"]) for r in doc["rows"]] == [("charlm", "ringtrain"), ("charlm", "alone")]
     assert len(doc["rows"][0]["iter_s"]) == 80
     assert doc["notes"] == ["interrupted (Ctrl-C) before the run ended: the rows finished by then, of charlm"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_ctrl_c_on_bench_allreduce_keeps_the_sizes_it_finished(tmp_path):
+    # Ctrl-C lost every row: the ranks sent theirs when the last size was done, and the parent
+    # kept them only once every world size was. SIGINT comes at once after 4K (settle=0): 128M
+    # is still being checked and timed then, so only 4K is finished.
+    argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K,128M", "--repeats", "5", "--no-mpi",
+            "--transports", "tcp", "--algorithms", "ring", "--net", "none", "--out", str(tmp_path / "out")]
+    status, err, _ = interrupt_when(argv, "# world size 2: 4K done (1 of 2 sizes)", tmp_path, settle=0)
+    lines = [l for l in err.splitlines() if not l.startswith("#")]
+    saved = sorted((tmp_path / "out").glob("allreduce-none-*.json"))
+    assert status == 130 and len(saved) == 1, err
+    assert lines == [f"ringtrain bench allreduce: interrupted; the rows finished so far saved to {saved[0]}"], err
+    doc = json.loads(saved[0].read_text())
+    assert [(r["impl"], r["transport"], r["nbytes"]) for r in doc["rows"]] == [
+        ("gloo", "gloo", 4096), ("ringtrain", "tcp", 4096)], doc["rows"]
+    assert all(len(r["times_s"]) == 5 and r["world_size"] == 2 and r["net"] == "none" for r in doc["rows"])
+    assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi", "interrupted (Ctrl-C) before the run ended: the "
+                            "rows finished by then, for world size 2 at 4K (1 of 2 sizes)"]

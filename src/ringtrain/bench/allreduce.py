@@ -6,7 +6,8 @@ ringtrain's algorithms on each transport, and — in a second launch through ``m
 mpi4py and Open MPI are installed — MPI_Allreduce. Per size: median time over repeats (each
 repeat's time is the slowest rank's), algbw = bytes / time and busbw = algbw · 2(p−1)/p
 (the nccl-tests convention). Every configuration's result is checked exactly once before it
-is timed: a wrong answer aborts the benchmark.
+is timed: a wrong answer aborts the benchmark. Rank 0 sends each size's rows as soon as that
+size is timed, so a run stopped early (Ctrl-C, a failed rank, --timeout) saves what it finished.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 import numpy as np
 
 from .machine import plural
-from .procs import RESULT_PREFIX, emit, interrupted, run_ranks
+from .procs import RESULT_PREFIX, RankFailed, emit, interrupted, progress, run_ranks
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
@@ -114,36 +115,64 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"Open MPI anchor skipped: under --net {args.net} mpirun would not start its ranks "
                      "on the emulated hosts")
     cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
+    rows: list[dict] = []
+    stopped, failure = None, None  # why the run ended before its last world size, if it did
     try:
-        rows = _measure(world_sizes, cfg, args, notes)
+        _measure(world_sizes, cfg, args, notes, rows)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
+        stopped = "interrupted (Ctrl-C)"
+    except RankFailed as exc:
+        stopped, failure = f"stopped ({str(exc).splitlines()[0].rstrip(':')})", exc  # (the log tail left out)
+    if stopped and not rows:
+        if failure is not None:
+            raise failure  # the one-line error the command line makes of it
         return interrupted("ringtrain bench allreduce")
+    notes += above_line_rate(rows, args.net)
+    if stopped:
+        notes.append(f"{stopped} before the run ended: the rows finished by then, for {finished(rows, sizes)}")
     from .machine import print_result, result_document, save_result
 
     # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
     doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net, "rows": rows,
                                                     "notes": notes})
+    kept = "the rows finished so far printed"
     if args.out:
         doc["saved_to"] = str(save_result(doc["benchmark"], doc, args.out))
+        kept = f"the rows finished so far saved to {doc['saved_to']}"
     print_result(doc, format_table(rows), args.json)
-    return 0
+    if failure is not None:
+        print(f"ringtrain bench allreduce: {failure}", file=sys.stderr)
+        return 1
+    return interrupted("ringtrain bench allreduce", kept) if stopped else 0
 
 
-def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes: list[str]) -> list[dict]:
-    """Every world size's rows (ringtrain and gloo, then Open MPI's); what went wrong with MPI goes to ``notes``."""
-    rows: list[dict] = []
+def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes: list[str],
+             rows: list[dict]) -> None:
+    """Measure into ``rows`` every world size's rows (ringtrain and gloo size by size, as rank 0
+    sends them, then Open MPI's): a run stopped early keeps in them what it finished. What went
+    wrong with MPI goes to ``notes``."""
     for p in world_sizes:
         configs = len(cfg["transports"]) * len(cfg["algorithms"]) + 1
         print(f"# world size {p}: {plural(len(cfg['sizes']), 'size')} x {plural(configs, 'configuration')}",
               file=sys.stderr)
-        rows += _launch(p, cfg, args)
+        _launch(p, cfg, args, rows)
         if not args.no_mpi and args.net == "none":
             mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
             rows += mpi_rows
             if note:
                 notes.append(note)
-    notes += above_line_rate(rows, args.net)
-    return rows
+
+
+def finished(rows: list[dict], sizes: list[int]) -> str:
+    """What a stopped run's ``rows`` cover, world size by world size: 'world size 2 at 4K, 64K
+    (2 of 3 sizes)'. A size counts once any configuration has its row: rank 0 sends them all
+    together, when the size is done."""
+    covered = []
+    for p in dict.fromkeys(r["world_size"] for r in rows):
+        done = sorted({r["nbytes"] for r in rows if r["world_size"] == p})
+        covered.append(f"world size {p} at {', '.join(map(_fmt_size, done))} "
+                       f"({len(done)} of {plural(len(sizes), 'size')})")
+    return "; ".join(covered)
 
 
 def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str], list[str], int]:
@@ -233,16 +262,21 @@ def _check_machine(world_sizes: list[int], sizes: list[int]) -> str | None:
     return check_ranks("--world-sizes", p, per_rank, memory=memory)
 
 
-def _launch(p: int, cfg: dict, args) -> list[dict]:
+def _launch(p: int, cfg: dict, args, rows: list[dict]) -> None:
+    """Run world size ``p``'s ranks, adding to ``rows`` each size's rows as rank 0 sends them:
+    when the ranks are then stopped (Ctrl-C, a failed rank, the deadline), ``rows`` holds the
+    sizes they finished."""
+    def arrived(doc: dict) -> None:
+        rows.extend([dict(r, net=args.net) for r in doc["rows"]])  # (one call: a size is kept whole or not at all)
+
     worker_args = ["ringtrain.cli", "bench", "allreduce", "--worker", json.dumps(cfg)]
     if args.net == "none":
-        docs = run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout)
-    else:
-        from .netem import EmulatedNetwork
+        run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout, on_result=arrived)
+        return
+    from .netem import EmulatedNetwork
 
-        with EmulatedNetwork(p, rate=args.net) as net:
-            docs = run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout, net=net)
-    return [dict(r, net=args.net) for d in docs for r in d["rows"]]
+    with EmulatedNetwork(p, rate=args.net) as net:
+        run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout, net=net, on_result=arrived)
 
 
 def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | None]:
@@ -274,9 +308,10 @@ def _iters_for(nbytes: int) -> int:
     return int(min(200, max(1, (4 << 20) // nbytes)))
 
 
-def _time_configs(configs, sizes, repeats, rank, p, sync, slowest) -> list[dict]:
-    """configs: list of (label dict, fn(buf)). sync(): a barrier; slowest(x): max over ranks."""
-    rows = []
+def _time_configs(configs, sizes, repeats, rank, p, sync, slowest, done) -> None:
+    """configs: list of (label dict, fn(buf)). sync(): a barrier; slowest(x): max over ranks.
+    done(nbytes, rows): one size's rows, given as soon as that size is timed, so that a run
+    stopped later keeps them."""
     for nbytes in sizes:
         n = nbytes // 4
         buf = np.empty(n, dtype=np.float32)
@@ -297,12 +332,13 @@ def _time_configs(configs, sizes, repeats, rank, p, sync, slowest) -> list[dict]
                 for _ in range(iters):
                     fn(buf)
                 times[i].append(slowest((time.perf_counter() - t0) / iters))
+        rows = []
         for i, (label, _) in enumerate(configs):
             med = float(np.median(times[i]))
             algbw = nbytes / med / 1e9 if med > 0 else 0.0
             rows.append(dict(label, world_size=p, nbytes=nbytes, iters=iters, median_s=med,
                              times_s=times[i], algbw_GBps=algbw, busbw_GBps=algbw * 2 * (p - 1) / p))
-    return rows
+        done(nbytes, rows)
 
 
 def _worker(cfg: dict) -> int:
@@ -334,11 +370,16 @@ def _worker(cfg: dict) -> int:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0])
 
-    rows = _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, dist.barrier, slowest)
+    def done(nbytes: int, rows: list[dict]) -> None:
+        if rank == 0:
+            emit({"rows": rows})
+            sizes = cfg["sizes"]
+            progress(f"# world size {p}: {_fmt_size(nbytes)} done ({sizes.index(nbytes) + 1} of "
+                     f"{plural(len(sizes), 'size')})")
+
+    _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, dist.barrier, slowest, done)
     for comm in comms.values():
         comm.close()
-    if rank == 0:
-        emit({"rows": rows})
     dist.destroy_process_group()
     return 0
 
@@ -353,10 +394,13 @@ def _mpi_worker(cfg: dict) -> int:
         world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     configs = [({"impl": "mpi", "transport": "openmpi", "algorithm": "MPI_Allreduce"}, allreduce)]
-    rows = _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, world.Barrier,
-                         lambda x: world.allreduce(x, op=MPI.MAX))
-    if rank == 0:
-        emit({"rows": rows})
+
+    def done(nbytes: int, rows: list[dict]) -> None:
+        if rank == 0:  # (_launch_mpi reads every document when mpirun has ended)
+            emit({"rows": rows})
+
+    _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, world.Barrier,
+                  lambda x: world.allreduce(x, op=MPI.MAX), done)
     return 0
 
 
