@@ -23,8 +23,11 @@ def tiny(seed: int = 0) -> nn.Module:
 
 def start_server(secret: bytes, **kw) -> tuple[ParameterServer, threading.Thread, dict]:
     """A server (index 0 of 1, one worker, unless ``kw`` says otherwise) serving on a thread;
-    its stats land in the dict under "stats" when serve() returns."""
-    cfg = ServerConfig(**{"index": 0, "servers": 1, "workers": 1, "secret": secret, "timeout": 10.0, **kw})
+    its stats land in the dict under "stats" when serve() returns. The workers' first connections
+    are waited for as long as anything else (``join_timeout`` = ``timeout``) unless ``kw`` says."""
+    kw = {"timeout": 10.0, **kw}
+    cfg = ServerConfig(**{"index": 0, "servers": 1, "workers": 1, "secret": secret, "join_timeout": kw["timeout"],
+                          **kw})
     server = ParameterServer(cfg)
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault("stats", server.serve()), daemon=True)

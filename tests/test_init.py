@@ -73,12 +73,73 @@ def _check(results, p, user_group=False):
 
 
 @pytest.mark.timeout(30)
-def test_a_rank_that_never_arrives_is_a_comm_timeout():
+def test_a_rank_that_never_arrives_is_a_comm_timeout_after_the_join_timeout():
+    import time
+
     import ringtrain
     from mp_harness import free_port
 
-    with pytest.raises(ringtrain.CommTimeout, match="not every one of the 2 ranks reached the rendezvous"):
-        ringtrain.init(0, 2, "127.0.0.1", free_port(), transport="tcp", timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ringtrain.CommTimeout, match=r"not every one of the 2 ranks reached the rendezvous .* "
+                                                    r"within 1.5s \(join_timeout\)"):
+        ringtrain.init(0, 2, "127.0.0.1", free_port(), transport="tcp", timeout=1.0, join_timeout=1.5)
+    assert time.monotonic() - t0 < 1.5 + 5.0  # (not the 60 s a join_timeout of None would give)
+
+
+def _late_rank_job(rank, world_size, port, late_s):
+    """Rank 1 reaches init() ``late_s`` after rank 0, with a 1 s timeout and no join_timeout; then
+    both reduce, and rank 0 waits for a reduce rank 1 never starts."""
+    import time
+
+    import ringtrain
+
+    if rank == 1:
+        time.sleep(late_s)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=1.0)
+    buf = np.full(5, rank + 1.0)
+    comm.allreduce(buf)
+    store_timeout = comm.store.timeout.total_seconds()
+    if rank == 1:
+        comm.close()
+        return buf.tolist(), store_timeout, None
+    t0 = time.monotonic()
+    try:
+        comm.allreduce(buf)
+        waited = "returned"
+    except ringtrain.CommError as exc:
+        waited = (type(exc).__name__, time.monotonic() - t0)
+    comm.close()
+    return buf.tolist(), store_timeout, waited
+
+
+def test_ranks_started_further_apart_than_the_timeout_still_meet_and_then_fail_within_the_timeout():
+    # The one timeout bounded the rendezvous too: `ringtrain train --timeout 2` failed there, before any
+    # step, when its ranks started more than 2 s apart on a busy machine (the ranks' start-up skew).
+    results = run_ranks(_late_rank_job, 2, 3.0, timeout=60)
+    for r in results:
+        assert not isinstance(r, RankError), f"{r}\n{r.tb}"
+    assert [r[0] for r in results] == [[3.0] * 5] * 2
+    assert [r[1] for r in results] == [1.0, 1.0]  # the store's waits are bounded by timeout again once all met
+    name, seconds = results[0][2]
+    assert name in ("CommTimeout", "PeerLost"), results[0]  # (PeerLost: rank 1 closed first)
+    assert seconds < 1.0 + 4.0, seconds
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "soon", "0"])
+def test_a_bad_join_timeout_is_a_value_error_naming_it(bad):
+    import ringtrain
+    from mp_harness import free_port
+
+    with pytest.raises(ValueError, match="join_timeout must be a finite number of seconds > 0"):
+        ringtrain.init(0, 2, "127.0.0.1", free_port(), transport="tcp", timeout=1.0, join_timeout=bad)
+
+
+def test_join_timeout_defaults_to_the_timeout_but_at_least_60_s():
+    from ringtrain.errors import check_join_timeout
+
+    assert check_join_timeout(None, 1.0) == 60.0
+    assert check_join_timeout(None, 300.0) == 300.0
+    assert check_join_timeout("2.5", 1.0) == 2.5  # (a str, as from the environment)
 
 
 def _native_mismatch_job(rank, world_size, port, which):
@@ -216,14 +277,15 @@ def test_a_mismatch_over_tcp_is_a_mismatch_on_every_rank_not_a_lost_peer():
 
 
 def _init_in_subprocess(rank: int, port: int, timeout: float):
-    """(exception line, seconds init took, stderr) of ringtrain.init in a fresh interpreter."""
+    """(exception line, seconds init took, stderr) of ringtrain.init in a fresh interpreter, with
+    ``timeout`` as its join_timeout (reaching the store is part of joining)."""
     import subprocess
     import sys
 
     code = (
         "import sys, time, ringtrain, ringtrain.session  # torch.distributed imported before the clock starts\n"
         "t0 = time.monotonic()\n"
-        f"try:\n    ringtrain.init({rank}, 2, '127.0.0.1', {port}, transport='tcp', timeout={timeout})\n"
+        f"try:\n    ringtrain.init({rank}, 2, '127.0.0.1', {port}, transport='tcp', timeout=60, join_timeout={timeout})\n"
         "except Exception as exc:\n    print(f'{type(exc).__name__}|{time.monotonic() - t0:.2f}|{exc}')\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

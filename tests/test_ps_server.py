@@ -112,7 +112,8 @@ def test_an_unreachable_server_is_named_with_its_endpoint():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(CommError, match=rf"^worker 0 could not join parameter server 0 at 127\.0\.0\.1:{port}: "):
-        ParameterServerTraining(tiny(), servers=[("127.0.0.1", port)], worker=0, workers=1, secret=SECRET, timeout=1.0)
+        ParameterServerTraining(tiny(), servers=[("127.0.0.1", port)], worker=0, workers=1, secret=SECRET, timeout=1.0,
+                                join_timeout=1.0)  # (a server still starting is waited for that long)
 
 
 def test_an_authenticated_worker_sending_garbage_is_dropped_not_obeyed():
@@ -211,6 +212,41 @@ def test_gradients_changed_after_backward_and_use_after_close_are_refused():
         with pytest.raises(RuntimeError, match="was closed"):
             call()
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("strategy", ["sync", "async"])
+def test_workers_that_start_later_than_the_timeout_are_waited_for_by_the_join_timeout(strategy):
+    # The one timeout bounded the wait for the first connections too: a server given a short one
+    # failed ("no worker connected within ...") or lost a worker whose start-up took longer, and
+    # the worker held up by it gave up on its pull after twice the timeout.
+    timeout = 1.5
+    server, thread, out = start_server(workers=2, strategy=strategy, timeout=timeout, join_timeout=None)
+    assert server.cfg.join_s == 60.0  # (the default: timeout, but at least 60 s)
+    time.sleep(timeout + 0.5)
+    first = threading.Thread(target=lambda: out.setdefault("first", train_one(server.endpoint, strategy=strategy,
+                                                                                workers=2, timeout=timeout)))
+    first.start()
+    time.sleep(2 * timeout + 0.5)  # the second worker comes later still: past the first's pull wait of old
+    model = tiny()
+    ps = ParameterServerTraining(model, servers=[server.endpoint], worker=1, workers=2, secret=SECRET, lr=0.1,
+                                 strategy=strategy, timeout=timeout)
+    for s in range(3):
+        model(torch.full((2, 4), float(s + 1))).sum().backward()
+        ps.step()
+    ps.wait()
+    second = ps.close()
+    first.join(20)
+    thread.join(20)
+    assert not thread.is_alive() and out["stats"]["failed"] is None, out["stats"]
+    assert not out["stats"]["notices"], out["stats"]["notices"]
+    assert out["first"]["steps"] == second["steps"] == 3
+
+
+def test_a_bad_join_timeout_is_refused_by_the_servers_and_the_workers():
+    with pytest.raises(ValueError, match="join_timeout must be a finite number of seconds > 0, got 0"):
+        ServerConfig(index=0, servers=1, workers=1, join_timeout=0)
+    with pytest.raises(ValueError, match="join_timeout must be a finite number of seconds > 0, got nan"):
+        PSOptions(join_timeout=float("nan"))
 
 
 def test_an_async_server_goes_on_without_a_worker_that_never_connects():

@@ -237,7 +237,7 @@ def _role_without_a_server(rank, world_size, port):
 
     if ps.is_server_rank(1):
         return {"server": None}  # never serves: its endpoint never reaches the store
-    return {"worker": ps.worker_from_env(model(), 1, timeout=2.0)}
+    return {"worker": ps.worker_from_env(model(), 1, timeout=2.0, join_timeout=2.0)}
 
 
 def test_a_server_rank_that_never_publishes_its_endpoint_is_a_comm_timeout_naming_it():
@@ -246,7 +246,8 @@ def test_a_server_rank_that_never_publishes_its_endpoint_is_a_comm_timeout_namin
     results = run_ranks(_role_without_a_server, 2, timeout=60)
     error = results[0]
     assert getattr(error, "type_name", None) == "CommTimeout", error
-    assert "parameter server 0 (rank 1) did not publish its endpoint" in error.message, error.message
+    assert "parameter server 0 (rank 1) did not publish its endpoint in the job's store within 2 s (join_timeout)" \
+        in error.message, error.message
 
 
 def test_a_module_off_the_cpu_is_refused_before_connecting():

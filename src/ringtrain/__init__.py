@@ -46,6 +46,7 @@ def init(
     master_port: Optional[int] = None,
     transport: str = "auto",
     timeout: float = 60.0,
+    join_timeout: Optional[float] = None,
 ) -> Communicator:
     """Join the job and return its communicator (also kept as the default for module-level calls).
 
@@ -53,9 +54,15 @@ def init(
     not the script has called torch.distributed.init_process_group; ringtrain never replaces
     or destroys the user's default process group.
 
+    ``timeout`` bounds every wait of the communicator: a collective, or the transport's set-up.
+    ``join_timeout`` bounds reaching the rendezvous and meeting every rank there, where the
+    ranks' start-up (importing torch, loading data) counts; None gives ``timeout``, but at least
+    60 s, so that a short ``timeout`` meant for dead peers does not fail a job whose ranks
+    started a few seconds apart.
+
     Every rank must call init() the same number of times (the n-th calls of the ranks meet each
     other): an init() retried after a CommTimeout on one rank waits for the others' next call,
-    not for their first, so do not retry it in a loop; give a longer ``timeout`` instead.
+    not for their first, so do not retry it in a loop; give a longer ``join_timeout`` instead.
     """
     global _default
     from .errorfile import record_uncaught
@@ -64,7 +71,7 @@ def init(
 
     die_with_launcher()  # a rank of `ringtrain launch` ends with it (kill -9 of a node's launcher left it orphaned)
     record_uncaught()  # under a launcher, the script's exception is named in its one line (no @record needed)
-    comm = create_communicator(rank, world_size, master_addr, master_port, transport, timeout)
+    comm = create_communicator(rank, world_size, master_addr, master_port, transport, timeout, join_timeout)
     _default = comm
     return comm
 

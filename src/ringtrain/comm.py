@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from .collectives.ops import FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view, mark_written, reducer
-from .errors import CommError, check_number
+from .errors import CommError, check_seconds
 from .transport.base import CallHeader, Transport, shape_digest
 from .transport.ctrl_c import Breaker
 
@@ -39,12 +39,7 @@ AUTO_HIER_BYTES = 1 << 20
 def check_timeout(timeout: Any) -> float:
     """``timeout``: seconds each call may wait, a finite number > 0, or a str that is one (as
     rank, world_size and master_port may be: from the environment); never a bool."""
-    if isinstance(timeout, str):
-        try:
-            return check_number("timeout", float(timeout), unit=" of seconds")
-        except ValueError:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}") from None
-    return check_number("timeout", timeout, unit=" of seconds")
+    return check_seconds("timeout", timeout)
 
 
 def check_host_ids(host_ids: Optional[Sequence[str]], world_size: int) -> list[str]:

@@ -93,3 +93,24 @@ def check_number(name: str, value, *, positive: bool = True, unit: str = "") -> 
             or not (value > 0 if positive else value >= 0)):
         raise ValueError(f"{name} must be a finite number{unit} {'> 0' if positive else '>= 0'}, got {value!r}")
     return float(value)
+
+
+def check_seconds(name: str, value) -> float:
+    """:func:`check_number` for a duration > 0, which may also come as a str (from the environment)."""
+    if isinstance(value, str):
+        try:
+            return check_number(name, float(value), unit=" of seconds")
+        except ValueError:
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}") from None
+    return check_number(name, value, unit=" of seconds")
+
+
+#: The least time ranks are given to meet (``join_timeout=None``): starting a rank (importing
+#: torch, loading data) takes seconds on a busy machine that say nothing about a dead peer.
+JOIN_TIMEOUT_FLOOR = 60.0
+
+
+def check_join_timeout(join_timeout, timeout: float) -> float:
+    """``join_timeout``: seconds every rank has to reach the rendezvous and meet the others, checked
+    as a timeout is; None: ``timeout``, but at least JOIN_TIMEOUT_FLOOR."""
+    return max(timeout, JOIN_TIMEOUT_FLOOR) if join_timeout is None else check_seconds("join_timeout", join_timeout)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import rendezvous
 from .comm import Communicator, check_timeout
-from .errors import AuthError, CommError, CommTimeout, MismatchError, ranks_by_value
+from .errors import AuthError, CommError, CommTimeout, MismatchError, check_join_timeout, ranks_by_value
 from .transport import TRANSPORTS, ctrl_c, make_transport
 
 
@@ -74,12 +74,17 @@ def create_communicator(
     master_port: Optional[int],
     transport: str,
     timeout: float,
+    join_timeout: Optional[float] = None,
 ) -> Communicator:
+    """A communicator of the job (``ringtrain.init``'s arguments). ``join_timeout`` bounds reaching
+    the store and meeting every rank there; from then on every wait, the transport's set-up
+    included, is bounded by ``timeout``."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     timeout = check_timeout(timeout)  # a finite number of seconds > 0, or a str of one (nan refused)
+    join_timeout = check_join_timeout(join_timeout, timeout)
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
-    store = rendezvous.connect_store(info, timeout)
+    store = rendezvous.connect_store(info, join_timeout)
     try:
         host_ids = rendezvous.exchange_host_ids(store, info)
         if info.rank == 0:  # a random job identity, published through this communicator's keys
@@ -92,8 +97,9 @@ def create_communicator(
     except RuntimeError as exc:  # torch's store wait ran out: some rank never arrived
         raise CommTimeout(
             f"rank {info.rank}: not every one of the {info.world_size} ranks reached the rendezvous at "
-            f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}"
+            f"{info.master_addr}:{info.master_port} within {join_timeout:g}s (join_timeout): {exc}"
         ) from exc
+    store.set_timeout(timedelta(seconds=timeout))  # (all met: the store's waits are the job's again)
 
     native_group = _GlooGroup(store, info.rank, info.world_size, timeout)
     if info.world_size == 1:

@@ -88,7 +88,8 @@ class TrainConfig:
     optimal on several workers, the trial of plans (up to 93 steps); a run that ends sooner writes no step and
     says so."""
     timeout: float = 120.0
-    """Seconds any communication may wait before it fails. Rank 0 writes checkpoints on a background thread while
+    """Seconds any communication may wait before it fails (the ranks' first meeting, where their start-up counts,
+    at least 60: ringtrain.init's join_timeout). Rank 0 writes checkpoints on a background thread while
     training goes on, one at a time: only the part of a write that outlasts the next --checkpoint-every steps holds
     up the others (rank 0 waits for it at the next save), and that part must be shorter."""
     progress: bool = True
@@ -659,6 +660,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import torch
 
     from . import data, ps, rendezvous
+    from .errors import check_join_timeout
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -670,8 +672,10 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     info = rendezvous.job_info()
     rank, p = info.rank, info.world_size - cfg.servers
     model, loader, batch_size = _workload(cfg, rank, p)
-    # (the workers share no communicator: they compare the text through the job's store)
-    data.check_same_corpus_in_store(rendezvous.job_store(info, cfg.timeout), rank, p, loader.dataset)
+    # (the workers share no communicator: they compare the text through the job's store, where
+    # they meet, so their start-up counts: join_timeout's rule)
+    store = rendezvous.job_store(info, check_join_timeout(None, cfg.timeout))
+    data.check_same_corpus_in_store(store, rank, p, loader.dataset)
     one_worker_rate = partial(_one_worker_rate, model, model.loss, loader.dataset.batch(np.arange(batch_size)),
                               _optimizer(cfg))
     one_rate = one_worker_rate()

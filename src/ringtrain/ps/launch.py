@@ -147,13 +147,15 @@ def _tail(report: str, lines: int = 12) -> str:
 
 
 def launch_local(servers: int, workers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 0,
-                 timeout: float = 60.0, job: str = "ps", secret: Optional[bytes] = None,
-                 checkpoint_dir: str = "", resume: bool = False, host: str = "127.0.0.1") -> LocalServers:
-    """Start ``servers`` parameter-server processes for ``workers`` workers; return when all listen."""
+                 timeout: float = 60.0, join_timeout: Optional[float] = None, job: str = "ps",
+                 secret: Optional[bytes] = None, checkpoint_dir: str = "", resume: bool = False,
+                 host: str = "127.0.0.1") -> LocalServers:
+    """Start ``servers`` parameter-server processes for ``workers`` workers; return when all listen
+    (within ``join_timeout``: ServerConfig's)."""
     base = ServerConfig(index=0, servers=servers, workers=workers, strategy=strategy, max_staleness=max_staleness,
-                        host=host, job=job, secret=secret, timeout=timeout, checkpoint_dir=checkpoint_dir,
-                        resume=resume)
-    return LocalServers([replace(base, index=k) for k in range(servers)], timeout)
+                        host=host, job=job, secret=secret, timeout=timeout, join_timeout=join_timeout,
+                        checkpoint_dir=checkpoint_dir, resume=resume)
+    return LocalServers([replace(base, index=k) for k in range(servers)], base.join_s)
 
 
 # --- roles in a torchrun job --------------------------------------------------------------------
@@ -177,7 +179,8 @@ def is_server_rank(servers: int, rank: Optional[int] = None, world_size: Optiona
 
 
 def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Optional[int] = 0, timeout: float = 60.0,
-                    job: str = "ps", checkpoint_dir: str = "", resume: bool = False) -> dict:
+                    join_timeout: Optional[float] = None, job: str = "ps", checkpoint_dir: str = "",
+                    resume: bool = False) -> dict:
     """Be server RANK - W of a torchrun job whose last ``servers`` ranks serve; return its counters."""
     info = rendezvous.job_info()
     if not is_server_rank(servers):
@@ -187,8 +190,8 @@ def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Opti
     host = rendezvous.local_address_towards(info.master_addr)
     cfg = ServerConfig(index=index, servers=servers, workers=workers, strategy=strategy,
                        max_staleness=max_staleness, host=host, job=job, secret=info.secret, timeout=timeout,
-                       checkpoint_dir=checkpoint_dir, resume=resume)
-    store = _store(info, timeout)
+                       join_timeout=join_timeout, checkpoint_dir=checkpoint_dir, resume=resume)
+    store = _store(info, cfg.join_s)  # (rank 0, a worker, serves it: its start-up counts)
     return run_server(cfg, ready=lambda ep: store.set(_STORE_KEY.format(job=job, k=index), json.dumps(list(ep))))
 
 
@@ -198,7 +201,8 @@ def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTra
     if is_server_rank(servers):
         raise ValueError(f"rank {info.rank} is a server rank (the last {servers} of {info.world_size} ranks serve)")
     opts = PSOptions(secret=info.secret, **settings)
-    store = _store(info, opts.timeout)
+    join = opts.join_s
+    store = _store(info, join)
     endpoints = []
     for k in range(servers):
         try:
@@ -206,7 +210,7 @@ def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTra
         except RuntimeError as exc:  # torch's store wait ran out (DistStoreError)
             raise CommTimeout(
                 f"worker {info.rank}: parameter server {k} (rank {info.world_size - servers + k}) did not publish its "
-                f"endpoint in the job's store within {opts.timeout:g} s: it is not running, failed before it "
+                f"endpoint in the job's store within {join:g} s (join_timeout): it is not running, failed before it "
                 f"listened, or serves another job name than {opts.job!r} ({rendezvous._torch_text(exc)})") from None
     return ParameterServerTraining(module, servers=endpoints, worker=info.rank,
                                    workers=info.world_size - servers, options=opts)
@@ -285,7 +289,7 @@ def benchmark(model: str = "mlp", strategy: str = "sync", servers: int = 1, work
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with launch_local(servers, workers, strategy=strategy, max_staleness=max_staleness, timeout=timeout,
-                      secret=opts.secret, job=opts.job) as srv:
+                      join_timeout=opts.join_timeout, secret=opts.secret, job=opts.job) as srv:
         procs = [ctx.Process(target=_bench_worker, daemon=True,
                              args=(w, workers, srv.endpoints, model, steps, batch_size, seed, opts, results))
                  for w in range(workers)]

@@ -195,7 +195,7 @@ class ParameterServer:
         """Serve until every worker has said BYE or been lost; return the counters (stats())."""
         acceptor = threading.Thread(target=self._accept_loop, name=f"ps{self.cfg.index}-accept", daemon=True)
         acceptor.start()
-        first_deadline = time.monotonic() + self.cfg.timeout
+        first_deadline = time.monotonic() + self.cfg.join_s
         failed_at: Optional[float] = None
         try:
             with self._cond:
@@ -203,7 +203,7 @@ class ParameterServer:
                     now = time.monotonic()
                     if all(s == "waiting" for s in self._status) and now > first_deadline:
                         self.failed = self.failed or CommTimeout(
-                            f"{self.name}: no worker connected within {self.cfg.timeout:g} s")
+                            f"{self.name}: no worker connected within {self.cfg.join_s:g} s (join_timeout)")
                         break
                     self._drop_absent(now)
                     if self.failed is not None:
@@ -254,17 +254,17 @@ class ParameterServer:
 
     def _drop_absent(self, now: float, holding_up: Sequence[int] = ()) -> None:
         """Lose the workers the job cannot wait for any longer (caller holds the lock): one that has
-        not connected ``timeout`` after the first did; one silent for ``timeout`` that holds up
+        not connected ``join_timeout`` after the first did; one silent for ``timeout`` that holds up
         another's pull (asynchronous: ``holding_up``, behind the staleness bound; synchronous: one
         that has not pushed the step another waits for). A worker busy for long between steps is
         left alone otherwise. A synchronous job then ends with the error naming the worker; an
         asynchronous one goes on without them and says so."""
         if self._first_connected is None:
             return
-        limit = self.cfg.timeout
         for w, status in enumerate(self._status):
-            if status == "waiting" and now - self._first_connected >= limit:
-                self._lost(w, f"it did not connect within {limit:g} s of the first worker")
+            if status == "waiting" and now - self._first_connected >= self.cfg.join_s:
+                self._lost(w, f"it did not connect within {self.cfg.join_s:g} s of the first worker (join_timeout)")
+        limit = self.cfg.timeout
         if self.cfg.synchronous:
             holding_up = self._holding_up_step()
         for w in holding_up:
@@ -570,9 +570,11 @@ class ParameterServer:
         for i in ready:
             self._part_version[i] = step
         ready.sort(key=self.offsets.__getitem__)
+        now = time.monotonic()
         for u, outbox in self._outboxes.items():
             if self._want[u] == step and self._status[u] == "connected":
                 outbox.put(("params", step, ready))
+                self._heard[u] = now  # (it waited for these: its silence counts from now, not from its pull)
         if len(self._undo) == len(self.shard_ids):  # every partition has taken step `version`
             # (kept for a SAVE that comes after the step: only where the server can save)
             self._prev, self._undo = (self._undo if self.cfg.shard_dir else {}), {}
@@ -630,7 +632,9 @@ class ParameterServer:
 
     def _wait_until(self, w: int, blocker, holding_up=None) -> None:
         """Wait until ``blocker()`` (called under the lock) says nothing blocks; fail a sync job on timeout.
-        At the deadline, absent workers among ``holding_up()`` are lost first (_drop_absent)."""
+        At the deadline, absent workers among ``holding_up()`` are lost first (_drop_absent). A wait
+        on a worker still to connect is no silence: it lasts until ``timeout`` after that worker
+        connected, or until serve() loses it (``join_timeout`` after the first connected)."""
         deadline = time.monotonic() + self.cfg.timeout
         with self._cond:
             self._serving.add(w)
@@ -638,6 +642,7 @@ class ParameterServer:
                 self._wait_locked(w, blocker, holding_up, deadline)
             finally:
                 self._serving.discard(w)
+                self._heard[w] = time.monotonic()  # (its silence counts from the end of its wait here, not before)
 
     def _wait_locked(self, w: int, blocker, holding_up, deadline: float) -> None:
         while True:
@@ -645,9 +650,12 @@ class ParameterServer:
             why = blocker()
             if why is None:
                 return
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if self._joining_holds_up(holding_up):  # (serve() loses it at join_timeout; once in, it has the timeout)
+                deadline = max(deadline, now + self.cfg.timeout)
+            left = deadline - now
             if left <= 0:
-                self._drop_absent(time.monotonic(), holding_up() if holding_up else ())
+                self._drop_absent(now, holding_up() if holding_up else ())
                 if blocker() is None:
                     return
                 err = CommTimeout(f"{self.name}: {why} after {self.cfg.timeout:g} s")
@@ -655,6 +663,19 @@ class ParameterServer:
                     self._fail(err)
                 raise err
             self._cond.wait(min(left, 1.0))
+
+    def _joining_holds_up(self, holding_up) -> bool:
+        """Whether a worker that has not connected yet is among those this wait waits for (caller
+        holds the lock): sync, one whose gradients of the step are missing, or worker 0 before its
+        INIT; async, one of ``holding_up()``."""
+        waiting = {u for u, status in enumerate(self._status) if status == "waiting"}
+        if not waiting:
+            return False
+        if not self._initialized:
+            return 0 in waiting
+        if self.cfg.synchronous:
+            return not waiting.isdisjoint(self._missing())
+        return holding_up is not None and not waiting.isdisjoint(holding_up())
 
     def _check_stuck(self) -> None:
         """Sync: fail if the step in progress waits for a worker that has left (caller holds lock)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ProtocolError, check_number
+from ..errors import ProtocolError, check_join_timeout, check_number
 from .sharding import ITEMSIZE
 
 STRATEGIES = ("sync", "async", "sharded")
@@ -54,7 +54,10 @@ class ServerConfig:
     secret: Optional[bytes] = field(default=None, repr=False)
     """The job's shared secret (RINGTRAIN_SECRET); None: no authentication (still framed)."""
     timeout: float = 60.0
-    """Seconds any wait may last before CommTimeout."""
+    """Seconds any wait may last before CommTimeout, but for the workers' first connections."""
+    join_timeout: Optional[float] = None
+    """Seconds the first worker has to connect, and every other after it (their start-up counts);
+    None: ``timeout``, but at least 60 (``ringtrain.init``'s rule)."""
     checkpoint_dir: str = ""
     """Where this server's shard checkpoints go ('' = no checkpoints); a subfolder per server."""
     resume: bool = False
@@ -80,6 +83,13 @@ class ServerConfig:
             raise ValueError(f"max_staleness is for strategy 'async' (a synchronous server keeps every worker at one "
                              f"step); got {self.max_staleness} with strategy {self.strategy!r}")
         check_number("timeout", self.timeout, unit=" of seconds")
+        if self.join_timeout is not None:
+            self.join_timeout = check_number("join_timeout", self.join_timeout, unit=" of seconds")
+
+    @property
+    def join_s(self) -> float:
+        """``join_timeout`` in force, seconds."""
+        return check_join_timeout(self.join_timeout, self.timeout)
 
     @property
     def synchronous(self) -> bool:

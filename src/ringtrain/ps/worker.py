@@ -34,7 +34,12 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   refuses a gradient whose version moved after its push.
 
 Every wait ends by ``timeout`` (a wait for pulled parameters by twice that, so that a server
-can first drop a silent worker that holds the pull up, and say so). A lost server is a
+can first drop a silent worker that holds the pull up, and say so), but for joining, where
+start-up counts: reaching the servers and their answer to HELLO end by ``join_timeout``, and
+while other workers may still be connecting (synchronous: up to this worker's first step;
+asynchronous: always, as the staleness bound is the servers') a wait ends no earlier than
+``join_timeout`` + 2 × ``timeout`` after this worker connected: the servers wait
+``join_timeout`` for a worker to connect. A lost server is a
 PeerLost naming it, raised by the next forward, ``step()``, ``wait()`` or ``close()``; an error
 a server reports (a lost worker in a synchronous job) comes back with the server's text.
 """
@@ -55,7 +60,7 @@ from torch import nn
 
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
-from ..errors import CommError, CommTimeout, PeerLost, ProtocolError, check_number
+from ..errors import CommError, CommTimeout, PeerLost, ProtocolError, check_join_timeout, check_number
 from . import protocol as P
 from .server_config import STRATEGIES
 from .sharding import make_layout
@@ -90,6 +95,11 @@ class PSOptions:
     """Let the next forward start as soon as its own layers' parameters arrived."""
     timeout: float = 60.0
     """Seconds any wait may last."""
+    join_timeout: Optional[float] = None
+    """Seconds to join, where start-up counts: for the servers' endpoints in the job's store
+    (``worker_from_env``), each server's handshake and answer to HELLO (the first HELLO sets up
+    its shard), and the waits on workers still connecting (module docstring); None: ``timeout``,
+    but at least 60 (``ringtrain.init``'s rule)."""
     job: str = "ps"
     """Job name (the servers' must be the same)."""
     secret: Optional[bytes] = field(default=None, repr=False)
@@ -105,6 +115,13 @@ class PSOptions:
             # (the servers refuse a HELLO whose lr, momentum or weight_decay is not finite; a float,
             # not a numpy scalar, goes into the HELLO's JSON)
             object.__setattr__(self, name, check_number(name, value, positive=positive))
+        if self.join_timeout is not None:
+            object.__setattr__(self, "join_timeout", check_number("join_timeout", self.join_timeout, unit=" of seconds"))
+
+    @property
+    def join_s(self) -> float:
+        """``join_timeout`` in force, seconds."""
+        return check_join_timeout(self.join_timeout, self.timeout)
 
     @property
     def partition_bytes(self) -> int:
@@ -169,8 +186,11 @@ class ParameterServerTraining:
         self.pull_wait_s = 0.0  # time forward (or wait()) spent blocked on pulled parameters
         self._pushed_grads: list[tuple[int, torch.Tensor, int]] = []  # (param, gradient, its _version) sent
         self._links = self._connect(servers)
+        # (until then a wait may be on a worker still connecting: _deadline)
+        self._joining_until = time.monotonic() + self.opts.join_s + 2 * self.opts.timeout
         try:
             self.step_count = self._agreed_clock()
+            self._first_step = self.step_count
             for link in self._links:
                 for target in (self._sender, self._receiver):
                     t = threading.Thread(target=target, args=(link,), daemon=True,
@@ -196,10 +216,11 @@ class ParameterServerTraining:
                  "momentum": opts.momentum, "weight_decay": opts.weight_decay}
         links = []
         k, endpoint = 0, servers[0]
+        join = opts.join_s  # (joining: a server still starting, or setting up its shard at the first HELLO)
         try:
             for k, endpoint in enumerate(servers):
                 try:
-                    sock = P.dial(endpoint, me, k, opts.timeout)
+                    sock = P.dial(endpoint, me, k, join)
                 except CommError as exc:  # (its text numbers peers as the handshake does: say which that is)
                     sizes = (f"; world size {K + W} = {K} server(s) + workers={W}: a server that says another was "
                              "started for another number of workers or servers" if "world size" in str(exc) else "")
@@ -211,7 +232,7 @@ class ParameterServerTraining:
                 ch.send(P.HELLO, worker=self.worker, body=P.encode_json(hello))
             for link in links:
                 k, endpoint = link.k, servers[link.k]
-                head = link.ch.recv_header(opts.timeout)
+                head = link.ch.recv_header(join)
                 if head.kind != P.WELCOME:
                     raise ProtocolError(f"{link.ch.peer} answered HELLO with {head.name}")
                 welcome = link.ch.recv_json(head)
@@ -419,22 +440,26 @@ class ParameterServerTraining:
     def _param_in(self, i: int) -> bool:
         return all(self._arrived[j] >= self.step_count for j in self._parts_of[i])
 
-    def _pull_timeout(self) -> float:
-        """How long a wait for pulled parameters lasts: twice ``timeout``, since a server holding
-        this worker's pull for a silent worker drops that one only after ``timeout`` of its own,
-        and answers then (asynchronous: the parameters; synchronous: the error naming the worker
-        lost): a wait of ``timeout`` here ended at that very moment."""
-        return 2 * self.opts.timeout
+    def _deadline(self, t0: float, span: float) -> float:
+        """When a wait on the servers begun at ``t0`` ends: ``span`` later, or, while it may be on a
+        worker still connecting (module docstring), no earlier than ``join_timeout`` + 2 × ``timeout``
+        after this worker connected: the servers lose such a worker ``join_timeout`` after the first
+        connected (this one was no earlier), and a wait they hold for a silent one ends ``timeout``
+        after that."""
+        joining = self.opts.strategy == "async" or self.step_count <= self._first_step + 1
+        return max(t0 + span, self._joining_until) if joining else t0 + span
 
     def _wait_params(self, indices: Sequence[int]) -> None:
+        # Twice ``timeout``: a server holding this worker's pull for a silent worker drops that one
+        # only after ``timeout`` of its own, and answers then (asynchronous: the parameters;
+        # synchronous: the error naming the worker lost); a wait of ``timeout`` ended at that moment.
         t0 = time.monotonic()
-        deadline = t0 + self._pull_timeout()
         try:
-            self._wait_params_until(indices, deadline)
+            self._wait_params_until(indices, t0, self._deadline(t0, 2 * self.opts.timeout))
         finally:
             self.pull_wait_s += time.monotonic() - t0
 
-    def _wait_params_until(self, indices: Sequence[int], deadline: float) -> None:
+    def _wait_params_until(self, indices: Sequence[int], t0: float, deadline: float) -> None:
         with self._cond:
             while not all(self._param_in(i) for i in indices):
                 self._raise_if_failed()
@@ -446,7 +471,7 @@ class ParameterServerTraining:
                            " (a synchronous server sends them once every worker's gradients of the step are in, "
                            "and names a worker that holds them up for its timeout)")
                     raise CommTimeout(f"worker {self.worker}: parameters from parameter server(s) {slow} "
-                                      f"did not arrive within {self._pull_timeout():g} s{why}")
+                                      f"did not arrive within {round(deadline - t0, 1):g} s{why}")
                 self._cond.wait(min(left, 0.5))
 
     def wait(self) -> None:
@@ -471,7 +496,7 @@ class ParameterServerTraining:
                 link.saved, link.save_error = -1, None
         for link in self._links:
             link.jobs.put(("save", step, int(background)))
-        deadline = time.monotonic() + self.opts.timeout
+        deadline = self._deadline(time.monotonic(), self.opts.timeout)
         with self._cond:
             while any(link.saved < step for link in self._links):
                 self._raise_if_failed()
@@ -491,7 +516,7 @@ class ParameterServerTraining:
             if self._error is None:
                 for link in self._links:
                     link.jobs.put(("bye",))
-                deadline = time.monotonic() + self.opts.timeout
+                deadline = self._deadline(time.monotonic(), self.opts.timeout)
                 with self._cond:
                     while any(link.bye is None for link in self._links) and self._error is None:
                         if time.monotonic() > deadline:
