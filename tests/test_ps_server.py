@@ -242,6 +242,37 @@ def test_workers_that_start_later_than_the_timeout_are_waited_for_by_the_join_ti
     assert out["first"]["steps"] == second["steps"] == 3
 
 
+@pytest.mark.parametrize("strategy,staleness,last_joining_step", [("sync", 0, 1), ("async", 0, 1), ("async", 2, 3),
+                                                                  ("async", None, 0)])
+def test_a_worker_stretches_its_waits_only_while_a_pull_may_wait_for_a_worker_still_connecting(
+        strategy, staleness, last_joining_step):
+    # An asynchronous worker kept the join window for all its waits (the staleness bound is the
+    # servers'), so a server gone silent in the first minute was seen only after it: the WELCOME
+    # now gives the bound.
+    server, thread, out = start_server(strategy=strategy, max_staleness=staleness, timeout=1.0)
+    model = tiny()
+    ps = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=1, secret=SECRET, lr=0.1,
+                                 strategy=strategy, timeout=1.0)
+    for s in range(last_joining_step + 2):
+        t0 = time.monotonic()
+        joining = ps._deadline(t0, 2.0) - t0 > 60.0  # (join_timeout 60 s by default)
+        assert joining == (ps.step_count <= last_joining_step), (s, ps.step_count)
+        model(torch.full((2, 4), float(s + 1))).sum().backward()
+        ps.step()
+    ps.close()
+    thread.join(10)
+    assert not thread.is_alive() and out["stats"]["failed"] is None
+
+
+@pytest.mark.parametrize("bound", [-1, 1.5, True, "2", [0]])
+def test_a_welcome_with_a_bad_staleness_bound_is_a_protocol_error(bound):
+    from ringtrain.ps.worker import _staleness_of
+
+    with pytest.raises(ProtocolError, match="'max_staleness' is not an integer >= 0 or null"):
+        _staleness_of({"max_staleness": bound}, "parameter server 0")
+    assert _staleness_of({}, "parameter server 0") == 0 and _staleness_of({"max_staleness": None}, "s") is None
+
+
 def test_a_bad_join_timeout_is_refused_by_the_servers_and_the_workers():
     with pytest.raises(ValueError, match="join_timeout must be a finite number of seconds > 0, got 0"):
         ServerConfig(index=0, servers=1, workers=1, join_timeout=0)

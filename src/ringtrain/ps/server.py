@@ -454,7 +454,8 @@ class ParameterServer:
         with self._cond:
             self._configure(hello)
             welcome = {"version": self.version, "clock": self._clock[w],
-                       "needs_init": not self._initialized and w == 0}
+                       "needs_init": not self._initialized and w == 0,
+                       "max_staleness": 0 if self.cfg.synchronous else self.cfg.max_staleness}
         ch.send(P.WELCOME, body=P.encode_json(welcome))
         while True:
             head = ch.recv_header(None)

@@ -36,8 +36,9 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
 Every wait ends by ``timeout`` (a wait for pulled parameters by twice that, so that a server
 can first drop a silent worker that holds the pull up, and say so), but for joining, where
 start-up counts: reaching the servers and their answer to HELLO end by ``join_timeout``, and
-while other workers may still be connecting (synchronous: up to this worker's first step;
-asynchronous: always, as the staleness bound is the servers') a wait ends no earlier than
+while other workers may still be connecting (up to the step whose pull waits for every worker
+to have pushed once: the first for a synchronous job, the staleness bound's + 1 for an
+asynchronous one, as the servers' WELCOME gives it) a wait ends no earlier than
 ``join_timeout`` + 2 × ``timeout`` after this worker connected: the servers wait
 ``join_timeout`` for a worker to connect. A lost server is a
 PeerLost naming it, raised by the next forward, ``step()``, ``wait()`` or ``close()``; an error
@@ -128,6 +129,15 @@ class PSOptions:
         return max(4, int(self.partition_mb * (1 << 20)) // 4 * 4)
 
 
+def _staleness_of(welcome: dict, peer: str) -> Optional[int]:
+    """The staleness bound a server's WELCOME gives (0 where it gives none: a synchronous server)."""
+    bound = welcome.get("max_staleness", 0)
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+        raise ProtocolError(f"{peer} sent a WELCOME whose 'max_staleness' is not an integer >= 0 or null, "
+                            f"got {str(bound)[:80]}")
+    return bound
+
+
 class _Link:
     """One server: its channel, sender queue and threads, and what came back."""
 
@@ -137,6 +147,7 @@ class _Link:
         self.jobs: queue.Queue = queue.Queue()
         self.version = 0  # of the last parameters pulled
         self.clock = 0  # this worker's steps as the server counts them (from WELCOME)
+        self.max_staleness: Optional[int] = 0  # the server's bound (from WELCOME; None: unbounded)
         self.saved = -1
         self.save_error: Optional[str] = None  # why the server could not save (SAVED with extra 1)
         self.bye: Optional[dict] = None
@@ -190,7 +201,11 @@ class ParameterServerTraining:
         self._joining_until = time.monotonic() + self.opts.join_s + 2 * self.opts.timeout
         try:
             self.step_count = self._agreed_clock()
-            self._first_step = self.step_count
+            # The last step whose pull may wait for a worker still connecting: the first (worker 0's
+            # INIT), and while the staleness bound lets no worker run further ahead of one at step
+            # 0 (synchronous: bound 0, the first step's pull); none with no bound.
+            bounds = [link.max_staleness for link in self._links]
+            self._joined_after = self.step_count + (0 if None in bounds else max(bounds) + 1)
             for link in self._links:
                 for target in (self._sender, self._receiver):
                     t = threading.Thread(target=target, args=(link,), daemon=True,
@@ -238,6 +253,7 @@ class ParameterServerTraining:
                 welcome = link.ch.recv_json(head)
                 link.version = int(welcome["version"])
                 link.clock = int(welcome["clock"])
+                link.max_staleness = _staleness_of(welcome, link.ch.peer)
                 if welcome.get("needs_init"):
                     self._send_values(link, P.INIT)
         except EOFError:
@@ -446,7 +462,7 @@ class ParameterServerTraining:
         after this worker connected: the servers lose such a worker ``join_timeout`` after the first
         connected (this one was no earlier), and a wait they hold for a silent one ends ``timeout``
         after that."""
-        joining = self.opts.strategy == "async" or self.step_count <= self._first_step + 1
+        joining = self.step_count <= self._joined_after
         return max(t0 + span, self._joining_until) if joining else t0 + span
 
     def _wait_params(self, indices: Sequence[int]) -> None:
