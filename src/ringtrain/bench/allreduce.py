@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from .machine import plural
-from .procs import RESULT_PREFIX, RankFailed, emit, interrupted, progress, run_ranks
+from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, progress, run_ranks
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
@@ -269,14 +269,9 @@ def _launch(p: int, cfg: dict, args, rows: list[dict]) -> None:
     def arrived(doc: dict) -> None:
         rows.extend([dict(r, net=args.net) for r in doc["rows"]])  # (one call: a size is kept whole or not at all)
 
-    worker_args = ["ringtrain.cli", "bench", "allreduce", "--worker", json.dumps(cfg)]
-    if args.net == "none":
-        run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout, on_result=arrived)
-        return
-    from .netem import EmulatedNetwork
-
-    with EmulatedNetwork(p, rate=args.net) as net:
-        run_ranks(worker_args[0], worker_args[1:], p, timeout=args.timeout, net=net, on_result=arrived)
+    with emulated(args.net, p) as net:
+        run_ranks("ringtrain.cli", ["bench", "allreduce", "--worker", json.dumps(cfg)], p, timeout=args.timeout,
+                  net=net, on_result=arrived)
 
 
 def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | None]:

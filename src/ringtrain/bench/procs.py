@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Callable, Optional, Sequence
 
 from ..lifecycle import LAUNCHER_ENV
@@ -37,6 +37,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RankFailed(RuntimeError):
     pass
+
+
+def emulated(rate: str, hosts: int) -> AbstractContextManager:
+    """The network a benchmark's ranks run on, for ``with ... as net: run_ranks(..., net=net)``:
+    none (``net`` is None, the ranks share this host) for rate "none", else an emulated network
+    of ``hosts`` hosts at that rate, removed when the block ends."""
+    if rate == "none":
+        return nullcontext()
+    from .netem import EmulatedNetwork
+
+    return EmulatedNetwork(hosts, rate=rate)
 
 
 def run_ranks(

@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from .machine import check_out_dir, check_ranks, plural, run_stamp
-from .procs import RankFailed, emit, interrupted, progress, run_ranks
+from .procs import RankFailed, emit, emulated, interrupted, progress, run_ranks
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
@@ -227,11 +227,7 @@ def parse_strategies(text: str) -> dict:
 
 
 def _launch(module: str, module_args: list[str], nprocs: int, args, on_result=None) -> list[dict]:
-    if args.net == "none":
-        return run_ranks(module, module_args, nprocs, timeout=args.timeout, on_result=on_result)
-    from .netem import EmulatedNetwork
-
-    with EmulatedNetwork(nprocs, rate=args.net) as net:
+    with emulated(args.net, nprocs) as net:
         return run_ranks(module, module_args, nprocs, timeout=args.timeout, net=net, on_result=on_result)
 
 
