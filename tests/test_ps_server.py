@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -451,6 +452,51 @@ def test_roles_and_rank_entry_arguments():
         parse(["--strategy", "async", "--max-staleness", "-7"])
     with pytest.raises(SystemExit):  # was a traceback on every rank
         parse(["--servers", "0"])
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--join-timeout"])
+@pytest.mark.parametrize("value, says", [("0", "seconds > 0"), ("-1", "seconds > 0"), ("nan", "seconds > 0"),
+                                         ("abc", "invalid float value")])
+def test_the_rank_entry_refuses_a_bad_timeout_naming_its_flag(flag, value, says, capsys):
+    # Before: no --join-timeout; a bad --timeout was a ValueError traceback on every rank.
+    from ringtrain.ps.__main__ import parse
+
+    with pytest.raises(SystemExit):
+        parse([flag, value])
+    err = capsys.readouterr().err
+    assert flag in err and says in err, err
+
+
+class Met(Exception):
+    """Raised by a stand-in for the call a worker meets the servers with: the test has its arguments."""
+
+
+@pytest.mark.parametrize("join", [None, 7.5])
+def test_the_rank_entry_gives_join_timeout_to_servers_and_workers(join, monkeypatch):
+    # Before: run_server_role and worker_from_env were given --timeout only.
+    import ringtrain.ps.__main__ as entry
+    from ringtrain import lifecycle, rendezvous
+
+    monkeypatch.setattr(lifecycle, "die_with_parent", lambda: True)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    calls = {}
+
+    def worker_from_env(module, servers, **kw):
+        calls["worker"] = kw
+        raise Met
+
+    monkeypatch.setattr(entry, "run_server_role", lambda servers, **kw: calls.setdefault("server", kw))
+    monkeypatch.setattr(entry, "worker_from_env", worker_from_env)
+    monkeypatch.setattr(rendezvous, "job_info", lambda: SimpleNamespace(rank=0, world_size=2))
+    argv = ["--timeout", "5"] + ([] if join is None else ["--join-timeout", str(join)])
+    assert entry.parse(argv).join_timeout == join
+    monkeypatch.setattr(entry, "is_server_rank", lambda servers: True)
+    assert entry.main(argv) == 0
+    monkeypatch.setattr(entry, "is_server_rank", lambda servers: False)
+    with pytest.raises(Met):
+        entry.main(argv)
+    assert (calls["server"]["timeout"], calls["server"]["join_timeout"]) == (5.0, join)
+    assert (calls["worker"]["timeout"], calls["worker"]["join_timeout"]) == (5.0, join)
 
 
 def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float, momentum: float = 0.0,

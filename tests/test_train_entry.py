@@ -631,3 +631,79 @@ def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_pat
                       launches, capsys)
     assert message.endswith("--bucket-cap-mb is for the ring's allreduce only; --strategy ps-sync sends gradients to "
                             "parameter servers and would ignore it"), message
+
+
+# --- --join-timeout: from the command line to the calls where the ranks meet ------------------------
+
+class Met(Exception):
+    """Raised by a stand-in for the call a worker meets the others with: the test has its arguments."""
+
+
+def launched_config(launches) -> dict:
+    """The TrainConfig, as JSON, that the one recorded launch gives its workers (``--worker JSON``)."""
+    (argv,) = launches
+    return json.loads(argv[argv.index("--worker") + 1])
+
+
+@pytest.fixture
+def in_a_worker(monkeypatch):
+    """The worker's process-wide settings left alone (this is the test process)."""
+    from ringtrain import lifecycle
+
+    monkeypatch.setattr(lifecycle, "die_with_parent", lambda: True)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    with torch.random.fork_rng():  # (the worker seeds torch)
+        yield
+
+
+@pytest.mark.parametrize("join", [None, 7.5])
+def test_join_timeout_reaches_ringtrain_init(tmp_path, launches, in_a_worker, monkeypatch, join):
+    # Before: no --join-timeout; init always got the default, max(--timeout, 60).
+    import ringtrain
+
+    flags = () if join is None else ("--join-timeout", str(join))
+    assert cli.main(train_argv(tmp_path, "--timeout", "5", *flags)) == 0
+    config = launched_config(launches)
+    assert (config["timeout"], config["join_timeout"]) == (5.0, join)
+    seen = {}
+
+    def init(**kw):
+        seen.update(kw)
+        raise Met
+
+    monkeypatch.setattr(ringtrain, "init", init)
+    with pytest.raises(Met):
+        train._run_worker(json.dumps(config), False)
+    assert seen == {"transport": "auto", "timeout": 5.0, "join_timeout": join}
+
+
+@pytest.mark.parametrize("join", [None, 7.5])
+def test_join_timeout_reaches_the_parameter_servers_and_their_workers(tmp_path, launches, in_a_worker, monkeypatch,
+                                                                      join):
+    # Before: the servers and workers were given --timeout only, and the store was waited on for
+    # max(--timeout, 60) whatever the command line said.
+    from ringtrain import data, ps, rendezvous
+
+    flags = () if join is None else ("--join-timeout", str(join))
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sync", "--model", "mlp", "--timeout", "5", *flags)) == 0
+    config = json.dumps(launched_config(launches))
+    calls = {}
+
+    def worker_from_env(module, servers, **kw):
+        calls["worker"] = kw
+        raise Met
+
+    monkeypatch.setattr(ps, "run_server_role", lambda servers, **kw: calls.setdefault("server", kw))
+    monkeypatch.setattr(ps, "worker_from_env", worker_from_env)
+    monkeypatch.setattr(rendezvous, "job_info", lambda: argparse.Namespace(rank=0, world_size=2))
+    monkeypatch.setattr(rendezvous, "job_store", lambda info, timeout: calls.setdefault("store", timeout))
+    monkeypatch.setattr(data, "check_same_corpus_in_store", lambda *args: None)
+    monkeypatch.setattr(train, "_one_worker_rate", lambda *args: 1.0)  # (seconds of training steps)
+    monkeypatch.setattr(ps, "is_server_rank", lambda servers: True)
+    assert train._run_worker(config, False) == 0
+    monkeypatch.setattr(ps, "is_server_rank", lambda servers: False)
+    with pytest.raises(Met):
+        train._run_worker(config, False)
+    assert (calls["server"]["timeout"], calls["server"]["join_timeout"]) == (5.0, join)
+    assert (calls["worker"]["timeout"], calls["worker"]["join_timeout"]) == (5.0, join)
+    assert calls["store"] == (60.0 if join is None else join)  # (unset: --timeout, but at least 60)

@@ -88,10 +88,13 @@ class TrainConfig:
     optimal on several workers, the trial of plans (up to 93 steps); a run that ends sooner writes no step and
     says so."""
     timeout: float = 120.0
-    """Seconds any communication may wait before it fails (the ranks' first meeting, where their start-up counts,
-    at least 60: ringtrain.init's join_timeout). Rank 0 writes checkpoints on a background thread while
-    training goes on, one at a time: only the part of a write that outlasts the next --checkpoint-every steps holds
-    up the others (rank 0 waits for it at the next save), and that part must be shorter."""
+    """Seconds any communication may wait before it fails, once the ranks have met (their first meeting is
+    --join-timeout's). Rank 0 writes checkpoints on a background thread while training goes on, one at a time: only
+    the part of a write that outlasts the next --checkpoint-every steps holds up the others (rank 0 waits for it at
+    the next save), and that part must be shorter."""
+    join_timeout: float | None = None
+    """Seconds every rank has to start and meet the others (the rendezvous store, the parameter servers), where
+    their start-up counts; unset: --timeout, but at least 60 (ringtrain.init's join_timeout)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     strategy: str = "ring"
@@ -121,6 +124,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ValueError(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
+        if self.join_timeout is not None and not (math.isfinite(self.join_timeout) and self.join_timeout > 0):
+            raise ValueError(f"--join-timeout must be a finite number of seconds > 0, got {self.join_timeout}")
         if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
@@ -181,6 +186,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     from .transport import TRANSPORTS
 
     choices = {"model": models.names(), "schedule": SCHEDULES, "algorithm": ALGORITHMS, "transport": TRANSPORTS}
+    unset = {"join_timeout": (float, "SECONDS")}  # defaults of None: (type, metavar); the docstring says what None means
     docs = _field_docs(TrainConfig)
     for name, field in TrainConfig.__dataclass_fields__.items():
         value = field.default  # the declared default, before __post_init__ derives anything
@@ -188,6 +194,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         text = docs.get(name, "") + (f" One of: {', '.join(choices[name])}." if name in choices else "")
         if isinstance(value, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f"{text} (default %(default)s)")
+        elif value is None:
+            p.add_argument(flag, type=unset[name][0], default=None, metavar=unset[name][1], help=text)
         else:
             p.add_argument(flag, type=type(value), default=value, help=f"{text} (default {value!r})")
 
@@ -592,7 +600,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
-    comm = ringtrain.init(transport=cfg.transport, timeout=cfg.timeout)
+    comm = ringtrain.init(transport=cfg.transport, timeout=cfg.timeout, join_timeout=cfg.join_timeout)
     rank, p = comm.rank, comm.world_size
     model, loader, batch_size = _workload(cfg, rank, p)
     data.check_same_corpus(comm, loader.dataset)  # the stdlib text differs between Python builds
@@ -666,7 +674,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     torch.manual_seed(cfg.seed)
     strategy = {"ps-sync": "sync", "ps-async": "async", "ps-sharded": "sharded"}[cfg.strategy]
     if ps.is_server_rank(cfg.servers):
-        ps.run_server_role(cfg.servers, strategy=strategy, timeout=cfg.timeout,
+        ps.run_server_role(cfg.servers, strategy=strategy, timeout=cfg.timeout, join_timeout=cfg.join_timeout,
                            checkpoint_dir=str(Path(cfg.checkpoint_dir) / "servers"), resume=cfg.resume)
         return 0
     info = rendezvous.job_info()
@@ -674,13 +682,13 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     model, loader, batch_size = _workload(cfg, rank, p)
     # (the workers share no communicator: they compare the text through the job's store, where
     # they meet, so their start-up counts: join_timeout's rule)
-    store = rendezvous.job_store(info, check_join_timeout(None, cfg.timeout))
+    store = rendezvous.job_store(info, check_join_timeout(cfg.join_timeout, cfg.timeout))
     data.check_same_corpus_in_store(store, rank, p, loader.dataset)
     one_worker_rate = partial(_one_worker_rate, model, model.loss, loader.dataset.batch(np.arange(batch_size)),
                               _optimizer(cfg))
     one_rate = one_worker_rate()
     pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
-                             schedule=cfg.schedule, timeout=cfg.timeout)
+                             schedule=cfg.schedule, timeout=cfg.timeout, join_timeout=cfg.join_timeout)
     start = pst.step_count  # the servers' step for this worker (0 unless they resumed)
     if cfg.resume:
         _resume_ps_worker(cfg, rank, model, loader, start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from .launch import is_server_rank, run_server_role, train_steps, worker_from_env
@@ -33,8 +34,13 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--schedule", default="optimal", help="push merging (ringtrain.plan.METHODS)")
     p.add_argument("--partition-mb", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may last once the ranks have met")
+    p.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds to start and meet (the job's store, the servers); default: --timeout, but at least 60")
     args = p.parse_args(argv)
+    for flag, value in (("--timeout", args.timeout), ("--join-timeout", args.join_timeout)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"{flag} must be a finite number of seconds > 0, got {value}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.servers < 1:
@@ -59,7 +65,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     staleness = None if args.max_staleness < 0 else args.max_staleness
     if is_server_rank(args.servers):
-        run_server_role(args.servers, strategy=args.strategy, max_staleness=staleness, timeout=args.timeout)
+        run_server_role(args.servers, strategy=args.strategy, max_staleness=staleness, timeout=args.timeout,
+                        join_timeout=args.join_timeout)
         return 0
     info = rendezvous.job_info()
     workers = info.world_size - args.servers
@@ -69,7 +76,8 @@ def main(argv=None) -> int:
     dataset = data.dataset(spec.dataset, seed=args.seed, **spec.batch_kwargs)
     loader = data.ShardedLoader(dataset, batch, rank=info.rank, world_size=workers, seed=args.seed)
     pst = worker_from_env(model, args.servers, strategy=args.strategy, lr=args.lr, momentum=args.momentum,
-                          schedule=args.schedule, partition_mb=args.partition_mb, timeout=args.timeout)
+                          schedule=args.schedule, partition_mb=args.partition_mb, timeout=args.timeout,
+                          join_timeout=args.join_timeout)
     out = train_steps(pst, model, loader, args.steps)
     steady = out["step_s"][2:] if args.steps > 4 else out["step_s"]
     median = float(np.median(steady))
