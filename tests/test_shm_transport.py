@@ -513,6 +513,38 @@ def test_process_identity_liveness():
     assert not ProcessId(me.pid, me.start + 1, me.pidns).alive()  # same pid, another process
 
 
+@pytest.mark.parametrize(
+    "local_ranks, runnable, load, spins",
+    [
+        (2, 2, 0.3, True),  # a quiet machine
+        (2, 2, 3.9, True),  # the load average still counts a job that ended: the CPUs are free now
+        (2, 5, 0.4, True),  # a passing burst, the last minute was quiet
+        (2, 5, 3.9, False),  # busy now and over the last minute
+        (2, None, 3.9, False),  # no runnable count: the load average decides, as before
+        (2, None, 1.0, True),
+        (3, 1, 0.0, False),  # more of the job's ranks than CPUs: never
+    ],
+)
+def test_a_waiting_rank_spins_only_while_the_cpus_have_room(monkeypatch, local_ranks, runnable, load, spins):
+    from ringtrain.transport import shm_sync
+
+    monkeypatch.setattr(shm_sync.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(shm_sync, "runnable_now", lambda: runnable)
+    monkeypatch.setattr(shm_sync.os, "getloadavg", lambda: (load, load, load))
+    assert shm_sync.spinning_pays(local_ranks) is spins
+    idle = shm_sync.Idle(local_ranks=local_ranks)
+    for _ in range(idle.SPINS + 2):  # spin, arm, then the slow checks, the load and a nap
+        idle.step(None, lambda: None, time.monotonic() + 1)
+    assert idle.spins == (idle.SPINS if spins else 0)
+
+
+def test_the_runnable_count_is_read_from_the_kernel():
+    from ringtrain.transport.shm_sync import runnable_now
+
+    now = runnable_now()
+    assert now is None or now >= 1  # the reader itself is running
+
+
 # --- real processes ------------------------------------------------------------------------
 
 

@@ -383,15 +383,35 @@ class Doorbell:
             self.fd = -1
 
 
-def spinning_pays() -> bool:
-    """Whether the CPUs are not oversubscribed (1-minute load below the CPU count + 1/2).
+def runnable_now() -> Optional[int]:
+    """The machine's runnable threads at this instant, the caller included (/proc/loadavg's
+    fourth field); None where the kernel does not say."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def spinning_pays(local_ranks: int = 1) -> bool:
+    """Whether a waiting rank should spin: its job's ``local_ranks`` fit on the CPUs, and the
+    CPUs are not busy with more than they can run, now (the runnable threads at this instant)
+    or over the last minute (1-minute load below the CPU count + 1/2).
 
     Spinning catches a peer that answers within microseconds, but on an oversubscribed
     machine (4 ranks on 2 cores, or other jobs) it takes the CPU from the very peer it waits
-    for, so there a waiting rank goes straight to sleep on its doorbell.
+    for, so there a waiting rank goes straight to sleep on its doorbell. Either measure alone
+    misleads: the load average still counts a job that ended a minute ago, and one look at the
+    runnable threads may catch a passing burst.
     """
+    cpus = os.cpu_count() or 1
+    if local_ranks > cpus:
+        return False
+    now = runnable_now()
+    if now is not None and now <= cpus:
+        return True
     try:
-        return os.getloadavg()[0] < (os.cpu_count() or 1) + 0.5
+        return os.getloadavg()[0] < cpus + 0.5
     except OSError:
         return True
 
@@ -400,7 +420,9 @@ class Idle:
     """What a rank does when a round of its exchange made no progress.
 
     It spins ``SPINS`` rounds (a peer on another core usually answers within microseconds;
-    none while the machine is oversubscribed, see :func:`spinning_pays`), then it *arms*: drains its doorbell and runs one more round; if that round makes no
+    none while the machine is oversubscribed, see :func:`spinning_pays`; ``local_ranks``: the
+    transport's ranks on this host), then it *arms*: drains its doorbell and runs one more
+    round; if that round makes no
     progress either it sleeps on the doorbell until a peer rings or ``CHECK_EVERY`` passes.
     The slow checks (peer flags, peer process alive, deadline) run before such a sleep when
     ``CHECK_EVERY`` has passed since the last ones or the deadline has; one Idle serves all
@@ -411,9 +433,10 @@ class Idle:
     CHECK_EVERY = 0.005
     LOAD_EVERY = 1.0  # how often the machine's load is looked at again
 
-    __slots__ = ("rounds", "armed", "next_check", "spins", "next_load")
+    __slots__ = ("rounds", "armed", "next_check", "spins", "next_load", "local_ranks")
 
-    def __init__(self) -> None:
+    def __init__(self, local_ranks: int = 1) -> None:
+        self.local_ranks = local_ranks
         self.rounds = 0
         self.armed = False
         self.next_check = 0.0
@@ -441,7 +464,7 @@ class Idle:
             self.next_check = now + self.CHECK_EVERY
         if now >= self.next_load:
             self.next_load = now + self.LOAD_EVERY
-            self.spins = self.SPINS if spinning_pays() else 0
+            self.spins = self.SPINS if spinning_pays(self.local_ranks) else 0
         nap = max(0.0, min(self.next_check, deadline) - now)
         if bell is not None:
             bell.wait(nap)
