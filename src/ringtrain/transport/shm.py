@@ -190,7 +190,7 @@ class ShmTransport(Transport):
         self._in: dict[int, Mailbox] = inboxes
         self._bells: dict[int, Doorbell] = bells
         self._procs: dict[int, ProcessId] = procs
-        self._idle = Idle(local_ranks=world_size)
+        self._idle = Idle(local_ranks=len(procs) + 1)  # its peers are on this host
         self._self_queue: deque = deque()  # messages to ourselves: (header bytes, payload copy)
         self._closed = False
         self._finalizer = weakref.finalize(
