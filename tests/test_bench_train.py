@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ringtrain.bench.train import PS_WARMUP_STEPS, _predict_ps, _ps_row, _scaled, _with_wrapper_costs
+from ringtrain.bench.train import PS_WARMUP_STEPS, _predict_ps, _ps_row, _scaled, _with_wrapper_costs, turns
 from ringtrain.sim import costs
 from ringtrain.sim.simulator import predict_with_cost
 from ringtrain.sim.traces import Layer, Trace
@@ -67,6 +67,21 @@ def ps_doc(steps, sent, hist=None, wait=1.0):
             "stats": {"bytes_sent": sent, "bytes_received": 2 * sent, "pull_wait_s": wait,
                       "bytes_per_server": {"0": {"sent": sent, "received": sent}},
                       "staleness_histogram": hist or {}}}
+
+
+def test_configurations_take_turns_step_by_step_in_orders_that_vary_alike_on_every_rank():
+    n, steps, rounds = 7, 6, 3
+    timed = [list(turns(n, steps, r)) for r in range(rounds)]
+    assert timed == [list(turns(n, steps, r)) for r in range(rounds)]  # every rank draws the same
+    flat = [pair for one in timed for pair in one]
+    for k in range(steps):  # each step of the round is one turn: every configuration once
+        assert sorted(i for kk, i in flat[k * n:(k + 1) * n] if kk == k) == list(range(n))
+    assert len(flat) == n * steps * rounds
+    order = [i for _, i in flat]
+    firsts = {order[t * n] for t in range(steps * rounds)}
+    follows = {i: {order[j - 1] for j in range(1, len(order)) if order[j] == i} for i in range(n)}
+    assert len(firsts) > 1 and all(len(f) > 1 for f in follows.values())
+    assert [i for _, i in turns(1, 3, 0)] == [0, 0, 0]
 
 
 def test_ps_rounds_merge_into_one_row_without_their_warm_up_steps():

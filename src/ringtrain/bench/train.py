@@ -1,10 +1,11 @@
 """`ringtrain bench train`: training step time of every schedule against torch's DDP.
 
-In one run, on the same data and the same weights, each rank times, interleaved round by
-round: ringtrain's DistributedDataParallel under every schedule (optimal, mgwfbp, wfbp,
+In one run, on the same data and the same weights, each rank times, taking turns step by
+step: ringtrain's DistributedDataParallel under every schedule (optimal, mgwfbp, wfbp,
 fixed 25 MB, single) and torch's own DistributedDataParallel with its defaults (gloo,
 25 MiB buckets); every timed step starts on all ranks at once (a barrier before it), and each
-round starts three configurations further on (none always comes first or after the same one).
+turn goes in an order drawn from a generator seeded alike on every rank (none always comes
+first or after the same one).
 Per configuration: median iteration time (the slowest rank's), samples/s, the medians of
 forward, backward() and the SGD step, scaling efficiency (against forward+backward+step
 alone, timed on every rank at once so that the CPU is as loaded as in training), the share
@@ -49,6 +50,8 @@ TIMELINE_STEPS = 3
 #: parameter alone to time backward; the second is the first with the planned groups).
 PS_WARMUP_STEPS = 2
 NETS = ("none", "1gbit", "10gbit")
+#: Seeds the order of each turn of the timed steps (the same on every rank).
+TURN_ORDER_SEED = 20261129
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -64,8 +67,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto", help="ringtrain transport (default %(default)s)")
     p.add_argument("--algorithm", default="auto", help="ringtrain allreduce algorithm (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=0, help="per-rank batch (default 0: each model's own)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all configurations (default %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round, the configurations "
+                   "taking turns step by step (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of --steps turns over all configurations (parameter-server "
+                   "jobs: one job per configuration per round) (default %(default)s)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--out", default="benchmarks", help="directory for results and charts (default %(default)s; '' to skip)")
@@ -155,8 +160,8 @@ def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Names
 
         _launch("ringtrain.cli", ["bench", "train", "--worker", json.dumps(cfg)], args.world_size, args,
                 on_result=arrived)
-    # Parameter-server jobs take turns round by round, as the ring's schedules do iteration by
-    # iteration, so that 1 and 2 servers meet the same load; each job warms up for PS_WARMUP_STEPS.
+    # Parameter-server jobs take turns round by round, as the ring's schedules do step by
+    # step, so that 1 and 2 servers meet the same load; each job warms up for PS_WARMUP_STEPS.
     for r in range(args.rounds if strategies.get("ps") else 0):
         for strategy, servers in strategies["ps"]:
             for name in names:
@@ -412,19 +417,16 @@ def _worker(cfg: dict) -> int:
             step(c, 0)     # configuration as the later rounds do (optimal came long before)
             c["times"], c["parts"] = [], []
         for r in range(cfg["rounds"]):
-            # Each round starts three configurations further on: none always follows the same one
-            # (nor always comes first, after torch DDP's gloo threads).
-            shift = (r * 3) % len(configs)
-            for c in configs[shift:] + configs[:shift]:
-                for k in range(cfg["steps"]):
-                    # Every step starts on all ranks at once, as after a training step's allreduce:
-                    # "alone" then runs its memory-bound phases (the SGD step) side by side as training
-                    # does, on the cores and memory the ranks share (ranks left to drift apart
-                    # overlap one's step with another's matrix products, and are faster for it).
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    step(c, k)
-                    c["times"].append(time.perf_counter() - t0)
+            for k, i in turns(len(configs), cfg["steps"], r):
+                c = configs[i]
+                # Every step starts on all ranks at once, as after a training step's allreduce:
+                # "alone" then runs its memory-bound phases (the SGD step) side by side as training
+                # does, on the cores and memory the ranks share (ranks left to drift apart
+                # overlap one's step with another's matrix products, and are faster for it).
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(c, k)
+                c["times"].append(time.perf_counter() - t0)
             if rank == 0:
                 progress(f"# {name}: round {r + 1}/{cfg['rounds']} done")
         medians = {}
@@ -505,6 +507,21 @@ def _worker(cfg: dict) -> int:
     comm.close()
     dist.destroy_process_group()
     return 0
+
+
+def turns(n: int, steps: int, round_no: int):
+    """Round ``round_no`` of the timed steps: (step, configuration) pairs, ``n`` configurations
+    taking turns step by step, each turn in an order drawn from a generator seeded with the round
+    (the same on every rank).
+
+    Step by step, so that a machine whose speed drifts within seconds (a shared VM's swings up
+    to 40%) slows every configuration alike; in a drawn order, so that none always comes first
+    (after torch DDP's gloo threads) or after the same one.
+    """
+    order = np.random.default_rng([TURN_ORDER_SEED, round_no])
+    for k in range(steps):
+        for i in order.permutation(n):
+            yield k, int(i)
 
 
 def planner_iteration_s(trace, plan) -> float:
