@@ -57,7 +57,8 @@ TURN_ORDER_SEED = 20261129
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="charlm,resnet,mlp", help="reference models (ringtrain.models; default %(default)s)")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="ringtrain schedules to time (default %(default)s)")
-    p.add_argument("--strategies", default="ring", help="ring (every --schedules entry) and parameter servers: "
+    p.add_argument("--strategies", default="ring", help="ring (every --schedules entry), ring-SCHEDULE (the ring with that schedule, "
+                   "e.g. ring-optimal) and parameter servers: "
                    "ps-sync, ps-async, ps-sharded, each with :K for K servers (K defaults to 1, and to 2 for "
                    "ps-sharded), e.g. ring,ps-sync,ps-sharded:2,ps-async (default %(default)s)")
     p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
@@ -203,19 +204,36 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
         raise ValueError("--batch-size must be >= 0")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
-    return names, schedules, parse_strategies(args.strategies)
+    strategies = parse_strategies(args.strategies)
+    schedules = ring_schedules(strategies, schedules)
+    if schedules:
+        strategies["ring"] = True
+    return names, schedules, strategies
 
 
 def parse_strategies(text: str) -> dict:
-    """'ring,ps-sync,ps-sharded:2' -> {'ring': True, 'ps': [('sync', 1), ('sharded', 2)]}."""
+    """'ring,ps-sync,ps-sharded:2' -> {'ring': True, 'ps': [('sync', 1), ('sharded', 2)]}.
+
+    ``ring`` times every --schedules entry; ``ring-S`` the ring with schedule S (``ring-optimal``),
+    listed under 'ring_schedules' (see :func:`ring_schedules`).
+    """
     out: dict = {}
+    known = "ring, ring-SCHEDULE, ps-sync, ps-async, ps-sharded:K"
     for item in (t.strip() for t in text.split(",") if t.strip()):
         name, _, k = item.partition(":")
         if name == "ring" and not k:
             out["ring"] = True
             continue
+        if name.startswith("ring-") and not k:
+            schedule = name.removeprefix("ring-")
+            if schedule not in SCHEDULES:
+                raise ValueError(f"--strategies: {item!r}: the ring's schedule must be one of {', '.join(SCHEDULES)}")
+            if schedule in out.get("ring_schedules", []):
+                raise ValueError(f"--strategies: {item!r} given twice")
+            out.setdefault("ring_schedules", []).append(schedule)
+            continue
         if name not in ("ps-sync", "ps-async", "ps-sharded"):
-            raise ValueError(f"--strategies: {item!r} is not one of ring, ps-sync, ps-async, ps-sharded:K")
+            raise ValueError(f"--strategies: {item!r} is not one of {known}")
         try:
             servers = int(k) if k else (2 if name == "ps-sharded" else 1)
         except ValueError:
@@ -227,8 +245,15 @@ def parse_strategies(text: str) -> dict:
             raise ValueError(f"--strategies: {item!r} given twice (as {name}:{servers})")
         out.setdefault("ps", []).append(job)
     if not out:
-        raise ValueError("--strategies: give at least one of ring, ps-sync, ps-async, ps-sharded:K")
+        raise ValueError(f"--strategies: give at least one of {known}")
     return out
+
+
+def ring_schedules(strategies: dict, schedules: list[str]) -> list[str]:
+    """The ring job's schedules: every --schedules entry (``schedules``) for ``ring``, and each
+    ``ring-S``'s S, in SCHEDULES' order; none without a ring strategy."""
+    chosen = set(schedules if strategies.get("ring") else []) | set(strategies.get("ring_schedules", []))
+    return [s for s in SCHEDULES if s in chosen]
 
 
 def _launch(module: str, module_args: list[str], nprocs: int, args, on_result=None) -> list[dict]:
