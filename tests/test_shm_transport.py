@@ -514,35 +514,67 @@ def test_process_identity_liveness():
 
 
 @pytest.mark.parametrize(
-    "local_ranks, runnable, load, spins",
+    "local_ranks, busiest, load, spins",
     [
         (2, 2, 0.3, True),  # a quiet machine
-        (2, 2, 3.9, True),  # the load average still counts a job that ended: the CPUs are free now
+        (2, 2, 3.9, True),  # the load average still counts a job that ended: the CPUs had room all along
         (2, 5, 0.4, True),  # a passing burst, the last minute was quiet
-        (2, 5, 3.9, False),  # busy now and over the last minute
+        (2, 5, 3.9, False),  # busy at some look of the last second and over the last minute
         (2, None, 3.9, False),  # no runnable count: the load average decides, as before
         (2, None, 1.0, True),
         (3, 1, 0.0, False),  # more of the job's ranks than CPUs: never
     ],
 )
-def test_a_waiting_rank_spins_only_while_the_cpus_have_room(monkeypatch, local_ranks, runnable, load, spins):
+def test_a_waiting_rank_spins_only_while_the_cpus_have_room(monkeypatch, local_ranks, busiest, load, spins):
     from ringtrain.transport import shm_sync
 
     monkeypatch.setattr(shm_sync.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(shm_sync, "runnable_now", lambda: runnable)
+    monkeypatch.setattr(shm_sync, "usable_cpus", lambda: 2)
     monkeypatch.setattr(shm_sync.os, "getloadavg", lambda: (load, load, load))
-    assert shm_sync.spinning_pays(local_ranks) is spins
-    idle = shm_sync.Idle(local_ranks=local_ranks)
-    for _ in range(idle.SPINS + 2):  # spin, arm, then the slow checks, the load and a nap
-        idle.step(None, lambda: None, time.monotonic() + 1)
-    assert idle.spins == (idle.SPINS if spins else 0)
+    assert shm_sync.spinning_pays(local_ranks, busiest) is spins
+
+
+def test_the_runnable_threads_count_at_their_busiest_look_of_the_second(monkeypatch):
+    # One look at the runnable threads missed another job's ranks asleep at that instant: with
+    # the load at 3.9 on 2 CPUs, a quiet look made every waiting rank spin for a second.
+    from ringtrain.transport import shm_sync
+
+    monkeypatch.setattr(shm_sync.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(shm_sync, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(shm_sync.os, "getloadavg", lambda: (3.9, 3.9, 3.9))
+    looks = iter([1, 4, 1, 1] + [1] * 1000)
+    monkeypatch.setattr(shm_sync, "runnable_now", lambda: next(looks))
+    clock = [100.0]
+    monkeypatch.setattr(shm_sync.time, "monotonic", lambda: clock[0])
+    idle = shm_sync.Idle(local_ranks=2)
+    idle.next_load = clock[0] + idle.LOAD_EVERY  # the load is next weighed a second from now
+
+    def nap():  # one idle round to the sleep (the slow checks and a look run there), 5 ms apart
+        for _ in range(idle.spins + 2):
+            idle.step(None, lambda: None, clock[0] + 10)
+        clock[0] += idle.CHECK_EVERY
+
+    for _ in range(4):  # looks: 1, 4, 1, 1
+        nap()
+    clock[0] = idle.next_load
+    nap()  # weighed: 4 at one look and the load 3.9 -> no spinning
+    assert idle.spins == 0 and idle.busiest is None
+    clock[0] = idle.next_load
+    nap()  # a second of quiet looks -> spinning pays again
+    assert idle.spins == idle.SPINS
 
 
 def test_the_runnable_count_is_read_from_the_kernel():
-    from ringtrain.transport.shm_sync import runnable_now
+    from ringtrain.transport.shm_sync import runnable_in, runnable_now
 
-    now = runnable_now()
-    assert now is None or now >= 1  # the reader itself is running
+    assert runnable_in(b"0.52 0.41 0.30 3/456 789\n") == 3
+    assert runnable_in(b"") is None and runnable_in(b"0.5 0.4 0.3 x/2 1") is None
+    if os.path.exists("/proc/loadavg"):
+        assert runnable_now() >= 1  # the reader itself is running
+
+
+def test_a_transport_counts_the_ranks_on_its_host_for_spinning():
+    assert run_ranks(3, lambda rank, t: t._idle.local_ranks) == [3, 3, 3]
 
 
 # --- real processes ------------------------------------------------------------------------

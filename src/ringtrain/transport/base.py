@@ -19,6 +19,7 @@ Words used by all transports:
 from __future__ import annotations
 
 import abc
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -27,6 +28,15 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..errors import MismatchError
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a cpuset or taskset may allow fewer
+    than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return os.cpu_count() or 1
 
 # --- codes that travel on the wire ---------------------------------------------------------
 

@@ -190,7 +190,9 @@ class ShmTransport(Transport):
         self._in: dict[int, Mailbox] = inboxes
         self._bells: dict[int, Doorbell] = bells
         self._procs: dict[int, ProcessId] = procs
-        self._idle = Idle(local_ranks=len(procs) + 1)  # its peers are on this host
+        # The ranks on this host where the peers are all of them, as the auto transport connects
+        # it (fewer with ``peers`` a subset, e.g. ring neighbours only: then spinning may be wrong).
+        self._idle = Idle(local_ranks=len(procs) + 1)
         self._self_queue: deque = deque()  # messages to ourselves: (header bytes, payload copy)
         self._closed = False
         self._finalizer = weakref.finalize(

@@ -55,6 +55,8 @@ from typing import Optional
 
 import numpy as np
 
+from .base import usable_cpus
+
 #: x86-64 total store order makes the plain stores above safe (see the module text); 32-bit
 #: x86 is left out because an 8-byte store may be split in two there.
 ORDERING_OK = platform.machine().lower() in ("x86_64", "amd64")
@@ -385,30 +387,39 @@ class Doorbell:
 
 def runnable_now() -> Optional[int]:
     """The machine's runnable threads at this instant, the caller included (/proc/loadavg's
-    fourth field); None where the kernel does not say."""
+    fourth field, "running/total"); None where the kernel does not say."""
     try:
         with open("/proc/loadavg", "rb") as f:
-            return int(f.read().split()[3].split(b"/")[0])
-    except (OSError, IndexError, ValueError):
+            return runnable_in(f.read())
+    except OSError:
         return None
 
 
-def spinning_pays(local_ranks: int = 1) -> bool:
-    """Whether a waiting rank should spin: its job's ``local_ranks`` fit on the CPUs, and the
-    CPUs are not busy with more than they can run, now (the runnable threads at this instant)
-    or over the last minute (1-minute load below the CPU count + 1/2).
+def runnable_in(loadavg: bytes) -> Optional[int]:
+    """The running count of a /proc/loadavg text (``b"0.52 0.41 0.30 3/456 789"`` -> 3)."""
+    try:
+        return int(loadavg.split()[3].split(b"/")[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def spinning_pays(local_ranks: int = 1, runnable: Optional[int] = None) -> bool:
+    """Whether a waiting rank should spin: its job's ``local_ranks`` fit on the CPUs it may use,
+    and the machine's CPUs are not busy with more than they can run, as the runnable threads
+    showed all along the last second (``runnable``: the most seen at any of its looks; None: not
+    known) or else over the last minute (1-minute load below the CPU count + 1/2).
 
     Spinning catches a peer that answers within microseconds, but on an oversubscribed
     machine (4 ranks on 2 cores, or other jobs) it takes the CPU from the very peer it waits
-    for, so there a waiting rank goes straight to sleep on its doorbell. Either measure alone
-    misleads: the load average still counts a job that ended a minute ago, and one look at the
-    runnable threads may catch a passing burst.
+    for, so there a waiting rank goes straight to sleep on its doorbell. The load average
+    alone still counts a job that ended a minute ago; the runnable threads of a single look
+    miss the ranks of another job asleep at that instant, so it is the most of a second's looks
+    that counts.
     """
-    cpus = os.cpu_count() or 1
-    if local_ranks > cpus:
+    if local_ranks > usable_cpus():
         return False
-    now = runnable_now()
-    if now is not None and now <= cpus:
+    cpus = os.cpu_count() or 1  # (the load and the runnable threads are the whole machine's)
+    if runnable is not None and runnable <= cpus:
         return True
     try:
         return os.getloadavg()[0] < cpus + 0.5
@@ -433,10 +444,11 @@ class Idle:
     CHECK_EVERY = 0.005
     LOAD_EVERY = 1.0  # how often the machine's load is looked at again
 
-    __slots__ = ("rounds", "armed", "next_check", "spins", "next_load", "local_ranks")
+    __slots__ = ("rounds", "armed", "next_check", "spins", "next_load", "local_ranks", "busiest")
 
     def __init__(self, local_ranks: int = 1) -> None:
         self.local_ranks = local_ranks
+        self.busiest: Optional[int] = None  # the most runnable threads seen since the load was last weighed
         self.rounds = 0
         self.armed = False
         self.next_check = 0.0
@@ -462,9 +474,13 @@ class Idle:
         if now >= self.next_check or now >= deadline:
             checks()
             self.next_check = now + self.CHECK_EVERY
+            seen = runnable_now()
+            if seen is not None:
+                self.busiest = seen if self.busiest is None else max(self.busiest, seen)
         if now >= self.next_load:
             self.next_load = now + self.LOAD_EVERY
-            self.spins = self.SPINS if spinning_pays(self.local_ranks) else 0
+            self.spins = self.SPINS if spinning_pays(self.local_ranks, self.busiest) else 0
+            self.busiest = None
         nap = max(0.0, min(self.next_check, deadline) - now)
         if bell is not None:
             bell.wait(nap)

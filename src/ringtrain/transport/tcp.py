@@ -47,7 +47,7 @@ import numpy as np
 
 from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
 from . import wire
-from .base import CallHeader, Recv, Send, Transport
+from .base import CallHeader, Recv, Send, Transport, usable_cpus
 from .tcp_setup import build_mesh, remaining
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,7 @@ _BAD = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 def auto_thread_send_bytes(local_ranks: int) -> Optional[int]:
     """DEFAULT_THREAD_SEND_BYTES when there are >= 2 cores per rank on this host, else None."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not on Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cpus()
     return DEFAULT_THREAD_SEND_BYTES if cores >= 2 * max(1, local_ranks) else None
 
 
