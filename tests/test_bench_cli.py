@@ -109,6 +109,15 @@ def test_a_configuration_given_twice_is_refused(argv, message, no_ranks):
     assert no_ranks == []
 
 
+@pytest.mark.timeout(60)
+def test_schedules_given_with_only_ring_schedule_strategies_is_refused(no_ranks):
+    # --strategies ring-optimal --schedules single timed optimal alone, ignoring --schedules.
+    with pytest.raises(SystemExit) as info:
+        cli.main(TRAIN + ["--strategies", "ring-optimal", "--out", ""])
+    assert str(info.value.code).startswith("ringtrain bench train: --schedules single is for --strategies ring")
+    assert no_ranks == []
+
+
 @pytest.fixture
 def small_machine(monkeypatch):
     """A machine of 8 GiB and 2 cores, whatever this one is."""

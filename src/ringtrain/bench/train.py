@@ -205,6 +205,9 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
     strategies = parse_strategies(args.strategies)
+    if strategies.get("ring_schedules") and not strategies.get("ring") and args.schedules != ",".join(SCHEDULES):
+        raise ValueError(f"--schedules {args.schedules} is for --strategies ring; the ring-SCHEDULE strategies "
+                         "name the ring's schedules themselves (add ring, or name them as ring-SCHEDULE)")
     schedules = ring_schedules(strategies, schedules)
     if schedules:
         strategies["ring"] = True
@@ -250,10 +253,10 @@ def parse_strategies(text: str) -> dict:
 
 
 def ring_schedules(strategies: dict, schedules: list[str]) -> list[str]:
-    """The ring job's schedules: every --schedules entry (``schedules``) for ``ring``, and each
-    ``ring-S``'s S, in SCHEDULES' order; none without a ring strategy."""
-    chosen = set(schedules if strategies.get("ring") else []) | set(strategies.get("ring_schedules", []))
-    return [s for s in SCHEDULES if s in chosen]
+    """The ring job's schedules, in the order given: every --schedules entry (``schedules``) for
+    ``ring``, then each ``ring-S``'s S not among them; none without a ring strategy."""
+    chosen = list(schedules) if strategies.get("ring") else []
+    return chosen + [s for s in strategies.get("ring_schedules", []) if s not in chosen]
 
 
 def _launch(module: str, module_args: list[str], nprocs: int, args, on_result=None) -> list[dict]:
