@@ -44,7 +44,7 @@ from pathlib import Path
 
 from . import resume
 from .checkpoint import CheckpointWriteError
-from .errors import CommError
+from .errors import CommError, check_number
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
@@ -122,10 +122,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise ValueError(f"--timeout must be a finite number of seconds > 0, got {self.timeout}")
-        if self.join_timeout is not None and not (math.isfinite(self.join_timeout) and self.join_timeout > 0):
-            raise ValueError(f"--join-timeout must be a finite number of seconds > 0, got {self.join_timeout}")
+        check_number("--timeout", self.timeout, unit=" of seconds")
+        if self.join_timeout is not None:
+            check_number("--join-timeout", self.join_timeout, unit=" of seconds")
         if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
+from ..errors import check_number
 from .launch import is_server_rank, run_server_role, train_steps, worker_from_env
 from .server_config import STRATEGIES
 
@@ -39,8 +39,11 @@ def parse(argv) -> argparse.Namespace:
                    help="seconds to start and meet (the job's store, the servers); default: --timeout, but at least 60")
     args = p.parse_args(argv)
     for flag, value in (("--timeout", args.timeout), ("--join-timeout", args.join_timeout)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            p.error(f"{flag} must be a finite number of seconds > 0, got {value}")
+        try:
+            if value is not None:
+                check_number(flag, value, unit=" of seconds")
+        except ValueError as exc:
+            p.error(str(exc))
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.servers < 1:
