@@ -68,3 +68,21 @@ def both_take_step_0(a: P.Channel, b: P.Channel, layout, ids, grads) -> None:
         ch.send(P.PUSH, worker=w, step=0, ids=ids, values=grads)
     for ch in (a, b):
         recv_partitions(ch, layout, ids.tolist(), step=1)
+
+
+class Met(Exception):
+    """Raised by a stand-in for the call a rank meets the others with: the test has its arguments."""
+
+
+def stub_meeting(monkeypatch, module) -> dict:
+    """Stand-ins for ``module``'s ``run_server_role`` (records its keywords as ``calls["server"]``)
+    and ``worker_from_env`` (records them as ``calls["worker"]`` and raises :class:`Met`)."""
+    calls: dict = {}
+
+    def worker_from_env(model, servers, **kw):
+        calls["worker"] = kw
+        raise Met
+
+    monkeypatch.setattr(module, "run_server_role", lambda servers, **kw: calls.setdefault("server", kw))
+    monkeypatch.setattr(module, "worker_from_env", worker_from_env)
+    return calls

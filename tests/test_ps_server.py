@@ -467,10 +467,6 @@ def test_the_rank_entry_refuses_a_bad_timeout_naming_its_flag(flag, value, says,
     assert flag in err and says in err, err
 
 
-class Met(Exception):
-    """Raised by a stand-in for the call a worker meets the servers with: the test has its arguments."""
-
-
 @pytest.mark.parametrize("join", [None, 7.5])
 def test_the_rank_entry_gives_join_timeout_to_servers_and_workers(join, monkeypatch):
     # Before: run_server_role and worker_from_env were given --timeout only.
@@ -479,21 +475,14 @@ def test_the_rank_entry_gives_join_timeout_to_servers_and_workers(join, monkeypa
 
     monkeypatch.setattr(lifecycle, "die_with_parent", lambda: True)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    calls = {}
-
-    def worker_from_env(module, servers, **kw):
-        calls["worker"] = kw
-        raise Met
-
-    monkeypatch.setattr(entry, "run_server_role", lambda servers, **kw: calls.setdefault("server", kw))
-    monkeypatch.setattr(entry, "worker_from_env", worker_from_env)
+    calls = ps_harness.stub_meeting(monkeypatch, entry)
     monkeypatch.setattr(rendezvous, "job_info", lambda: SimpleNamespace(rank=0, world_size=2))
     argv = ["--timeout", "5"] + ([] if join is None else ["--join-timeout", str(join)])
     assert entry.parse(argv).join_timeout == join
     monkeypatch.setattr(entry, "is_server_rank", lambda servers: True)
     assert entry.main(argv) == 0
     monkeypatch.setattr(entry, "is_server_rank", lambda servers: False)
-    with pytest.raises(Met):
+    with pytest.raises(ps_harness.Met):
         entry.main(argv)
     assert (calls["server"]["timeout"], calls["server"]["join_timeout"]) == (5.0, join)
     assert (calls["worker"]["timeout"], calls["worker"]["join_timeout"]) == (5.0, join)

@@ -635,10 +635,6 @@ def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_pat
 
 # --- --join-timeout: from the command line to the calls where the ranks meet ------------------------
 
-class Met(Exception):
-    """Raised by a stand-in for the call a worker meets the others with: the test has its arguments."""
-
-
 def launched_config(launches) -> dict:
     """The TrainConfig, as JSON, that the one recorded launch gives its workers (``--worker JSON``)."""
     (argv,) = launches
@@ -669,10 +665,10 @@ def test_join_timeout_reaches_ringtrain_init(tmp_path, launches, in_a_worker, mo
 
     def init(**kw):
         seen.update(kw)
-        raise Met
+        raise ps_harness.Met
 
     monkeypatch.setattr(ringtrain, "init", init)
-    with pytest.raises(Met):
+    with pytest.raises(ps_harness.Met):
         train._run_worker(json.dumps(config), False)
     assert seen == {"transport": "auto", "timeout": 5.0, "join_timeout": join}
 
@@ -687,14 +683,7 @@ def test_join_timeout_reaches_the_parameter_servers_and_their_workers(tmp_path, 
     flags = () if join is None else ("--join-timeout", str(join))
     assert cli.main(train_argv(tmp_path, "--strategy", "ps-sync", "--model", "mlp", "--timeout", "5", *flags)) == 0
     config = json.dumps(launched_config(launches))
-    calls = {}
-
-    def worker_from_env(module, servers, **kw):
-        calls["worker"] = kw
-        raise Met
-
-    monkeypatch.setattr(ps, "run_server_role", lambda servers, **kw: calls.setdefault("server", kw))
-    monkeypatch.setattr(ps, "worker_from_env", worker_from_env)
+    calls = ps_harness.stub_meeting(monkeypatch, ps)
     monkeypatch.setattr(rendezvous, "job_info", lambda: argparse.Namespace(rank=0, world_size=2))
     monkeypatch.setattr(rendezvous, "job_store", lambda info, timeout: calls.setdefault("store", timeout))
     monkeypatch.setattr(data, "check_same_corpus_in_store", lambda *args: None)
@@ -702,7 +691,7 @@ def test_join_timeout_reaches_the_parameter_servers_and_their_workers(tmp_path, 
     monkeypatch.setattr(ps, "is_server_rank", lambda servers: True)
     assert train._run_worker(config, False) == 0
     monkeypatch.setattr(ps, "is_server_rank", lambda servers: False)
-    with pytest.raises(Met):
+    with pytest.raises(ps_harness.Met):
         train._run_worker(config, False)
     assert (calls["server"]["timeout"], calls["server"]["join_timeout"]) == (5.0, join)
     assert (calls["worker"]["timeout"], calls["worker"]["join_timeout"]) == (5.0, join)
