@@ -57,8 +57,8 @@ TURN_ORDER_SEED = 20261129
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="charlm,resnet,mlp", help="reference models (ringtrain.models; default %(default)s)")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="ringtrain schedules to time (default %(default)s)")
-    p.add_argument("--strategies", default="ring", help="ring (every --schedules entry), ring-SCHEDULE (the ring with that schedule, "
-                   "e.g. ring-optimal) and parameter servers: "
+    p.add_argument("--strategies", default="ring", help="ring (every --schedules entry), ring-SCHEDULE (the ring "
+                   "with that schedule, e.g. ring-optimal) and parameter servers: "
                    "ps-sync, ps-async, ps-sharded, each with :K for K servers (K defaults to 1, and to 2 for "
                    "ps-sharded), e.g. ring,ps-sync,ps-sharded:2,ps-async (default %(default)s)")
     p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
@@ -68,10 +68,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto", help="ringtrain transport (default %(default)s)")
     p.add_argument("--algorithm", default="auto", help="ringtrain allreduce algorithm (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=0, help="per-rank batch (default 0: each model's own)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round, the configurations "
-                   "taking turns step by step (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of --steps turns over all configurations (parameter-server "
-                   "jobs: one job per configuration per round) (default %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round, the "
+                   "configurations taking turns step by step (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of --steps turns over all configurations "
+                   "(parameter-server jobs: one job per configuration per round) (default %(default)s)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--out", default="benchmarks", help="directory for results and charts (default %(default)s; '' to skip)")

@@ -38,6 +38,7 @@ def usable_cpus() -> int:
     except AttributeError:  # pragma: no cover - not on Linux
         return os.cpu_count() or 1
 
+
 # --- codes that travel on the wire ---------------------------------------------------------
 
 KINDS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send")

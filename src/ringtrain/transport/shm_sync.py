@@ -433,8 +433,8 @@ class Idle:
     It spins ``SPINS`` rounds (a peer on another core usually answers within microseconds;
     none while the machine is oversubscribed, see :func:`spinning_pays`; ``local_ranks``: the
     transport's ranks on this host), then it *arms*: drains its doorbell and runs one more
-    round; if that round makes no
-    progress either it sleeps on the doorbell until a peer rings or ``CHECK_EVERY`` passes.
+    round; if that round makes no progress either it sleeps on the doorbell until a peer rings
+    or ``CHECK_EVERY`` passes.
     The slow checks (peer flags, peer process alive, deadline) run before such a sleep when
     ``CHECK_EVERY`` has passed since the last ones or the deadline has; one Idle serves all
     the exchanges of a transport, so short waits do not each pay for a look at /proc.
