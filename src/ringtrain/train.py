@@ -44,7 +44,7 @@ from pathlib import Path
 
 from . import resume
 from .checkpoint import CheckpointWriteError
-from .errors import CommError, check_number
+from .errors import CommError, check_join_timeout, check_number
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
@@ -667,7 +667,6 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import torch
 
     from . import data, ps, rendezvous
-    from .errors import check_join_timeout
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)

@@ -155,7 +155,7 @@ def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Names
     """Measure into ``rows`` the ring job's rows (every schedule, alone, torch DDP), model by model
     as its rank 0 sends them, and into ``ps_runs`` each parameter-server job's documents, job by
     job: a run stopped early keeps in them what it finished."""
-    if "ring" in strategies:
+    if cfg["schedules"]:  # the ring job (ring, ring-SCHEDULE): its schedules, alone and torch DDP
         def arrived(doc: dict) -> None:
             rows.extend(dict(r, net=args.net, world_size=args.world_size) for r in doc["rows"])
 
@@ -208,10 +208,7 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     if strategies.get("ring_schedules") and not strategies.get("ring") and args.schedules != ",".join(SCHEDULES):
         raise ValueError(f"--schedules {args.schedules} is for --strategies ring; the ring-SCHEDULE strategies "
                          "name the ring's schedules themselves (add ring, or name them as ring-SCHEDULE)")
-    schedules = ring_schedules(strategies, schedules)
-    if schedules:
-        strategies["ring"] = True
-    return names, schedules, strategies
+    return names, ring_schedules(strategies, schedules), strategies
 
 
 def parse_strategies(text: str) -> dict:

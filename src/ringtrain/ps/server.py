@@ -261,9 +261,10 @@ class ParameterServer:
         asynchronous one goes on without them and says so."""
         if self._first_connected is None:
             return
+        join = self.cfg.join_s
         for w, status in enumerate(self._status):
-            if status == "waiting" and now - self._first_connected >= self.cfg.join_s:
-                self._lost(w, f"it did not connect within {self.cfg.join_s:g} s of the first worker (join_timeout)")
+            if status == "waiting" and now - self._first_connected >= join:
+                self._lost(w, f"it did not connect within {join:g} s of the first worker (join_timeout)")
         limit = self.cfg.timeout
         if self.cfg.synchronous:
             holding_up = self._holding_up_step()
