@@ -6,6 +6,7 @@ these tests are fast. Real processes are in test_ps_training.py.
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -655,6 +656,68 @@ def test_async_applies_each_gradient_over_the_worker_count_and_holds_a_pull_past
     step, got = recv_params(a, layout)
     assert step == 2 and np.array_equal(params_of(got), start - 1.5)  # three pushes, each -0.5
     assert server.version == 3 and dict(server.staleness) == {0: 2, 2: 1}
+    for ch in (a, b):
+        ch.close()
+    thread.join(10)
+
+
+def readable(ch: P.Channel, within: float) -> bool:
+    """Whether bytes from the server come within ``within`` seconds (nothing is read)."""
+    return bool(select.select([ch.sock], [], [], within)[0])
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_async_answers_pulls_one_at_a_time_in_the_order_they_came(first):
+    """Two workers pull a 16 MiB shard together (max_staleness 0: both pulls are answered once
+    both pushes are in). The second pull's answer waits until the first is on the wire: while the
+    first worker does not read, the second hears nothing; once it reads, the second's answer comes,
+    with the same values. (Sent side by side, the second's would come at once.)"""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, strategy="async", max_staleness=0)
+    layout = make_layout([1 << 22], 1, 4 << 20)  # 16 MiB: more than the sockets' buffers hold
+    ids = np.arange(len(layout.partitions))
+    chans = [raw_worker(server, layout, w, 2, lr=0.5, strategy="async") for w in (0, 1)]
+    chans[0].send(P.INIT, worker=0, ids=ids, values=[np.zeros(layout.partitions[i].numel, dtype=np.float32)
+                                                    for i in ids])
+    grads = [np.full(layout.partitions[i].numel, 2.0, dtype=np.float32) for i in ids]
+    for w, ch in enumerate(chans):
+        ch.send(P.PUSH, worker=w, step=0, version=0, ids=ids, values=grads)
+    a, b = chans[first], chans[1 - first]
+    a.send(P.PULL, worker=first, step=1)
+    assert readable(a, 5.0)  # its answer is on the wire (and stalls: nobody reads it)
+    b.send(P.PULL, worker=1 - first, step=1)
+    wait_serving(server, 1 - first)
+    assert not readable(b, 1.0)  # its turn has not come
+    step, got_a = recv_params(a, layout)
+    step_b, got_b = recv_params(b, layout)
+    assert step == step_b == 1
+    for got in (got_a, got_b):  # both pushes in: -0.5 * 2 / 2 workers each
+        assert all(np.array_equal(got[i], np.full_like(got[i], -1.0)) for i in ids.tolist())
+    for ch in chans:
+        ch.send(P.BYE, worker=0 if ch is chans[0] else 1)
+        assert ch.recv_header(5.0).kind == P.BYE
+        ch.close()
+    thread.join(10)
+    assert out["stats"]["failed"] is None
+
+
+def test_an_async_answer_whose_turn_does_not_come_goes_out_within_the_timeout():
+    """A worker that never reads its answer holds the wire; the next pull's answer goes out beside
+    it once the server's timeout has passed, instead of waiting for ever."""
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, strategy="async", max_staleness=None, timeout=2.0)
+    layout = make_layout([1 << 22], 1, 4 << 20)
+    ids = np.arange(len(layout.partitions))
+    a, b = (raw_worker(server, layout, w, 2, lr=0.5, strategy="async") for w in (0, 1))
+    a.send(P.INIT, worker=0, ids=ids, values=[np.zeros(layout.partitions[i].numel, dtype=np.float32) for i in ids])
+    a.send(P.PULL, worker=0, step=0)
+    assert readable(a, 5.0)
+    t0 = time.monotonic()
+    b.send(P.PULL, worker=1, step=0)
+    step, got = recv_params(b, layout)
+    assert step == 0 and time.monotonic() - t0 < 2.0 + 3.0
     for ch in (a, b):
         ch.close()
     thread.join(10)

@@ -24,8 +24,10 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   updates move the parameters as far as one synchronous step. Its *staleness* is the number of
   updates applied since the parameters it was computed from (version now - version pulled),
   counted in a histogram. A pull from a worker whose clock is more than ``max_staleness`` ahead
-  of the slowest live worker's waits (stale-synchronous parallel). A lost worker is dropped and
-  the rest go on; the server logs it and tells workers how many remain with every answer.
+  of the slowest live worker's waits (stale-synchronous parallel); answers (the whole shard as it
+  is when the answer's turn comes) go out one at a time, in the order the pulls came
+  (``_answer_in_turn``). A lost worker is dropped and the rest go on; the server logs it and
+  tells workers how many remain with every answer.
 
 - *checkpoint of step s* (SAVE): the shard as it was at version s, whatever came in since:
   synchronous, partitions already stepped past s are saved with their values and momentum from
@@ -97,7 +99,10 @@ class ParameterServer:
         W = cfg.workers
         self._status = ["waiting"] * W  # waiting, connected, bye, lost
         self._heard = [0.0] * W  # monotonic time of each worker's last message
-        self._serving: set[int] = set()  # workers whose message waits in _wait_until
+        self._serving: set[int] = set()  # workers whose message waits in _wait_until or for its turn
+        self._pulls_seen = 0  # async: pulls taken so far (each one's ticket: its number)
+        self._turns: list[int] = []  # async: tickets of the pulls cleared to be answered, waiting for the wire
+        self._answering = False  # async: an answer of whole shards is on the wire in its turn
         self._writer = checkpoint.CheckpointWriter(cfg.shard_dir) if cfg.shard_dir else None
         # The writer is not thread-safe, and every worker's connection thread may ask for a save
         # (every worker does where each calls save_checkpoint): one save at a time.
@@ -625,12 +630,50 @@ class ParameterServer:
                     self._outboxes[w].put(("params", head.step, ready))
                 self._check_stuck()
             return
-        self._wait_until(w, lambda: self._pull_blocker(w, head.step), lambda: self._behind(w, head.step))
         with self._cond:
+            ticket = self._pulls_seen
+            self._pulls_seen += 1
+        self._wait_until(w, lambda: self._pull_blocker(w, head.step), lambda: self._behind(w, head.step))
+        self._answer_in_turn(ch, w, head.step, ticket)
+
+    def _answer_in_turn(self, ch: P.Channel, w: int, step: int, ticket: int) -> None:
+        """Async: send worker w the whole shard once the answers due before it are on the wire.
+
+        One answer at a time, in the order the pulls came (``ticket``): the first worker has its
+        parameters after one shard's time on the server's link and computes, and pushes its next
+        gradients, while the next one's go out. Sent side by side, every answer would end only
+        when all had (with ``max_staleness`` 0 the pulls of a step are answered together, so
+        pushes in and pulls out would take turns on the full-duplex link instead of overlapping).
+        A turn that does not come within ``timeout`` (an answer stuck on a worker that stopped
+        reading, until its own timeout loses it) is not waited for: the answer goes out beside it.
+        The values are those at the turn, with their version."""
+        deadline = time.monotonic() + self.cfg.timeout
+        with self._cond:
+            self._serving.add(w)  # (waiting for this server is not silence)
+            self._turns.append(ticket)
+            try:
+                while self._answering or min(self._turns) != ticket:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(min(left, 1.0))
+            finally:
+                self._turns.remove(ticket)
+            mine = not self._answering  # (False: the turn did not come; this answer goes beside the one on the wire)
+            if mine:
+                self._answering = True
             version = self.version
             live = sum(s != "lost" for s in self._status)
             snapshot = self.params.clone()
-        self._send_params(ch, w, head.step, version, live, self.shard_ids.tolist(), snapshot)
+        try:
+            self._send_params(ch, w, step, version, live, self.shard_ids.tolist(), snapshot)
+        finally:
+            with self._cond:
+                if mine:
+                    self._answering = False
+                self._serving.discard(w)
+                self._heard[w] = time.monotonic()
+                self._cond.notify_all()
 
     def _wait_until(self, w: int, blocker, holding_up=None) -> None:
         """Wait until ``blocker()`` (called under the lock) says nothing blocks; fail a sync job on timeout.
