@@ -648,24 +648,26 @@ class ParameterServer:
         reading, until its own timeout loses it) is not waited for: the answer goes out beside it.
         The values are those at the turn, with their version."""
         deadline = time.monotonic() + self.cfg.timeout
+        mine = False
         with self._cond:
             self._serving.add(w)  # (waiting for this server is not silence)
-            self._turns.append(ticket)
-            try:
-                while self._answering or min(self._turns) != ticket:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(min(left, 1.0))
-            finally:
-                self._turns.remove(ticket)
-            mine = not self._answering  # (False: the turn did not come; this answer goes beside the one on the wire)
-            if mine:
-                self._answering = True
-            version = self.version
-            live = sum(s != "lost" for s in self._status)
-            snapshot = self.params.clone()
         try:
+            with self._cond:
+                self._turns.append(ticket)
+                try:
+                    while self._answering or min(self._turns) != ticket:
+                        self._check_failed()
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(min(left, 1.0))
+                finally:
+                    self._turns.remove(ticket)
+                mine = not self._answering  # (False: the turn did not come: this answer goes beside it)
+                self._answering = True
+                version = self.version
+                live = sum(s != "lost" for s in self._status)
+                snapshot = self.params.clone()
             self._send_params(ch, w, step, version, live, self.shard_ids.tolist(), snapshot)
         finally:
             with self._cond:
