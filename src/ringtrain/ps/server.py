@@ -103,6 +103,7 @@ class ParameterServer:
         self._pulls_seen = 0  # async: pulls taken so far (each one's ticket: its number)
         self._turns: list[int] = []  # async: tickets of the pulls cleared to be answered, waiting for the wire
         self._answering = False  # async: an answer of whole shards is on the wire in its turn
+        self._turn_copy: Optional[torch.Tensor] = None  # async: the shard's values that answer carries
         self._writer = checkpoint.CheckpointWriter(cfg.shard_dir) if cfg.shard_dir else None
         # The writer is not thread-safe, and every worker's connection thread may ask for a save
         # (every worker does where each calls save_checkpoint): one save at a time.
@@ -667,7 +668,12 @@ class ParameterServer:
                 self._answering = True
                 version = self.version
                 live = sum(s != "lost" for s in self._status)
-                snapshot = self.params.clone()
+                if mine:  # (one answer in turn at a time: its copy reuses one buffer, no fresh pages per pull)
+                    if self._turn_copy is None:
+                        self._turn_copy = torch.empty_like(self.params)
+                    snapshot = self._turn_copy.copy_(self.params)
+                else:
+                    snapshot = self.params.clone()
             self._send_params(ch, w, step, version, live, self.shard_ids.tolist(), snapshot)
         finally:
             with self._cond:
