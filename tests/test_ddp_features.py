@@ -340,6 +340,7 @@ def test_tensors_of_mixed_sizes_broadcast_whatever_their_offsets():
     (dict(schedule="greedy"), "schedule"), (dict(algorithm="tree"), "algorithm"),
     (dict(bucket_cap_mb=0), "bucket_cap_mb"), (dict(alpha=1e-5), "alpha"),
     (dict(profile_iterations=0), "profile_iterations"), (dict(drift_threshold=-1), "drift_threshold"),
+    (dict(find_unused_parameter=True), "unknown option 'find_unused_parameter' .did you mean 'find_unused_parameters'"),
 ])
 def test_bad_options_raise_value_error_naming_them(kw, word):
     def body(comm):

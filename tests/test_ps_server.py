@@ -172,6 +172,8 @@ def test_options_are_validated_with_the_option_named():
         ServerConfig(index=2, servers=2, workers=1)
     with pytest.raises(ValueError, match="float32"):
         ParameterServerTraining(nn.Linear(2, 2).double(), servers=[("127.0.0.1", 1)], worker=0, workers=1)
+    with pytest.raises(ValueError, match="unknown option 'momentun' .did you mean 'momentum'.*accepted: alpha"):
+        ParameterServerTraining(nn.Linear(2, 2), servers=[("127.0.0.1", 1)], worker=0, workers=1, momentun=0.9)
 
 
 def test_gradient_accumulation_is_refused_clearly():

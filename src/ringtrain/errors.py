@@ -7,6 +7,7 @@ part-way through a different step, so every later call raises too (create a new 
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 
@@ -114,3 +115,17 @@ def check_join_timeout(join_timeout, timeout: float) -> float:
     """``join_timeout``: seconds every rank has to reach the rendezvous and meet the others, checked
     as a timeout is; None: ``timeout``, but at least JOIN_TIMEOUT_FLOOR."""
     return max(timeout, JOIN_TIMEOUT_FLOOR) if join_timeout is None else check_seconds("join_timeout", join_timeout)
+
+
+def check_keywords(owner: str, given, accepted) -> None:
+    """A keyword ``owner`` does not take is a ValueError naming it, the accepted name closest to it
+    and every accepted one (not the TypeError of an options class the caller never wrote)."""
+    accepted = sorted(accepted)
+    unknown = sorted(set(given) - set(accepted))
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], accepted, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    names = ", ".join(repr(u) for u in unknown)
+    raise ValueError(f"{owner} got unknown option{'s' if len(unknown) > 1 else ''} {names}{hint}; "
+                     f"accepted: {', '.join(accepted)}")

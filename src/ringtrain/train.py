@@ -43,6 +43,7 @@ from functools import partial
 from pathlib import Path
 
 from . import resume
+from .bench.machine import plural
 from .checkpoint import CheckpointWriteError
 from .errors import CommError, check_join_timeout, check_number
 
@@ -557,7 +558,9 @@ def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save
     if rank == 0 and cfg.progress and start < cfg.steps:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", file=sys.stderr)
+        # (into a log rather than a terminal: a line every 30 s, not every step's carriage return)
+        bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step", file=sys.stderr,
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
     times, losses = [], []
     done = start
     try:
@@ -569,8 +572,8 @@ def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save
             losses.append(float(loss.detach()))
             done = step + 1
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}")
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}", refresh=False)
+                bar.update(1)  # (redraws at most every mininterval)
             if rank == 0 and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 with _interrupts_held():
                     save(done, done == cfg.steps)
@@ -704,7 +707,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         pst.wait()
         stats = pst.close()
     one_rate = max(one_rate, one_worker_rate())
-    summary = _summary(cfg, p, f"{cfg.strategy}, {cfg.servers} server(s)", batch_size, times, losses, one_rate, start)
+    summary = _summary(cfg, p, f"{cfg.strategy}, {plural(cfg.servers, 'server')}", batch_size, times, losses, one_rate, start)
     summary["parameter_servers"] = stats
     if rank == 0:
         _report(summary, json_summary)
@@ -749,8 +752,6 @@ def _report(summary: dict, as_json: bool) -> None:
 
 
 def _print_summary(s: dict) -> None:
-    from .bench.machine import plural
-
     print(f"\n{s['model']} on {plural(s['workers'], 'worker')} ({s['transport']}, schedule {s['schedule']}):")
     if s["steps_run"] == 0:
         print(f"  nothing to do: the checkpoint is already at step {s['resumed_at']} (--steps {s['final_step']})")
@@ -760,8 +761,9 @@ def _print_summary(s: dict) -> None:
     print(f"  throughput         {s['samples_per_s']:.0f} samples/s")
     print(f"  one worker         {s['one_worker_samples_per_s']:.0f} samples/s (forward, backward and step without "
           "communication, same load)")
-    print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on "
-          f"{plural(s['workers'], 'worker')} ({100 * s['scaling_efficiency']:.0f}% efficiency)")
+    if s["workers"] > 1:  # (one worker: the ratio is only the machine's noise beside the wrapper's overhead)
+        print(f"  scaling            {s['samples_per_s'] / s['one_worker_samples_per_s']:.2f}x on "
+              f"{plural(s['workers'], 'worker')} ({100 * s['scaling_efficiency']:.0f}% efficiency)")
     if s.get("communication"):
         print(f"  communication      {_communication_text(s)}")
 

@@ -56,6 +56,7 @@ the unused-parameter check) and nothing is copied or sent.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -73,7 +74,7 @@ from torch import nn
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
 from ..comm import Communicator
-from ..errors import CommError
+from ..errors import CommError, check_keywords
 from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread, settle_all
@@ -99,6 +100,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm=None, schedule: str = "optimal", bucket_cap_mb: float = 25.0,
                  algorithm: str = "auto", timeline=None, find_unused_parameters: bool = False, **options: Any):
         super().__init__()
+        check_keywords("ringtrain.DistributedDataParallel", options, (f.name for f in dataclasses.fields(DDPOptions)))
         opts = DDPOptions(schedule=schedule, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeline=timeline,
                           find_unused_parameters=find_unused_parameters, **options)
         if not isinstance(module, nn.Module):

@@ -47,6 +47,7 @@ a server reports (a lost worker in a synchronous job) comes back with the server
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -61,7 +62,8 @@ from torch import nn
 
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
-from ..errors import CommError, CommTimeout, PeerLost, ProtocolError, check_join_timeout, check_number
+from ..errors import (CommError, CommTimeout, PeerLost, ProtocolError, check_join_timeout, check_keywords,
+                      check_number)
 from . import protocol as P
 from .server_config import STRATEGIES
 from .sharding import make_layout
@@ -159,6 +161,7 @@ class ParameterServerTraining:
 
     def __init__(self, module: nn.Module, *, servers: Sequence[Sequence], worker: int, workers: int,
                  options: Optional[PSOptions] = None, **settings: Any):
+        check_keywords("ringtrain.ps.ParameterServerTraining", settings, (f.name for f in dataclasses.fields(PSOptions)))
         opts = options or PSOptions(**settings)
         if options is not None and settings:
             raise ValueError(f"pass either options or keyword settings, not both (got {sorted(settings)})")

@@ -129,7 +129,10 @@ def check_bucket_mb(value: float) -> float:
 def load_traces(value: str, device_name: str) -> list[Trace]:
     """Zoo models on ``device_name``, trace files, or ``profile:NAME`` (a ringtrain.models model
     profiled on this machine's CPU)."""
-    device = get_device(device_name)
+    try:
+        device = get_device(device_name)
+    except ValueError as e:
+        raise ValueError(f"--device: {e}") from None
     out: list[Trace] = []
     for n in model_names(value):
         if n.lower().endswith((".json", ".csv")):
@@ -144,7 +147,10 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
             trace = profile_reference(n[len("profile:"):])
             tag = "profiled"
         else:
-            trace = build_trace(n, device)
+            try:
+                trace = build_trace(n, device)
+            except ValueError as e:
+                raise ValueError(f"--model: {e}") from None
             tag = device_name
         taken = {t.model for t in out}  # rows are keyed by model name
         if trace.model in taken:

@@ -99,5 +99,5 @@ def get_device(name: str) -> DeviceProfile:
     """The profile called ``name`` (case-insensitive); ValueError lists the known ones."""
     key = name.strip().lower()
     if key not in DEVICES:
-        raise ValueError(f"--device: unknown device {name!r}; choose one of {', '.join(DEVICES)}")
+        raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
     return DEVICES[key]

@@ -343,7 +343,7 @@ MODELS: dict[str, ModelSpec] = {
 def get_model(name: str) -> ModelSpec:
     key = name.strip().lower()
     if key not in MODELS:
-        raise ValueError(f"--model: unknown model {name!r}; choose from {', '.join(MODELS)} or give a trace file (.json/.csv)")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)} or give a trace file (.json/.csv)")
     return MODELS[key]
 
 

@@ -91,7 +91,8 @@ def describe(trace: Trace, preds: list[Prediction], names: list[str], max_groups
         f"{trace.model}: {len(names)} gradient layers, {trace.grad_bytes / 1e6:.1f} MB of gradients; "
         f"forward {trace.forward_s * 1e3:.2f} ms, backward {trace.backward_s * 1e3:.2f} ms, "
         f"optimizer {trace.optimizer_s * 1e3:.2f} ms",
-        f"{first.world_size} GPUs on {first.cluster}, {first.algorithm} allreduce",
+        f"{first.world_size} GPU{'s' if first.world_size != 1 else ''} on {first.cluster}, "
+        + ("parameter servers" if first.algorithm == "ps" else f"{first.algorithm} allreduce"),
         "",
         f"{'method':<8} {'groups':>6} {'iteration ms':>13} {'comm ms':>9} {'exposed ms':>11} {'samples/s':>10} {'efficiency':>10}",
     ]

@@ -119,7 +119,7 @@ def _plan_layers(times: list[float], sizes: list[int], schedule: str, cost: Cost
                  first_bucket_mb: float | None = None) -> planner.Plan:
     """make_plan on the gradient layers' times and bytes (``Trace.gradient_layers``)."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"--schedules: unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+        raise ValueError(f"schedule={schedule!r} is not a schedule; choose from {', '.join(SCHEDULES)}")
     ab = affine_or_none(cost)
     rate = dict(alpha=ab[0], beta=ab[1]) if ab is not None else dict(cost=cost)
     return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, interference=interference,
