@@ -261,7 +261,10 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
     except Exception as exc:  # torch raises many types for a truncated or foreign file
         # Its type only: torch's text (chained, for a debugger) is pages long and, for a file the
         # safe unpickler refuses, recommends weights_only=False, which would run code from the file.
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(exc).__name__})") from exc
+        kind = type(exc).__name__
+        kind = f"{type(exc).__module__}.{kind}" if kind == "error" else kind  # (struct.error, not "error")
+        raise CheckpointError(f"{path}: not a readable checkpoint: truncated, or not written by ringtrain "
+                              f"({kind})") from exc
     if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT_VERSION:
         raise CheckpointError(f"{path}: not a ringtrain checkpoint of format {FORMAT_VERSION}")
     payload = record.get("payload")
