@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -227,6 +228,15 @@ def test_simulate_table_columns_line_up_with_long_algorithm_names(capsys):
                  "--algorithms", "ring,hierarchical,recursive_doubling"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert len(lines) == 7 and len({len(line) for line in lines}) == 1, lines
+
+
+def test_the_best_column_names_optimal_where_schedules_tie_exactly(capsys):
+    # ResNet-50 at 512 GPUs on 1GbE: one allreduce after backward is the optimum, so single,
+    # mgwfbp and optimal predict the same time; "best" said single (the first column).
+    assert main(["simulate", "--model", "resnet50", "--cluster", "1GbE", "--gpus", "512"]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    single, wfbp, fixed, mgwfbp, optimal = re.findall(r"([\d.]+) \(\s*\d+%\)", line)
+    assert single == mgwfbp == optimal and line.split()[-2] == "optimal", line
 
 
 @pytest.mark.parametrize("command", ["simulate", "plan"])
