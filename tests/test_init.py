@@ -58,6 +58,35 @@ def test_init_from_torchrun_environment(user_group):
     _check(results, 2, user_group)
 
 
+def _warnings_of_init(rank, world_size, port, secret):
+    import logging
+
+    import ringtrain
+
+    if secret is None:
+        os.environ.pop("RINGTRAIN_SECRET", None)
+    else:
+        os.environ["RINGTRAIN_SECRET"] = secret
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("ringtrain.session").addHandler(handler)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=20)
+    comm.close()
+    return seen
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_rank_0_warns_once_where_the_ranks_do_not_authenticate_each_other(secret):
+    rank0, rank1 = run_ranks(_warnings_of_init, 2, secret)
+    if secret is None:
+        assert len(rank0) == 1 and rank0[0].startswith("RINGTRAIN_SECRET is not set: the 2 ranks do not "
+                                                        "authenticate each other"), rank0
+    else:
+        assert rank0 == []
+    assert rank1 == []
+
+
 def _check(results, p, user_group=False):
     for r in results:
         if isinstance(r, RankError):

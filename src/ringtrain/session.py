@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 from datetime import timedelta
 from functools import partial
@@ -19,6 +20,8 @@ from . import rendezvous
 from .comm import Communicator, check_timeout
 from .errors import AuthError, CommError, CommTimeout, MismatchError, check_join_timeout, ranks_by_value
 from .transport import TRANSPORTS, ctrl_c, make_transport
+
+log = logging.getLogger(__name__)
 
 
 def _proof(secret: Optional[bytes], job: str, rank: int) -> str:
@@ -84,6 +87,11 @@ def create_communicator(
     timeout = check_timeout(timeout)  # a finite number of seconds > 0, or a str of one (nan refused)
     join_timeout = check_join_timeout(join_timeout, timeout)
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
+    if info.secret is None and info.world_size > 1 and info.rank == 0:
+        log.warning("RINGTRAIN_SECRET is not set: the %d ranks do not authenticate each other, so anyone who "
+                    "can reach %s:%d and the ranks' ports can join or feed this job (`ringtrain launch` "
+                    "sets a secret; under torchrun set the same RINGTRAIN_SECRET on every node)",
+                    info.world_size, info.master_addr, info.master_port)
     store = rendezvous.connect_store(info, join_timeout)
     try:
         host_ids = rendezvous.exchange_host_ids(store, info)
