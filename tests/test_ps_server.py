@@ -183,10 +183,15 @@ def test_gradient_accumulation_is_refused_clearly():
     x = torch.ones(2, 4)
     model(x).sum().backward()
     model(x).sum().backward()
-    with pytest.raises(RuntimeError, match="accumulation"):
+    with pytest.raises(RuntimeError, match="accumulation.*step\\(\\) again finishes the step"):
         ps.step()
-    for link in ps._links:
-        link.ch.close()
+    # The refusal does not stick (it did: every later step said "backward ran twice"): step()
+    # again finishes the step, and training goes on.
+    ps.step()
+    model(x).sum().backward()
+    ps.step()
+    assert ps.step_count == 2
+    ps.close()
     thread.join(10)
 
 
@@ -468,6 +473,21 @@ def test_the_rank_entry_refuses_a_bad_timeout_naming_its_flag(flag, value, says,
         parse([flag, value])
     err = capsys.readouterr().err
     assert flag in err and says in err, err
+
+
+@pytest.mark.parametrize("argv, says", [(["--servers", "3"], "--servers must be in [1, world_size=3), got 3"),
+                                         (["--model", "nope"], "--model: unknown model 'nope'; choose from charlm")])
+def test_the_rank_entry_refuses_a_job_it_cannot_run_in_one_line(argv, says, monkeypatch, capsys):
+    # Before: a ValueError traceback on every rank.
+    from ringtrain.ps import __main__ as entry
+
+    monkeypatch.setattr(entry, "run_server_role", lambda *a, **k: pytest.fail("a server started"))
+    monkeypatch.setattr(entry, "worker_from_env", lambda *a, **k: pytest.fail("a worker started"))
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(name, value)
+    assert entry.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m ringtrain.ps: {says}") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("join", [None, 7.5])

@@ -65,9 +65,16 @@ def main(argv=None) -> int:
 
     from .. import data, models, rendezvous
 
+    try:  # (the job's shape, before any rank starts: a one-line error, as the flags above)
+        if args.model not in models.names():
+            raise ValueError(f"--model: unknown model {args.model!r}; choose from {', '.join(models.names())}")
+        server = is_server_rank(args.servers)
+    except ValueError as exc:
+        print(f"python -m ringtrain.ps: {str(exc).replace('servers must', '--servers must', 1)}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     staleness = None if args.max_staleness < 0 else args.max_staleness
-    if is_server_rank(args.servers):
+    if server:
         run_server_role(args.servers, strategy=args.strategy, max_staleness=staleness, timeout=args.timeout,
                         join_timeout=args.join_timeout)
         return 0

@@ -71,6 +71,11 @@ from .sharding import make_layout
 log = logging.getLogger(__name__)
 
 
+#: The end of every refusal of step() after this step's pushes went out: what else there is.
+RETRY_NOTE = (" (synchronous servers wait for it; or close() and resume a new ParameterServerTraining from the "
+              "last checkpoint)")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class PSOptions:
     """Settings of one worker's side of parameter-server training (servers get theirs at launch).
@@ -359,8 +364,14 @@ class ParameterServerTraining:
         self._raise_if_closed()
         self._raise_if_failed()
         if self._double_backward:
-            raise RuntimeError("backward ran twice before step(): gradient accumulation is not supported "
-                               "with parameter servers; call ps.step() after every backward")
+            # Refused once: the step can still be finished, as said below (the gradients the second
+            # backward changed after their push are part of what this says).
+            self._double_backward, self._pushed_grads = False, []
+            raise RuntimeError(
+                f"worker {self.worker}: backward ran twice before step(): gradient accumulation is not supported "
+                "with parameter servers; call ps.step() after every backward. This step's gradients went to the "
+                "servers during the first backward (where a push had not left yet, with the second backward's "
+                f"added): step() again finishes the step with them{RETRY_NOTE}")
         self._check_pushed_grads()
         self._check_params_unwritten()
         self._check_unserved()
@@ -392,7 +403,7 @@ class ParameterServerTraining:
                 f"worker {self.worker}: the gradients of {changed} changed after backward had pushed them to the "
                 "servers, which may have received them half changed. With parameter servers, gradients go out "
                 "during backward: change them in a hook before they are accumulated (Tensor.register_hook), "
-                "not between backward() and step()")
+                f"not between backward() and step(). step() again finishes the step with what was pushed{RETRY_NOTE}")
 
     def _check_params_unwritten(self) -> None:
         """A parameter written in place on this worker (a local optimizer's step) is overwritten by
@@ -406,7 +417,9 @@ class ParameterServerTraining:
                 "optimizer's step(), load_state_dict, or another in-place write) since the last ps.step() or the "
                 "start. The parameter servers own the parameters and the optimizer (ParameterServerTraining's lr, "
                 "momentum, weight_decay) and their pulled values are written into the same memory, so such a change "
-                "is lost or mixed with them: do not step a local optimizer; ps.step() is the optimizer step")
+                "is lost or mixed with them: do not step a local optimizer; ps.step() is the optimizer step. This "
+                "step's gradients (from the changed values) went out during backward: step() again finishes the step "
+                f"with them, and the servers' values replace the changed ones{RETRY_NOTE}")
 
     def _check_unserved(self) -> None:
         """A parameter that did not require a gradient when this was made is not on the servers; one
