@@ -235,7 +235,8 @@ def test_an_unreadable_file_is_named_in_one_short_line_without_torchs_advice(tmp
     path.write_text("garbage\n")
     with pytest.raises(CheckpointError) as info:
         checkpoint.load(path)
-    assert str(info.value) == f"{path}: not a readable checkpoint: truncated, or not written by ringtrain (UnpicklingError)"
+    assert str(info.value) == (f"{path}: not a readable checkpoint: truncated, or not written by ringtrain "
+                               "(UnpicklingError)")
 
 
 def test_no_valid_checkpoint_gives_none(tmp_path):

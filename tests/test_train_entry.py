@@ -217,7 +217,8 @@ def test_a_damaged_checkpoint_is_named_in_one_line_kept_and_skipped(tmp_path, la
         assert cli.main(train_argv(tmp_path)) == 0
         assert checkpoint.latest(tmp_path, warn=False).step == 2  # (the workers' choice: quiet, named once above)
     assert capsys.readouterr().err.splitlines() == [
-        f"skipping {bad}: not a readable checkpoint: truncated, or not written by ringtrain (UnpicklingError); remove it"]
+        f"skipping {bad}: not a readable checkpoint: truncated, or not written by ringtrain (UnpicklingError); "
+        "remove it"]
     assert len(launches) == 1 and bad.read_text() == "garbage\n"
 
 

@@ -49,7 +49,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes) (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=29500, help="port of the rendezvous store on node 0 (default 29500)")
+    p.add_argument("--master-port", type=int, default=29500,
+                   help="port of the rendezvous store on node 0 (default 29500)")
     p.add_argument("--secret-file", default=None, help="file holding the job's shared secret (multi-node)")
     p.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds the nodes wait for each other at the start (default 600, torchrun's)")

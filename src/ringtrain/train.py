@@ -707,7 +707,8 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         pst.wait()
         stats = pst.close()
     one_rate = max(one_rate, one_worker_rate())
-    summary = _summary(cfg, p, f"{cfg.strategy}, {plural(cfg.servers, 'server')}", batch_size, times, losses, one_rate, start)
+    summary = _summary(cfg, p, f"{cfg.strategy}, {plural(cfg.servers, 'server')}", batch_size, times, losses,
+                       one_rate, start)
     summary["parameter_servers"] = stats
     if rank == 0:
         _report(summary, json_summary)

@@ -433,7 +433,8 @@ class ParameterServer:
                                     "synchronous training cannot go on without it"), but=w)
             else:
                 live = sum(s != "lost" for s in self._status)
-                note = f"{self.name}: worker {w} was lost at version {self.version} ({why}); continuing with {live} worker{'s' if live != 1 else ''}"
+                note = (f"{self.name}: worker {w} was lost at version {self.version} ({why}); continuing with "
+                        f"{live} worker{'s' if live != 1 else ''}")
                 self.notices.append(note)
                 log.warning("%s", note)
             self._cond.notify_all()

@@ -166,7 +166,8 @@ class ParameterServerTraining:
 
     def __init__(self, module: nn.Module, *, servers: Sequence[Sequence], worker: int, workers: int,
                  options: Optional[PSOptions] = None, **settings: Any):
-        check_keywords("ringtrain.ps.ParameterServerTraining", settings, (f.name for f in dataclasses.fields(PSOptions)))
+        check_keywords("ringtrain.ps.ParameterServerTraining", settings,
+                       (f.name for f in dataclasses.fields(PSOptions)))
         opts = options or PSOptions(**settings)
         if options is not None and settings:
             raise ValueError(f"pass either options or keyword settings, not both (got {sorted(settings)})")

@@ -67,7 +67,8 @@ def add_common(parser: argparse.ArgumentParser, one_cluster: str | None = None) 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)), help=f"comma-separated GPU counts (default {','.join(map(str, DEFAULT_GPUS))})")
+    gpus = ",".join(map(str, DEFAULT_GPUS))
+    parser.add_argument("--gpus", default=gpus, help=f"comma-separated GPU counts (default {gpus})")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated: {', '.join(SCHEDULES)}")
     parser.add_argument("--algorithms", default="ring", help=f"comma-separated: {', '.join(costs.ALGORITHMS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
