@@ -299,6 +299,26 @@ def test_an_async_server_goes_on_without_a_worker_that_never_connects():
     assert any("worker 1 was lost" in n and "did not connect within 1.5 s" in n for n in out["stats"]["notices"])
 
 
+@pytest.mark.parametrize("strategy", ["sync", "async"])
+def test_a_worker_dropped_for_connecting_late_hears_why_when_it_comes(strategy):
+    # Was: "connection reset by peer" during the handshake, the reason only in the server's log.
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=2, strategy=strategy, timeout=1.5)
+    layout = make_layout([12, 3, 6, 2], 1, 16)
+    first = raw_worker(server, layout, 0, 2, lr=0.5, strategy=strategy)  # connects, then waits
+    deadline = time.monotonic() + 10
+    while "lost" not in server._status:  # (1.5 s after worker 0: join_timeout = timeout here)
+        assert time.monotonic() < deadline, server._status
+        time.sleep(0.05)
+    late = P.Channel(P.dial(server.endpoint, P.ps_identity(2, 3, "ps", SECRET), 0, 5.0), "server", 5.0)
+    with pytest.raises(PeerLost, match="worker 1 was dropped .it did not connect within 1.5 s.*not taken back"):
+        late.recv_header(5.0)
+    late.close()
+    first.close()
+    thread.join(10)
+
+
 def server_and_silent_worker(strategy: str):
     """A server for 2 workers (timeout 1.5 s) serving on a thread, and worker 1 that says HELLO by
     hand and then nothing: (server, thread, out, worker 1's channel)."""

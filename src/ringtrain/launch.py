@@ -176,10 +176,12 @@ def reach_node_0(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None = None,
-                 interrupted: Callable[[signal.Signals], str] | None = None) -> int:
+                 interrupted: Callable[[signal.Signals], str] | None = None,
+                 failed: Callable[[], str] | None = None) -> int:
     """``torchrun.main(argv)``; returns the exit status. A failure is reported on stderr as one line
-    ``<prog>: ...`` per failed rank (first failure first; ``role(rank)`` names what the rank was)
-    or, when torchrun itself failed (a port in use), one line with its own error. The status is
+    ``<prog>: ...`` per failed rank (first failure first; ``role(rank)`` names what the rank was),
+    then ``failed()``'s line where given (what is left of the run), or, when torchrun itself
+    failed (a port in use), one line with its own error. The status is
     the first failed rank's exit code (128 + N for signal N), 1 for torchrun's own errors.
     Ctrl-C (SIGINT) or SIGTERM of this process: torchrun passes the signal on to the ranks and
     waits for them to end; then one line, ``interrupted(signal)`` or "interrupted", and 128 + N."""
@@ -208,6 +210,8 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         failures = sorted(exc.failures.items(), key=lambda item: _failure_order(*item))
         for rank, failure in failures:
             print(f"{prog}: {describe_failure(rank, failure, role)}", file=sys.stderr)
+        if failed is not None:
+            print(f"{prog}: {failed()}", file=sys.stderr)
         return _exit_status(failures[0][1].exitcode)
     except (SignalException, KeyboardInterrupt) as exc:  # (KeyboardInterrupt: before torchrun's handler)
         sig = signal.Signals(exc.sigval if isinstance(exc, SignalException) else signal.SIGINT)

@@ -279,7 +279,8 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         return run_torchrun(argv, "ringtrain train",
                             role=lambda rank: "worker" if rank < args.workers else "parameter server",
-                            interrupted=lambda sig: _interrupted(cfg, sig, interrupt_file))
+                            interrupted=lambda sig: _interrupted(cfg, sig, interrupt_file),
+                            failed=lambda: _where_it_resumes(cfg))
     finally:
         interrupt_file.unlink(missing_ok=True)
 
@@ -289,13 +290,18 @@ def _interrupted(cfg: TrainConfig, sig: signal.Signals, interrupt_file: Path) ->
     where the same command resumes."""
     done = interrupt_file.read_text().strip() if interrupt_file.is_file() else ""
     what = f"interrupted at step {done}" if done else ("interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}")
+    return f"{what}; {_where_it_resumes(cfg)}"
+
+
+def _where_it_resumes(cfg: TrainConfig) -> str:
+    """Where the same command goes on after a run that stopped (interrupted, or a rank failed)."""
     newest = resume.resume_step(cfg)
     if newest is None:
         why = ("checkpoints were off (--checkpoint-every 0)" if not cfg.checkpoint_every else
                f"no checkpoint yet (one every {cfg.checkpoint_every} steps)")
-        return f"{what}; {why}: the same command starts again from step 0"
+        return f"{why}: the same command starts again from step 0"
     again = "the same command again" if cfg.resume else "it again without --no-resume"
-    return f"{what}; run {again} to resume from step {newest} (the last checkpoint)"
+    return f"run {again} to resume from step {newest} (the last checkpoint)"
 
 
 def _run_worker(config_json: str, json_summary: bool) -> int:

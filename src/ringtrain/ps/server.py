@@ -99,6 +99,7 @@ class ParameterServer:
         W = cfg.workers
         self._status = ["waiting"] * W  # waiting, connected, bye, lost
         self._heard = [0.0] * W  # monotonic time of each worker's last message
+        self._lost_why: dict[int, str] = {}  # why each lost worker was lost (told to it if it comes back)
         self._serving: set[int] = set()  # workers whose message waits in _wait_until or for its turn
         self._pulls_seen = 0  # async: pulls taken so far (each one's ticket: its number)
         self._turns: list[int] = []  # async: tickets of the pulls cleared to be answered, waiting for the wire
@@ -331,8 +332,8 @@ class ParameterServer:
     def _connection(self, sock: socket.socket, addr) -> None:
         """Handshake, HELLO, then this worker's messages in order, until BYE or loss."""
         K = self.cfg.servers
-        with self._cond:
-            expected = {K + w for w, s in enumerate(self._status) if s == "waiting"}
+        with self._cond:  # (a lost worker too: it is told why it is not taken back, below)
+            expected = {K + w for w, s in enumerate(self._status) if s in ("waiting", "lost")}
         try:
             rank = tcp_setup.accept_handshake(sock, self._me, expected, self._seen_nonces,
                                         time.monotonic() + min(self.cfg.timeout, tcp_setup.HANDSHAKE_TIMEOUT))
@@ -346,17 +347,23 @@ class ParameterServer:
         ch = P.Channel(sock, f"worker {w}", self.cfg.timeout)
         outbox: queue.Queue = queue.Queue()
         with self._cond:
-            if self._status[w] != "waiting":  # two handshakes raced for one rank
+            status, why = self._status[w], self._lost_why.get(w)
+            if status == "waiting":
+                self._status[w] = "connected"
+                self._heard[w] = time.monotonic()
+                if self._first_connected is None:
+                    self._first_connected = self._heard[w]
+                self._channels[w] = ch
+                self._outboxes[w] = outbox
+                self._cond.notify_all()
+            else:  # two handshakes raced for one rank, or a lost one came back
                 self.refused += 1
-                sock.close()
-                return
-            self._status[w] = "connected"
-            self._heard[w] = time.monotonic()
-            if self._first_connected is None:
-                self._first_connected = self._heard[w]
-            self._channels[w] = ch
-            self._outboxes[w] = outbox
-            self._cond.notify_all()
+        if status != "waiting":
+            if status == "lost":  # (authenticated: it may hear why)
+                goes_on = "the job has failed" if self.cfg.synchronous else "the asynchronous job goes on without it"
+                ch.send_abort(PeerLost(f"{self.name}: worker {w} was dropped ({why}) and is not taken back: {goes_on}"))
+            ch.close()
+            return
         sender = threading.Thread(target=self._send_loop, args=(w, ch, outbox), daemon=True,
                                   name=f"ps{self.cfg.index}-w{w}-outbox")
         sender.start()
@@ -425,6 +432,7 @@ class ParameterServer:
             if self._status[w] in ("bye", "lost"):
                 return
             self._status[w] = "lost"
+            self._lost_why[w] = why
             if self._settings is not None:
                 self._got[w].clear()  # a half-received push is dropped, never applied
                 self._complete[w] = False

@@ -80,8 +80,8 @@ def gantt(predictions: Sequence[Prediction], trace: Trace, path: Path) -> Path:
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.set_xlabel("ms from the start of the iteration")
     first = predictions[0]
-    ax.set_title(
-        f"{first.model} on {first.world_size} GPUs, {first.cluster}, {first.algorithm}: forward (blue), "
+    ax.set_title(  # (two lines: one was cut off at the figure's right edge)
+        f"{first.model} on {first.world_size} GPUs, {first.cluster}, {first.algorithm}\nforward (blue), "
         "backward (orange/red per layer), optimizer (purple), allreduce groups (green)", fontsize=8,
     )
     ax.grid(axis="x", alpha=0.3)
