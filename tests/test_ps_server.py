@@ -449,10 +449,11 @@ def test_a_worker_lost_half_way_through_a_push_leaves_the_shard_untouched():
     assert torch.equal(server.params, torch.cat([b.reshape(-1) for b in before]))
 
 
-@pytest.mark.parametrize("schedule,groups", [("single", 1), ("wfbp", 4), ("optimal", None)])
-def test_pushes_follow_the_merge_plan_after_the_first_step(schedule, groups):
+@pytest.mark.parametrize("schedule,groups,kw", [("single", 1, {}), ("wfbp", 4, {}), ("optimal", None, {}),
+                                               ("fixed", 1, {}), ("fixed", 4, {"bucket_cap_mb": 1e-6})])
+def test_pushes_follow_the_merge_plan_after_the_first_step(schedule, groups, kw):
     server, thread, out = start_server()
-    stats = train_one(server.endpoint, steps=3, schedule=schedule)
+    stats = train_one(server.endpoint, steps=3, schedule=schedule, **kw)
     thread.join(10)
     members = stats["push_groups"]
     if groups is not None:

@@ -631,9 +631,9 @@ def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_pat
     for line in ("One of: charlm, charlm-lstm, charlm-transformer, mlp, resnet.",
                  "One of: optimal, mgwfbp, wfbp, fixed, single.", "Show a progress bar on rank 0. (default True)"):
         assert "".join(line.split()) in text, line
-    message = refusal(["train", "--strategy", "ps-sync", "--bucket-cap-mb", "5", "--checkpoint-dir", str(tmp_path)],
+    message = refusal(["train", "--strategy", "ps-sync", "--algorithm", "ring", "--checkpoint-dir", str(tmp_path)],
                       launches, capsys)
-    assert message.endswith("--bucket-cap-mb is for the ring's allreduce only; --strategy ps-sync sends gradients to "
+    assert message.endswith("--algorithm is for the ring's allreduce only; --strategy ps-sync sends gradients to "
                             "parameter servers and would ignore it"), message
 
 
@@ -685,7 +685,8 @@ def test_join_timeout_reaches_the_parameter_servers_and_their_workers(tmp_path, 
     from ringtrain import data, ps, rendezvous
 
     flags = () if join is None else ("--join-timeout", str(join))
-    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sync", "--model", "mlp", "--timeout", "5", *flags)) == 0
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sync", "--model", "mlp", "--timeout", "5", *flags,
+                               "--schedule", "fixed", "--bucket-cap-mb", "5")) == 0
     config = json.dumps(launched_config(launches))
     calls = ps_harness.stub_meeting(monkeypatch, ps)
     monkeypatch.setattr(rendezvous, "job_info", lambda: argparse.Namespace(rank=0, world_size=2))
@@ -700,3 +701,5 @@ def test_join_timeout_reaches_the_parameter_servers_and_their_workers(tmp_path, 
     assert (calls["server"]["timeout"], calls["server"]["join_timeout"]) == (5.0, join)
     assert (calls["worker"]["timeout"], calls["worker"]["join_timeout"]) == (5.0, join)
     assert calls["store"] == (60.0 if join is None else join)  # (unset: --timeout, but at least 60)
+    # (and the push size of schedule "fixed", which was refused as the ring's alone)
+    assert (calls["worker"]["schedule"], calls["worker"]["bucket_cap_mb"]) == ("fixed", 5.0)

@@ -73,7 +73,7 @@ class TrainConfig:
     transport: str = "auto"
     """How bytes move (ringtrain.TRANSPORTS)."""
     bucket_cap_mb: float = 25.0
-    """Bucket size for schedule='fixed'."""
+    """Bucket (ring) or push (parameter servers) size for schedule='fixed'."""
     checkpoint_dir: str = ""
     """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers: --model
     charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync), or to runs/charlm where older runs
@@ -135,7 +135,7 @@ class TrainConfig:
         if self.strategy == "ring" and self.servers:
             raise ValueError("--servers is for the parameter-server strategies (--strategy ps-sync|ps-async|ps-sharded)")
         if self.strategy != "ring":
-            ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "bucket_cap_mb", "timeline")
+            ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "timeline")
                          if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default]
             if ring_only:
                 verb, them = ("is", "it") if len(ring_only) == 1 else ("are", "them")
@@ -695,7 +695,8 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
                               _optimizer(cfg))
     one_rate = one_worker_rate()
     pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
-                             schedule=cfg.schedule, timeout=cfg.timeout, join_timeout=cfg.join_timeout)
+                             schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, timeout=cfg.timeout,
+                             join_timeout=cfg.join_timeout)
     start = pst.step_count  # the servers' step for this worker (0 unless they resumed)
     if cfg.resume:
         _resume_ps_worker(cfg, rank, model, loader, start)

@@ -93,6 +93,8 @@ class PSOptions:
     """SGD weight decay."""
     schedule: str = "optimal"
     """How gradients are merged into pushes during backward (ringtrain.plan.METHODS)."""
+    bucket_cap_mb: float = 25.0
+    """Size threshold of a push in MiB for ``schedule="fixed"`` (as DistributedDataParallel's)."""
     alpha: float = 1e-4
     """Start-up cost of one push, seconds (the planner's alpha)."""
     beta: float = 8e-9
@@ -118,8 +120,8 @@ class PSOptions:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.schedule not in planner.METHODS:
             raise ValueError(f"schedule must be one of {planner.METHODS}, got {self.schedule!r}")
-        for name in ("lr", "timeout", "partition_mb", "momentum", "weight_decay", "alpha", "beta"):
-            value, positive = getattr(self, name), name in ("lr", "timeout", "partition_mb")
+        for name in ("lr", "timeout", "partition_mb", "bucket_cap_mb", "momentum", "weight_decay", "alpha", "beta"):
+            value, positive = getattr(self, name), name in ("lr", "timeout", "partition_mb", "bucket_cap_mb")
             # (the servers refuse a HELLO whose lr, momentum or weight_decay is not finite; a float,
             # not a numpy scalar, goes into the HELLO's JSON)
             object.__setattr__(self, name, check_number(name, value, positive=positive))
@@ -455,7 +457,8 @@ class ParameterServerTraining:
         t = [self._stamps.get(i, 0.0) for i in order]
         gaps = [0.0] + [max(0.0, b - a) for a, b in zip(t, t[1:])]
         sizes = [4.0 * self.params[i].numel() for i in order]
-        plan = planner.merge(gaps, sizes, self.opts.alpha, self.opts.beta, method=self.opts.schedule)
+        plan = planner.merge(gaps, sizes, self.opts.alpha, self.opts.beta, method=self.opts.schedule,
+                             bucket_cap_mb=self.opts.bucket_cap_mb)
         self._groups = [order[a: b + 1] for a, b in plan.groups]
 
     def _reset_groups(self) -> None:
