@@ -159,7 +159,7 @@ def test_options_cannot_be_changed_after_they_were_made():
     assert opts.lr == 0.1 and dataclasses.replace(opts, lr=0.01).lr == 0.01
 
 
-def test_options_are_validated_with_the_option_named():
+def test_options_are_validated_with_the_option_named(monkeypatch):
     with pytest.raises(ValueError, match="strategy"):
         PSOptions(strategy="hogwild")
     with pytest.raises(ValueError, match="schedule"):
@@ -174,6 +174,12 @@ def test_options_are_validated_with_the_option_named():
         ParameterServerTraining(nn.Linear(2, 2).double(), servers=[("127.0.0.1", 1)], worker=0, workers=1)
     with pytest.raises(ValueError, match="unknown option 'momentun' .did you mean 'momentum'.*accepted: alpha"):
         ParameterServerTraining(nn.Linear(2, 2), servers=[("127.0.0.1", 1)], worker=0, workers=1, momentun=0.9)
+    from ringtrain.ps import worker_from_env
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="worker_from_env got unknown option 'momentun' .did you mean 'momentum'"):
+        worker_from_env(nn.Linear(2, 2), 1, momentun=0.9)  # (before anything is reached: no store at that port)
 
 
 def test_gradient_accumulation_is_refused_clearly():
@@ -745,23 +751,92 @@ def test_async_answers_pulls_one_at_a_time_in_the_order_they_came(first):
     assert out["stats"]["failed"] is None
 
 
-def test_an_async_answer_whose_turn_does_not_come_goes_out_within_the_timeout():
-    """A worker that never reads its answer holds the wire; the next pull's answer goes out beside
-    it once the server's timeout has passed, instead of waiting for ever."""
+def async_pair_with_a_big_shard(timeout: float):
+    """An async server (2 workers, no staleness bound) with a 16 MiB shard; worker 0 has sent INIT
+    and pulled step 0, and its answer is on the wire: (server, thread, worker 0, worker 1, layout)."""
     from ringtrain.ps.sharding import make_layout
 
-    server, thread, out = start_server(workers=2, strategy="async", max_staleness=None, timeout=2.0)
+    server, thread, out = start_server(workers=2, strategy="async", max_staleness=None, timeout=timeout)
     layout = make_layout([1 << 22], 1, 4 << 20)
     ids = np.arange(len(layout.partitions))
     a, b = (raw_worker(server, layout, w, 2, lr=0.5, strategy="async") for w in (0, 1))
     a.send(P.INIT, worker=0, ids=ids, values=[np.zeros(layout.partitions[i].numel, dtype=np.float32) for i in ids])
     a.send(P.PULL, worker=0, step=0)
     assert readable(a, 5.0)
+    return server, thread, a, b, layout
+
+
+def test_a_worker_that_never_reads_its_answer_holds_up_the_next_one_at_most_the_timeout():
+    server, thread, a, b, layout = async_pair_with_a_big_shard(timeout=2.0)
+    t0 = time.monotonic()
+    b.send(P.PULL, worker=1, step=0)
+    step, got = recv_params(b, layout)  # (its send to worker 0 times out, which loses worker 0)
+    assert step == 0 and time.monotonic() - t0 < 2.0 + 3.0
+    for ch in (a, b):
+        ch.close()
+    thread.join(10)
+
+
+def test_an_answer_whose_turn_does_not_come_within_the_timeout_goes_out_beside_the_slow_one():
+    """Worker 0 reads its answer, slowly (its send never times out: it makes progress); the next
+    answer goes out beside it once the server's timeout has passed (without the fallback: after
+    worker 0's whole 16 MiB at ~0.6 MB/s)."""
+    server, thread, a, b, layout = async_pair_with_a_big_shard(timeout=2.0)
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.is_set():
+            try:
+                a.sock.recv(64 << 10)
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    reader = threading.Thread(target=trickle, daemon=True)
+    reader.start()
     t0 = time.monotonic()
     b.send(P.PULL, worker=1, step=0)
     step, got = recv_params(b, layout)
-    assert step == 0 and time.monotonic() - t0 < 2.0 + 3.0
+    waited = time.monotonic() - t0
+    assert step == 0 and 1.5 < waited < 2.0 + 3.0, waited
+    stop.set()
     for ch in (a, b):
+        ch.close()
+    reader.join(5)
+    thread.join(10)
+
+
+def test_a_pull_waiting_on_a_worker_that_waits_for_its_answers_turn_is_not_dropped():
+    """max_staleness 1: worker 2's pull waits for worker 1's push; worker 1's own answer waits for
+    its turn behind worker 0's, which stalls (worker 0 does not read) until the server's timeout.
+    Worker 2 gets its parameters once worker 1 has pushed. (It was dropped: its wait ran out while
+    worker 1, waiting for this server, could not be lost for silence.)"""
+    from ringtrain.ps.sharding import make_layout
+
+    timeout = 2.0
+    server, thread, out = start_server(workers=3, strategy="async", max_staleness=1, timeout=timeout)
+    layout = make_layout([1 << 22], 1, 4 << 20)
+    ids = np.arange(len(layout.partitions))
+    a, d, h = (raw_worker(server, layout, w, 3, lr=0.5, strategy="async") for w in (0, 1, 2))
+    grads = [np.ones(layout.partitions[i].numel, dtype=np.float32) for i in ids]
+    a.send(P.INIT, worker=0, ids=ids, values=[np.zeros(layout.partitions[i].numel, dtype=np.float32) for i in ids])
+    for ch, w, steps in ((a, 0, 2), (d, 1, 1), (h, 2, 3)):  # clocks 2, 1 and 3
+        for s in range(steps):
+            ch.send(P.PUSH, worker=w, step=s, version=0, ids=ids, values=grads)
+    end = time.monotonic() + 10
+    while server._clock != [2, 1, 3]:
+        assert time.monotonic() < end, server._clock
+        time.sleep(0.02)
+    h.send(P.PULL, worker=2, step=3)  # 2 steps ahead of worker 1: waits for its push
+    wait_serving(server, 2)
+    a.send(P.PULL, worker=0, step=2)  # answered at once, and stalls: worker 0 does not read
+    assert readable(a, 5.0)
+    d.send(P.PULL, worker=1, step=1)  # waits for its turn behind worker 0's answer
+    step, _ = recv_params(d, layout)  # (once worker 0 is lost: its send timed out)
+    d.send(P.PUSH, worker=1, step=1, version=0, ids=ids, values=grads)
+    step, got = recv_params(h, layout)
+    assert step == 3 and server._status[2] == "connected", server.notices
+    for ch in (a, d, h):
         ch.close()
     thread.join(10)
 

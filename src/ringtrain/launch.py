@@ -211,7 +211,8 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         for rank, failure in failures:
             print(f"{prog}: {describe_failure(rank, failure, role)}", file=sys.stderr)
         if failed is not None:
-            print(f"{prog}: {failed()}", file=sys.stderr)
+            with contextlib.suppress(Exception):  # (what is left of the run is a hint: never a traceback instead)
+                print(f"{prog}: {failed()}", file=sys.stderr)
         return _exit_status(failures[0][1].exitcode)
     except (SignalException, KeyboardInterrupt) as exc:  # (KeyboardInterrupt: before torchrun's handler)
         sig = signal.Signals(exc.sigval if isinstance(exc, SignalException) else signal.SIGINT)

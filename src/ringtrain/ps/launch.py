@@ -27,11 +27,11 @@ import queue
 import sys
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Optional
 
 from .. import rendezvous
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, check_keywords
 from .server import run_server
 from .server_config import ServerConfig
 from .worker import ParameterServerTraining, PSOptions
@@ -200,6 +200,8 @@ def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTra
     info = rendezvous.job_info()
     if is_server_rank(servers):
         raise ValueError(f"rank {info.rank} is a server rank (the last {servers} of {info.world_size} ranks serve)")
+    check_keywords("ringtrain.ps.worker_from_env", settings,
+                   (f.name for f in fields(PSOptions) if f.name != "secret"))  # (the job's: RINGTRAIN_SECRET)
     opts = PSOptions(secret=info.secret, **settings)
     join = opts.join_s
     store = _store(info, join)

@@ -715,6 +715,8 @@ class ParameterServer:
             now = time.monotonic()
             if self._joining_holds_up(holding_up):  # (serve() loses it at join_timeout; once in, it has the timeout)
                 deadline = max(deadline, now + self.cfg.timeout)
+            if self._served_holds_up(w, holding_up):  # (waiting for this server is no silence: not to be lost for it)
+                deadline = max(deadline, now + self.cfg.timeout)
             left = deadline - now
             if left <= 0:
                 self._drop_absent(now, holding_up() if holding_up else ())
@@ -738,6 +740,13 @@ class ParameterServer:
         if self.cfg.synchronous:
             return not waiting.isdisjoint(self._missing())
         return holding_up is not None and not waiting.isdisjoint(holding_up())
+
+    def _served_holds_up(self, w: int, holding_up) -> bool:
+        """Async: whether one of ``holding_up()`` waits for this server itself (caller holds the lock):
+        for its answer's turn behind a slow reader, which may take ``timeout`` (``_answer_in_turn``).
+        _drop_absent leaves such a worker alone, so the wait on it lasts until it is answered, and its
+        silence counts from then."""
+        return holding_up is not None and any(u in self._serving for u in holding_up() if u != w)
 
     def _check_stuck(self) -> None:
         """Sync: fail if the step in progress waits for a worker that has left (caller holds lock)."""

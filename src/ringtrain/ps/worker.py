@@ -72,8 +72,8 @@ log = logging.getLogger(__name__)
 
 
 #: The end of every refusal of step() after this step's pushes went out: what else there is.
-RETRY_NOTE = (" (synchronous servers wait for it; or close() and resume a new ParameterServerTraining from the "
-              "last checkpoint)")
+RETRY_NOTE = (" (synchronous servers wait for it up to their timeout, then lose this worker and end the job; or "
+              "close() and resume a new ParameterServerTraining from the last checkpoint)")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
