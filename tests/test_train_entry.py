@@ -195,6 +195,20 @@ def test_a_synchronous_parameter_server_run_refuses_an_asynchronous_runs_servers
     assert cli.main(train_argv(tmp_path, "--strategy", "ps-async")) == 0
 
 
+@pytest.mark.parametrize("strategy", ["ring", "ps-sync"])
+def test_a_run_already_at_its_steps_says_so_without_starting_a_rank(tmp_path, launches, capsys, strategy):
+    # Was: every rank started (~16 s) to print the same line.
+    save_run(tmp_path, steps=(2, 4), strategy=strategy)
+    if strategy != "ring":
+        checkpoint.save(tmp_path / "servers" / "server-0", 4, {"version": 4})
+    assert cli.main(train_argv(tmp_path, "--steps", "4", "--strategy", strategy)) == 0
+    assert not launches
+    assert "nothing to do: the checkpoint is already at step 4 (--steps 4)" in capsys.readouterr().out
+    assert cli.main(train_argv(tmp_path, "--steps", "6", "--strategy", strategy)) == 0  # more steps: it trains
+    assert cli.main(train_argv(tmp_path, "--steps", "4", "--strategy", strategy, "--json")) == 0  # (the summary's)
+    assert len(launches) == 2
+
+
 def test_runs_of_the_same_strategy_resume(tmp_path, launches, capsys):
     save_run(tmp_path / "ring")
     assert cli.main(train_argv(tmp_path / "ring")) == 0

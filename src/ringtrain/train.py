@@ -259,6 +259,11 @@ def _launch(args: argparse.Namespace) -> int:
         resume.prepare_checkpoint_dir(cfg, args.workers)
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
+    done = resume.resume_step(cfg) if cfg.resume and not args.json else None  # (--json: the workers' whole summary)
+    if done is not None and done >= cfg.steps:  # said without starting a rank (that took ~16 s to say the same)
+        print(f"\n{cfg.model} in {cfg.checkpoint_dir}:\n  nothing to do: the checkpoint is already at step {done} "
+              f"(--steps {cfg.steps}); give more --steps to train on")
+        return 0
     from .bench.procs import free_port
     from .launch import job_secret, run_torchrun
 
