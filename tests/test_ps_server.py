@@ -34,6 +34,13 @@ def start_server(**kw) -> tuple[ParameterServer, threading.Thread, dict]:
     return ps_harness.start_server(SECRET, **kw)
 
 
+def as_torchrun_rank_0(monkeypatch, world_size: int) -> None:
+    """The variables torchrun gives rank 0 of ``world_size`` ranks (nothing listens at the port)."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", str(world_size)), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(name, value)
+
+
 def train_one(endpoint, steps: int = 3, **kw) -> dict:
     model = tiny()
     kw = {"workers": 1, **kw}
@@ -176,8 +183,7 @@ def test_options_are_validated_with_the_option_named(monkeypatch):
         ParameterServerTraining(nn.Linear(2, 2), servers=[("127.0.0.1", 1)], worker=0, workers=1, momentun=0.9)
     from ringtrain.ps import worker_from_env
 
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")):
-        monkeypatch.setenv(name, value)
+    as_torchrun_rank_0(monkeypatch, world_size=2)
     with pytest.raises(ValueError, match="worker_from_env got unknown option 'momentun' .did you mean 'momentum'"):
         worker_from_env(nn.Linear(2, 2), 1, momentun=0.9)  # (before anything is reached: no store at that port)
 
@@ -510,8 +516,7 @@ def test_the_rank_entry_refuses_a_job_it_cannot_run_in_one_line(argv, says, monk
 
     monkeypatch.setattr(entry, "run_server_role", lambda *a, **k: pytest.fail("a server started"))
     monkeypatch.setattr(entry, "worker_from_env", lambda *a, **k: pytest.fail("a worker started"))
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29999")):
-        monkeypatch.setenv(name, value)
+    as_torchrun_rank_0(monkeypatch, world_size=3)
     assert entry.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"python -m ringtrain.ps: {says}") and err.count("\n") == 1, err

@@ -74,9 +74,11 @@ def _saved_checkpoints(directory: Path) -> list[_Saved]:
     return saved
 
 
-def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> None:
+def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
     """Resuming: refuse checkpoints this run cannot continue (another strategy, model, global
-    batch, seed or number of servers). Starting afresh (--no-resume): move the old checkpoints aside."""
+    batch, seed or number of servers), and return the step it resumes at (resume_step, from the
+    checkpoints read here: None, step 0). Starting afresh (--no-resume): move the old checkpoints
+    aside; None."""
     directory = Path(cfg.checkpoint_dir)
     if not cfg.resume:
         if cfg.checkpoint_every:
@@ -88,14 +90,16 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> None:
             if moved:
                 print(f"--no-resume: moved the checkpoints of steps {moved[1]} in {directory} to {moved[0]}",
                       file=sys.stderr)
-        return
+        return None
     saved = _saved_checkpoints(directory)
     if saved:
         _check_same_strategy(cfg, saved)
         _check_same_model(cfg, saved[0])
         _check_same_data(cfg, workers, saved[0])
-    if cfg.strategy != "ring":
-        _check_servers_hold_checkpoints(cfg, saved)
+    if cfg.strategy == "ring":
+        return saved[0].step if saved else None  # (the newest whole one, as resume_step's checkpoint.latest)
+    _check_servers_hold_checkpoints(cfg, saved)
+    return resume_step(cfg)  # (the servers' folders listed: nothing loaded again)
 
 
 def _restart_hint() -> str:

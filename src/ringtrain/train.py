@@ -256,11 +256,11 @@ def _launch(args: argparse.Namespace) -> int:
             _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
         if cfg.timeline:
             _check_writable(Path(cfg.timeline).parent, f"--timeline {cfg.timeline}: its directory")
-        resume.prepare_checkpoint_dir(cfg, args.workers)
+        done = resume.prepare_checkpoint_dir(cfg, args.workers)  # (the step it resumes at)
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
-    done = resume.resume_step(cfg) if cfg.resume and not args.json else None  # (--json: the workers' whole summary)
-    if done is not None and done >= cfg.steps:  # said without starting a rank (that took ~16 s to say the same)
+    # Said without starting a rank (that took ~16 s to say the same); --json: the workers' whole summary.
+    if done is not None and done >= cfg.steps and not args.json:
         print(f"\n{cfg.model} in {cfg.checkpoint_dir}:\n  nothing to do: the checkpoint is already at step {done} "
               f"(--steps {cfg.steps}); give more --steps to train on")
         return 0

@@ -659,10 +659,9 @@ class ParameterServer:
         The values are those at the turn, with their version."""
         deadline = time.monotonic() + self.cfg.timeout
         mine = False
-        with self._cond:
-            self._serving.add(w)  # (waiting for this server is not silence)
         try:
             with self._cond:
+                self._serving.add(w)  # (waiting for this server is not silence)
                 self._turns.append(ticket)
                 try:
                     while self._answering or min(self._turns) != ticket:
