@@ -577,6 +577,16 @@ def test_a_transport_counts_the_ranks_on_its_host_for_spinning():
     assert run_ranks(3, lambda rank, t: t._idle.local_ranks) == [3, 3, 3]
 
 
+def test_a_transport_of_ring_neighbours_counts_the_ranks_it_is_told_are_on_its_host():
+    def ring(rank):
+        return [(rank - 1) % 4, (rank + 1) % 4]
+
+    assert run_ranks(4, lambda rank, t: t._idle.local_ranks, peers=ring) == [3, 3, 3, 3]
+    assert run_ranks(4, lambda rank, t: t._idle.local_ranks, peers=ring, local_ranks=4) == [4, 4, 4, 4]
+    with pytest.raises(ValueError, match="local_ranks must be in"):
+        ShmTransport.connect(0, 2, None, local_ranks=3)
+
+
 # --- real processes ------------------------------------------------------------------------
 
 

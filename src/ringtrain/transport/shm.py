@@ -181,7 +181,8 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, rank: int, world_size: int, outboxes: dict, inboxes: dict, bells: dict, procs: dict):
+    def __init__(self, rank: int, world_size: int, outboxes: dict, inboxes: dict, bells: dict, procs: dict,
+                 local_ranks: int):
         """Use :meth:`connect`. ``bells[rank]`` is our own doorbell, the others the peers'."""
         self.rank = rank
         self.world_size = world_size
@@ -190,9 +191,7 @@ class ShmTransport(Transport):
         self._in: dict[int, Mailbox] = inboxes
         self._bells: dict[int, Doorbell] = bells
         self._procs: dict[int, ProcessId] = procs
-        # The ranks on this host where the peers are all of them, as the auto transport connects
-        # it (fewer with ``peers`` a subset, e.g. ring neighbours only: then spinning may be wrong).
-        self._idle = Idle(local_ranks=len(procs) + 1)
+        self._idle = Idle(local_ranks=local_ranks)
         self._self_queue: deque = deque()  # messages to ourselves: (header bytes, payload copy)
         self._closed = False
         self._finalizer = weakref.finalize(
@@ -213,6 +212,7 @@ class ShmTransport(Transport):
         peers: Optional[Sequence[int]] = None,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         slots: int = DEFAULT_SLOTS,
+        local_ranks: Optional[int] = None,
     ) -> "ShmTransport":
         """Connect ``rank`` with ``peers`` (default: every other rank) through ``store``.
 
@@ -220,6 +220,10 @@ class ShmTransport(Transport):
         same ``prefix``; ranks that connect several times under one prefix (one communicator
         after another) are paired by how many times each has connected. ``store`` needs
         ``set``, ``get``, ``check`` and ``add`` (any torch.distributed Store).
+
+        ``local_ranks`` is how many of the job's ranks run on this host (default: this rank and
+        its peers, as the auto transport connects them); a waiting rank spins only while they fit
+        on the CPUs it may use, so give it where ``peers`` is a subset of the host's ranks.
         """
         if not ORDERING_OK:
             raise CommError("the shm transport needs x86 memory ordering; use transport='tcp' on this machine")
@@ -231,6 +235,8 @@ class ShmTransport(Transport):
             raise ValueError(f"slots must be in [2, 64], got {slots}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if local_ranks is not None and not 1 <= local_ranks <= world_size:
+            raise ValueError(f"local_ranks must be in [1, world_size={world_size}], got {local_ranks}")
         peers = sorted(set(range(world_size)) - {rank} if peers is None else {int(p) for p in peers} - {rank})
         bad = [p for p in peers if not 0 <= p < world_size]
         if bad:
@@ -289,7 +295,8 @@ class ShmTransport(Transport):
             raise
         for ours in list(outboxes.values()) + [bells[rank]]:  # every peer has opened them
             ours.unlink()
-        return cls(rank, world_size, outboxes, inboxes, bells, procs)
+        return cls(rank, world_size, outboxes, inboxes, bells, procs,
+                   len(peers) + 1 if local_ranks is None else local_ranks)
 
     # -- data path ------------------------------------------------------------------------
 
