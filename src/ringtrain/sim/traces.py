@@ -253,11 +253,55 @@ def _format(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- profiling a real module
+#
+# Words used in this part:
+#
+# * **owner** — a module of the profiled model that is one layer of its trace: each leaf
+#   module, and each module that holds trainable parameters directly (the root is named
+#   ``(root)``). A shared parameter's gradient belongs to the first owner that holds it.
+# * **stamp** — a ``now()`` reading in seconds; on a GPU, taken once the device has done its
+#   queued work.
+# * **step** — one training iteration (``_Step``): forward, loss, backward, optimizer step.
+# * **sample** — the numbers of one hooked step (``_one_iteration``); the trace takes the
+#   median of each over the samples, scaled to the median times of as many plain (hook-free)
+#   steps.
 
 @dataclass(slots=True)
 class _Timings:
     forward: dict[str, float] = field(default_factory=dict)
     ready: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One training step of a profiled module, as ``profile_module`` runs it."""
+
+    module: Any
+    make_batch: Callable[[], tuple[Any, ...]]
+    loss_fn: Callable[..., Any]
+    optimizer: Any
+    now: Callable[[], float]
+    batch_size: int | None
+    """As given, else the first input's leading dimension once a step has run."""
+
+    def run(self, mark: Callable[[], Any] | None = None) -> tuple[Any, Any, Any, float]:
+        """One training step: ``mark()`` (default ``now``) when forward starts, forward ends
+        and backward ends, and the optimizer step's seconds."""
+        mark = mark or self.now
+        *inputs, target = self.make_batch()
+        if self.batch_size is None:
+            self.batch_size = int(inputs[0].shape[0]) if getattr(inputs[0], "ndim", 0) else 1
+        self.module.zero_grad(set_to_none=True)
+        t0 = mark()
+        loss = self.loss_fn(self.module(*inputs), target)
+        t1 = mark()
+        loss.backward()
+        t2 = mark()
+        if self.optimizer is None:
+            return t0, t1, t2, 0.0
+        start = self.now()
+        self.optimizer.step()
+        return t0, t1, t2, self.now() - start
 
 
 def profile_module(
@@ -310,22 +354,58 @@ def profile_module(
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     on_cuda = any(p.is_cuda for p in module.parameters())
+    now = _clock(on_cuda)
+    owners = _owners(module)
+    param_owner = _param_owners(owners)
+    grad_bytes, params = _gradient_sizes(owners)
+    step = _Step(module, make_batch, loss_fn, optimizer, now, batch_size)
+    samples, order = _hooked_samples(step, owners, param_owner, warmup, repeats)
+    plain_f, plain_b = _plain_times(step, on_cuda, repeats)
+    layers, optimizer_s = _layers(samples, owners, order, grad_bytes, params, plain_f, plain_b)
+    return Trace(
+        model=name or type(module).__name__,
+        layers=tuple(layers),
+        batch_size=step.batch_size,
+        sample_unit=sample_unit,
+        optimizer_s=optimizer_s,
+        source=f"profiled on {_device_name(on_cuda)} (torch {torch.__version__}), median of {repeats}",
+    )
+
+
+def _clock(on_cuda: bool) -> Callable[[], float]:
+    """``now()``, the function that takes a stamp."""
+    import torch
 
     def now() -> float:
         # GPU work is asynchronous: wait for it, so each timestamp is when the work was done
         if on_cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+    return now
+
+
+def _owners(module: Any) -> dict[str, Any]:
+    """``module``'s owners by name, in ``named_modules`` order."""
     owners: dict[str, Any] = {}
     for mod_name, mod in module.named_modules():
         has_own = any(p.requires_grad for p in mod.parameters(recurse=False))
         if has_own or not any(True for _ in mod.children()):
             owners[mod_name or "(root)"] = mod
+    return owners
+
+
+def _param_owners(owners: dict[str, Any]) -> dict[int, str]:
+    """The owner of each trainable parameter, by the parameter's ``id``."""
     param_owner: dict[int, str] = {}
     for mod_name, mod in owners.items():
         for p in mod.parameters(recurse=False):
             if p.requires_grad:
                 param_owner.setdefault(id(p), mod_name)
+    return param_owner
+
+
+def _gradient_sizes(owners: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """Each owner's gradient bytes and trainable parameters, a shared parameter counted once."""
     grad_bytes = {n: 0 for n in owners}
     params = {n: 0 for n in owners}
     seen: set[int] = set()
@@ -335,10 +415,20 @@ def profile_module(
                 seen.add(id(p))
                 grad_bytes[mod_name] += p.numel() * p.element_size()
                 params[mod_name] += p.numel()
+    return grad_bytes, params
 
-    timings = _Timings()
-    order: list[str] = []
-    handles = []
+
+def _register_hooks(
+    owners: dict[str, Any], param_owner: dict[int, str], now: Callable[[], float], timings: _Timings,
+    order: list[str], handles: list[Any],
+) -> None:
+    """Hook the owners, each hook's handle appended to ``handles`` as it is made (so that a
+    failure part way leaves none behind once the caller removes them).
+
+    A leaf's forward pre-hook and forward hook add its forward seconds to ``timings.forward``
+    (and append it to ``order`` at its first call); each trainable parameter's
+    post-accumulate-grad hook stamps ``timings.ready`` for its owner.
+    """
     starts: dict[str, float] = {}
 
     def pre(mod_name: str) -> Callable[..., None]:
@@ -366,51 +456,57 @@ def profile_module(
             if p.requires_grad and param_owner[id(p)] == mod_name:
                 handles.append(p.register_post_accumulate_grad_hook(ready(mod_name)))
 
-    def iteration(mark: Callable[[], Any] = now) -> tuple[Any, Any, Any, float]:
-        """One training step: ``mark()`` when forward starts, forward ends and backward ends,
-        and the optimizer step's seconds."""
-        nonlocal batch_size
-        *inputs, target = make_batch()
-        if batch_size is None:
-            batch_size = int(inputs[0].shape[0]) if getattr(inputs[0], "ndim", 0) else 1
-        module.zero_grad(set_to_none=True)
-        t0 = mark()
-        loss = loss_fn(module(*inputs), target)
-        t1 = mark()
-        loss.backward()
-        t2 = mark()
-        if optimizer is None:
-            return t0, t1, t2, 0.0
-        start = now()
-        optimizer.step()
-        return t0, t1, t2, now() - start
 
+def _hooked_samples(
+    step: _Step, owners: dict[str, Any], param_owner: dict[int, str], warmup: int, repeats: int
+) -> tuple[list[dict[str, float]], list[str]]:
+    """The samples of ``repeats`` hooked steps after ``warmup`` unmeasured ones, and the leaves
+    in order of their first forward call. The hooks are removed after, also on an error."""
+    timings = _Timings()
+    order: list[str] = []
+    handles: list[Any] = []
     samples: list[dict[str, float]] = []
     try:
+        _register_hooks(owners, param_owner, step.now, timings, order, handles)
         for i in range(warmup + repeats):
             timings.forward.clear()
             timings.ready.clear()
-            t0, t1, t2, opt_s = iteration()
+            t0, t1, t2, opt_s = step.run()
             if i >= warmup:
                 samples.append(_one_iteration(timings, owners, t0, t1, t2, opt_s))
     finally:
         for h in handles:
             h.remove()
+    return samples, order
+
+
+def _plain_times(step: _Step, on_cuda: bool, repeats: int) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of ``repeats`` plain steps."""
+    import torch
+
     # The hooks themselves cost time (on a GPU each one waits for the device): time the same
     # steps without hooks — on a GPU with CUDA events, so the CPU may run ahead as usual —
     # and scale the layers' times to those totals.
     plain_f, plain_b = [], []
     for _ in range(repeats):
         if on_cuda:
-            e0, e1, e2, _ = iteration(_cuda_event)
+            e0, e1, e2, _ = step.run(_cuda_event)
             torch.cuda.synchronize()
             plain_f.append(e0.elapsed_time(e1) / 1e3)
             plain_b.append(e1.elapsed_time(e2) / 1e3)
         else:
-            t0, t1, t2, _ = iteration()
+            t0, t1, t2, _ = step.run()
             plain_f.append(t1 - t0)
             plain_b.append(t2 - t1)
+    return plain_f, plain_b
 
+
+def _layers(
+    samples: list[dict[str, float]], owners: dict[str, Any], order: list[str], grad_bytes: dict[str, int],
+    params: dict[str, int], plain_f: list[float], plain_b: list[float],
+) -> tuple[list[Layer], float]:
+    """The trace's layers in forward order, times scaled to the plain steps', and the median
+    optimizer seconds."""
     med = {k: statistics.median(s[k] for s in samples) for k in samples[0] if not k.startswith("r:")}
     hooked_f = sum(v for k, v in med.items() if k.startswith("f:"))
     hooked_b = sum(v for k, v in med.items() if k.startswith("b:"))
@@ -425,14 +521,7 @@ def profile_module(
     layers = [Layer(n, fs * med.get(f"f:{n}", 0.0), bs * back[n], grad_bytes[n], params[n]) for n in names]
     if med["f:(other)"] > 0:
         layers.append(Layer("(other)", fs * med["f:(other)"], 0.0, 0, 0))
-    return Trace(
-        model=name or type(module).__name__,
-        layers=tuple(layers),
-        batch_size=batch_size,
-        sample_unit=sample_unit,
-        optimizer_s=med["optimizer"],
-        source=f"profiled on {_device_name(on_cuda)} (torch {torch.__version__}), median of {repeats}",
-    )
+    return layers, med["optimizer"]
 
 
 def _cuda_event() -> Any:
