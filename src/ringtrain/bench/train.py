@@ -359,179 +359,254 @@ def _worker(cfg: dict) -> int:
     import torch.distributed as dist
 
     import ringtrain
-    from .. import data, models
-    from ..sim.simulator import predict_with_cost
-    from ..sim.traces import profile_module
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, p = dist.get_rank(), dist.get_world_size()
     comm = ringtrain.init(transport=cfg["transport"], timeout=300)
     for name in cfg["models"]:
-        rows = []  # this model's, sent to the parent as soon as they are known (a run cut short keeps them)
-        spec = models.spec(name)
-        batch = cfg["batch_size"] or spec.batch_size
-        base = models.build(name, seed=0)
-        ds = data.dataset(spec.dataset, seed=0, **spec.batch_kwargs)
-        loader = data.ShardedLoader(ds, batch, rank=rank, world_size=p, seed=0)
-        batches = [loader.next_batch() for _ in range(4)]
-
-        # Layer proportions from a profile; the absolute compute time comes from the "alone"
-        # configuration timed in the same interleaved rounds as training (same CPU load).
-        twin = copy.deepcopy(base)
-        profiled = profile_module(twin, lambda: batches[0], twin.loss, name=name, repeats=3,
-                                  optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9),
-                                  batch_size=batch)
-
-        # One cost sweep (7 repeats per size) for every wrapper: all schedules plan with the
-        # same measurement, the optimal one fits its interference against it, and the simulator
-        # predicts with it (a wrapper's own 3-repeat sweep can be off by 2x in alpha, 25% in beta).
-        from ..ddp import calibration
-        from ..ddp.trial import DDP_BUCKETS
-
-        grad_bytes = float(sum(q.numel() * q.element_size() for q in base.parameters() if q.requires_grad))
-        cost = calibration.sweep_cost(comm, cfg["algorithm"], calibration.sweep_sizes(grad_bytes),
-                                      repeats=SWEEP_REPEATS)
-        configs = []
-        for sched in cfg["schedules"]:
-            model = copy.deepcopy(base)
-            timeline = ""
-            if sched == "optimal" and cfg["timeline_dir"]:
-                timeline = str(Path(cfg["timeline_dir"]) / f"{cfg['timeline_stem']}-{name}.json")
-            ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
-                                                    timeline=timeline or None, timeline_iterations=TIMELINE_STEPS,
-                                                    cost=cost)
-            configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
-                            "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
-        alone = copy.deepcopy(base)
-        configs.append({"impl": "alone", "schedule": "no communication", "model": alone, "wrapped": alone,
-                        "opt": torch.optim.SGD(alone.parameters(), lr=0.01, momentum=0.9)})
-        if cfg["torch_ddp"]:
-            model = copy.deepcopy(base)
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
-            configs.append({"impl": "torch-ddp", "schedule": "torch defaults (25 MiB)", "model": model,
-                            "wrapped": wrapped, "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
-
-        def step(c, k):
-            x, y = batches[k % len(batches)]
-            t0 = time.perf_counter()
-            c["opt"].zero_grad(set_to_none=True)
-            loss = c["model"].loss(c["wrapped"](x), y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            c["opt"].step()
-            c.setdefault("parts", []).append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-
-        if rank == 0:
-            progress(f"# {name}: warming up {len(configs)} configurations (calibration, plans, trials)")
-        for c in configs:  # warm-up: calibration, profiling, the plan and its trial (probes, verification)
-            for k in range(WARMUP_STEPS):
-                step(c, k)
-            k = WARMUP_STEPS
-            while c["impl"] == "ringtrain" and not c["wrapped"].settled and k < MAX_WARMUP_STEPS:
-                step(c, k)  # every rank takes the same number of steps: settled agrees across ranks
-                k += 1
-            if c["impl"] == "ringtrain" and c["wrapped"].timeline_path is not None:
-                for j in range(TIMELINE_STEPS):  # the timeline is recorded here, not in timed steps
-                    step(c, k + j)
-        optimal = next((c["wrapped"] for c in configs if c["schedule"] == "optimal"), None)
-        # The interference the optimal wrapper's probes measured, for every schedule's prediction.
-        slow = optimal.interference if optimal is not None else None
-        for c in configs:  # one untimed step each: the first timed round then finds every
-            step(c, 0)     # configuration as the later rounds do (optimal came long before)
-            c["times"], c["parts"] = [], []
-        for r in range(cfg["rounds"]):
-            for k, i in turns(len(configs), cfg["steps"], r):
-                c = configs[i]
-                # Every step starts on all ranks at once, as after a training step's allreduce:
-                # "alone" then runs its memory-bound phases (the SGD step) side by side as training
-                # does, on the cores and memory the ranks share (ranks left to drift apart
-                # overlap one's step with another's matrix products, and are faster for it).
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(c, k)
-                c["times"].append(time.perf_counter() - t0)
-            if rank == 0:
-                progress(f"# {name}: round {r + 1}/{cfg['rounds']} done")
-        medians = {}
-        for c in configs:
-            # This rank's forward, backward() and step medians, averaged over ranks: where the time goes.
-            parts = torch.tensor(np.median(np.asarray(c["parts"]), axis=0), dtype=torch.float64)
-            dist.all_reduce(parts)
-            c["parts_s"] = (parts / p).tolist()
-            t = torch.tensor(c["times"], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
-            c["times_max"] = t
-            medians[c["impl"], c["schedule"]] = float(np.median(t.numpy()))  # torch's median is the lower one
-            if c["impl"] == "ringtrain":  # the wrapper's own account of the timed iterations
-                c["stats"] = list(c["wrapped"].stats)[-len(c["times"]):]
-        compute_only = medians["alone", "no communication"]
-        alone_parts = next(c["parts_s"] for c in configs if c["impl"] == "alone")
-        trace = _per_parameter(_scaled(profiled, compute_only, alone_parts), base)
-        # What the wrapper adds to compute whatever the schedule (gradient copies into the buckets
-        # in its hooks, buffer broadcasts in forward), as measured with nothing overlapping them:
-        # by the single allreduce's wrapper (else the optimal one's).
-        ring = {c["schedule"]: c for c in configs if c["impl"] == "ringtrain"}
-        measuring = ring.get("single", ring.get("optimal"))
-        sim_trace = trace  # the bound and the planner's figure stay those of compute alone
-        if measuring is not None:
-            timed = measuring["stats"]
-            sim_trace = _with_wrapper_costs(trace, float(np.median([s.hooks_s for s in timed])),
-                                            float(np.median([s.broadcast_s for s in timed])))
-        for c in configs:
-            t = c["times_max"]
-            med = float(np.median(t.numpy()))
-            row = {"model": name, "impl": c["impl"], "schedule": c["schedule"], "batch_size": batch,
-                   "median_iter_s": med, "iter_s": t.tolist(), "samples_per_s": p * batch / med,
-                   "scaling_efficiency": compute_only / med, "compute_only_s": compute_only,
-                   "params": int(sum(q.numel() for q in base.parameters())),
-                   "trace_forward_s": trace.forward_s, "trace_backward_s": trace.backward_s,
-                   "trace_optimizer_s": trace.optimizer_s, "measured_forward_s": c["parts_s"][0],
-                   "measured_backward_call_s": c["parts_s"][1], "measured_step_s": c["parts_s"][2]}
-            if c["impl"] == "ringtrain":
-                ddp = c["wrapped"]
-                stats = c["stats"]
-                plan = ddp.plan
-                # The plan in force: "optimal" may have measured that a single allreduce is faster here.
-                # (as the wrapper planned it: its trial may have kept the plan of free overlap)
-                # (its trial may also have kept torch DDP's default buckets, the first one smaller,
-                # or MG-WFBP's merge: plan.method then says mgwfbp)
-                buckets = ddp.kept == "buckets"  # (DDP_BUCKETS[1] is the 25 MiB every fixed plan here has)
-                pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=cfg["algorithm"], cluster="measured",
-                                         interference=slow,
-                                         planned_with=ddp.planned_with if c["schedule"] == "optimal" else None,
-                                         first_bucket_mb=DDP_BUCKETS[0] if buckets else None)
-                first_ready = plan.ready[0] if len(plan.ready) else 0.0
-                one_allreduce = float(cost(float(sum(plan.group_bytes))))
-                bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
-                row.update(
-                    hooks_s=float(np.median([s.hooks_s for s in stats])) if stats else None,
-                    broadcast_s=float(np.median([s.broadcast_s for s in stats])) if stats else None,
-                    alpha=ddp.alpha, beta=ddp.beta, cost=dataclasses.asdict(cost), groups=len(plan.groups),
-                    plan_in_force=plan.method,
-                    interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
-                    planned_with=ddp.planned_with.to_dict(), trial=ddp.trial,
-                    planner_iter_s=planner_iteration_s(trace, plan),
-                    sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
-                    overlap_bound_s=bound, vs_bound=med / bound,
-                    hidden_fraction=float(np.median([s.hidden_fraction for s in stats])) if stats else None,
-                    comm_s=float(np.median([s.comm_s for s in stats])) if stats else None,
-                    backward_s=float(np.median([s.backward_s for s in stats])) if stats else None,
-                    exposed_s=float(np.median([s.exposed_s for s in stats])) if stats else None,
-                    timeline=str(ddp.timeline_path) if ddp.timeline_path else None,
-                )
-            elif c["impl"] == "alone":  # the simulator's input for the parameter-server rows
-                row["trace"] = trace.to_dict()
-            rows.append(row)
-        for c in configs:
-            if c["impl"] == "ringtrain":
-                c["wrapped"].close()
+        # this model's rows, sent to the parent as soon as they are known (a run cut short keeps them)
+        rows = _model_rows(cfg, name, comm, rank, p)
         if rank == 0:
             emit({"rows": rows})
     comm.close()
     dist.destroy_process_group()
     return 0
+
+
+def _model_rows(cfg: dict, name: str, comm, rank: int, p: int) -> list[dict]:
+    """Model ``name``'s rows: every configuration built, warmed up and timed taking turns step by
+    step, then described (with the simulator's and the planner's predictions); its wrappers closed."""
+    import torch
+
+    from ..sim.traces import profile_module
+
+    batch, base, batches = _workload(cfg, name, rank, p)
+    # Layer proportions from a profile; the absolute compute time comes from the "alone"
+    # configuration timed in the same interleaved rounds as training (same CPU load).
+    twin = copy.deepcopy(base)
+    profiled = profile_module(twin, lambda: batches[0], twin.loss, name=name, repeats=3,
+                              optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9),
+                              batch_size=batch)
+    cost = _sweep_cost(comm, cfg["algorithm"], base)
+    configs = _configurations(cfg, name, base, comm, cost)
+    if rank == 0:
+        progress(f"# {name}: warming up {len(configs)} configurations (calibration, plans, trials)")
+    _warm_up(configs, batches)
+    optimal = next((c["wrapped"] for c in configs if c["schedule"] == "optimal"), None)
+    # The interference the optimal wrapper's probes measured, for every schedule's prediction.
+    slow = optimal.interference if optimal is not None else None
+    _time_rounds(cfg, name, configs, batches, rank)
+    medians = _gather_times(configs, p)
+    compute_only = medians["alone", "no communication"]
+    trace, sim_trace = _traces(configs, profiled, compute_only, base)
+    params = int(sum(q.numel() for q in base.parameters()))
+    rows = []
+    for c in configs:
+        row = _row(c, name, batch, p, params, compute_only, trace)
+        if c["impl"] == "ringtrain":
+            row.update(_ring_fields(c, row["median_iter_s"], p, trace, sim_trace, cost, cfg["algorithm"], slow))
+        elif c["impl"] == "alone":  # the simulator's input for the parameter-server rows
+            row["trace"] = trace.to_dict()
+        rows.append(row)
+    for c in configs:
+        if c["impl"] == "ringtrain":
+            c["wrapped"].close()
+    return rows
+
+
+def _workload(cfg: dict, name: str, rank: int, p: int):
+    """Model ``name``'s batch size, its model (seed 0) and this rank's 4 batches of its data."""
+    from .. import data, models
+
+    spec = models.spec(name)
+    batch = cfg["batch_size"] or spec.batch_size
+    base = models.build(name, seed=0)
+    ds = data.dataset(spec.dataset, seed=0, **spec.batch_kwargs)
+    loader = data.ShardedLoader(ds, batch, rank=rank, world_size=p, seed=0)
+    return batch, base, [loader.next_batch() for _ in range(4)]
+
+
+def _sweep_cost(comm, algorithm: str, base):
+    """One cost sweep (7 repeats per size) for every wrapper: all schedules plan with the
+    same measurement, the optimal one fits its interference against it, and the simulator
+    predicts with it (a wrapper's own 3-repeat sweep can be off by 2x in alpha, 25% in beta)."""
+    from ..ddp import calibration
+
+    grad_bytes = float(sum(q.numel() * q.element_size() for q in base.parameters() if q.requires_grad))
+    return calibration.sweep_cost(comm, algorithm, calibration.sweep_sizes(grad_bytes), repeats=SWEEP_REPEATS)
+
+
+def _configurations(cfg: dict, name: str, base, comm, cost) -> list[dict]:
+    """The timed configurations, each on its own copy of ``base`` with its own SGD: ringtrain's
+    wrapper under every schedule (the optimal one records a timeline if asked), the model alone,
+    and torch's DDP unless left out."""
+    import torch
+
+    import ringtrain
+
+    configs = []
+    for sched in cfg["schedules"]:
+        model = copy.deepcopy(base)
+        timeline = ""
+        if sched == "optimal" and cfg["timeline_dir"]:
+            timeline = str(Path(cfg["timeline_dir"]) / f"{cfg['timeline_stem']}-{name}.json")
+        ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
+                                                timeline=timeline or None, timeline_iterations=TIMELINE_STEPS,
+                                                cost=cost)
+        configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
+                        "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+    alone = copy.deepcopy(base)
+    configs.append({"impl": "alone", "schedule": "no communication", "model": alone, "wrapped": alone,
+                    "opt": torch.optim.SGD(alone.parameters(), lr=0.01, momentum=0.9)})
+    if cfg["torch_ddp"]:
+        model = copy.deepcopy(base)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        configs.append({"impl": "torch-ddp", "schedule": "torch defaults (25 MiB)", "model": model,
+                        "wrapped": wrapped, "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+    return configs
+
+
+def _step(c: dict, batches: list, k: int) -> None:
+    """One training step of configuration ``c`` on batch ``k`` (cycling through ``batches``); its
+    forward, backward() and SGD step times appended to ``c["parts"]``."""
+    x, y = batches[k % len(batches)]
+    t0 = time.perf_counter()
+    c["opt"].zero_grad(set_to_none=True)
+    loss = c["model"].loss(c["wrapped"](x), y)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    c["opt"].step()
+    c.setdefault("parts", []).append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+
+
+def _warm_up(configs: list[dict], batches: list) -> None:
+    """Warm-up: calibration, profiling, the plan and its trial (probes, verification)."""
+    for c in configs:
+        for k in range(WARMUP_STEPS):
+            _step(c, batches, k)
+        k = WARMUP_STEPS
+        while c["impl"] == "ringtrain" and not c["wrapped"].settled and k < MAX_WARMUP_STEPS:
+            _step(c, batches, k)  # every rank takes the same number of steps: settled agrees across ranks
+            k += 1
+        if c["impl"] == "ringtrain" and c["wrapped"].timeline_path is not None:
+            for j in range(TIMELINE_STEPS):  # the timeline is recorded here, not in timed steps
+                _step(c, batches, k + j)
+
+
+def _time_rounds(cfg: dict, name: str, configs: list[dict], batches: list, rank: int) -> None:
+    """The timed steps, ``cfg["rounds"]`` rounds of ``cfg["steps"]`` each, the configurations
+    taking turns (``turns``): each step's time into ``c["times"]``, its parts into ``c["parts"]``."""
+    import torch.distributed as dist
+
+    for c in configs:  # one untimed step each: the first timed round then finds every
+        _step(c, batches, 0)  # configuration as the later rounds do (optimal came long before)
+        c["times"], c["parts"] = [], []
+    for r in range(cfg["rounds"]):
+        for k, i in turns(len(configs), cfg["steps"], r):
+            c = configs[i]
+            # Every step starts on all ranks at once, as after a training step's allreduce:
+            # "alone" then runs its memory-bound phases (the SGD step) side by side as training
+            # does, on the cores and memory the ranks share (ranks left to drift apart
+            # overlap one's step with another's matrix products, and are faster for it).
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(c, batches, k)
+            c["times"].append(time.perf_counter() - t0)
+        if rank == 0:
+            progress(f"# {name}: round {r + 1}/{cfg['rounds']} done")
+
+
+def _gather_times(configs: list[dict], p: int) -> dict[tuple[str, str], float]:
+    """Each configuration's times across ranks: ``parts_s``, ``times_max`` and (for ringtrain)
+    ``stats`` set on it; returns the median iteration by (impl, schedule)."""
+    import torch
+    import torch.distributed as dist
+
+    medians = {}
+    for c in configs:
+        # This rank's forward, backward() and step medians, averaged over ranks: where the time goes.
+        parts = torch.tensor(np.median(np.asarray(c["parts"]), axis=0), dtype=torch.float64)
+        dist.all_reduce(parts)
+        c["parts_s"] = (parts / p).tolist()
+        t = torch.tensor(c["times"], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
+        c["times_max"] = t
+        medians[c["impl"], c["schedule"]] = float(np.median(t.numpy()))  # torch's median is the lower one
+        if c["impl"] == "ringtrain":  # the wrapper's own account of the timed iterations
+            c["stats"] = list(c["wrapped"].stats)[-len(c["times"]):]
+    return medians
+
+
+def _traces(configs: list[dict], profiled, compute_only: float, base):
+    """The layer trace of compute alone (``profiled`` scaled to the "alone" run, one layer per
+    parameter tensor) and the simulator's trace (that one plus the wrapper's own compute)."""
+    alone_parts = next(c["parts_s"] for c in configs if c["impl"] == "alone")
+    trace = _per_parameter(_scaled(profiled, compute_only, alone_parts), base)
+    # What the wrapper adds to compute whatever the schedule (gradient copies into the buckets
+    # in its hooks, buffer broadcasts in forward), as measured with nothing overlapping them:
+    # by the single allreduce's wrapper (else the optimal one's).
+    ring = {c["schedule"]: c for c in configs if c["impl"] == "ringtrain"}
+    measuring = ring.get("single", ring.get("optimal"))
+    sim_trace = trace  # the bound and the planner's figure stay those of compute alone
+    if measuring is not None:
+        timed = measuring["stats"]
+        sim_trace = _with_wrapper_costs(trace, float(np.median([s.hooks_s for s in timed])),
+                                        float(np.median([s.broadcast_s for s in timed])))
+    return trace, sim_trace
+
+
+def _row(c: dict, name: str, batch: int, p: int, params: int, compute_only: float, trace) -> dict:
+    """The row every configuration has: its times (the slowest rank's) and compute alone's."""
+    t = c["times_max"]
+    med = float(np.median(t.numpy()))
+    return {"model": name, "impl": c["impl"], "schedule": c["schedule"], "batch_size": batch,
+            "median_iter_s": med, "iter_s": t.tolist(), "samples_per_s": p * batch / med,
+            "scaling_efficiency": compute_only / med, "compute_only_s": compute_only,
+            "params": params,
+            "trace_forward_s": trace.forward_s, "trace_backward_s": trace.backward_s,
+            "trace_optimizer_s": trace.optimizer_s, "measured_forward_s": c["parts_s"][0],
+            "measured_backward_call_s": c["parts_s"][1], "measured_step_s": c["parts_s"][2]}
+
+
+def _ring_fields(c: dict, med: float, p: int, trace, sim_trace, cost, algorithm: str, slow) -> dict:
+    """A ringtrain configuration's fields besides ``_row``'s: its plan, the wrapper's stats of the
+    timed iterations, and the planner's, the simulator's and the overlap bound's predictions."""
+    from ..ddp.trial import DDP_BUCKETS
+    from ..sim.simulator import predict_with_cost
+
+    ddp = c["wrapped"]
+    stats = c["stats"]
+    plan = ddp.plan
+    # The plan in force: "optimal" may have measured that a single allreduce is faster here.
+    # (as the wrapper planned it: its trial may have kept the plan of free overlap)
+    # (its trial may also have kept torch DDP's default buckets, the first one smaller,
+    # or MG-WFBP's merge: plan.method then says mgwfbp)
+    buckets = ddp.kept == "buckets"  # (DDP_BUCKETS[1] is the 25 MiB every fixed plan here has)
+    pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=algorithm, cluster="measured",
+                             interference=slow,
+                             planned_with=ddp.planned_with if c["schedule"] == "optimal" else None,
+                             first_bucket_mb=DDP_BUCKETS[0] if buckets else None)
+    first_ready = plan.ready[0] if len(plan.ready) else 0.0
+    one_allreduce = float(cost(float(sum(plan.group_bytes))))
+    bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
+    return dict(
+        hooks_s=float(np.median([s.hooks_s for s in stats])) if stats else None,
+        broadcast_s=float(np.median([s.broadcast_s for s in stats])) if stats else None,
+        alpha=ddp.alpha, beta=ddp.beta, cost=dataclasses.asdict(cost), groups=len(plan.groups),
+        plan_in_force=plan.method,
+        interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
+        planned_with=ddp.planned_with.to_dict(), trial=ddp.trial,
+        planner_iter_s=planner_iteration_s(trace, plan),
+        sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
+        overlap_bound_s=bound, vs_bound=med / bound,
+        hidden_fraction=float(np.median([s.hidden_fraction for s in stats])) if stats else None,
+        comm_s=float(np.median([s.comm_s for s in stats])) if stats else None,
+        backward_s=float(np.median([s.backward_s for s in stats])) if stats else None,
+        exposed_s=float(np.median([s.exposed_s for s in stats])) if stats else None,
+        timeline=str(ddp.timeline_path) if ddp.timeline_path else None,
+    )
 
 
 def turns(n: int, steps: int, round_no: int):
