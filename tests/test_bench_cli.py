@@ -357,3 +357,12 @@ def test_ctrl_c_after_a_size_prints_that_sizes_rows_and_exits_130(monkeypatch, c
     assert "\n4K " in out and "\n64K " not in out, out
     assert ("note: interrupted (Ctrl-C) before the run ended: the rows finished by then, for world size 2 at 4K "
             "(1 of 2 sizes)") in out, out
+
+
+def test_the_open_mpi_anchor_is_skipped_with_how_to_install_it_when_mpi4py_is_missing(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real(name, *a))
+    rows, note = bench_allreduce._launch_mpi(2, {}, timeout=5)
+    assert rows == [] and "mpi4py is not installed" in note and "pip install mpi4py" in note

@@ -13,6 +13,7 @@ size is timed, so a run stopped early (Ctrl-C, a failed rank, --timeout) saves w
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -276,9 +277,7 @@ def _launch(p: int, cfg: dict, args, rows: list[dict]) -> None:
 
 def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | None]:
     mpirun = shutil.which("mpirun")
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("mpi4py") is None:
         return [], "Open MPI anchor skipped: mpi4py is not installed (pip install mpi4py; apt-get install openmpi-bin libopenmpi-dev)"
     if not mpirun:
         return [], "Open MPI anchor skipped: mpirun not found (apt-get install openmpi-bin)"
