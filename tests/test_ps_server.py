@@ -6,6 +6,7 @@ these tests are fast. Real processes are in test_ps_training.py.
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import struct
@@ -93,7 +94,8 @@ def test_strangers_are_refused_and_the_server_keeps_serving():
         P.dial(server.endpoint, wrong, 0, 5.0)
     wait_refused(server, 3)
     # 4. no secret at all against a server that requires one
-    with pytest.raises(AuthError):
+    with pytest.raises(AuthError, match=rf"^parameter server 0 at {re.escape(host)}:{port} requires the job's shared "
+                                        "secret and this rank has none"):
         P.dial(server.endpoint, P.ps_identity(1, 2, "ps", None), 0, 5.0)
     wait_refused(server, 4)
     # ... and the real worker still trains.
@@ -114,6 +116,49 @@ def test_a_worker_with_the_wrong_secret_names_the_server_it_could_not_join(secre
         ParameterServerTraining(tiny(), servers=[server.endpoint], worker=0, workers=1, secret=secret, timeout=5.0)
     thread.join(10)
     assert out["stats"]["refused_connections"] == 1
+
+
+def test_a_server_that_cannot_prove_the_secret_is_called_a_parameter_server_not_rank_0():
+    # Before: "rank 0 could not prove it holds this job's shared secret": the ring transport's
+    # handshake wording, whose "rank 0" a torchrun user reads as worker 0.
+    server, thread, out = start_server(timeout=3.0)
+    host, port = server.endpoint
+    with pytest.raises(AuthError, match=rf"^parameter server 0 at {re.escape(host)}:{port} could not prove it "
+                                        r"holds this job's shared secret"):
+        P.dial(server.endpoint, P.ps_identity(1, 2, "ps", b"not-the-secret"), 0, 5.0)
+    with pytest.raises(AuthError) as caught:  # (the worker's text names the endpoint once, in front)
+        ParameterServerTraining(tiny(), servers=[server.endpoint], worker=0, workers=1, secret=b"not-the-secret",
+                                timeout=5.0)
+    text = str(caught.value)
+    assert f"parameter server 0 at {host}:{port}: parameter server 0 could not prove" in text and "rank 0" not in text
+    thread.join(10)
+    assert out["stats"]["refused_connections"] == 2
+
+
+def test_the_ring_handshake_still_numbers_the_peer_by_rank():
+    # (the parameter server's name for its peer is its own: the ring's wording is unchanged)
+    from ringtrain.transport import tcp_setup
+
+    acceptor, connector = socket.socketpair()
+    refused = []
+
+    def accept():
+        try:
+            tcp_setup.accept_handshake(acceptor, tcp_setup.Identity(0, 2, "job", b"a"), {1}, set(),
+                                       time.monotonic() + 5)
+        except CommError as exc:
+            refused.append(exc)
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(AuthError, match=r"^rank 0 could not prove it holds this job's shared secret"):
+            tcp_setup.connect_handshake(connector, tcp_setup.Identity(1, 2, "job", b"b"), 0, time.monotonic() + 5)
+    finally:
+        connector.close()
+        t.join(10)
+        acceptor.close()
+    assert len(refused) == 1
 
 
 def test_an_unreachable_server_is_named_with_its_endpoint():
@@ -233,6 +278,15 @@ def test_gradients_changed_after_backward_and_use_after_close_are_refused():
         with pytest.raises(RuntimeError, match="was closed"):
             call()
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_servers_and_workers_compute_join_s_by_one_definition():
+    # Before: PSOptions.join_s and ServerConfig.join_s were two copies of one property.
+    assert PSOptions.join_s is ServerConfig.join_s
+    for timeout, join in ((5.0, None), (90.0, None), (5.0, 2.5), (90.0, 300.0)):
+        server = ServerConfig(index=0, servers=1, workers=1, timeout=timeout, join_timeout=join).join_s
+        assert server == PSOptions(timeout=timeout, join_timeout=join).join_s == (max(timeout, 60.0) if join is None
+                                                                                  else join)
 
 
 @pytest.mark.parametrize("strategy", ["sync", "async"])
@@ -493,6 +547,23 @@ def test_roles_and_rank_entry_arguments():
         parse(["--strategy", "async", "--max-staleness", "-7"])
     with pytest.raises(SystemExit):  # was a traceback on every rank
         parse(["--servers", "0"])
+
+
+def test_one_rule_says_how_many_servers_a_job_can_have():
+    # Before: the rank entry turned is_server_rank's "servers must be ..." into "--servers must
+    # be ..." by replacing text in its message; it now asks the same check, naming the flag.
+    from ringtrain.ps import is_server_rank
+    from ringtrain.ps.launch import check_servers
+
+    for servers, world_size in ((1, 2), (3, 4)):
+        check_servers(servers, world_size)
+    for servers, world_size in ((0, 2), (2, 2), (5, 4)):
+        with pytest.raises(ValueError, match=re.escape(f"--servers must be in [1, world_size={world_size}), "
+                                                       f"got {servers}")):
+            check_servers(servers, world_size, name="--servers")
+        with pytest.raises(ValueError, match=re.escape(f"servers must be in [1, world_size={world_size}), "
+                                                       f"got {servers}")):
+            is_server_rank(servers, 0, world_size)
 
 
 @pytest.mark.parametrize("flag", ["--timeout", "--join-timeout"])

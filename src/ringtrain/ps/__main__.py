@@ -15,7 +15,7 @@ import json
 import sys
 
 from ..errors import check_number
-from .launch import is_server_rank, run_server_role, train_steps, worker_from_env
+from .launch import check_servers, is_server_rank, run_server_role, train_steps, worker_from_env
 from .server_config import STRATEGIES
 
 RESULT_PREFIX = "RESULT "
@@ -68,9 +68,11 @@ def main(argv=None) -> int:
     try:  # (the job's shape, before any rank starts: a one-line error, as the flags above)
         if args.model not in models.names():
             raise ValueError(f"--model: unknown model {args.model!r}; choose from {', '.join(models.names())}")
+        info = rendezvous.job_info()
+        check_servers(args.servers, info.world_size, name="--servers")
         server = is_server_rank(args.servers)
     except ValueError as exc:
-        print(f"python -m ringtrain.ps: {str(exc).replace('servers must', '--servers must', 1)}", file=sys.stderr)
+        print(f"python -m ringtrain.ps: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     staleness = None if args.max_staleness < 0 else args.max_staleness
@@ -78,7 +80,6 @@ def main(argv=None) -> int:
         run_server_role(args.servers, strategy=args.strategy, max_staleness=staleness, timeout=args.timeout,
                         join_timeout=args.join_timeout)
         return 0
-    info = rendezvous.job_info()
     workers = info.world_size - args.servers
     spec = models.spec(args.model)
     batch = args.batch_size or spec.batch_size

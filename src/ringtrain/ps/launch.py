@@ -166,13 +166,19 @@ def _store(info: rendezvous.JobInfo, timeout: float):
     return rendezvous.job_store(info, timeout)
 
 
+def check_servers(servers: int, world_size: int, name: str = "servers") -> None:
+    """ValueError unless a job of ``world_size`` ranks can have ``servers`` server ranks: at least
+    one, and at least one worker left. ``name``: what the message calls the count (a flag)."""
+    if not 1 <= servers < world_size:
+        raise ValueError(f"{name} must be in [1, world_size={world_size}), got {servers}")
+
+
 def is_server_rank(servers: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> bool:
     """Whether torchrun rank ``rank`` (default: RANK) is one of the job's ``servers`` last ranks."""
     if rank is None or world_size is None:
         info = rendezvous.job_info(rank, world_size)
         rank, world_size = info.rank, info.world_size
-    if not 1 <= servers < world_size:
-        raise ValueError(f"servers must be in [1, world_size={world_size}), got {servers}")
+    check_servers(servers, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     return rank >= world_size - servers

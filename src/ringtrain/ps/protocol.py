@@ -266,9 +266,14 @@ class Channel:
             pass
 
 
-def dial(endpoint: Sequence, me: tcp_setup.Identity, server: int, timeout: float) -> socket.socket:
-    """Connect to server ``server`` at (host, port) and run the connector's handshake."""
-    return tcp_setup.dial({"tcp": [str(endpoint[0]), int(endpoint[1])]}, False, me, server, time.monotonic() + timeout)
+def dial(endpoint: Sequence, me: tcp_setup.Identity, server: int, timeout: float, *,
+         name: Optional[str] = None) -> socket.socket:
+    """Connect to server ``server`` at (host, port) and run the connector's handshake. Its errors
+    call the server ``name`` (default: "parameter server k at host:port"), not by its handshake
+    rank, which a torchrun user would read as a worker's."""
+    host, port = str(endpoint[0]), int(endpoint[1])
+    return tcp_setup.dial({"tcp": [host, port]}, False, me, server, time.monotonic() + timeout,
+                          peer_name=f"parameter server {server} at {host}:{port}" if name is None else name)
 
 
 def encode_json(obj: dict) -> bytes:

@@ -28,8 +28,20 @@ MAX_DIMS = 64  # (torch allows fewer)
 HELLO_KEYS = ("digest", "numels", "shapes", "partition_bytes", "lr", "momentum", "weight_decay", "strategy")
 
 
+class JoinTimeout:
+    """``join_s`` for a settings class with fields ``timeout`` and ``join_timeout`` (ServerConfig,
+    the worker's PSOptions): one rule for both sides of a parameter-server job."""
+
+    __slots__ = ()  # (the settings classes are slotted dataclasses)
+
+    @property
+    def join_s(self) -> float:
+        """``join_timeout`` in force, seconds."""
+        return check_join_timeout(self.join_timeout, self.timeout)
+
+
 @dataclass(kw_only=True, slots=True)
-class ServerConfig:
+class ServerConfig(JoinTimeout):
     index: int
     """This server's number k in [0, servers)."""
     servers: int
@@ -85,11 +97,6 @@ class ServerConfig:
         check_number("timeout", self.timeout, unit=" of seconds")
         if self.join_timeout is not None:
             self.join_timeout = check_number("join_timeout", self.join_timeout, unit=" of seconds")
-
-    @property
-    def join_s(self) -> float:
-        """``join_timeout`` in force, seconds."""
-        return check_join_timeout(self.join_timeout, self.timeout)
 
     @property
     def synchronous(self) -> bool:

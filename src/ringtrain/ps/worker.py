@@ -62,10 +62,9 @@ from torch import nn
 
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
-from ..errors import (CommError, CommTimeout, PeerLost, ProtocolError, check_join_timeout, check_keywords,
-                      check_number)
+from ..errors import CommError, CommTimeout, PeerLost, ProtocolError, check_keywords, check_number
 from . import protocol as P
-from .server_config import STRATEGIES
+from .server_config import STRATEGIES, JoinTimeout
 from .sharding import make_layout
 
 log = logging.getLogger(__name__)
@@ -77,7 +76,7 @@ RETRY_NOTE = (" (synchronous servers wait for it up to their timeout, then lose 
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class PSOptions:
+class PSOptions(JoinTimeout):
     """Settings of one worker's side of parameter-server training (servers get theirs at launch).
 
     Frozen: lr, momentum and weight_decay reach the servers in the first HELLO and stay for the
@@ -127,11 +126,6 @@ class PSOptions:
             object.__setattr__(self, name, check_number(name, value, positive=positive))
         if self.join_timeout is not None:
             object.__setattr__(self, "join_timeout", check_number("join_timeout", self.join_timeout, unit=" of seconds"))
-
-    @property
-    def join_s(self) -> float:
-        """``join_timeout`` in force, seconds."""
-        return check_join_timeout(self.join_timeout, self.timeout)
 
     @property
     def partition_bytes(self) -> int:
@@ -246,8 +240,8 @@ class ParameterServerTraining:
         try:
             for k, endpoint in enumerate(servers):
                 try:
-                    sock = P.dial(endpoint, me, k, join)
-                except CommError as exc:  # (its text numbers peers as the handshake does: say which that is)
+                    sock = P.dial(endpoint, me, k, join, name=f"parameter server {k}")  # (the endpoint: below)
+                except CommError as exc:  # (wire's checks number peers as the handshake does: say which is which)
                     sizes = (f"; world size {K + W} = {K} server(s) + workers={W}: a server that says another was "
                              "started for another number of workers or servers" if "world size" in str(exc) else "")
                     raise type(exc)(f"worker {self.worker} could not join parameter server {k} at {endpoint[0]}:"

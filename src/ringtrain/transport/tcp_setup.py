@@ -136,31 +136,37 @@ class Identity:
         return wire.handshake_mac(self._secret, role, connect_hello, accept_hello)
 
 
-def connect_handshake(sock: socket.socket, me: Identity, peer: int, deadline: float) -> None:
-    """Run the connector's side on a connected socket; AuthError/ProtocolError/CommTimeout."""
+def connect_handshake(sock: socket.socket, me: Identity, peer: int, deadline: float, *,
+                      peer_name: Optional[str] = None) -> None:
+    """Run the connector's side on a connected socket; AuthError/ProtocolError/CommTimeout.
+
+    ``peer_name``: what this side's errors call the peer (default ``rank {peer}``; the parameter
+    server's workers name the server they dial). ``wire.check_hello``'s checks of the hellos
+    number both sides as the handshake does."""
+    them = f"rank {peer}" if peer_name is None else peer_name
     mine = wire.Hello.fresh(wire.CONNECT, me.has_secret, me.rank, peer, me.world_size, me.job)
     mine_bytes = mine.pack()
     try:
         _send_all(sock, mine_bytes, deadline)
         reply = _recv_exact(sock, wire.HELLO_SIZE + wire.MAC_SIZE, deadline)
         if reply is None:
-            raise ProtocolError(f"rank {peer} closed the connection during the handshake with rank {me.rank}")
+            raise ProtocolError(f"{them} closed the connection during the handshake with rank {me.rank}")
         theirs_bytes = reply[: wire.HELLO_SIZE]
         theirs = wire.Hello.unpack(theirs_bytes)
         wire.check_hello(theirs, mine)
-        wire.check_secrets_agree(theirs, me.has_secret)
+        wire.check_secrets_agree(theirs, me.has_secret, them)
         if not wire.mac_ok(me.mac(wire.ACCEPT, mine_bytes, theirs_bytes), reply[wire.HELLO_SIZE :]):
-            raise AuthError(f"rank {peer} could not prove it holds this job's shared secret (the secrets differ)")
+            raise AuthError(f"{them} could not prove it holds this job's shared secret (the secrets differ)")
         _send_all(sock, me.mac(wire.CONNECT, mine_bytes, theirs_bytes), deadline)
         ack = _recv_exact(sock, len(wire.ACK), deadline)
         if ack != wire.ACK:
-            raise ProtocolError(f"rank {peer} refused the connection from rank {me.rank}")
+            raise ProtocolError(f"{them} refused the connection from rank {me.rank}")
     except socket.timeout:
-        raise CommTimeout(f"rank {me.rank}: handshake with rank {peer} did not finish by the deadline") from None
+        raise CommTimeout(f"rank {me.rank}: handshake with {them} did not finish by the deadline") from None
     except (ConnectionError, OSError) as exc:
         if isinstance(exc, CommError):
             raise
-        raise PeerLost(f"rank {me.rank}: connection to rank {peer} failed during the handshake: {exc}") from None
+        raise PeerLost(f"rank {me.rank}: connection to {them} failed during the handshake: {exc}") from None
 
 
 class Acceptance:
@@ -440,12 +446,14 @@ def _address(endpoints: dict, same_host: bool, peer: int) -> tuple[int, object]:
 
 
 def dial(endpoints: dict, same_host: bool, me: Identity, peer: int, deadline: float,
-         refresh: Optional[Callable[[], dict]] = None) -> socket.socket:
+         refresh: Optional[Callable[[], dict]] = None, *, peer_name: Optional[str] = None) -> socket.socket:
     """Connect to ``peer``'s listener (Unix socket if on the same host) and authenticate.
 
     A refused connection is retried until the deadline, asking ``refresh`` (if given) for
-    the peer's endpoints again each time, in case a stale one was read.
+    the peer's endpoints again each time, in case a stale one was read. ``peer_name``: as
+    ``connect_handshake``'s.
     """
+    them = f"rank {peer}" if peer_name is None else peer_name
     while True:
         family, address = _address(endpoints, same_host, peer)
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -453,10 +461,10 @@ def dial(endpoints: dict, same_host: bool, me: Identity, peer: int, deadline: fl
             _tune(sock)
             left = remaining(deadline)
             if left <= 0:
-                raise CommTimeout(f"rank {me.rank}: could not reach rank {peer} before the deadline")
+                raise CommTimeout(f"rank {me.rank}: could not reach {them} before the deadline")
             sock.settimeout(left)
             sock.connect(address)
-            connect_handshake(sock, me, peer, deadline)
+            connect_handshake(sock, me, peer, deadline, peer_name=peer_name)
             return sock
         except (ConnectionRefusedError, FileNotFoundError):
             sock.close()
@@ -465,7 +473,7 @@ def dial(endpoints: dict, same_host: bool, me: Identity, peer: int, deadline: fl
                 endpoints = refresh()
         except socket.timeout:
             sock.close()
-            raise CommTimeout(f"rank {me.rank}: could not reach rank {peer} before the deadline") from None
+            raise CommTimeout(f"rank {me.rank}: could not reach {them} before the deadline") from None
         except BaseException:
             sock.close()
             raise

@@ -195,12 +195,14 @@ def check_hello(theirs: Hello, mine: Hello) -> None:
         raise ProtocolError(f"rank {mine.rank} wanted rank {mine.peer} but reached rank {theirs.rank}")
 
 
-def check_secrets_agree(theirs: Hello, has_secret: bool) -> None:
-    """AuthError when exactly one side holds a secret."""
+def check_secrets_agree(theirs: Hello, has_secret: bool, them: Optional[str] = None) -> None:
+    """AuthError when exactly one side holds a secret. ``them``: what the message calls the peer
+    (default ``rank {theirs.rank}``)."""
+    them = f"rank {theirs.rank}" if them is None else them
     if theirs.has_secret and not has_secret:
-        raise AuthError(f"rank {theirs.rank} requires the job's shared secret and this rank has none")
+        raise AuthError(f"{them} requires the job's shared secret and this rank has none")
     if has_secret and not theirs.has_secret:
-        raise AuthError(f"rank {theirs.rank} holds no shared secret; refusing an unauthenticated peer")
+        raise AuthError(f"{them} holds no shared secret; refusing an unauthenticated peer")
 
 
 def handshake_mac(secret: Optional[bytes], role: int, connect_hello: bytes, accept_hello: bytes) -> bytes:
