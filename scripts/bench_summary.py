@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The README's figures from saved ``ringtrain bench train`` results.
+"""The README's figures from saved benchmark results.
 
 Usage:  python scripts/bench_summary.py benchmarks/train-1gbit-2r-*.json [more.json ...]
 
-For each file it prints, in Markdown:
+For each ``ringtrain bench train`` file it prints, in Markdown:
 
 * the ring table of the README (a row per model; cells are the median iteration in ms, and
   for ringtrain's schedules: the groups in force (optimal only), the speed-up over torch DDP,
@@ -14,6 +14,10 @@ For each file it prints, in Markdown:
 
 After the files, one line sums up the ring rows of them all: how often optimal is within 3% of
 the fastest schedule, how often below torch DDP and by how much, and the simulator's errors.
+
+A ``ringtrain bench allreduce`` file gives the README's allreduce table (per world size and
+size: gloo, Open MPI and the best ringtrain configuration, median time and busbw); a
+``python -m ringtrain.ddp.overhead`` file the wrapper's cost on one rank per model.
 Pure reading of the JSON: it measures nothing.
 """
 
@@ -119,9 +123,52 @@ def trial_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def allreduce_lines(doc: dict) -> list[str]:
+    """Per (world size, size): gloo, Open MPI and the fastest ringtrain configuration (busbw
+    GB/s in brackets), and that one against gloo."""
+    rows = doc["rows"]
+    out = ["| ranks | size | gloo | Open MPI | ringtrain best | configuration | vs gloo |", "|---|---|---|---|---|---|---|"]
+    for p, n in sorted({(r["world_size"], r["nbytes"]) for r in rows}):
+        here = [r for r in rows if r["world_size"] == p and r["nbytes"] == n]
+        anchor = {r["impl"]: r for r in here if r["impl"] != "ringtrain"}
+        ours = [r for r in here if r["impl"] == "ringtrain"]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["median_s"])
+        cell = lambda r: f"{_duration(r['median_s'])} ({r['busbw_GBps']:.2f})" if r else ""  # noqa: E731
+        gloo = anchor.get("gloo")
+        ratio = f"{gloo['median_s'] / best['median_s']:.2f}×" if gloo else ""
+        out.append(f"| {p} | {_size(n)} | {cell(gloo)} | {cell(anchor.get('mpi'))} | {cell(best)} | "
+                   f"{best['transport']}/{best['algorithm']} | {ratio} |")
+    return out
+
+
+def overhead_lines(doc: dict) -> list[str]:
+    out = ["| model | plain step | wrapped step | overhead | per step | same parameters |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['model']} | {r['plain_step_ms']:.2f} ms | {r['ddp_step_ms']:.2f} ms | {r['overhead_percent']:+.2f}% | "
+            f"{r['overhead_us_per_step']:.0f} µs | {r['same_parameters']} |" for r in doc["rows"]]
+    return out
+
+
 def summarize(path: Path) -> tuple[list[str], dict]:
     doc = json.loads(path.read_text())
     rows = doc["rows"]
+    kind = str(doc.get("benchmark", ""))
+    if kind.startswith(("allreduce", "overhead")):
+        head = [f"## {path.name} (commit {doc.get('commit', '?')}): `{doc.get('command', '?')}`", ""]
+        body = allreduce_lines(doc) if kind.startswith("allreduce") else overhead_lines(doc)
+        return head + body, ring_stats([])
     out = [f"## {path.name} (commit {doc.get('commit', '?')}, {doc.get('net')}, "
            f"{doc.get('world_size')} ranks)", ""]
     table = ring_cells(rows)
@@ -137,7 +184,9 @@ def summarize(path: Path) -> tuple[list[str], dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="+", type=Path, help="results of `ringtrain bench train --json`")
+    parser.add_argument("files", nargs="+", type=Path,
+                        help="saved results of `ringtrain bench train`, `ringtrain bench allreduce` or "
+                             "`python -m ringtrain.ddp.overhead`")
     args = parser.parse_args(argv)
     configs = near = 0
     below, errors = [], []
@@ -145,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             lines, stats = summarize(path)
         except (OSError, ValueError, KeyError) as exc:
-            print(f"bench_summary: {path}: not a bench train result ({exc!r})", file=sys.stderr)
+            print(f"bench_summary: {path}: not a saved bench train, bench allreduce or overhead result ({exc!r})",
+                  file=sys.stderr)
             return 2
         print("\n".join(lines) + "\n")
         configs += stats["configs"]

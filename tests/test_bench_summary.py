@@ -1,4 +1,4 @@
-"""scripts/bench_summary.py reads the saved training results into the README's figures."""
+"""scripts/bench_summary.py reads the saved benchmark results into the README's figures."""
 
 from __future__ import annotations
 
@@ -68,7 +68,36 @@ def test_a_file_that_is_no_result_is_one_line(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"rows": [{"model": "m"}]}))
     assert _script().main([str(bad)]) == 2
-    assert "not a bench train result" in capsys.readouterr().err
+    assert "not a saved bench train, bench allreduce or overhead result" in capsys.readouterr().err
+
+
+def test_an_allreduce_result_gives_the_best_configuration_against_the_anchors(capsys):
+    def row(impl, transport, algorithm, p, n, s, bw):
+        return {"impl": impl, "transport": transport, "algorithm": algorithm, "world_size": p, "nbytes": n,
+                "median_s": s, "busbw_GBps": bw}
+
+    doc = {"benchmark": "allreduce-none", "commit": "abc1234", "command": "ringtrain bench allreduce",
+           "rows": [row("gloo", "gloo", "torch.distributed", 2, 64 << 20, 0.0755, 0.89),
+                    row("mpi", "mpi", "mpi4py", 2, 64 << 20, 0.0748, 0.90),
+                    row("ringtrain", "shm", "ring", 2, 64 << 20, 0.031, 2.1),
+                    row("ringtrain", "shm", "halving_doubling", 2, 64 << 20, 0.0291, 2.31),
+                    row("gloo", "gloo", "torch.distributed", 2, 4096, 0.00174, 0.0),
+                    row("ringtrain", "tcp", "auto", 2, 4096, 62e-6, 0.07)]}
+    lines = _script().allreduce_lines(doc)
+    assert lines[2] == "| 2 | 4 KiB | 1.74 ms (0.00) |  | 62 µs (0.07) | tcp/auto | 28.06× |", lines
+    assert lines[3] == ("| 2 | 64 MiB | 75.5 ms (0.89) | 74.8 ms (0.90) | 29.1 ms (2.31) | shm/halving_doubling "
+                        "| 2.59× |"), lines
+
+
+def test_the_saved_allreduce_and_overhead_results_read(capsys):
+    files = sorted((ROOT / "benchmarks").glob("allreduce-*.json")) + sorted((ROOT / "benchmarks").glob("overhead-*.json"))
+    if not files:
+        pytest.skip("no saved allreduce or overhead results")
+    assert _script().main([str(f) for f in files]) == 0
+    out = capsys.readouterr().out
+    assert out.count("## ") == len(files)
+    assert ("| ringtrain best |" in out) == any(f.name.startswith("allreduce-") for f in files)
+    assert ("| wrapped step |" in out) == any(f.name.startswith("overhead-") for f in files)
 
 
 def test_ps_projection_reads_a_saved_parameter_server_run(capsys):

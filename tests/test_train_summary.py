@@ -34,9 +34,9 @@ def stats(hidden: float, buckets: int) -> SimpleNamespace:
                            buckets=buckets, predicted_end_s=0.1)
 
 
-def wrapper(plan, settled: bool, kept: str = "plan", iteration: int = 40) -> SimpleNamespace:
+def wrapper(plan, settled: bool, kept: str = "plan", iteration: int = 40, trial=()) -> SimpleNamespace:
     return SimpleNamespace(plan=plan, settled=settled, fell_back=kept == "single", kept=kept, iteration=iteration,
-                           options=SimpleNamespace(warmup_iterations=1, profile_iterations=2))
+                           options=SimpleNamespace(warmup_iterations=1, profile_iterations=2), trial=list(trial))
 
 
 def summary_text(communication: dict, steps_run: int, schedule: str = "optimal") -> str:
@@ -62,6 +62,30 @@ def test_a_run_that_kept_torch_ddps_buckets_says_so():
     comm = train._communication(wrapper(fixed, settled=True, kept="buckets"), [(fixed, True, stats(0.3, 2))] * 4)
     assert summary_text(comm, steps_run=40).endswith(
         "under the plan in force: torch DDP's default buckets, which the trial timed faster than the optimal plan)")
+
+
+def test_the_summary_says_what_the_trial_timed_and_where_the_checkpoints_are(capsys):
+    # A run whose plan is one allreduce said "0% hidden" and nothing of why; it now shows the
+    # candidates the trial timed, the one kept first, and where the same command continues.
+    single = SimpleNamespace(method="single")
+    trial = [{"label": "plan", "groups": 3, "median_s": 0.2296, "rounds": 2, "kept": False},
+             {"label": "free", "groups": 43, "median_s": 0.2437, "rounds": 2, "kept": False},
+             {"label": "single", "groups": 1, "median_s": 0.2272, "rounds": 2, "kept": True}]
+    comm = train._communication(wrapper(single, settled=True, kept="single", trial=trial),
+                                [(single, True, stats(0.0, 1))] * 4)
+    summary = {"model": "charlm", "workers": 2, "transport": "shm", "schedule": "optimal", "resumed_at": 0,
+               "steps_run": 40, "final_step": 40, "last_loss": 2.5, "median_step_s": 0.25, "samples_per_s": 256.0,
+               "one_worker_samples_per_s": 150.0, "scaling_efficiency": 0.85, "checkpoint_dir": "runs/charlm",
+               "communication": comm}
+    train._print_summary(summary)
+    out = capsys.readouterr().out
+    assert ("  trial of plans     kept one allreduce after backward (1 group) 227.2 ms; against the plan (3 groups) "
+            "229.6 ms, the plan of free overlap (43 groups) 243.7 ms (forward+backward, median of the slowest rank)"
+            ) in out, out
+    assert "  checkpoints        runs/charlm (the same command with more --steps continues from step 40)" in out
+    train._print_summary(dict(summary, checkpoint_dir=None, communication=dict(comm, trial=[])))
+    out = capsys.readouterr().out
+    assert "trial of plans" not in out and "checkpoints" not in out, out
 
 
 def test_a_run_that_kept_mgwfbps_merge_says_so():

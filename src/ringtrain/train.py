@@ -399,6 +399,7 @@ def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, l
     summary = {
         "model": cfg.model, "workers": p, "transport": transport, "schedule": cfg.schedule,
         "resumed_at": start, "steps_run": len(times), "final_step": cfg.steps,
+        "checkpoint_dir": cfg.checkpoint_dir if cfg.checkpoint_every else None,
         "last_loss": losses[-1] if losses else None,
         "median_step_s": median, "samples_per_s": p * batch_size / median if median else None,
         "one_worker_samples_per_s": one_rate,
@@ -420,7 +421,7 @@ def _communication(ddp, ran: list[tuple]) -> dict:
     # (before the plan settled: "profiling" or "trial", not the method of the first plan or a probe's)
     in_force = ddp.plan.method if ddp.settled else ("trial" if ddp.iteration >= profiling else "profiling")
     comm = {"plan_in_force": in_force, "settled": ddp.settled, "fell_back": ddp.fell_back, "kept": ddp.kept,
-            "profiling_steps": profiling, "steps_measured": len(measured)}
+            "profiling_steps": profiling, "steps_measured": len(measured), "trial": ddp.trial}
     if measured:
         median = lambda field: float(np.median([getattr(st, field) for st in measured]))  # noqa: E731
         comm.update({field: median(field) for field in ("hidden_fraction", "comm_s", "exposed_s", "backward_s",
@@ -779,6 +780,11 @@ def _print_summary(s: dict) -> None:
               f"{plural(s['workers'], 'worker')} ({100 * s['scaling_efficiency']:.0f}% efficiency)")
     if s.get("communication"):
         print(f"  communication      {_communication_text(s)}")
+        if s["communication"].get("trial"):
+            print(f"  trial of plans     {_trial_text(s['communication']['trial'])}")
+    if s.get("checkpoint_dir"):
+        print(f"  checkpoints        {s['checkpoint_dir']} (the same command with more --steps continues from "
+              f"step {s['final_step']})")
 
 
 def _communication_text(s: dict) -> str:
@@ -798,6 +804,15 @@ def _communication_text(s: dict) -> str:
     if not comm["settled"]:
         return f"not measured: the trial of plans had not finished ({s['steps_run']} steps); run more --steps"
     return "not measured: no step ran under the plan in force (it was made after the last step)"
+
+
+def _trial_text(trial: list[dict]) -> str:
+    """What the trial of plans timed (forward+backward medians of the slowest rank), the one kept first."""
+    from .ddp.trial import CANDIDATES
+
+    ordered = sorted(trial, key=lambda c: not c["kept"])
+    timed = [f"{CANDIDATES[c['label']]} ({plural(c['groups'], 'group')}) {c['median_s'] * 1e3:.1f} ms" for c in ordered]
+    return f"kept {timed[0]}; against {', '.join(timed[1:])} (forward+backward, median of the slowest rank)"
 
 
 if __name__ == "__main__":
