@@ -352,6 +352,36 @@ def test_a_node_cut_off_from_node_0_ends_once_its_ranks_have_failed(tmp_path):
         assert procs[0].returncode == 1, err0
 
 
+def test_launch_without_a_script_says_to_give_one(capsys):
+    # argparse said "the following arguments are required: script, script_args" (its arguments are optional)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["launch", "--nproc-per-node", "2"])
+    assert info.value.code == ("ringtrain launch: give the training script to start: ringtrain launch [options] "
+                               "SCRIPT [its arguments]")
+
+
+def test_one_node_takes_a_free_rendezvous_port_and_several_nodes_torchruns(tmp_path, monkeypatch):
+    # One node took 29500 as torchrun does, so two jobs side by side on one machine collided.
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    ports = []
+    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog: ports.append(
+        next(int(a.split("=")[1]) for a in argv if a.startswith("--master-port="))) or 0)
+    monkeypatch.setattr(launch, "reach_node_0", lambda args: args)
+    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
+    with socket.socket() as taken:  # (29500 in use, as by another job: one node does not need it)
+        taken.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(launch, "MULTI_NODE_PORT", taken.getsockname()[1])
+        assert cli.main(["launch", str(script)]) == 0 and cli.main(["launch", "--nproc-per-node", "2", str(script)]) == 0
+    assert all(0 < port < 65536 and port != launch.MULTI_NODE_PORT for port in ports), ports
+    assert cli.main(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "192.0.2.1", "--secret-file",
+                     str(secret), str(script)]) == 0
+    assert cli.main(["launch", "--master-port", "29611", str(script)]) == 0
+    assert ports[2:] == [launch.MULTI_NODE_PORT, 29611]
+
+
 def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypatch, capsys):
     """Node 0 serves the rendezvous store and its own agent and ranks reach it at --master-addr: given
     another machine's address it waited out --join-timeout, told to 'start node 0 (--node-rank 0)'."""

@@ -43,18 +43,24 @@ import time
 from pathlib import Path
 from typing import Callable
 
+#: The rendezvous port of a job of several nodes unless given (torchrun's default): every node
+#: must name the same one. A job of one node takes a free port instead.
+MULTI_NODE_PORT = 29500
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes) (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=29500,
-                   help="port of the rendezvous store on node 0 (default 29500)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help=f"port of the rendezvous store on node 0 (default: a free port on one node, so that "
+                        f"jobs side by side do not collide; {MULTI_NODE_PORT} with several nodes, which must agree)")
     p.add_argument("--secret-file", default=None, help="file holding the job's shared secret (multi-node)")
     p.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds the nodes wait for each other at the start (default 600, torchrun's)")
-    p.add_argument("script", help="the training script")
+    p.add_argument("script", nargs="?", help="the training script")  # (nargs: else argparse's error names
+    # script_args as required too)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
@@ -67,7 +73,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if not (math.isfinite(args.join_timeout) and args.join_timeout >= 1):
         raise ValueError(f"--join-timeout must be a number of seconds >= 1, got {args.join_timeout}")
-    if not 0 < args.master_port < 65536:
+    if args.master_port is not None and not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port must be in 1..65535, got {args.master_port}")
     if args.nnodes > 1 and (args.master_addr in ("localhost", "::1") or args.master_addr.startswith("127.")):
         raise ValueError(f"--master-addr {args.master_addr} is this machine's loopback: with --nnodes "
@@ -114,7 +120,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
         f"--nproc-per-node={args.nproc_per_node}",
         f"--node-rank={args.node_rank}",
         f"--master-addr={args.master_addr}",
-        f"--master-port={args.master_port}",
+        f"--master-port={MULTI_NODE_PORT if args.master_port is None else args.master_port}",
         f"--rdzv-conf=timeout={math.ceil(args.join_timeout)}",
     ]
     return argv + [args.script, *args.script_args]
@@ -122,7 +128,13 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.script is None:
+            raise ValueError("give the training script to start: ringtrain launch [options] SCRIPT [its arguments]")
         validate(args)
+        if args.master_port is None:
+            from .bench.procs import free_port
+
+            args.master_port = free_port() if args.nnodes == 1 else MULTI_NODE_PORT
         secret = job_secret(args)
         if not Path(args.script).is_file():
             raise ValueError(f"{args.script}: no such file (the training script to start)")

@@ -113,11 +113,11 @@ class TrainConfig:
         try:
             models.spec(self.model)
         except ValueError:
-            raise ValueError(f"--model must be one of {models.names()}, got {self.model!r}") from None
+            raise ValueError(f"--model must be one of {', '.join(models.names())}, got {self.model!r}") from None
         for name, value, allowed in (("schedule", self.schedule, SCHEDULES), ("algorithm", self.algorithm, ALGORITHMS),
                                      ("transport", self.transport, TRANSPORTS), ("strategy", self.strategy, STRATEGIES)):
             if value not in allowed:
-                raise ValueError(f"--{name} must be one of {allowed}, got {value!r}")
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
         for name, low in (("steps", 1), ("checkpoint_every", 0), ("batch_size", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")

@@ -92,7 +92,7 @@ def spec(name: str) -> ModelSpec:
     """The registry entry for ``name`` (aliases resolved)."""
     key = _ALIASES.get(name, name)
     if key not in _SPECS:
-        raise ValueError(f"model must be one of {names()}, got {name!r}")
+        raise ValueError(f"model must be one of {', '.join(names())}, got {name!r}")
     return _SPECS[key]
 
 

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.models or sorted({spec(n).name for n in names()})
     for name in chosen:
         if name not in names():
-            parser.error(f"model must be one of {names()}, got {name!r}")
+            parser.error(f"model must be one of {', '.join(names())}, got {name!r}")
     torch.set_num_threads(args.threads)
     rows = []
     for name in chosen:
