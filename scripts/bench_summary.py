@@ -124,7 +124,10 @@ def trial_lines(rows: list[dict]) -> list[str]:
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+    for unit, scale, limit in (("µs", 1e6, 999.5e-6), ("ms", 1e3, 0.9995)):
+        if seconds < limit:
+            return f"{seconds * scale:.3g} {unit}" if unit == "ms" else f"{seconds * scale:.0f} {unit}"
+    return f"{seconds:.3g} s"
 
 
 def _size(nbytes: int) -> str:

@@ -89,6 +89,12 @@ def test_an_allreduce_result_gives_the_best_configuration_against_the_anchors(ca
                         "| 2.59× |"), lines
 
 
+def test_durations_read_in_the_unit_that_fits():
+    duration = _script()._duration
+    assert [duration(s) for s in (62e-6, 999.6e-6, 0.0755, 0.99996, 2.25)] == ["62 µs", "1 ms", "75.5 ms", "1 s",
+                                                                                  "2.25 s"]
+
+
 def test_the_saved_allreduce_and_overhead_results_read(capsys):
     files = sorted((ROOT / "benchmarks").glob("allreduce-*.json")) + sorted((ROOT / "benchmarks").glob("overhead-*.json"))
     if not files:

@@ -370,7 +370,9 @@ def test_one_node_takes_a_free_rendezvous_port_and_several_nodes_torchruns(tmp_p
     monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog: ports.append(
         next(int(a.split("=")[1]) for a in argv if a.startswith("--master-port="))) or 0)
     monkeypatch.setattr(launch, "reach_node_0", lambda args: args)
-    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
+    for name in ("RINGTRAIN_SECRET", "OMP_NUM_THREADS"):  # (set by run(): restored after the test)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     with socket.socket() as taken:  # (29500 in use, as by another job: one node does not need it)
         taken.bind(("127.0.0.1", 0))
         monkeypatch.setattr(launch, "MULTI_NODE_PORT", taken.getsockname()[1])
@@ -391,7 +393,8 @@ def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypa
     secret.write_text("s3cret\n")
     monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog: 0)
     monkeypatch.setattr(launch, "reach_node_0", lambda args: args)  # (no node 0 at 192.0.2.1 to ask)
-    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
+    monkeypatch.setenv("RINGTRAIN_SECRET", "")  # (set by run(): restored after the test)
+    monkeypatch.delenv("RINGTRAIN_SECRET")
 
     def warnings(node_rank: int, address: str) -> list[str]:
         assert cli.main(["launch", "--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", address,

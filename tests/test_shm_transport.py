@@ -585,6 +585,8 @@ def test_a_transport_of_ring_neighbours_counts_the_ranks_it_is_told_are_on_its_h
     assert run_ranks(4, lambda rank, t: t._idle.local_ranks, peers=ring, local_ranks=4) == [4, 4, 4, 4]
     with pytest.raises(ValueError, match="local_ranks must be in"):
         ShmTransport.connect(0, 2, None, local_ranks=3)
+    with pytest.raises(ValueError, match="local_ranks must count this rank and its 2 peer"):
+        ShmTransport.connect(0, 4, None, peers=[1, 3], local_ranks=2)
 
 
 # --- real processes ------------------------------------------------------------------------

@@ -185,6 +185,20 @@ def test_profile_module_measures_every_layer_and_counts_bytes_exactly():
 
 
 @pytest.mark.timeout(30)
+def test_hooks_registered_before_a_failing_registration_are_removed():
+    # The hooks were registered outside the try that removes them: those made before one failed stayed.
+    class Refusing(torch.nn.Tanh):
+        def register_forward_hook(self, hook, *args, **kwargs):
+            raise RuntimeError("no hooks here")
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), Refusing(), torch.nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match="no hooks here"):
+        profile_module(net, lambda: (torch.randn(2, 4), torch.randn(2, 2)), torch.nn.functional.mse_loss, repeats=1)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+
+
+@pytest.mark.timeout(30)
 def test_profile_module_counts_a_shared_parameter_once():
     lin = torch.nn.Linear(4, 4, bias=False)
     net = torch.nn.Sequential(lin, torch.nn.Tanh(), lin)

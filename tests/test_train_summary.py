@@ -83,6 +83,8 @@ def test_the_summary_says_what_the_trial_timed_and_where_the_checkpoints_are(cap
             "229.6 ms, the plan of free overlap (43 groups) 243.7 ms (forward+backward, median of the slowest rank)"
             ) in out, out
     assert "  checkpoints        runs/charlm (the same command with more --steps continues from step 40)" in out
+    train._print_summary(dict(summary, resumes=False))  # (--no-resume: the same command would start afresh)
+    assert "runs/charlm (the same command without --no-resume with more --steps continues" in capsys.readouterr().out
     train._print_summary(dict(summary, checkpoint_dir=None, communication=dict(comm, trial=[])))
     out = capsys.readouterr().out
     assert "trial of plans" not in out and "checkpoints" not in out, out

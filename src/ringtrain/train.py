@@ -399,7 +399,7 @@ def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, l
     summary = {
         "model": cfg.model, "workers": p, "transport": transport, "schedule": cfg.schedule,
         "resumed_at": start, "steps_run": len(times), "final_step": cfg.steps,
-        "checkpoint_dir": cfg.checkpoint_dir if cfg.checkpoint_every else None,
+        "checkpoint_dir": cfg.checkpoint_dir if cfg.checkpoint_every else None, "resumes": cfg.resume,
         "last_loss": losses[-1] if losses else None,
         "median_step_s": median, "samples_per_s": p * batch_size / median if median else None,
         "one_worker_samples_per_s": one_rate,
@@ -783,7 +783,8 @@ def _print_summary(s: dict) -> None:
         if s["communication"].get("trial"):
             print(f"  trial of plans     {_trial_text(s['communication']['trial'])}")
     if s.get("checkpoint_dir"):
-        print(f"  checkpoints        {s['checkpoint_dir']} (the same command with more --steps continues from "
+        how = "the same command" if s.get("resumes", True) else "the same command without --no-resume"
+        print(f"  checkpoints        {s['checkpoint_dir']} ({how} with more --steps continues from "
               f"step {s['final_step']})")
 
 

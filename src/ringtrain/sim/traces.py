@@ -516,7 +516,7 @@ def _layers(
                 for n in owners if any(f"r:{n}" in s for s in samples)}
     names = _forward_order(order, [n for n in owners if grad_bytes[n]], ready_at)
     back = {n: med.get(f"b:{n}", 0.0) for n in names}
-    if names:  # else Trace below says what is missing
+    if names:  # (none: profile_module's Trace says what is missing)
         back[names[0]] += med["b:(tail)"]
     layers = [Layer(n, fs * med.get(f"f:{n}", 0.0), bs * back[n], grad_bytes[n], params[n]) for n in names]
     if med["f:(other)"] > 0:

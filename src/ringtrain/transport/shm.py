@@ -241,6 +241,9 @@ class ShmTransport(Transport):
         bad = [p for p in peers if not 0 <= p < world_size]
         if bad:
             raise ValueError(f"peers must be ranks in [0, {world_size}), got {bad}")
+        if local_ranks is not None and local_ranks < len(peers) + 1:
+            raise ValueError(f"local_ranks must count this rank and its {len(peers)} peer(s) on this host, "
+                             f"got {local_ranks}")
         deadline = time.monotonic() + timeout
         remove_stale_segments()
         me = ProcessId.mine()
