@@ -352,6 +352,27 @@ def test_a_node_cut_off_from_node_0_ends_once_its_ranks_have_failed(tmp_path):
         assert procs[0].returncode == 1, err0
 
 
+@pytest.mark.multiprocess
+def test_a_stopped_rank_ends_at_torchruns_sigterm_not_30_s_later(tmp_path):
+    # torchrun gives its SIGTERM 30 s before SIGKILL, and a rank stopped by SIGSTOP acts on no signal
+    # but SIGKILL: the command ended ~38 s after a 3 s timeout, naming the rank "killed by SIGKILL".
+    script = tmp_path / "stop.py"
+    script.write_text("import os, signal\n"
+                      "import ringtrain\n"
+                      "comm = ringtrain.init(timeout=3)\n"
+                      "if comm.rank == 1:\n"
+                      "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                      "comm.barrier()\n")
+    t0 = time.monotonic()
+    proc = run_cli(["launch", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)], tmp_path)
+    took = time.monotonic() - t0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ringtrain launch: ")]
+    assert proc.returncode == 1, proc.stderr
+    assert lines[0].startswith("ringtrain launch: rank 0 failed (exit code 1): CommTimeout: "), proc.stderr
+    assert lines[1] == "ringtrain launch: rank 1 failed (killed by SIGTERM)", proc.stderr
+    assert took < 25, f"{took:.1f} s"  # (8 s here: start-up and the 3 s timeout)
+
+
 def test_launch_without_a_script_says_to_give_one(capsys):
     # argparse said "the following arguments are required: script, script_args" (its arguments are optional)
     with pytest.raises(SystemExit) as info:

@@ -52,44 +52,65 @@ def test_ringtrain_launch_names_itself_to_its_ranks(tmp_path):
     assert line.split()[1:] == [str(proc.pid), str(proc.pid)]
 
 
+RING_RANK = ("import os, pathlib, time\n"
+             "import ringtrain\n"
+             "comm = ringtrain.init(timeout=30)\n"
+             "pathlib.Path(f'rank{comm.rank}.pid').write_text(str(os.getpid()))\n"
+             "time.sleep(120)\n")
+# A parameter-server script's ranks call no ringtrain.init(): its rank entry points ask instead
+# (before, they trained on after kill -9 of their launcher).
+PS_RANKS = ("import os, pathlib, time\n"
+            "import torch\n"
+            "from ringtrain import ps\n"
+            "rank = int(os.environ['RANK'])\n"
+            "if ps.is_server_rank(1):\n"
+            "    pathlib.Path(f'rank{rank}.pid').write_text(str(os.getpid()))\n"
+            "    ps.run_server_role(1, timeout=30)\n"
+            "else:\n"
+            "    worker = ps.worker_from_env(torch.nn.Linear(2, 2), 1, timeout=30)\n"
+            "    pathlib.Path(f'rank{rank}.pid').write_text(str(os.getpid()))\n"
+            "    time.sleep(120)\n")
+
+
 @pytest.mark.multiprocess
-def test_a_rank_of_ringtrain_launch_that_joined_ends_with_the_launcher(tmp_path):
+@pytest.mark.parametrize("body, ranks", [(RING_RANK, 1), (PS_RANKS, 2)], ids=["ring", "parameter-servers"])
+def test_a_rank_of_ringtrain_launch_that_joined_ends_with_the_launcher(body, ranks, tmp_path):
     """kill -9 of `ringtrain launch` (a node's launcher) left the user's ranks training, orphaned: only
-    ringtrain's own workers asked to die with it. A rank asks when it calls ringtrain.init()."""
+    ringtrain's own workers asked to die with it. A rank asks when it calls ringtrain.init() (the
+    parameter servers' rank entry points, when it calls them)."""
     import signal
     import time
 
     script = tmp_path / "rank.py"
-    script.write_text("import os, pathlib, time\n"
-                      "import ringtrain\n"
-                      "comm = ringtrain.init(timeout=30)\n"
-                      "pathlib.Path('rank.pid').write_text(str(os.getpid()))\n"
-                      "time.sleep(120)\n")
+    script.write_text(body)
     env = {k: v for k, v in os.environ.items() if k not in ("RINGTRAIN_SECRET", LAUNCHER_ENV)}
     out = open(tmp_path / "launch.log", "w")  # (a file: an orphaned rank would hold a pipe open)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "ringtrain.cli", "launch", "--nproc-per-node", "1", "--master-port",
-                             str(port), str(script)], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
-    pid_file, rank = tmp_path / "rank.pid", None
+    proc = subprocess.Popen([sys.executable, "-m", "ringtrain.cli", "launch", "--nproc-per-node", str(ranks),
+                             "--master-port", str(port), str(script)], stdout=out, stderr=subprocess.STDOUT,
+                            cwd=tmp_path, env=env)
+    pid_files, pids = [tmp_path / f"rank{r}.pid" for r in range(ranks)], []
     try:
-        while not pid_file.exists() or not pid_file.read_text():
-            assert proc.poll() is None, (tmp_path / "launch.log").read_text()
+        deadline = time.monotonic() + 90
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()
             time.sleep(0.1)
-        rank = int(pid_file.read_text())
+        pids = [int(f.read_text()) for f in pid_files]
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 30  # (the kernel's SIGKILL is immediate; this is for a loaded machine)
-        while _alive(rank) and time.monotonic() < deadline:
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(rank), f"rank {rank} outlived its launcher"
+        assert not [pid for pid in pids if _alive(pid)], "a rank outlived its launcher"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if rank is not None and _alive(rank):
-            os.kill(rank, signal.SIGKILL)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
         out.close()
 
 

@@ -65,12 +65,10 @@ def init(
     not for their first, so do not retry it in a loop; give a longer ``join_timeout`` instead.
     """
     global _default
-    from .errorfile import record_uncaught
-    from .lifecycle import die_with_launcher
+    from .lifecycle import tie_to_launcher
     from .session import create_communicator
 
-    die_with_launcher()  # a rank of `ringtrain launch` ends with it (kill -9 of a node's launcher left it orphaned)
-    record_uncaught()  # under a launcher, the script's exception is named in its one line (no @record needed)
+    tie_to_launcher()  # ends with `ringtrain launch`; its exception named in the launcher's line (no @record needed)
     comm = create_communicator(rank, world_size, master_addr, master_port, transport, timeout, join_timeout)
     _default = comm
     return comm

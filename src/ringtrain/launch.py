@@ -213,7 +213,7 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     try:
         try:
-            with _failed_agent_checks_out():
+            with _failed_agent_checks_out(), _stopped_ranks_hear_the_signal():
                 torchrun.main(argv)
         finally:
             for s, handler in handlers.items():
@@ -310,6 +310,35 @@ def _failed_agent_checks_out():
 
 #: The signals torch's launcher handles (it passes them on to the ranks, then raises SignalException).
 _AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def _stopped_ranks_hear_the_signal():
+    """torchrun stops the ranks with SIGTERM and gives them 30 s before SIGKILL. A rank stopped by
+    SIGSTOP (or a terminal's Ctrl-Z) acts on no signal but SIGKILL until it is continued, so the
+    command ended 30 s after its error was known. Here each signal torchrun sends a rank's process
+    group is followed by SIGCONT: a stopped rank then ends at the SIGTERM as the others do (to a
+    running one SIGCONT is nothing). A torch whose launcher closes its ranks otherwise is left as it is."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+    except ImportError:
+        yield
+        return
+    original = getattr(SubprocessHandler, "close", None)
+    if original is None:
+        yield
+        return
+
+    def close(self, death_sig=None):
+        original(self, death_sig)
+        with contextlib.suppress(OSError):  # (gone already)
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
+    SubprocessHandler.close = close
+    try:
+        yield
+    finally:
+        SubprocessHandler.close = original
 
 
 class _QuietShutdown(logging.Filter):

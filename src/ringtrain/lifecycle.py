@@ -50,6 +50,17 @@ def die_with_launcher() -> bool:
     return die_with_parent()
 
 
+def tie_to_launcher() -> None:
+    """What a rank of a launched job does first (``ringtrain.init()``, and the parameter servers'
+    rank entry points, which do not call it): under ``ringtrain launch`` it ends with its launcher
+    (``die_with_launcher``; a kill -9 of the launcher left the ranks running), and under torchrun its
+    uncaught exception is written for the launcher's one-line report (``errorfile.record_uncaught``)."""
+    from .errorfile import record_uncaught
+
+    die_with_launcher()
+    record_uncaught()
+
+
 def die_with_parent() -> bool:
     """Arrange SIGKILL for this process when its parent exits; True if arranged. Where the parent
     or the launcher that named itself (``mark_launcher``) is gone already, SIGKILL now."""

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .. import rendezvous
 from ..errors import CommError, CommTimeout, check_keywords
+from ..lifecycle import tie_to_launcher
 from .server import run_server
 from .server_config import ServerConfig
 from .worker import ParameterServerTraining, PSOptions
@@ -188,6 +189,7 @@ def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Opti
                     join_timeout: Optional[float] = None, job: str = "ps", checkpoint_dir: str = "",
                     resume: bool = False) -> dict:
     """Be server RANK - W of a torchrun job whose last ``servers`` ranks serve; return its counters."""
+    tie_to_launcher()  # (as ringtrain.init() does: these ranks do not call it)
     info = rendezvous.job_info()
     if not is_server_rank(servers):
         raise ValueError(f"rank {info.rank} is a worker rank (the last {servers} of {info.world_size} ranks serve)")
@@ -203,6 +205,7 @@ def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Opti
 
 def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTraining:
     """Wrap ``module`` as worker RANK of a torchrun job whose last ``servers`` ranks serve."""
+    tie_to_launcher()
     info = rendezvous.job_info()
     if is_server_rank(servers):
         raise ValueError(f"rank {info.rank} is a server rank (the last {servers} of {info.world_size} ranks serve)")
