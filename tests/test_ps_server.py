@@ -233,6 +233,28 @@ def test_options_are_validated_with_the_option_named(monkeypatch):
         worker_from_env(nn.Linear(2, 2), 1, momentun=0.9)  # (before anything is reached: no store at that port)
 
 
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_rank_0_of_a_parameter_server_job_warns_where_the_ranks_do_not_authenticate(secret, monkeypatch, caplog):
+    # The ring's rank 0 warned (ringtrain.init()); a parameter-server job without RINGTRAIN_SECRET said nothing.
+    import logging
+
+    from ringtrain.ps import worker_from_env
+
+    as_torchrun_rank_0(monkeypatch, world_size=2)
+    if secret is None:
+        monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
+    else:
+        monkeypatch.setenv("RINGTRAIN_SECRET", secret)
+    caplog.set_level(logging.WARNING, logger="ringtrain.session")
+    with pytest.raises(ValueError, match="unknown option"):
+        worker_from_env(nn.Linear(2, 2), 1, momentun=0.9)  # (refused before a store is reached)
+    said = [r.getMessage() for r in caplog.records if r.name == "ringtrain.session"]
+    if secret is None:
+        assert len(said) == 1 and said[0].startswith("RINGTRAIN_SECRET is not set: the 2 ranks do not"), said
+    else:
+        assert said == []
+
+
 def test_gradient_accumulation_is_refused_clearly():
     server, thread, _ = start_server()
     model = tiny()

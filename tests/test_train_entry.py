@@ -195,6 +195,16 @@ def test_a_synchronous_parameter_server_run_refuses_an_asynchronous_runs_servers
     assert cli.main(train_argv(tmp_path, "--strategy", "ps-async")) == 0
 
 
+def test_a_run_with_another_strategy_and_number_of_servers_is_told_both_at_once(tmp_path, launches, capsys):
+    # It was told the number of servers; resumed so, it was then told the strategy.
+    save_run(tmp_path, steps=(1,), strategy="ps-async")
+    save_servers(tmp_path, 1, strategy="async")
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sharded"), launches, capsys)
+    assert ("was made by an asynchronous job (--strategy ps-async), not --strategy ps-sharded and by 1 server, this "
+            "run has 2: resume with --strategy ps-async --servers 1, ") in message, message
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-async", "--servers", "1")) == 0
+
+
 @pytest.mark.parametrize("strategy", ["ring", "ps-sync"])
 def test_a_run_already_at_its_steps_says_so_without_starting_a_rank(tmp_path, launches, capsys, strategy):
     # Was: every rank started (~16 s) to print the same line.

@@ -191,13 +191,16 @@ def _check_same_servers(cfg: TrainConfig, path: Path, step: int) -> None:
     except checkpoint.CheckpointError:
         return  # (the server skips a damaged file: it resumes at an older step, or refuses it then)
     where = f"--checkpoint-dir {cfg.checkpoint_dir}: the parameter servers' checkpoint of step {step}"
-    made_by = saved.get("servers")
-    if isinstance(made_by, int) and made_by != cfg.servers:
-        raise ValueError(f"{where} was made by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}: "
-                         f"resume with --servers {made_by}, {_restart_hint()}")
+    made, flags = [], []  # (both said at once: resuming with one fixed was refused for the other)
     strategy = saved.get("strategy")  # (None: saved before the strategy was recorded)
     if strategy is not None and (strategy == "async") != (cfg.strategy == "ps-async"):
         theirs = "ps-async" if strategy == "async" else "ps-sync or ps-sharded"
         kind = "an asynchronous" if strategy == "async" else "a synchronous"
-        raise ValueError(f"{where} was made by {kind} job (--strategy {theirs}), not --strategy {cfg.strategy}: "
-                         f"resume with --strategy {theirs}, {_restart_hint()}")
+        made.append(f"by {kind} job (--strategy {theirs}), not --strategy {cfg.strategy}")
+        flags.append(f"--strategy {theirs}")
+    made_by = saved.get("servers")
+    if isinstance(made_by, int) and made_by != cfg.servers:
+        made.append(f"by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}")
+        flags.append(f"--servers {made_by}")
+    if made:
+        raise ValueError(f"{where} was made {' and '.join(made)}: resume with {' '.join(flags)}, {_restart_hint()}")

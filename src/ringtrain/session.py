@@ -70,6 +70,15 @@ def agree_on_setup(store, info: rendezvous.JobInfo, transport: str) -> None:
                             f"({ranks_by_value(nodes)}); give every node's launcher the same --nnodes")
 
 
+def warn_if_unauthenticated(info: rendezvous.JobInfo) -> None:
+    """On rank 0 of a job of several ranks without RINGTRAIN_SECRET, one warning saying so."""
+    if info.secret is None and info.world_size > 1 and info.rank == 0:
+        log.warning("RINGTRAIN_SECRET is not set: the %d ranks do not authenticate each other, so anyone who "
+                    "can reach %s:%d and the ranks' ports can join or feed this job (`ringtrain launch` "
+                    "sets a secret; under torchrun set the same RINGTRAIN_SECRET on every node)",
+                    info.world_size, info.master_addr, info.master_port)
+
+
 def create_communicator(
     rank: Optional[int],
     world_size: Optional[int],
@@ -87,11 +96,7 @@ def create_communicator(
     timeout = check_timeout(timeout)  # a finite number of seconds > 0, or a str of one (nan refused)
     join_timeout = check_join_timeout(join_timeout, timeout)
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
-    if info.secret is None and info.world_size > 1 and info.rank == 0:
-        log.warning("RINGTRAIN_SECRET is not set: the %d ranks do not authenticate each other, so anyone who "
-                    "can reach %s:%d and the ranks' ports can join or feed this job (`ringtrain launch` "
-                    "sets a secret; under torchrun set the same RINGTRAIN_SECRET on every node)",
-                    info.world_size, info.master_addr, info.master_port)
+    warn_if_unauthenticated(info)
     store = rendezvous.connect_store(info, join_timeout)
     try:
         host_ids = rendezvous.exchange_host_ids(store, info)

@@ -33,6 +33,7 @@ from typing import Any, Optional
 from .. import rendezvous
 from ..errors import CommError, CommTimeout, check_keywords
 from ..lifecycle import tie_to_launcher
+from ..session import warn_if_unauthenticated
 from .server import run_server
 from .server_config import ServerConfig
 from .worker import ParameterServerTraining, PSOptions
@@ -207,6 +208,7 @@ def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTra
     """Wrap ``module`` as worker RANK of a torchrun job whose last ``servers`` ranks serve."""
     tie_to_launcher()
     info = rendezvous.job_info()
+    warn_if_unauthenticated(info)  # (rank 0 is worker 0)
     if is_server_rank(servers):
         raise ValueError(f"rank {info.rank} is a server rank (the last {servers} of {info.world_size} ranks serve)")
     check_keywords("ringtrain.ps.worker_from_env", settings,
