@@ -255,6 +255,14 @@ def test_rank_0_of_a_parameter_server_job_warns_where_the_ranks_do_not_authentic
         assert said == []
 
 
+@pytest.mark.parametrize("strategy, bound", [("async", 3), ("async", None), ("sync", 0)])
+def test_a_workers_stats_carry_the_servers_staleness_bound(strategy, bound):
+    server, thread, _ = start_server(strategy=strategy, max_staleness=bound)
+    stats = train_one(server.endpoint, steps=2, strategy=strategy)
+    thread.join(10)
+    assert stats["max_staleness"] == bound and stats["steps"] == 2
+
+
 def test_gradient_accumulation_is_refused_clearly():
     server, thread, _ = start_server()
     model = tiny()

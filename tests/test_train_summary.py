@@ -90,6 +90,28 @@ def test_the_summary_says_what_the_trial_timed_and_where_the_checkpoints_are(cap
     assert "trial of plans" not in out and "checkpoints" not in out, out
 
 
+def test_a_parameter_server_run_reports_its_bytes_and_where_asynchronous_its_staleness():
+    stats = {"strategy": "async", "steps": 8, "bytes_sent": 756_750_640, "bytes_received": 756_746_885,
+             "max_staleness": 2, "staleness_histogram": {"0": 1, "1": 15}}
+    assert train._servers_text(stats) == (
+        "757 MB pushed, 757 MB pulled by worker 0 over 8 steps; staleness bound 2, staleness seen (updates applied "
+        "since a gradient's parameters: count) 0: 1, 1: 15")
+    assert "staleness bound none" in train._servers_text(dict(stats, max_staleness=None))
+    assert train._servers_text(dict(stats, strategy="sync")) == "757 MB pushed, 757 MB pulled by worker 0 over 8 steps"
+
+
+def test_the_staleness_bound_of_ringtrain_train_reaches_the_servers(monkeypatch):
+    # --max-staleness was only python -m ringtrain.ps's: ringtrain train's servers always had bound 0.
+    from ringtrain import ps
+
+    given = []
+    monkeypatch.setattr(ps, "is_server_rank", lambda servers: True)
+    monkeypatch.setattr(ps, "run_server_role", lambda servers, **kw: given.append(kw["max_staleness"]))
+    for bound in (2, -1, 0):
+        train.ps_worker(train.TrainConfig(strategy="ps-async", max_staleness=bound, checkpoint_dir="unused"))
+    assert given == [2, None, 0]
+
+
 def test_a_run_that_kept_mgwfbps_merge_says_so():
     mgwfbp = SimpleNamespace(method="mgwfbp")
     comm = train._communication(wrapper(mgwfbp, settled=True, kept="mgwfbp"), [(mgwfbp, True, stats(0.6, 5))] * 4)

@@ -104,6 +104,9 @@ class TrainConfig:
     as ps-sync with --servers 2)."""
     servers: int = 0
     """Parameter-server processes beside the workers; 0 = 2 for ps-sharded, 1 otherwise."""
+    max_staleness: int = 0
+    """ps-async only: how many steps a worker may run ahead of the slowest (0: none; -1: unbounded;
+    docs/ps.md measures what a bound costs in loss)."""
 
     def __post_init__(self) -> None:
         from . import models
@@ -134,6 +137,11 @@ class TrainConfig:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if self.strategy == "ring" and self.servers:
             raise ValueError("--servers is for the parameter-server strategies (--strategy ps-sync|ps-async|ps-sharded)")
+        if self.max_staleness < -1:
+            raise ValueError(f"--max-staleness must be >= 0, or -1 for unbounded; got {self.max_staleness}")
+        if self.max_staleness and self.strategy != "ps-async":
+            raise ValueError(f"--max-staleness is for --strategy ps-async (synchronous servers wait for every "
+                             f"worker); got {self.max_staleness} with --strategy {self.strategy}")
         if self.strategy != "ring":
             ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "timeline")
                          if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default]
@@ -688,6 +696,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     strategy = {"ps-sync": "sync", "ps-async": "async", "ps-sharded": "sharded"}[cfg.strategy]
     if ps.is_server_rank(cfg.servers):
         ps.run_server_role(cfg.servers, strategy=strategy, timeout=cfg.timeout, join_timeout=cfg.join_timeout,
+                           max_staleness=None if cfg.max_staleness < 0 else cfg.max_staleness,
                            checkpoint_dir=str(Path(cfg.checkpoint_dir) / "servers"), resume=cfg.resume)
         return 0
     info = rendezvous.job_info()
@@ -782,6 +791,8 @@ def _print_summary(s: dict) -> None:
         print(f"  communication      {_communication_text(s)}")
         if s["communication"].get("trial"):
             print(f"  trial of plans     {_trial_text(s['communication']['trial'])}")
+    if s.get("parameter_servers"):
+        print(f"  parameter servers  {_servers_text(s['parameter_servers'])}")
     if s.get("checkpoint_dir"):
         how = "the same command" if s.get("resumes", True) else "the same command without --no-resume"
         print(f"  checkpoints        {s['checkpoint_dir']} ({how} with more --steps continues from "
@@ -805,6 +816,19 @@ def _communication_text(s: dict) -> str:
     if not comm["settled"]:
         return f"not measured: the trial of plans had not finished ({s['steps_run']} steps); run more --steps"
     return "not measured: no step ran under the plan in force (it was made after the last step)"
+
+
+def _servers_text(stats: dict) -> str:
+    """Worker 0's account of the parameter servers: bytes each way, and where asynchronous, the
+    staleness bound and the histogram of the staleness the servers saw."""
+    line = (f"{stats['bytes_sent'] / 1e6:.0f} MB pushed, {stats['bytes_received'] / 1e6:.0f} MB pulled by worker 0 "
+            f"over {stats['steps']} steps")
+    if stats.get("strategy") == "async":
+        bound = stats.get("max_staleness", 0)
+        seen = ", ".join(f"{k}: {v}" for k, v in stats.get("staleness_histogram", {}).items()) or "none"
+        line += (f"; staleness bound {'none' if bound is None else bound}, staleness seen (updates applied since "
+                 f"a gradient's parameters: count) {seen}")
+    return line
 
 
 def _trial_text(trial: list[dict]) -> str:

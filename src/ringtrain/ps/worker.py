@@ -670,7 +670,7 @@ class ParameterServerTraining:
 
     # --- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Bytes each way per server, steps, groups, and what the servers reported at BYE."""
+        """Bytes each way per server, steps, groups, the staleness bound and what the servers reported at BYE."""
         per_server = {str(l.k): {"sent": l.ch.bytes_sent, "received": l.ch.bytes_received} for l in self._links}
         hist: Counter[int] = Counter()
         for link in self._links:
@@ -687,6 +687,8 @@ class ParameterServerTraining:
             "bytes_received": sum(v["received"] for v in per_server.values()),
             "bytes_per_server": per_server,
             "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+            # (every server of a job has the one bound of its WELCOME; None: unbounded)
+            "max_staleness": self._links[0].max_staleness if self._links else 0,
             "server_stats": [link.bye for link in self._links],
             "notices": list(self.notices),
         }
