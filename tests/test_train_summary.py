@@ -91,13 +91,14 @@ def test_the_summary_says_what_the_trial_timed_and_where_the_checkpoints_are(cap
 
 
 def test_a_parameter_server_run_reports_its_bytes_and_where_asynchronous_its_staleness():
-    stats = {"strategy": "async", "steps": 8, "bytes_sent": 756_750_640, "bytes_received": 756_746_885,
+    stats = {"strategy": "async", "steps": 108, "bytes_sent": 756_750_640, "bytes_received": 756_746_885,
              "max_staleness": 2, "staleness_histogram": {"0": 1, "1": 15}}
-    assert train._servers_text(stats) == (
-        "757 MB pushed, 757 MB pulled by worker 0 over 8 steps; staleness bound 2, staleness seen (updates applied "
+    # (steps: the servers' step count, 108 after a resume at 100; the bytes are this run's 8 steps)
+    assert train._servers_text(stats, 8) == (
+        "757 MB pushed, 757 MB pulled by worker 0 in 8 steps; staleness bound 2, staleness seen (updates applied "
         "since a gradient's parameters: count) 0: 1, 1: 15")
-    assert "staleness bound none" in train._servers_text(dict(stats, max_staleness=None))
-    assert train._servers_text(dict(stats, strategy="sync")) == "757 MB pushed, 757 MB pulled by worker 0 over 8 steps"
+    assert "staleness bound none" in train._servers_text(dict(stats, max_staleness=None), 8)
+    assert train._servers_text(dict(stats, strategy="sync"), 1) == "757 MB pushed, 757 MB pulled by worker 0 in 1 step"
 
 
 def test_the_staleness_bound_of_ringtrain_train_reaches_the_servers(monkeypatch):

@@ -792,7 +792,7 @@ def _print_summary(s: dict) -> None:
         if s["communication"].get("trial"):
             print(f"  trial of plans     {_trial_text(s['communication']['trial'])}")
     if s.get("parameter_servers"):
-        print(f"  parameter servers  {_servers_text(s['parameter_servers'])}")
+        print(f"  parameter servers  {_servers_text(s['parameter_servers'], s['steps_run'])}")
     if s.get("checkpoint_dir"):
         how = "the same command" if s.get("resumes", True) else "the same command without --no-resume"
         print(f"  checkpoints        {s['checkpoint_dir']} ({how} with more --steps continues from "
@@ -818,11 +818,11 @@ def _communication_text(s: dict) -> str:
     return "not measured: no step ran under the plan in force (it was made after the last step)"
 
 
-def _servers_text(stats: dict) -> str:
-    """Worker 0's account of the parameter servers: bytes each way, and where asynchronous, the
-    staleness bound and the histogram of the staleness the servers saw."""
+def _servers_text(stats: dict, steps_run: int) -> str:
+    """Worker 0's account of the parameter servers over this run's ``steps_run`` steps: bytes each
+    way, and where asynchronous, the staleness bound and the histogram of the staleness the servers saw."""
     line = (f"{stats['bytes_sent'] / 1e6:.0f} MB pushed, {stats['bytes_received'] / 1e6:.0f} MB pulled by worker 0 "
-            f"over {stats['steps']} steps")
+            f"in {plural(steps_run, 'step')}")
     if stats.get("strategy") == "async":
         bound = stats.get("max_staleness", 0)
         seen = ", ".join(f"{k}: {v}" for k, v in stats.get("staleness_histogram", {}).items()) or "none"
