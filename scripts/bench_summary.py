@@ -124,9 +124,10 @@ def trial_lines(rows: list[dict]) -> list[str]:
 
 
 def _duration(seconds: float) -> str:
-    for unit, scale, limit in (("µs", 1e6, 999.5e-6), ("ms", 1e3, 0.9995)):
-        if seconds < limit:
-            return f"{seconds * scale:.3g} {unit}" if unit == "ms" else f"{seconds * scale:.0f} {unit}"
+    if seconds < 999.5e-6:  # (what rounds to 1000 µs reads as 1 ms, and to 1000 ms as 1 s)
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 0.9995:
+        return f"{seconds * 1e3:.3g} ms"
     return f"{seconds:.3g} s"
 
 

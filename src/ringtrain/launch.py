@@ -321,11 +321,8 @@ def _stopped_ranks_hear_the_signal():
     running one SIGCONT is nothing). A torch whose launcher closes its ranks otherwise is left as it is."""
     try:
         from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
-    except ImportError:
-        yield
-        return
-    original = getattr(SubprocessHandler, "close", None)
-    if original is None:
+        original = SubprocessHandler.close
+    except (ImportError, AttributeError):
         yield
         return
 

@@ -137,11 +137,10 @@ class TrainConfig:
             raise ValueError(f"--servers must be >= 0, got {self.servers}")
         if self.strategy == "ring" and self.servers:
             raise ValueError("--servers is for the parameter-server strategies (--strategy ps-sync|ps-async|ps-sharded)")
-        if self.max_staleness < -1:
-            raise ValueError(f"--max-staleness must be >= 0, or -1 for unbounded; got {self.max_staleness}")
-        if self.max_staleness and self.strategy != "ps-async":
-            raise ValueError(f"--max-staleness is for --strategy ps-async (synchronous servers wait for every "
-                             f"worker); got {self.max_staleness} with --strategy {self.strategy}")
+        if self.max_staleness:  # (0 is every strategy's: no import of the servers' code for a ring run)
+            from .ps.server_config import staleness_flag
+
+            staleness_flag(self.max_staleness, self.strategy, "ps-async")
         if self.strategy != "ring":
             ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "timeline")
                          if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default]
@@ -690,13 +689,14 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import torch
 
     from . import data, ps, rendezvous
+    from .ps.server_config import staleness_flag
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     strategy = {"ps-sync": "sync", "ps-async": "async", "ps-sharded": "sharded"}[cfg.strategy]
     if ps.is_server_rank(cfg.servers):
         ps.run_server_role(cfg.servers, strategy=strategy, timeout=cfg.timeout, join_timeout=cfg.join_timeout,
-                           max_staleness=None if cfg.max_staleness < 0 else cfg.max_staleness,
+                           max_staleness=staleness_flag(cfg.max_staleness, cfg.strategy, "ps-async"),
                            checkpoint_dir=str(Path(cfg.checkpoint_dir) / "servers"), resume=cfg.resume)
         return 0
     info = rendezvous.job_info()

@@ -16,7 +16,7 @@ import sys
 
 from ..errors import check_number
 from .launch import check_servers, is_server_rank, run_server_role, train_steps, worker_from_env
-from .server_config import STRATEGIES
+from .server_config import STRATEGIES, staleness_flag
 
 RESULT_PREFIX = "RESULT "
 
@@ -48,10 +48,10 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.servers < 1:
         p.error(f"--servers must be >= 1, got {args.servers}")
-    if args.max_staleness < -1:
-        p.error(f"--max-staleness must be >= 0, or -1 for unbounded; got {args.max_staleness}")
-    if args.max_staleness and args.strategy != "async":
-        p.error(f"--max-staleness is for --strategy async; got {args.max_staleness} with --strategy {args.strategy}")
+    try:
+        staleness_flag(args.max_staleness, args.strategy, "async")
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         print(f"python -m ringtrain.ps: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    staleness = None if args.max_staleness < 0 else args.max_staleness
+    staleness = staleness_flag(args.max_staleness, args.strategy, "async")
     if server:
         run_server_role(args.servers, strategy=args.strategy, max_staleness=staleness, timeout=args.timeout,
                         join_timeout=args.join_timeout)

@@ -40,6 +40,19 @@ class JoinTimeout:
         return check_join_timeout(self.join_timeout, self.timeout)
 
 
+def staleness_flag(max_staleness: int, strategy: str, asynchronous: str) -> Optional[int]:
+    """The servers' ``max_staleness`` from a command line's ``--max-staleness`` (-1: unbounded) in a
+    job of ``--strategy strategy``, whose asynchronous strategy the command calls ``asynchronous``
+    (``ringtrain train`` and ``python -m ringtrain.ps`` name them apart); a ValueError naming the
+    flag where the value cannot be one."""
+    if max_staleness < -1:
+        raise ValueError(f"--max-staleness must be >= 0, or -1 for unbounded; got {max_staleness}")
+    if max_staleness and strategy != asynchronous:
+        raise ValueError(f"--max-staleness is for --strategy {asynchronous} (synchronous servers wait for every "
+                         f"worker); got {max_staleness} with --strategy {strategy}")
+    return None if max_staleness == -1 else max_staleness
+
+
 @dataclass(kw_only=True, slots=True)
 class ServerConfig(JoinTimeout):
     index: int
