@@ -156,6 +156,25 @@ def test_leaving_on_an_exception_waits_for_the_write_and_logs_its_error_instead_
     assert "the checkpoint write in flight failed too" in caplog.text and "ckpt-000000002.pt" in caplog.text
 
 
+def test_checkpoints_of_later_steps_are_warned_of_at_the_callers_line_not_the_writers(tmp_path):
+    """A run resumed from step 5 (7 and 10 damaged): the warning points at the training script."""
+    for step in (7, 10):
+        checkpoint.save(tmp_path, step, {"x": torch.ones(1)})
+    writer = checkpoint.CheckpointWriter(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"later steps \[7, 10\]") as caught:
+        writer.save(6, {"x": torch.ones(1)})
+    writer.close()
+    assert [w.filename for w in caught] == [__file__]  # (was checkpoint_writer.py's thread)
+    assert steps_in(tmp_path) == [6, 7, 10]
+    quiet = checkpoint.CheckpointWriter(tmp_path, warn_later=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.save(8, {"x": torch.ones(1)})
+        quiet.close()
+
+
 def test_a_payload_of_another_type_is_refused_by_the_call_not_the_thread(tmp_path):
     writer = checkpoint.CheckpointWriter(tmp_path)
     with pytest.raises(TypeError, match="got object"):

@@ -232,12 +232,20 @@ def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], 
     existing = list_checkpoints(directory)
     for _, old in [c for c in existing if c[0] <= step][:-keep]:
         old.unlink(missing_ok=True)
-    later = [s for s, _ in existing if s > step]
-    if later and warn_later:
-        warnings.warn(f"{directory} holds checkpoints of later steps {later} than this one ({step}); "
-                      f"latest() prefers them while they are valid", RuntimeWarning, stacklevel=2)
+    if warn_later:
+        warn_of_later_steps(directory, step, [s for s, _ in existing if s > step], stacklevel=3)
     _remove_stale_temporaries(directory)
     return path
+
+
+def warn_of_later_steps(directory: str | os.PathLike[str], step: int, later: list[int], *,
+                        stacklevel: int = 2) -> None:
+    """The warning of :func:`save` when ``directory`` holds checkpoints of ``later`` steps than
+    ``step`` (none if ``later`` is empty); ``stacklevel`` as :func:`warnings.warn`'s, counted from
+    the caller of this function."""
+    if later:
+        warnings.warn(f"{directory} holds checkpoints of later steps {later} than this one ({step}); "
+                      f"latest() prefers them while they are valid", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:

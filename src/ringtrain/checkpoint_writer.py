@@ -104,6 +104,12 @@ class CheckpointWriter:
             raise ValueError(f"payload must be a dict, got {type(payload).__name__}")
         self._join(keep=0 if wait else 1)
         self._raise_error()
+        if self.warn_later:  # here, so that the warning names the caller's line, not the writer's
+            from . import checkpoint
+
+            later = {s for s, _ in checkpoint.list_checkpoints(self.directory) if s > step}
+            later.update(s for s in self.writing if s > step)
+            checkpoint.warn_of_later_steps(self.directory, step, sorted(later), stacklevel=2)
         copy = payload if copied else snapshot(payload)
         before = self._writes[-1][1] if self._writes else None
         # Not a daemon: an interpreter that exits normally waits for the file to be whole.
@@ -119,7 +125,7 @@ class CheckpointWriter:
         if self._error is not None:
             return  # (the error before is raised; this checkpoint is not written: a later one would be)
         try:
-            self.last_path = checkpoint.save(self.directory, step, payload, self.keep, warn_later=self.warn_later)
+            self.last_path = checkpoint.save(self.directory, step, payload, self.keep, warn_later=False)
         except BaseException as exc:  # (raised on the caller's thread by the next save or wait)
             self._error = exc
 
