@@ -107,15 +107,22 @@ def test_strangers_are_refused_and_the_server_keeps_serving():
 
 
 @pytest.mark.parametrize("secret", [b"not-the-secret", None], ids=["wrong", "none"])
-def test_a_worker_with_the_wrong_secret_names_the_server_it_could_not_join(secret):
+def test_a_worker_with_the_wrong_secret_names_the_server_it_could_not_join(secret, caplog):
     """The handshake's text spoke of "rank 0" and "rank 1" (the servers' and workers' handshake
-    numbers), which a torchrun user reads as worker 0 and 1; it now names the server and endpoint."""
+    numbers), which a torchrun user reads as worker 0 and 1; it now names the server and endpoint,
+    and the server's log names the worker."""
     server, thread, out = start_server(timeout=3.0)
     host, port = server.endpoint
     with pytest.raises(AuthError, match=rf"^worker 0 could not join parameter server 0 at {host}:{port}: .*secret"):
         ParameterServerTraining(tiny(), servers=[server.endpoint], worker=0, workers=1, secret=secret, timeout=5.0)
     thread.join(10)
     assert out["stats"]["refused_connections"] == 1
+    refusal = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert len(refusal) == 1 and "rank 1" not in refusal[0], refusal
+    if secret is None:
+        assert "worker 0 holds no shared secret" in refusal[0], refusal
+    else:
+        assert "peer claiming worker 0 left before proving it holds the secret" in refusal[0], refusal
 
 
 def test_a_server_that_cannot_prove_the_secret_is_called_a_parameter_server_not_rank_0():

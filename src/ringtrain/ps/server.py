@@ -329,6 +329,11 @@ class ParameterServer:
                 self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
 
+    def _handshake_name(self, rank: int) -> str:
+        """How a refused handshake names a rank: servers take 0..K-1, worker w is K + w."""
+        K = self.cfg.servers
+        return f"worker {rank - K}" if rank >= K else f"parameter server {rank}"
+
     def _connection(self, sock: socket.socket, addr) -> None:
         """Handshake, HELLO, then this worker's messages in order, until BYE or loss."""
         K = self.cfg.servers
@@ -336,7 +341,8 @@ class ParameterServer:
             expected = {K + w for w, s in enumerate(self._status) if s in ("waiting", "lost")}
         try:
             rank = tcp_setup.accept_handshake(sock, self._me, expected, self._seen_nonces,
-                                        time.monotonic() + min(self.cfg.timeout, tcp_setup.HANDSHAKE_TIMEOUT))
+                                              time.monotonic() + min(self.cfg.timeout, tcp_setup.HANDSHAKE_TIMEOUT),
+                                              name=self._handshake_name)
         except Exception as exc:  # noqa: BLE001 - whatever a stranger's bytes raise, it is refused
             with self._cond:
                 self.refused += 1

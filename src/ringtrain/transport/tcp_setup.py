@@ -176,15 +176,18 @@ class Acceptance:
 
     ``expected``: the ranks that may still connect (read at each step: the listener's own set).
     ``seen_nonces``: the connector nonces of the handshakes this listener admitted; one seen
-    again is a replay. A nonce is added only once its MAC verified.
+    again is a replay. A nonce is added only once its MAC verified. ``name``: how refusals name a
+    handshake rank (a parameter server's peers are workers numbered from 0; default "rank r").
     """
 
-    __slots__ = ("me", "expected", "seen_nonces", "_hello", "_answer", "_rank")
+    __slots__ = ("me", "expected", "seen_nonces", "name", "_hello", "_answer", "_rank")
 
-    def __init__(self, me: Identity, expected: set[int], seen_nonces: set[bytes]):
+    def __init__(self, me: Identity, expected: set[int], seen_nonces: set[bytes],
+                 name: Callable[[int], str] = "rank {}".format):
         self.me = me
         self.expected = expected
         self.seen_nonces = seen_nonces
+        self.name = name
         self._hello = self._answer = b""
         self._rank = -1
 
@@ -199,11 +202,12 @@ class Acceptance:
         answer = mine_bytes + self.me.mac(wire.ACCEPT, data, mine_bytes)
         try:
             wire.check_hello(theirs, mine)
-            wire.check_secrets_agree(theirs, self.me.has_secret)
+            wire.check_secrets_agree(theirs, self.me.has_secret, self.name(theirs.rank))
             if theirs.rank not in self.expected:
-                raise ProtocolError(f"rank {theirs.rank} is not expected to connect to rank {self.me.rank} (now)")
+                raise ProtocolError(f"{self.name(theirs.rank)} is not expected to connect to "
+                                    f"{self.name(self.me.rank)} (now)")
             if theirs.nonce in self.seen_nonces:
-                raise AuthError(f"replayed handshake claiming rank {theirs.rank}")
+                raise AuthError(f"replayed handshake claiming {self.name(theirs.rank)}")
         except CommError as refusal:
             return answer, refusal
         self._hello, self._answer, self._rank = data, mine_bytes, theirs.rank
@@ -212,9 +216,10 @@ class Acceptance:
     def mac(self, mac: bytes) -> int:
         """The connector's MAC (MAC_SIZE bytes): its rank once verified (then send ``wire.ACK``)."""
         if not wire.mac_ok(self.me.mac(wire.CONNECT, self._hello, self._answer), mac):
-            raise AuthError(f"peer claiming rank {self._rank} failed authentication")
+            raise AuthError(f"peer claiming {self.name(self._rank)} failed authentication")
         if self._rank not in self.expected:  # another connection proved this rank in the meantime
-            raise ProtocolError(f"rank {self._rank} is not expected to connect to rank {self.me.rank} (now)")
+            raise ProtocolError(f"{self.name(self._rank)} is not expected to connect to "
+                                f"{self.name(self.me.rank)} (now)")
         # Recorded only now that the MAC (over both nonces) verified: a stranger cannot grow the set.
         self.seen_nonces.add(wire.Hello.unpack(self._hello).nonce)
         return self._rank
@@ -223,13 +228,14 @@ class Acceptance:
         """The refusal for a connection that closed before the step it owed."""
         if self._rank < 0:
             return ProtocolError("connection closed before a complete hello")
-        return AuthError(f"peer claiming rank {self._rank} left before proving it holds the secret")
+        return AuthError(f"peer claiming {self.name(self._rank)} left before proving it holds the secret")
 
 
-def accept_handshake(sock: socket.socket, me: Identity, expected: set[int], seen_nonces: set[bytes], deadline: float) -> int:
+def accept_handshake(sock: socket.socket, me: Identity, expected: set[int], seen_nonces: set[bytes], deadline: float,
+                     name: Callable[[int], str] = "rank {}".format) -> int:
     """Run the acceptor's side on a blocking socket; return the peer's rank. Raises CommError/OSError
-    on refusal (``Acceptance`` says what is checked)."""
-    steps = Acceptance(me, expected, seen_nonces)
+    on refusal (``Acceptance`` says what is checked, and what ``name`` is)."""
+    steps = Acceptance(me, expected, seen_nonces, name)
     data = _recv_exact(sock, wire.HELLO_SIZE, deadline)
     if data is None:
         raise steps.left_early()
