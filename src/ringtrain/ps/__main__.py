@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--model: unknown model {args.model!r}; choose from {', '.join(models.names())}")
         info = rendezvous.job_info()
         check_servers(args.servers, info.world_size, name="--servers")
-        server = is_server_rank(args.servers)
+        server = is_server_rank(args.servers, info.rank, info.world_size)
     except ValueError as exc:
         print(f"python -m ringtrain.ps: {exc}", file=sys.stderr)
         return 2

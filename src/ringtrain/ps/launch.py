@@ -192,7 +192,7 @@ def run_server_role(servers: int, *, strategy: str = "sync", max_staleness: Opti
     """Be server RANK - W of a torchrun job whose last ``servers`` ranks serve; return its counters."""
     tie_to_launcher()  # (as ringtrain.init() does: these ranks do not call it)
     info = rendezvous.job_info()
-    if not is_server_rank(servers):
+    if not is_server_rank(servers, info.rank, info.world_size):
         raise ValueError(f"rank {info.rank} is a worker rank (the last {servers} of {info.world_size} ranks serve)")
     workers = info.world_size - servers
     index = info.rank - workers
@@ -209,7 +209,7 @@ def worker_from_env(module, servers: int, **settings: Any) -> ParameterServerTra
     tie_to_launcher()
     info = rendezvous.job_info()
     warn_if_unauthenticated(info)  # (rank 0 is worker 0)
-    if is_server_rank(servers):
+    if is_server_rank(servers, info.rank, info.world_size):
         raise ValueError(f"rank {info.rank} is a server rank (the last {servers} of {info.world_size} ranks serve)")
     check_keywords("ringtrain.ps.worker_from_env", settings,
                    (f.name for f in fields(PSOptions) if f.name != "secret"))  # (the job's: RINGTRAIN_SECRET)
