@@ -175,6 +175,17 @@ def siamese_loss(model, rank, step):
     return F.cross_entropy(a, y) + (a - b).pow(2).mean()
 
 
+def evaluated_between_loss(model, rank, step):
+    """An evaluation forward (no_grad, eval mode) between a forward and its backward."""
+    x, y = _batch(rank, step)
+    out = model(x)
+    model.eval()
+    with torch.no_grad():
+        model(x.flip(0))
+    model.train()
+    return F.cross_entropy(out, y)
+
+
 def nested_loss(model, rank, step):
     x, y = _batch(rank, step)
     out = model(x)
@@ -487,6 +498,14 @@ def test_a_forward_returning_a_nested_dict_tuple_list(find_unused):
     _check(Heads, 2, nested_loss, find_unused_parameters=find_unused)
 
 
+@pytest.mark.parametrize("loss", [siamese_loss, evaluated_between_loss], ids=["siamese", "evaluated between"])
+def test_batchnorm_buffers_broadcast_by_a_second_forward_before_the_backward(loss):
+    # The broadcast of the buffers before the second forward bumped their autograd version:
+    # "one of the variables needed for gradient computation has been modified by an inplace
+    # operation" (BatchNorm saves its running statistics for backward). torch's DDP does not bump it.
+    _check(Normed, 2, loss)
+
+
 def test_batchnorm_buffers_as_torch_ddp_broadcasts_them():
     results = _check(Normed, 2, ce)
     # As torch's DDP: the last forward's own statistics stay until the next forward broadcasts rank 0's.
@@ -693,6 +712,8 @@ TORCH_PATTERNS = {
     "part of the outputs, find_unused": (Heads, logits_only_loss, sgd, None, True),
     "head on some ranks, find_unused": (Heads, rank_dependent_loss, sgd, None, True),
     "batchnorm": (Normed, ce, sgd, None, False),
+    "batchnorm, siamese": (Normed, siamese_loss, sgd, None, False),
+    "batchnorm, evaluated between": (Normed, evaluated_between_loss, sgd, None, False),
     "zeroed in place": (MLP, ce, lambda m: ZeroedInPlace(m.parameters(), lr=0.1), None, False),
     "never zeroed": (MLP, ce, lambda m: NeverZeroed(m.parameters(), lr=0.1), None, False),
     "output modified in place, find_unused": (Heads, inplace_loss, sgd, None, True),

@@ -767,7 +767,10 @@ class DistributedDataParallel(nn.Module):
                 flat[a:b] = t.detach().contiguous().reshape(-1).view(torch.uint8)
             self._thread.run(label, partial(self.comm.broadcast, flat.numpy(), 0), self._timeout)
             for t, (a, b) in zip(tensors, spans):
-                t.copy_(flat[a:b].view(t.dtype).view(t.shape))
+                # Through .data: the tensor's autograd version is not bumped, as torch's DDP does not
+                # bump it. A buffer saved for a backward still to come (BatchNorm's running
+                # statistics, when a second forward broadcasts before it) would fail it otherwise.
+                t.data.copy_(flat[a:b].view(t.dtype).view(t.shape))
 
     def _log(self, message: str) -> None:
         logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d: %s", self.rank, message)
