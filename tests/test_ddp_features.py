@@ -533,7 +533,7 @@ def test_mixed_dtype_parameters_get_one_bucket_per_dtype():
 
 @pytest.mark.timeout(60)
 def test_gradients_are_bucket_views_and_in_place_zeroing_trains_alike():
-    """After backward each .grad is a view of its bucket (no copy back); optimizers that zero
+    """gradient_as_bucket_view=True: after backward each .grad is a view of its bucket (no copy back); optimizers that zero
     gradients in place (set_to_none=False) then accumulate into the buckets themselves, and
     no_sync accumulation on top of that still equals the set_to_none=True run bitwise."""
 
@@ -542,7 +542,7 @@ def test_gradients_are_bucket_views_and_in_place_zeroing_trains_alike():
     def train(comm, set_to_none):
         model = make_model("mlp")
         model.load_state_dict(init)
-        ddp = DistributedDataParallel(model, comm, schedule="wfbp", **FAST)
+        ddp = DistributedDataParallel(model, comm, schedule="wfbp", gradient_as_bucket_view=True, **FAST)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         views = []
         for step in range(6):
@@ -571,6 +571,46 @@ def _wfbp_mlp(comm, init, **options):
     model = make_model("mlp")
     model.load_state_dict(init)
     return model, DistributedDataParallel(model, comm, schedule="wfbp", **options, **FAST)
+
+
+@pytest.mark.timeout(60)
+def test_by_default_a_gradient_kept_across_backward_passes_is_not_overwritten():
+    """Gradient surgery (PCGrad) keeps each task's .grad, zero_grad(set_to_none=True) between:
+    with bucket views (the default before) the second backward wrote into the first's tensors,
+    silently. The default is torch's (False) now; each kept gradient is its own task's mean."""
+    init = make_model("mlp").state_dict()
+
+    def tasks(comm, **options):
+        model, ddp = _wfbp_mlp(comm, init, **options)
+        for _ in range(2):  # (past the first plan, which lays the buckets out anew)
+            ddp(micro_batch(0, 0, 2, comm.rank)[0]).sum().backward()
+        kept = []
+        for task in range(2):
+            model.zero_grad(set_to_none=True)
+            x, y = micro_batch(0, task, 2, comm.rank)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            kept.append([p.grad for p in model.parameters()])  # references, not copies
+        ddp.close()
+        return [[g.clone() for g in grads] for grads in kept]
+
+    def reference(task):  # the mean of the two ranks' gradients of one task, in one process
+        model = make_model("mlp")
+        model.load_state_dict(init)
+        grads = []
+        for rank in range(2):
+            model.zero_grad(set_to_none=True)
+            x, y = micro_batch(0, task, 2, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        return [(a + b) / 2 for a, b in zip(*grads)]
+
+    for kept in raise_first(run_comms(2, tasks)):
+        for task in range(2):
+            for got, want in zip(kept[task], reference(task)):
+                torch.testing.assert_close(got, want)  # (tolerance: the ring sums in another order)
+        assert not all(torch.equal(a, b) for a, b in zip(kept[0], kept[1]))
+    as_views = raise_first(run_comms(2, lambda comm: tasks(comm, gradient_as_bucket_view=True)))
+    assert all(torch.equal(a, b) for a, b in zip(as_views[0][0], as_views[0][1]))  # (the opt-in's known cost)
 
 
 @pytest.mark.timeout(60)
@@ -604,7 +644,7 @@ def test_replaced_gradients_live_until_the_next_forward():
     init = make_model("mlp").state_dict()
 
     def train(comm):
-        model, ddp = _wfbp_mlp(comm, init)
+        model, ddp = _wfbp_mlp(comm, init, gradient_as_bucket_view=True)
         counts = []
         for step in range(3):
             x, y = micro_batch(step, 0, 2, comm.rank)

@@ -648,6 +648,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     ddp = ringtrain.DistributedDataParallel(
         model, comm=comm, schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, algorithm=cfg.algorithm,
         timeline=cfg.timeline or None,
+        gradient_as_bucket_view=True,  # (this loop keeps no .grad across steps: no copy back)
     )
 
     ran = []  # per step: the plan in force, whether it had settled, the step's IterationStats

@@ -54,12 +54,13 @@ class DDPOptions:
     made with it, the plan made without it and the single allreduce alternate, as many
     iterations each, and the fastest median forward+backward stays (0: no trial; trust the
     model)."""
-    gradient_as_bucket_view: bool = True
-    """After backward each ``.grad`` is a view of its bucket (no copy back; torch's option of
-    the same name). The bucket is reused by the next synchronizing backward: a reference to a
-    ``.grad`` kept across iterations sees it change, and a post-accumulate-grad hook of the
-    user's registered after the wrapper's sees a gradient whose bucket may already be in
-    flight. False: every ``.grad`` keeps its own tensor and gets the mean copied back."""
+    gradient_as_bucket_view: bool = False
+    """False (torch's default): every ``.grad`` keeps its own tensor and gets the mean copied
+    back from its bucket. True (torch's option of the same name): after backward each ``.grad``
+    is a view of its bucket, with no copy back; the bucket is reused by the next synchronizing
+    backward, so a reference to a ``.grad`` kept across iterations sees it change (also after
+    ``zero_grad(set_to_none=True)``), and a post-accumulate-grad hook of the user's registered
+    after the wrapper's sees a gradient whose bucket may already be in flight."""
     interference: Optional[planner.Interference] = None
     """Backward time lost per overlapped allreduce; None: measured by the trial's probes
     (schedule="optimal" with verify_iterations > 0), else taken as none."""

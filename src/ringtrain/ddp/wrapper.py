@@ -13,16 +13,17 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    rank has keeps ``.grad`` None, as with torch's DDP (``find_unused_parameters`` only).
 2. Each parameter's ``Tensor.register_post_accumulate_grad_hook`` (public API) fires when its
    ``.grad`` is final for this backward: the hook stamps the time, copies ``.grad`` into the
-   parameter's slot of its bucket and makes the slot the ``.grad`` (a view of the bucket, as
-   torch's ``gradient_as_bucket_view``; the tensor autograd made is freed at the next forward,
-   where plain torch frees its gradients; a gradient laid out with other strides keeps its own
-   tensor and is copied back instead), and, once a bucket's last slot is filled and every earlier
-   bucket has been launched, *launches* it: queues its allreduce (op ``mean``) on the
+   parameter's slot of its bucket (with ``gradient_as_bucket_view=True`` it makes the slot the
+   ``.grad``, a view of the bucket, as torch's option of that name; the tensor autograd made is
+   freed at the next forward, where plain torch frees its gradients; a gradient laid out with
+   other strides keeps its own tensor and is copied back, as every one is by default), and,
+   once a bucket's last slot is filled and every earlier bucket has been launched, *launches* it: queues its allreduce (op ``mean``) on the
    wrapper's one communication thread. Buckets launch in plan order on every rank, whatever
    order the hooks fire in, so the collectives match across ranks.
 3. The end of backward is the hook of the last expected gradient (a public mechanism, unlike
    autograd's internal ``queue_callback``): it waits for every launched allreduce (with a
-   deadline); the gradients, views of the buckets, then hold the mean. So when
+   deadline) and copies each bucket's mean back into the ``.grad`` tensors that are not views of
+   it, bucket by bucket while the later ones are reduced. So when
    ``loss.backward()`` returns, every ``.grad`` holds the mean over ranks. A backward that ends without some expected
    gradient (an unused parameter, ``find_unused_parameters=False``) is reported by the next
    ``forward`` with the names of the parameters that got none, as torch's DDP does; a gradient
