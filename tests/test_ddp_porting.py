@@ -293,3 +293,98 @@ def test_in_one_process_the_wrapper_trains_as_the_module_alone(monkeypatch):
         ddp.close()
     finally:
         comm.close()
+
+# --- 4. torch's keywords, attributes and copies (a second walkthrough) ----------------------------
+
+TORCH_AS_HERE = dict(device_ids=None, output_device=None, dim=0, broadcast_buffers=None, init_sync=True,
+                     process_group=None, bucket_cap_mb=None, check_reduction=False, static_graph=True,
+                     delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
+                     device_mesh=None, skip_all_reduce_unused_params=False, bucket_cap_mb_list=None,
+                     batched_grad_copy=False, forward_sync_buffers=None)
+
+
+def test_torch_ddp_keywords_at_the_values_that_mean_the_same_here_are_taken():
+    """A script ported from torch's DDP passed them and got 'unknown option'."""
+    import inspect
+
+    torchs = set(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    assert torchs - {"find_unused_parameters", "gradient_as_bucket_view"} <= set(TORCH_AS_HERE), \
+        "this torch has a DDP keyword the wrapper does not know"
+    _averaged_as_alone(_made(), lambda f, rank, step: f(_rank_x(rank, step)).sum(), device_ids=[],
+                       **{k: v for k, v in TORCH_AS_HERE.items() if k != "device_ids"})
+
+
+@pytest.mark.parametrize("given, says", [
+    (dict(device_ids=[0]), r"device_ids=\[0\] is not supported: it trains modules on the CPU"),
+    (dict(output_device=0), "output_device=0 is not supported: it trains modules on the CPU"),
+    (dict(process_group="WORLD"), "process_group='WORLD' is not supported: .*pass comm="),
+    (dict(mixed_precision="bf16"), "mixed_precision='bf16' is not supported: it has no such feature; leave it at "
+                                   "torch's default, None"),
+    (dict(static_graph="yes"), "static_graph='yes': it must be True or False"),
+    (dict(init_sync=1), "init_sync=1: it must be True or False"),
+])
+def test_torch_ddp_keywords_at_other_values_are_refused_saying_why(given, says):
+    with pytest.raises(ValueError, match=says):
+        DistributedDataParallel(_made(), None, **given)
+
+
+def test_a_device_list_given_second_as_torchs_ddp_takes_it_says_so():
+    with pytest.raises(ValueError, match=r"got \[0\] \(torch's DDP takes device_ids second"):
+        DistributedDataParallel(_made(), [0])
+
+
+def test_init_sync_false_leaves_each_ranks_parameters_as_they_are():
+    def body(comm):
+        model = nn.Linear(3, 2)
+        with torch.no_grad():
+            model.weight.fill_(comm.rank)
+        ddp = DistributedDataParallel(model, comm, init_sync=False, **FAST)
+        weight = model.weight.detach().clone()
+        ddp.close()
+        return weight
+
+    weights = raise_first(run_comms(2, body))
+    assert [float(w.mean()) for w in weights] == [0.0, 1.0]
+
+
+def test_require_backward_grad_sync_false_accumulates_locally_as_no_sync():
+    """Frameworks set torch's attribute instead of entering no_sync(): it was a no-op attribute."""
+    base = _made()
+
+    def body(comm):
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        assert ddp.require_backward_grad_sync
+        ddp.require_backward_grad_sync = False
+        ddp(_rank_x(comm.rank)).sum().backward()  # local
+        local = _grads(model)
+        ddp.require_backward_grad_sync = True
+        with ddp.no_sync():
+            assert not ddp.require_backward_grad_sync
+        ddp.close()
+        return local
+
+    results = raise_first(run_comms(2, body))
+    per_rank = _alone(base, lambda m, rank: m(_rank_x(rank)).sum())
+    for rank in range(2):
+        for k, g in results[rank].items():
+            torch.testing.assert_close(g, per_rank[rank][k])  # this rank's own, not the mean
+
+
+def test_copying_or_pickling_the_wrapper_says_to_copy_the_module():
+    """It was "cannot pickle 'mmap.mmap' object" (the shared-memory transport, deep inside)."""
+    import pickle
+
+    def body(comm):
+        model = _made()
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        try:
+            for attempt in (copy.deepcopy, pickle.dumps, lambda m: torch.save(m, __import__("io").BytesIO())):
+                with pytest.raises(TypeError, match=r"cannot be copied or pickled.*copy.deepcopy\(model.module\)"):
+                    attempt(ddp)
+            ema = copy.deepcopy(ddp.module)  # what it says works
+            assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), model.parameters()))
+        finally:
+            ddp.close()
+
+    raise_first(run_comms(2, body))

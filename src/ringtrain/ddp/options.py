@@ -17,6 +17,41 @@ from ..comm import ALGORITHMS
 
 SCHEDULES = planner.METHODS
 
+#: Keywords of torch's DistributedDataParallel the wrapper takes at the value that means the
+#: same here (torch's default: a CPU module, one process per rank, dense full-precision
+#: allreduces), so a script ported from torch's DDP runs unchanged; any other value is a
+#: ValueError saying why. ``device_ids`` also takes [].
+TORCH_DEFAULTS = {"device_ids": None, "output_device": None, "dim": 0, "process_group": None,
+                  "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None, "mixed_precision": None,
+                  "device_mesh": None, "skip_all_reduce_unused_params": False, "bucket_cap_mb_list": None,
+                  "batched_grad_copy": False, "forward_sync_buffers": None}
+#: torch's hints, taken at any True/False: ``static_graph`` (the wrapper handles a graph that
+#: changes or not) and ``check_reduction`` (ignored by torch too).
+TORCH_HINTS = ("static_graph", "check_reduction")
+
+
+def take_torch_keywords(options: dict) -> dict:
+    """Remove torch DDP's keywords (``TORCH_DEFAULTS``, ``TORCH_HINTS``) from ``options`` (the
+    wrapper's ``**options``), checking each, and return ``options``."""
+    for name in TORCH_HINTS:
+        value = options.pop(name, False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: it must be True or False")
+    for name, default in TORCH_DEFAULTS.items():
+        if name not in options:
+            continue
+        value = options.pop(name)
+        if value is default or (isinstance(value, int) and value == default) or (name == "device_ids" and value == []):
+            continue
+        if name in ("device_ids", "output_device"):
+            why = "it trains modules on the CPU, in one process per rank: leave it out (or None)"
+        elif name == "process_group":
+            why = "it communicates through a ringtrain.Communicator: pass comm= (None: the one ringtrain.init() made)"
+        else:
+            why = f"it has no such feature; leave it at torch's default, {default!r}"
+        raise ValueError(f"ringtrain.DistributedDataParallel: {name}={value!r} is not supported: {why}")
+    return options
+
 
 @dataclass(kw_only=True, slots=True)
 class DDPOptions:
@@ -25,7 +60,7 @@ class DDPOptions:
     schedule: str = "optimal"
     """How gradients are merged into allreduces: one of ``ringtrain.plan.METHODS``."""
     bucket_cap_mb: float = 25.0
-    """Bucket size threshold in MiB for ``schedule="fixed"``."""
+    """Bucket size threshold in MiB for ``schedule="fixed"`` (None: 25, as torch's DDP)."""
     algorithm: str = "auto"
     """Allreduce algorithm (``ringtrain.comm.ALGORITHMS``)."""
     timeline: Optional[str | os.PathLike] = None
@@ -39,7 +74,11 @@ class DDPOptions:
     broadcast_buffers: bool = True
     """Copy rank 0's module buffers to every rank at each forward that follows a synchronizing
     forward tracking gradients (torch DDP's default and rule: the first forward inside
-    ``no_sync()`` or under ``torch.no_grad()`` broadcasts, the ones after it do not)."""
+    ``no_sync()`` or under ``torch.no_grad()`` broadcasts, the ones after it do not; None: True,
+    as torch's)."""
+    init_sync: bool = True
+    """At construction, check that every rank wraps the same module and copy rank 0's parameters
+    and buffers to every rank (torch's keyword; False: the caller made them equal)."""
     warmup_iterations: int = 1
     """Synchronizing iterations before profiling starts (first-iteration costs excluded)."""
     profile_iterations: int = 2
@@ -74,6 +113,10 @@ class DDPOptions:
     wrappers); None: alpha and beta, or the sweep."""
 
     def __post_init__(self) -> None:
+        if self.bucket_cap_mb is None:  # (torch's DDP takes None for its default)
+            self.bucket_cap_mb = 25.0
+        if self.broadcast_buffers is None:
+            self.broadcast_buffers = True
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: accepted values are {', '.join(SCHEDULES)}")
         if self.algorithm not in ALGORITHMS:
@@ -90,7 +133,7 @@ class DDPOptions:
             raise ValueError(f"drift_threshold={self.drift_threshold!r}: it must be a number > 0")
         if self.timeline is not None and not isinstance(self.timeline, (str, os.PathLike)):
             raise ValueError(f"timeline={self.timeline!r}: it must be a file name (str or os.PathLike) or None")
-        for name in ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view"):
+        for name in ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view", "init_sync"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: it must be True or False")

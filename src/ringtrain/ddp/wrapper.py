@@ -79,7 +79,7 @@ from ..errors import CommError, check_keywords
 from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread, settle_all
-from .options import DDPOptions
+from .options import DDPOptions, take_torch_keywords
 from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
 from .unused import (OutputSink, earlier_forward_error, missing_gradients_error, output_tensors, reachable_params,
@@ -87,6 +87,9 @@ from .unused import (OutputSink, earlier_forward_error, missing_gradients_error,
 
 logger = logging.getLogger("ringtrain.ddp")
 _NAN = float("nan")
+_NOT_COPIED = ("a ringtrain.DistributedDataParallel cannot be copied or pickled: it holds a communication thread "
+               "and its communicator's connections. Copy or save the module it wraps: copy.deepcopy(model.module) "
+               "(an EMA or teacher copy), torch.save(model.module) or torch.save(model.state_dict()).")
 
 
 class DistributedDataParallel(nn.Module):
@@ -95,12 +98,14 @@ class DistributedDataParallel(nn.Module):
 
     ``comm``: a ``ringtrain.Communicator`` (default: the one made by ``ringtrain.init``). While
     a backward pass is in flight the wrapper's thread owns it; use it freely otherwise.
-    Other keywords: :class:`DDPOptions`.
+    Other keywords: :class:`DDPOptions`, and torch's DDP keywords at the values that mean the
+    same here (:data:`.options.TORCH_DEFAULTS`, ``static_graph``, ``check_reduction``).
     """
 
     def __init__(self, module: nn.Module, comm=None, schedule: str = "optimal", bucket_cap_mb: float = 25.0,
                  algorithm: str = "auto", timeline=None, find_unused_parameters: bool = False, **options: Any):
         super().__init__()
+        take_torch_keywords(options)
         check_keywords("ringtrain.DistributedDataParallel", options, (f.name for f in dataclasses.fields(DDPOptions)))
         opts = DDPOptions(schedule=schedule, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeline=timeline,
                           find_unused_parameters=find_unused_parameters, **options)
@@ -112,8 +117,10 @@ class DistributedDataParallel(nn.Module):
 
             comm = get_communicator()
         if not isinstance(comm, Communicator):
+            torchs = (" (torch's DDP takes device_ids second; this wrapper trains CPU modules: leave them out)"
+                      if isinstance(comm, (int, list, tuple, torch.device)) else "")
             raise ValueError(f"comm must be a ringtrain.Communicator (or None: the one made by ringtrain.init), "
-                             f"got {comm!r}")
+                             f"got {comm!r}{torchs}")
         self.module = module
         self.options = opts
         self.comm = comm
@@ -138,8 +145,10 @@ class DistributedDataParallel(nn.Module):
             self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
             self._module_buffers = [b for b in module.buffers() if b.numel()]
 
-            self._check_same_model(module)
-            self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers, "broadcast parameters")
+            if opts.init_sync:
+                self._check_same_model(module)
+                self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers,
+                                        "broadcast parameters")
             if opts.cost is not None:
                 self.cost = opts.cost
             elif opts.alpha is not None:
@@ -335,6 +344,21 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._s.sync = old
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside :meth:`no_sync` (torch's attribute: frameworks set it to accumulate)."""
+        return self._s.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._s.sync = bool(value)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPIED)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPIED)
 
     def close(self) -> None:
         """Write the trace file, remove the hooks, stop the communication thread (idempotent).
