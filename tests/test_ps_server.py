@@ -642,9 +642,9 @@ def test_the_rank_entry_gives_join_timeout_to_servers_and_workers(join, monkeypa
     monkeypatch.setattr(rendezvous, "job_info", lambda: SimpleNamespace(rank=0, world_size=2))
     argv = ["--timeout", "5"] + ([] if join is None else ["--join-timeout", str(join)])
     assert entry.parse(argv).join_timeout == join
-    monkeypatch.setattr(entry, "is_server_rank", lambda servers: True)
+    monkeypatch.setattr(entry, "is_server_rank", lambda servers, *job: True)
     assert entry.main(argv) == 0
-    monkeypatch.setattr(entry, "is_server_rank", lambda servers: False)
+    monkeypatch.setattr(entry, "is_server_rank", lambda servers, *job: False)
     with pytest.raises(ps_harness.Met):
         entry.main(argv)
     assert (calls["server"]["timeout"], calls["server"]["join_timeout"]) == (5.0, join)
