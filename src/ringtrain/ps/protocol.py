@@ -254,6 +254,14 @@ class Channel:
             except BlockingIOError:
                 self._poll(select.POLLIN, deadline)
 
+    def shut_reading(self) -> None:
+        """Stop receiving (a thread blocked in a receive wakes up to the end of the stream); sends
+        still go out."""
+        try:
+            self.sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Shut down both directions first: that wakes a thread blocked in a receive on it."""
         try:

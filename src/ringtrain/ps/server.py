@@ -280,7 +280,11 @@ class ParameterServer:
                 continue
             if now - self._heard[w] >= limit:
                 self._lost(w, f"it sent nothing for {limit:g} s while holding up the others' pulls")
-                self._channels[w].close()  # its reader wakes up and ends
+                # Its reader wakes up and ends now; the worker hears why (it read a closed
+                # connection as this server's death), off the lock: a send may wait.
+                ch = self._channels[w]
+                ch.shut_reading()
+                threading.Thread(target=_tell_and_close, args=(ch, self._dropped_error(w)), daemon=True).start()
 
     def _holding_up_step(self) -> list[int]:
         """Sync: the connected workers whose gradients of the step in progress are not all in
@@ -353,7 +357,7 @@ class ParameterServer:
         ch = P.Channel(sock, f"worker {w}", self.cfg.timeout)
         outbox: queue.Queue = queue.Queue()
         with self._cond:
-            status, why = self._status[w], self._lost_why.get(w)
+            status = self._status[w]
             if status == "waiting":
                 self._status[w] = "connected"
                 self._heard[w] = time.monotonic()
@@ -366,8 +370,7 @@ class ParameterServer:
                 self.refused += 1
         if status != "waiting":
             if status == "lost":  # (authenticated: it may hear why)
-                goes_on = "the job has failed" if self.cfg.synchronous else "the asynchronous job goes on without it"
-                ch.send_abort(PeerLost(f"{self.name}: worker {w} was dropped ({why}) and is not taken back: {goes_on}"))
+                ch.send_abort(self._dropped_error(w))
             ch.close()
             return
         sender = threading.Thread(target=self._send_loop, args=(w, ch, outbox), daemon=True,
@@ -452,6 +455,12 @@ class ParameterServer:
                 self.notices.append(note)
                 log.warning("%s", note)
             self._cond.notify_all()
+
+    def _dropped_error(self, w: int) -> PeerLost:
+        """What lost worker w hears if it is still there, or comes back."""
+        goes_on = "the job has failed" if self.cfg.synchronous else "the asynchronous job goes on without it"
+        return PeerLost(f"{self.name}: worker {w} was dropped ({self._lost_why.get(w)}) and is not taken back: "
+                        f"{goes_on}")
 
     def _fail(self, error: CommError, but: Optional[int] = None) -> None:
         """End the job (any synchronous failure; an asynchronous job that cannot start): roll the step in
@@ -613,7 +622,17 @@ class ParameterServer:
         views = [self._views[i] for i in ids]
         for i, view in zip(ids, views):
             view.grad = grad_of(i)
-        self.opt.step()
+        # torch's own step, over these partitions only: SGD.step walks every parameter of its
+        # group, and a synchronous server steps partition by partition as they complete, so a
+        # shard of thousands of small tensors took time quadratic in their number. (The state is
+        # keyed by tensor: the momentum buffers stay where they are.)
+        group = self.opt.param_groups[0]
+        every = group["params"]
+        group["params"] = views
+        try:
+            self.opt.step()
+        finally:
+            group["params"] = every
         for view in views:
             view.grad = None
 
@@ -892,6 +911,11 @@ class ParameterServer:
 def _tell_all(channels: list, error: CommError) -> None:
     for ch in channels:
         ch.send_abort(error)
+
+
+def _tell_and_close(ch, error: CommError) -> None:
+    ch.send_abort(error)
+    ch.close()
 
 
 def sum_in_order(grads: list[torch.Tensor]) -> torch.Tensor:

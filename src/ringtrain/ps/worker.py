@@ -24,7 +24,11 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   gradients are still being pushed); a parameter is written only after its own gradient hook
   has fired, when backward no longer reads it. Asynchronous: the pull follows the pushes and
   is answered with the whole shard. A forward pre-hook on each module waits only for that
-  module's own parameters (``overlap_pull``).
+  module's own parameters (``overlap_pull``); one on the root waits for the *read-outside*
+  ones: parameters that got a gradient in a step where no module owning them was called (read
+  by another module, ``F.linear(x, self.a.weight)``, or held in an ``nn.ParameterList``), as the
+  first step finds them (its forward waits for every parameter). One found later is logged: its
+  value in that step may have been the one before the pull.
 - The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
   the gradients (set to None). A parameter that got no gradient is pushed as zeros; a
   ``step()`` with no gradient at all (no backward since the last) is refused, pushing nothing.
@@ -52,8 +56,9 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -171,6 +176,10 @@ class ParameterServerTraining:
         if not 0 <= worker < workers:
             raise ValueError(f"worker must be in [0, workers={workers}), got {worker}")
         check_cpu_module(module, "ringtrain.ps.ParameterServerTraining")
+        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse:  # (nn.Embedding / nn.EmbeddingBag(sparse=True): the gradients would be sparse tensors)
+            raise ValueError(f"ringtrain.ps.ParameterServerTraining pushes dense gradients only, and {sparse} "
+                             "make sparse ones: construct them with sparse=False")
         self.module, self.opts, self.worker, self.workers = module, opts, worker, workers
         self.num_servers = K = len(servers)
         self.params = _unique_params(module)
@@ -199,6 +208,9 @@ class ParameterServerTraining:
         self._calibrated = False
         self._stamps: dict[int, float] = {}
         self._handles: list = []
+        self._called: set[int] = set()  # ids of the modules a forward called since the last step()
+        self._outside: list[int] = []  # the read-outside parameters (module docstring)
+        self._found_outside = False  # the first step() has looked for them
         self.pull_wait_s = 0.0  # time forward (or wait()) spent blocked on pulled parameters
         self._pushed_grads: list[tuple[int, torch.Tensor, int]] = []  # (param, gradient, its _version) sent
         self._links = self._connect(servers)
@@ -300,10 +312,38 @@ class ParameterServerTraining:
         index = {id(p): i for i, p in enumerate(self.params)}
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i)))
+        self._owners: list[set[int]] = [set() for _ in self.params]  # ids of the modules holding each
+        self._handles.append(self.module.register_forward_pre_hook(lambda _m, _args: self._wait_outside()))
         for m in self.module.modules():
             own = sorted({index[id(p)] for p in m.parameters(recurse=False) if id(p) in index})
+            for i in own:
+                self._owners[i].add(id(m))
             if own:
-                self._handles.append(m.register_forward_pre_hook(lambda _m, _args, own=own: self._wait_params(own)))
+                self._handles.append(m.register_forward_pre_hook(partial(self._module_called, own)))
+
+    def _module_called(self, own: list[int], module: nn.Module, _args: Any) -> None:
+        """A module's forward pre-hook: wait for its own parameters (returns None: the inputs stay)."""
+        self._called.add(id(module))
+        self._wait_params(own)
+
+    def _wait_outside(self) -> None:
+        """The root's forward pre-hook: every parameter until the first step() has found the
+        read-outside ones (module docstring), then those."""
+        self._wait_params(self._outside if self._found_outside else range(len(self.params)))
+
+    def _find_outside(self) -> None:
+        """At step(): parameters with a gradient none of whose modules this step's forwards called."""
+        found = [i for i, ready in enumerate(self._ready) if ready and not self._owners[i] & self._called]
+        self._called.clear()
+        new = sorted(set(found) - set(self._outside))
+        if new and self._found_outside:
+            shown = ", ".join(self._names[i] for i in new[:6]) + (f" and {len(new) - 6} more" if len(new) > 6 else "")
+            log.warning("worker %d: %s got a gradient in step %d without a forward of a module holding them (read by "
+                        "another module, or held in a ParameterList): forward waits for them from now on, but this "
+                        "step may have read them before their pulled values were in (overlap_pull=False waits for "
+                        "every parameter)", self.worker, shown, self.step_count)
+        self._outside = sorted(set(self._outside) | set(new))
+        self._found_outside = True
 
     # --- the loop ---------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -371,6 +411,8 @@ class ParameterServerTraining:
                 f"added): step() again finishes the step with them{RETRY_NOTE}")
         self._check_pushed_grads()
         self._check_params_unwritten()
+        if self.opts.overlap_pull:
+            self._find_outside()
         self._check_unserved()
         self._check_some_gradient()
         left = [g for g, pushed in enumerate(self._pushed) if not pushed]
@@ -393,6 +435,15 @@ class ParameterServerTraining:
     def _check_pushed_grads(self) -> None:
         """A gradient changed in place after its push began (e.g. clip_grad_norm_ between backward
         and step) would reach the servers half changed: refuse it."""
+        cleared = [self._names[i] for i, g, _ in self._pushed_grads if self.params[i].grad is not g]
+        if cleared:
+            self._pushed_grads = []
+            raise RuntimeError(
+                f"worker {self.worker}: the gradients of {cleared[:6]}{' and more' if len(cleared) > 6 else ''} were "
+                "cleared or replaced (zero_grad) after backward had pushed them to the servers, which hold them "
+                "now: with parameter servers a step cannot be skipped once its backward ran (e.g. on a non-finite "
+                "loss: test the loss before calling backward). step() again finishes the step with what was "
+                f"pushed{RETRY_NOTE}")
         changed = [self._names[i] for i, g, v in self._pushed_grads if g._version != v]
         if changed:
             self._pushed_grads = []
@@ -491,11 +542,17 @@ class ParameterServerTraining:
 
     def _wait_params_until(self, indices: Sequence[int], t0: float, deadline: float) -> None:
         with self._cond:
-            while not all(self._param_in(i) for i in indices):
+            # Checked front to back, each once it is in: a wake-up per arriving partition rechecked
+            # every parameter (thousands of small ones made a step quadratic in their number).
+            missing = deque(i for i in indices if not self._param_in(i))
+            while missing:
+                if self._param_in(missing[0]):
+                    missing.popleft()
+                    continue
                 self._raise_if_failed()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    slow = sorted({self._part[j].server for i in indices if not self._param_in(i)
+                    slow = sorted({self._part[j].server for i in missing if not self._param_in(i)
                                    for j in self._parts_of[i] if self._arrived[j] < self.step_count})
                     why = ("" if self.opts.strategy == "async" else
                            " (a synchronous server sends them once every worker's gradients of the step are in, "
