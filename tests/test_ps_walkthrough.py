@@ -173,3 +173,32 @@ def test_sparse_gradients_are_refused_when_the_module_is_wrapped():
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"dense gradients only, and \['0'\] make sparse ones"):
         ParameterServerTraining(model, servers=[("127.0.0.1", 1)], worker=0, workers=1)
+
+
+def test_a_worker_with_another_learning_rate_is_told_both_values():
+    # It said "disagrees with the other workers about ['lr']", without 0.05 or 0.1.
+    from ringtrain.errors import MismatchError
+    from ringtrain.ps import ParameterServer, ServerConfig
+    from ringtrain.ps.server_config import check_hello
+    from ringtrain.ps.sharding import make_layout
+
+    layout = make_layout([12, 3], 1, 16)
+
+    def hello(w: int, lr: float) -> dict:
+        return check_hello({"worker": w, "numels": [12, 3], "shapes": [[12], [3]], "partition_bytes": 16,
+                            "digest": layout.digest(), "strategy": "sync", "lr": lr, "momentum": 0.9,
+                            "weight_decay": 0.0}, f"worker {w}")
+
+    server = ParameterServer(ServerConfig(index=0, servers=1, workers=2, secret=SECRET, timeout=5.0))
+    try:
+        server._configure(hello(0, 0.1))
+        with pytest.raises(MismatchError, match=r"about \['lr'\]; its lr is 0.05, the first worker's 0.1$"):
+            server._configure(hello(1, 0.05))
+    finally:
+        server._close_listener()
+
+
+def test_a_parameter_of_another_dtype_is_named():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).double())
+    with pytest.raises(ValueError, match=r"float32 CPU parameters; '1.weight' is torch.float64 .*module.float\(\)"):
+        ParameterServerTraining(model, servers=[("127.0.0.1", 1)], worker=0, workers=1)

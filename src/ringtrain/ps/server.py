@@ -131,8 +131,10 @@ class ParameterServer:
         if self._settings is not None:
             diff = [k for k in HELLO_KEYS if self._settings[k] != hello[k]]
             if diff:
+                values = "".join(f"; its {k} is {hello[k]!r}, the first worker's {self._settings[k]!r}" for k in diff
+                                 if k in ("strategy", "lr", "momentum", "weight_decay", "partition_bytes"))
                 raise MismatchError(f"worker {hello['worker']} disagrees with the other workers about {diff}"
-                                    + _first_difference(hello["shapes"], self._settings["shapes"]))
+                                    + values + _first_difference(hello["shapes"], self._settings["shapes"]))
             return
         numels, partition_bytes = hello["numels"], hello["partition_bytes"]
         if layout_digest(numels, self.cfg.servers, partition_bytes) != hello["digest"]:

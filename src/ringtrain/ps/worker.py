@@ -768,12 +768,13 @@ def _endpoints(servers: Any) -> list[tuple[str, int]]:
 
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
     out, seen = [], set()
-    for p in module.parameters():
+    for name, p in module.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         if p.dtype != torch.float32 or not p.is_contiguous() or p.device.type != "cpu":
-            raise ValueError(f"parameter servers serve contiguous float32 CPU parameters; got {p.dtype} "
-                             f"on {p.device} (contiguous={p.is_contiguous()})")
+            raise ValueError(f"parameter servers serve contiguous float32 CPU parameters; {name!r} is {p.dtype} "
+                             f"on {p.device} (contiguous={p.is_contiguous()}): convert the module before wrapping "
+                             "it (module.float(), .contiguous())")
         out.append(p)
     return out
