@@ -337,8 +337,9 @@ def test_saving_an_earlier_step_never_deletes_what_it_wrote(tmp_path):
         checkpoint.save(tmp_path, step, {"s": torch.tensor(step)}, keep=3)
     for step in (7, 10):
         corrupt(tmp_path / checkpoint.checkpoint_name(step), "truncated")
-    with pytest.warns(RuntimeWarning, match=r"later steps \[7, 10\]"):
+    with pytest.warns(RuntimeWarning, match=r"later steps \[7, 10\]") as caught:
         checkpoint.save(tmp_path, 6, {"s": torch.tensor(6)}, keep=2)
+    assert [w.filename for w in caught] == [__file__]  # the caller's line
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [5, 6, 7, 10]
     with pytest.warns(RuntimeWarning, match="skipping"):
         assert checkpoint.latest(tmp_path).step == 6

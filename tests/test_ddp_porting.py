@@ -388,3 +388,22 @@ def test_copying_or_pickling_the_wrapper_says_to_copy_the_module():
             ddp.close()
 
     raise_first(run_comms(2, body))
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_forward_sync_buffers_is_broadcast_buffers_and_false_leaves_them_at_construction_too(sync):
+    """torch 2.13 asks for forward_sync_buffers in place of broadcast_buffers (refused before); with
+    False, torch's DDP leaves the buffers out of the construction's broadcast as well."""
+    def body(comm):
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        with torch.no_grad():
+            model[1].running_mean.fill_(comm.rank)
+        ddp = DistributedDataParallel(model, comm, forward_sync_buffers=sync, **FAST)
+        assert ddp.options.broadcast_buffers is sync
+        mean = float(model[1].running_mean.mean())
+        ddp.close()
+        return mean
+
+    assert raise_first(run_comms(2, body)) == ([0.0, 0.0] if sync else [0.0, 1.0])
+    with pytest.raises(ValueError, match="name one setting"):
+        DistributedDataParallel(_made(), None, forward_sync_buffers=True, broadcast_buffers=False)

@@ -233,7 +233,7 @@ def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], 
     for _, old in [c for c in existing if c[0] <= step][:-keep]:
         old.unlink(missing_ok=True)
     if warn_later:
-        warn_of_later_steps(directory, step, [s for s, _ in existing if s > step], stacklevel=3)
+        warn_of_later_steps(directory, step, [s for s, _ in existing if s > step], stacklevel=2)
     _remove_stale_temporaries(directory)
     return path
 

@@ -24,7 +24,7 @@ SCHEDULES = planner.METHODS
 TORCH_DEFAULTS = {"device_ids": None, "output_device": None, "dim": 0, "process_group": None,
                   "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None, "mixed_precision": None,
                   "device_mesh": None, "skip_all_reduce_unused_params": False, "bucket_cap_mb_list": None,
-                  "batched_grad_copy": False, "forward_sync_buffers": None}
+                  "batched_grad_copy": False}
 #: torch's hints, taken at any True/False: ``static_graph`` (the wrapper handles a graph that
 #: changes or not) and ``check_reduction`` (ignored by torch too).
 TORCH_HINTS = ("static_graph", "check_reduction")
@@ -32,7 +32,15 @@ TORCH_HINTS = ("static_graph", "check_reduction")
 
 def take_torch_keywords(options: dict) -> dict:
     """Remove torch DDP's keywords (``TORCH_DEFAULTS``, ``TORCH_HINTS``) from ``options`` (the
-    wrapper's ``**options``), checking each, and return ``options``."""
+    wrapper's ``**options``), checking each, and return ``options``. ``forward_sync_buffers``
+    (newer torch's name for ``broadcast_buffers``) becomes ``broadcast_buffers``."""
+    if options.get("forward_sync_buffers") is not None:
+        value = options.pop("forward_sync_buffers")
+        if options.get("broadcast_buffers", value) != value:
+            raise ValueError(f"forward_sync_buffers={value!r} and broadcast_buffers={options['broadcast_buffers']!r} "
+                             "name one setting: give one of them")
+        options["broadcast_buffers"] = value
+    options.pop("forward_sync_buffers", None)
     for name in TORCH_HINTS:
         value = options.pop(name, False)
         if not isinstance(value, bool):

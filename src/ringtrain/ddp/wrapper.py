@@ -145,9 +145,10 @@ class DistributedDataParallel(nn.Module):
             self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
             self._module_buffers = [b for b in module.buffers() if b.numel()]
 
-            if opts.init_sync:
+            if opts.init_sync:  # (the buffers too unless broadcast_buffers=False, as torch's DDP)
                 self._check_same_model(module)
-                self._broadcast_tensors([p.data for p in module.parameters()] + self._module_buffers,
+                self._broadcast_tensors([p.data for p in module.parameters()]
+                                        + (self._module_buffers if opts.broadcast_buffers else []),
                                         "broadcast parameters")
             if opts.cost is not None:
                 self.cost = opts.cost

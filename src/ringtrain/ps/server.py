@@ -100,6 +100,7 @@ class ParameterServer:
         self._status = ["waiting"] * W  # waiting, connected, bye, lost
         self._heard = [0.0] * W  # monotonic time of each worker's last message
         self._lost_why: dict[int, str] = {}  # why each lost worker was lost (told to it if it comes back)
+        self._dropped: set[int] = set()  # workers lost for silence while connected: told why as theirs closes
         self._serving: set[int] = set()  # workers whose message waits in _wait_until or for its turn
         self._pulls_seen = 0  # async: pulls taken so far (each one's ticket: its number)
         self._turns: list[int] = []  # async: tickets of the pulls cleared to be answered, waiting for the wire
@@ -282,11 +283,10 @@ class ParameterServer:
                 continue
             if now - self._heard[w] >= limit:
                 self._lost(w, f"it sent nothing for {limit:g} s while holding up the others' pulls")
-                # Its reader wakes up and ends now; the worker hears why (it read a closed
-                # connection as this server's death), off the lock: a send may wait.
-                ch = self._channels[w]
-                ch.shut_reading()
-                threading.Thread(target=_tell_and_close, args=(ch, self._dropped_error(w)), daemon=True).start()
+                # Its reader wakes up and ends now; its connection's thread tells the worker why
+                # before it closes (the worker read a closed connection as this server's death).
+                self._dropped.add(w)
+                self._channels[w].shut_reading()
 
     def _holding_up_step(self) -> list[int]:
         """Sync: the connected workers whose gradients of the step in progress are not all in
@@ -395,6 +395,8 @@ class ParameterServer:
         finally:
             outbox.put(None)
             sender.join(self.cfg.timeout)
+            if w in self._dropped:  # (after the sender: no frame of its own cut in two)
+                ch.send_abort(self._dropped_error(w))
             ch.close()
             with self._cond:
                 self._bytes[w] = [ch.bytes_sent, ch.bytes_received]
@@ -913,11 +915,6 @@ class ParameterServer:
 def _tell_all(channels: list, error: CommError) -> None:
     for ch in channels:
         ch.send_abort(error)
-
-
-def _tell_and_close(ch, error: CommError) -> None:
-    ch.send_abort(error)
-    ch.close()
 
 
 def sum_in_order(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -176,7 +176,8 @@ class ParameterServerTraining:
         if not 0 <= worker < workers:
             raise ValueError(f"worker must be in [0, workers={workers}), got {worker}")
         check_cpu_module(module, "ringtrain.ps.ParameterServerTraining")
-        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True]
+        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True
+                  and any(p.requires_grad for p in m.parameters(recurse=False))]  # (a frozen one makes none)
         if sparse:  # (nn.Embedding / nn.EmbeddingBag(sparse=True): the gradients would be sparse tensors)
             raise ValueError(f"ringtrain.ps.ParameterServerTraining pushes dense gradients only, and {sparse} "
                              "make sparse ones: construct them with sparse=False")
@@ -332,7 +333,11 @@ class ParameterServerTraining:
         self._wait_params(self._outside if self._found_outside else range(len(self.params)))
 
     def _find_outside(self) -> None:
-        """At step(): parameters with a gradient none of whose modules this step's forwards called."""
+        """At step(): parameters with a gradient none of whose modules this step's forwards called.
+        A step that called no module at all (a worker without data taking part with a zero loss
+        over the parameters) says nothing about where forward reads them."""
+        if not self._called:
+            return
         found = [i for i, ready in enumerate(self._ready) if ready and not self._owners[i] & self._called]
         self._called.clear()
         new = sorted(set(found) - set(self._outside))
@@ -411,10 +416,10 @@ class ParameterServerTraining:
                 f"added): step() again finishes the step with them{RETRY_NOTE}")
         self._check_pushed_grads()
         self._check_params_unwritten()
-        if self.opts.overlap_pull:
-            self._find_outside()
         self._check_unserved()
         self._check_some_gradient()
+        if self.opts.overlap_pull:  # (after the refusals: a step() tried again finds the same)
+            self._find_outside()
         left = [g for g, pushed in enumerate(self._pushed) if not pushed]
         if left:  # parameters without a gradient: pushed as zeros, once their values of this step are in
             self._wait_params([i for g in left for i in self._groups[g]])
@@ -435,16 +440,17 @@ class ParameterServerTraining:
     def _check_pushed_grads(self) -> None:
         """A gradient changed in place after its push began (e.g. clip_grad_norm_ between backward
         and step) would reach the servers half changed: refuse it."""
-        cleared = [self._names[i] for i, g, _ in self._pushed_grads if self.params[i].grad is not g]
+        cleared = [self._names[i] for i, _, _ in self._pushed_grads if self.params[i].grad is None]
         if cleared:
             self._pushed_grads = []
             raise RuntimeError(
                 f"worker {self.worker}: the gradients of {cleared[:6]}{' and more' if len(cleared) > 6 else ''} were "
-                "cleared or replaced (zero_grad) after backward had pushed them to the servers, which hold them "
+                "cleared (zero_grad) after backward had pushed them to the servers, which hold them "
                 "now: with parameter servers a step cannot be skipped once its backward ran (e.g. on a non-finite "
                 "loss: test the loss before calling backward). step() again finishes the step with what was "
                 f"pushed{RETRY_NOTE}")
-        changed = [self._names[i] for i, g, v in self._pushed_grads if g._version != v]
+        changed = [self._names[i] for i, g, v in self._pushed_grads
+                   if self.params[i].grad is not g or g._version != v]  # (replaced, or changed in place)
         if changed:
             self._pushed_grads = []
             raise RuntimeError(
