@@ -34,13 +34,12 @@ def take_torch_keywords(options: dict) -> dict:
     """Remove torch DDP's keywords (``TORCH_DEFAULTS``, ``TORCH_HINTS``) from ``options`` (the
     wrapper's ``**options``), checking each, and return ``options``. ``forward_sync_buffers``
     (newer torch's name for ``broadcast_buffers``) becomes ``broadcast_buffers``."""
-    if options.get("forward_sync_buffers") is not None:
-        value = options.pop("forward_sync_buffers")
+    value = options.pop("forward_sync_buffers", None)
+    if value is not None:
         if options.get("broadcast_buffers", value) != value:
             raise ValueError(f"forward_sync_buffers={value!r} and broadcast_buffers={options['broadcast_buffers']!r} "
                              "name one setting: give one of them")
         options["broadcast_buffers"] = value
-    options.pop("forward_sync_buffers", None)
     for name in TORCH_HINTS:
         value = options.pop(name, False)
         if not isinstance(value, bool):

@@ -17,8 +17,8 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    ``.grad``, a view of the bucket, as torch's option of that name; the tensor autograd made is
    freed at the next forward, where plain torch frees its gradients; a gradient laid out with
    other strides keeps its own tensor and is copied back, as every one is by default), and,
-   once a bucket's last slot is filled and every earlier bucket has been launched, *launches* it: queues its allreduce (op ``mean``) on the
-   wrapper's one communication thread. Buckets launch in plan order on every rank, whatever
+   once a bucket's last slot is filled and every earlier bucket has been launched, *launches*
+   it: queues its allreduce (op ``mean``) on the wrapper's one communication thread. Buckets launch in plan order on every rank, whatever
    order the hooks fire in, so the collectives match across ranks.
 3. The end of backward is the hook of the last expected gradient (a public mechanism, unlike
    autograd's internal ``queue_callback``): it waits for every launched allreduce (with a

@@ -48,8 +48,8 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.servers < 1:
         p.error(f"--servers must be >= 1, got {args.servers}")
-    try:
-        staleness_flag(args.max_staleness, args.strategy, "async")
+    try:  # (the servers' max_staleness: None for -1)
+        args.staleness_bound = staleness_flag(args.max_staleness, args.strategy, "async")
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -75,10 +75,9 @@ def main(argv=None) -> int:
         print(f"python -m ringtrain.ps: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    staleness = staleness_flag(args.max_staleness, args.strategy, "async")
     if server:
-        run_server_role(args.servers, strategy=args.strategy, max_staleness=staleness, timeout=args.timeout,
-                        join_timeout=args.join_timeout)
+        run_server_role(args.servers, strategy=args.strategy, max_staleness=args.staleness_bound,
+                        timeout=args.timeout, join_timeout=args.join_timeout)
         return 0
     workers = info.world_size - args.servers
     spec = models.spec(args.model)
