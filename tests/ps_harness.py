@@ -5,6 +5,7 @@ Import from here, not from another test module (see thread_harness.py).
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -33,6 +34,23 @@ def start_server(secret: bytes, **kw) -> tuple[ParameterServer, threading.Thread
     t = threading.Thread(target=lambda: out.setdefault("stats", server.serve()), daemon=True)
     t.start()
     return server, t, out
+
+
+class RawWorker(P.Channel):
+    """A worker's channel in a test that speaks the protocol by hand: its PUSHes carry the
+    learning rate its HELLO gave (as ParameterServerTraining's do) unless ``extra`` says another."""
+
+    lr = 0.0
+
+    def send(self, kind: int, **kw) -> None:
+        if kind == P.HELLO:
+            try:
+                self.lr = float(json.loads(kw["body"])["lr"])
+            except (ValueError, KeyError, TypeError, RecursionError):  # (a test's bad HELLO)
+                pass
+        elif kind == P.PUSH:
+            kw.setdefault("extra", P.lr_bits(self.lr))
+        super().send(kind, **kw)
 
 
 def recv_params(ch: P.Channel, layout) -> tuple[int, dict]:

@@ -73,7 +73,7 @@ def hello_of(layout, w: int = 0, strategy: str = "sync", **over) -> dict:
 def dial(server: ParameterServer, w: int, workers: int) -> P.Channel:
     K, k = server.cfg.servers, server.cfg.index
     sock = P.dial(server.endpoint, P.ps_identity(K + w, K + workers, "ps", SECRET), k, 5.0)
-    return P.Channel(sock, f"server {k}", 5.0)
+    return ps_harness.RawWorker(sock, f"server {k}", 5.0)
 
 
 def raw_worker(server: ParameterServer, hello: dict, workers: int = 1) -> P.Channel:

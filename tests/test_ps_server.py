@@ -414,7 +414,7 @@ def test_a_worker_dropped_for_connecting_late_hears_why_when_it_comes(strategy):
     while "lost" not in server._status:  # (1.5 s after worker 0: join_timeout = timeout here)
         assert time.monotonic() < deadline, server._status
         time.sleep(0.05)
-    late = P.Channel(P.dial(server.endpoint, P.ps_identity(2, 3, "ps", SECRET), 0, 5.0), "server", 5.0)
+    late = ps_harness.RawWorker(P.dial(server.endpoint, P.ps_identity(2, 3, "ps", SECRET), 0, 5.0), "server", 5.0)
     with pytest.raises(PeerLost, match="worker 1 was dropped .it did not connect within 1.5 s.*not taken back"):
         late.recv_header(5.0)
     late.close()
@@ -530,7 +530,7 @@ def test_a_worker_lost_half_way_through_a_push_leaves_the_shard_untouched():
     ps = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=2, secret=SECRET,
                                  partition_mb=4 / (1 << 20))
     ps.wait()
-    ch = P.Channel(P.dial(server.endpoint, P.ps_identity(2, 3, "ps", SECRET), 0, 5.0), "server", 5.0)
+    ch = ps_harness.RawWorker(P.dial(server.endpoint, P.ps_identity(2, 3, "ps", SECRET), 0, 5.0), "server", 5.0)
     hello = {"worker": 1, "numels": list(ps.layout.numels), "shapes": [list(p.shape) for p in ps.params],
              "partition_bytes": ps.opts.partition_bytes,
              "digest": ps.layout.digest(), "strategy": "sync", "lr": ps.opts.lr, "momentum": ps.opts.momentum,
@@ -655,7 +655,7 @@ def raw_worker(server: ParameterServer, layout, w: int, workers: int, lr: float,
                strategy: str = "sync", shapes=None) -> P.Channel:
     """A worker speaking the protocol by hand: handshake and HELLO; WELCOME read. ``shapes``: the
     parameters' (as a real worker of the same job has them), or one dimension each."""
-    ch = P.Channel(P.dial(server.endpoint, P.ps_identity(1 + w, 1 + workers, "ps", SECRET), 0, 5.0), "server", 5.0)
+    ch = ps_harness.RawWorker(P.dial(server.endpoint, P.ps_identity(1 + w, 1 + workers, "ps", SECRET), 0, 5.0), "server", 5.0)
     hello = {"worker": w, "numels": list(layout.numels), "shapes": shapes or [[n] for n in layout.numels],
              "partition_bytes": layout.partition_bytes,
              "digest": layout.digest(), "strategy": strategy, "lr": lr, "momentum": momentum, "weight_decay": 0.0}

@@ -8,11 +8,12 @@ See docs/ps.md for the loop, the launch roles and the guarantees.
 from .launch import LocalServers, benchmark, is_server_rank, launch_local, run_server_role, worker_from_env
 from .server import ParameterServer, run_server
 from .server_config import STRATEGIES, ServerConfig
+from .server_sgd import ServerSGD
 from .sharding import Layout, Partition, make_layout
 from .worker import ParameterServerTraining, PSOptions
 
 __all__ = [
     "STRATEGIES", "Layout", "LocalServers", "ParameterServer", "ParameterServerTraining", "PSOptions", "Partition",
-    "ServerConfig", "benchmark", "is_server_rank", "launch_local", "make_layout", "run_server", "run_server_role",
-    "worker_from_env",
+    "ServerConfig", "ServerSGD", "benchmark", "is_server_rank", "launch_local", "make_layout", "run_server",
+    "run_server_role", "worker_from_env",
 ]

@@ -15,7 +15,8 @@ module only adds what travels inside a DATA frame's payload):
   strategy and optimizer settings), WELCOME (server -> worker, JSON: the server's version and whether it still needs
   initial values), INIT (worker 0 -> server: initial values of the whole shard), PUSH (worker ->
   server: gradients of some partitions for ``step``, tagged with the ``version`` of the
-  parameters they were computed from), PULL (worker -> server: "send me the shard's values for
+  parameters they were computed from; ``extra`` = the learning rate to apply them with, the bits
+  of an IEEE-754 double: ``lr_bits`` / ``lr_of``), PULL (worker -> server: "send me the shard's values for
   ``step``": synchronous servers register it and stream each partition once it has taken step
   ``step`` - 1, asynchronous ones answer with the whole shard once the staleness bound allows),
   PARAMS (server -> worker: some partitions of the shard, any order, for the pull of ``step``,
@@ -39,6 +40,7 @@ buffers the receiver allocated from its own layout, never sized by what the peer
 from __future__ import annotations
 
 import json
+import math
 import select
 import socket
 import struct
@@ -95,6 +97,19 @@ def unpack_header(data: bytes, frame_length: int) -> Header:
     if kind not in KIND_NAMES or flags or reserved:
         raise ProtocolError(f"malformed parameter-server message: kind {kind}, flags {flags}, reserved {reserved}")
     return Header(kind, worker, count, step, version, extra, frame_length - HEADER_SIZE)
+
+
+def lr_bits(lr: float) -> int:
+    """A PUSH's ``extra``: the learning rate's float64 bits."""
+    return struct.unpack("<Q", struct.pack("<d", lr))[0]
+
+
+def lr_of(head: Header, peer: str) -> float:
+    """The learning rate a PUSH carries: a finite number >= 0 (0: a warm-up's first step)."""
+    lr = struct.unpack("<d", struct.pack("<Q", head.extra))[0]
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ProtocolError(f"{peer} pushed step {head.step} with learning rate {lr}, not a finite number >= 0")
+    return lr
 
 
 def ps_identity(rank: int, world: int, job: str, secret: Optional[bytes]) -> tcp_setup.Identity:

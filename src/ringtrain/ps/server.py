@@ -174,6 +174,8 @@ class ParameterServer:
         self._undo: dict[int, tuple] = {}  # sync: values and momentum before this step's update
         self._prev: dict[int, tuple] = {}  # sync: the same for the last step completed (for SAVE)
         self._want: list[Optional[int]] = [None] * W  # sync: the step each worker's pull asks for
+        self._step_lr: Optional[tuple[float, int]] = None  # sync: step `version`'s learning rate, who sent it first
+        self._lr_of = [lr] * W  # async: each worker's learning rate for the push it is sending
         # Configured only once the checkpoint is taken: one it refuses (MismatchError) leaves the
         # server unconfigured, so every worker's HELLO meets the same refusal and reports it.
         if self._resume_payload is not None:
@@ -556,6 +558,7 @@ class ParameterServer:
         ids = self._read_ids(ch, head, exact_all=False)
         if got.intersection(ids):
             raise ProtocolError(f"worker {w} pushed a partition twice for step {head.step}")
+        self._check_lr(w, head, P.lr_of(head, f"worker {w}"))
         if not self.cfg.synchronous:
             self._read_values(ch, ids, self._grads[w])
             got.update(ids)
@@ -565,6 +568,25 @@ class ParameterServer:
             self._read_values(ch, [i], self._grads[w])
             got.add(i)
             self._took(w, head, [i])
+
+    def _check_lr(self, w: int, head, lr: float) -> None:
+        """Every message of one step carries the same learning rate: synchronous, every worker's
+        (the step is one SGD step over their mean gradient); asynchronous, each worker's own."""
+        if not self.cfg.synchronous:
+            if not self._got[w]:  # (the first message of its step)
+                self._lr_of[w] = lr
+            elif self._lr_of[w] != lr:
+                raise ProtocolError(f"worker {w} pushed step {head.step} with learning rates {self._lr_of[w]} and {lr}")
+            return
+        with self._cond:
+            if self._step_lr is None:
+                self._step_lr = (lr, w)
+            elif self._step_lr[0] != lr:
+                first, u = self._step_lr
+                raise MismatchError(
+                    f"worker {w} pushed step {head.step} with learning rate {lr}, worker {u} with {first}: "
+                    "synchronous workers take each step with the same learning rate (set it alike on every "
+                    "worker, e.g. the same scheduler stepped once per step())")
 
     def _took(self, w: int, head, ids: list[int]) -> None:
         """Worker w's gradients of ``ids`` are in its staging buffer: count or apply them."""
@@ -581,7 +603,8 @@ class ParameterServer:
             elif whole:
                 self.staleness[self.version - head.version] += 1
                 mine = self._grads[w]
-                self._apply(self.shard_ids.tolist(), lambda i: self._slice(mine, i) / self.cfg.workers)
+                self._apply(self.shard_ids.tolist(), lambda i: self._slice(mine, i) / self.cfg.workers,
+                            self._lr_of[w])
                 self.version += 1
                 self.updates += 1
             self._cond.notify_all()
@@ -601,7 +624,8 @@ class ParameterServer:
             view = self._views[i]
             momentum = self.opt.state.get(view, {}).get("momentum_buffer")
             self._undo[i] = (view.clone(), None if momentum is None else momentum.clone())
-        self._apply(ready, lambda i: sum_in_order([self._slice(g, i) for g in self._grads]).div_(W))
+        self._apply(ready, lambda i: sum_in_order([self._slice(g, i) for g in self._grads]).div_(W),
+                    self._step_lr[0])
         step = self.version + 1
         for i in ready:
             self._part_version[i] = step
@@ -615,14 +639,16 @@ class ParameterServer:
             # (kept for a SAVE that comes after the step: only where the server can save)
             self._prev, self._undo = (self._undo if self.cfg.shard_dir else {}), {}
             self._complete = [False] * W
+            self._step_lr = None
             self.version = step
             self.updates += 1
 
     def _slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]]
 
-    def _apply(self, ids: list[int], grad_of) -> None:
-        """One SGD step on partitions ``ids``, partition i's gradient ``grad_of(i)`` (caller holds the lock)."""
+    def _apply(self, ids: list[int], grad_of, lr: float) -> None:
+        """One SGD step at learning rate ``lr`` on partitions ``ids``, partition i's gradient
+        ``grad_of(i)`` (caller holds the lock)."""
         views = [self._views[i] for i in ids]
         for i, view in zip(ids, views):
             view.grad = grad_of(i)
@@ -632,7 +658,7 @@ class ParameterServer:
         # keyed by tensor: the momentum buffers stay where they are.)
         group = self.opt.param_groups[0]
         every = group["params"]
-        group["params"] = views
+        group["params"], group["lr"] = views, lr
         try:
             self.opt.step()
         finally:
@@ -654,6 +680,7 @@ class ParameterServer:
             log.warning("%s rolled %d partitions back to version %d", self.name, len(self._undo), self.version)
         self._undo.clear()
         self._count = dict.fromkeys(self._count, 0)
+        self._step_lr = None
 
     def _on_pull(self, w: int, ch: P.Channel, head) -> None:
         if head.body:

@@ -30,8 +30,11 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   first step finds them (its forward waits for every parameter). One found later is logged: its
   value in that step may have been the one before the pull.
 - The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
-  the gradients (set to None). A parameter that got no gradient is pushed as zeros; a
-  ``step()`` with no gradient at all (no backward since the last) is refused, pushing nothing.
+  the gradients (set to None). ``optimizer`` is the servers' SGD as torch sees it
+  (``server_sgd.ServerSGD``: its ``step()`` is ``step()``; torch's schedulers set its learning
+  rate, which every push of a step carries, read at the step's first push). A parameter that
+  got no gradient is pushed as zeros; a ``step()`` with no gradient at all (no backward since
+  the last) is refused, pushing nothing.
 - *version*: a tensor's in-place write counter (``Tensor._version``). The receiver writes
   through numpy views, which leave it alone, so a parameter whose version moved was written by
   the caller (a local ``optimizer.step()``, ``load_state_dict``): ``step()`` refuses it, as it
@@ -56,6 +59,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -70,6 +74,7 @@ from ..collectives.ops import check_cpu_module
 from ..errors import CommError, CommTimeout, PeerLost, ProtocolError, check_keywords, check_number
 from . import protocol as P
 from .server_config import STRATEGIES, JoinTimeout
+from .server_sgd import ServerSGD
 from .sharding import make_layout
 
 log = logging.getLogger(__name__)
@@ -84,13 +89,14 @@ RETRY_NOTE = (" (synchronous servers wait for it up to their timeout, then lose 
 class PSOptions(JoinTimeout):
     """Settings of one worker's side of parameter-server training (servers get theirs at launch).
 
-    Frozen: lr, momentum and weight_decay reach the servers in the first HELLO and stay for the
-    run (there is no learning-rate schedule), so a later change would be silently ignored."""
+    Frozen: momentum and weight_decay reach the servers in the first HELLO and stay for the run;
+    lr is the learning rate to start with (``ParameterServerTraining.optimizer`` changes it from
+    step to step: each push carries its step's)."""
 
     strategy: str = "sync"
     """'sync', 'sharded' (sync over several servers) or 'async'; must match the servers'."""
     lr: float = 0.05
-    """SGD learning rate (applied on the servers; fixed for the run)."""
+    """SGD learning rate to start with (applied on the servers; ``optimizer``'s param group changes it)."""
     momentum: float = 0.9
     """SGD momentum (its buffer lives on the servers)."""
     weight_decay: float = 0.0
@@ -214,6 +220,9 @@ class ParameterServerTraining:
         self._found_outside = False  # the first step() has looked for them
         self.pull_wait_s = 0.0  # time forward (or wait()) spent blocked on pulled parameters
         self._pushed_grads: list[tuple[int, torch.Tensor, int]] = []  # (param, gradient, its _version) sent
+        self.optimizer = ServerSGD(self.params, self.step, worker, lr=opts.lr, momentum=opts.momentum,
+                                   weight_decay=opts.weight_decay)
+        self._step_lr: Optional[float] = None  # the learning rate this step's pushes carry (from its first)
         self._links = self._connect(servers)
         # (until then a wait may be on a worker still connecting: _deadline)
         self._joining_until = time.monotonic() + self.opts.join_s + 2 * self.opts.timeout
@@ -353,7 +362,25 @@ class ParameterServerTraining:
     # --- the loop ---------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._raise_if_closed()
+        if self._step_lr is None:  # (refused before backward, not in its first push's hook)
+            self.optimizer.learning_rate()
         return self.module(*args, **kwargs)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step (``optimizer.param_groups[0]["lr"]``); set it between
+        steps, before the next backward."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        group = self.optimizer.param_groups[0]
+        before, group["lr"] = group["lr"], value
+        try:
+            self.optimizer.learning_rate()
+        except ValueError:
+            group["lr"] = before
+            raise
 
     def _raise_if_closed(self) -> None:
         if self._closed:
@@ -380,6 +407,8 @@ class ParameterServerTraining:
             # pushes gradients nobody computed as zeros), so this rarely waits at all.
             self._wait_params(range(len(self.params)))
             self._issue_pulls(self.step_count + 1)  # streamed: servers send partitions as they step them
+        if self._step_lr is None:
+            self._step_lr = self.optimizer.learning_rate()
         self._pushed[g] = True
         members = set(self._groups[g])
         for link in self._links:
@@ -395,7 +424,7 @@ class ParameterServerTraining:
             # The version of the parameters these gradients come from: synchronous servers are at
             # this step (link.version may already be the next, streamed in during backward).
             version = link.version if self.opts.strategy == "async" else self.step_count
-            link.jobs.put(("push", self.step_count, version, ids, views))
+            link.jobs.put(("push", self.step_count, version, ids, views, self._step_lr))
         for i in members:
             grad = self.params[i].grad
             if grad is not None:
@@ -430,12 +459,24 @@ class ParameterServerTraining:
         for p in self.params:
             p.grad = None  # the sender threads keep the tensors they still have to send
         self._pushed_grads = []
+        self._warn_if_lr_changed()
         self.step_count += 1
         if self._pulled < self.step_count:
             self._issue_pulls(self.step_count)
         self._reset_groups()
         if not self.opts.overlap_pull:
             self.wait()
+
+    def _warn_if_lr_changed(self) -> None:
+        """A learning rate set after the step's first push (a scheduler stepped between backward and
+        step()) is the next step's: say so, as torch's schedulers warn of that order."""
+        now, took = self.optimizer.param_groups[0]["lr"], self._step_lr
+        self._step_lr = None
+        if now != took:
+            warnings.warn(f"worker {self.worker}: the learning rate changed to {now} after step {self.step_count}'s "
+                          f"gradients had gone to the servers with {took} (during backward): it applies from the "
+                          "next step. Set it before backward (a scheduler's step() after the optimizer's, torch's "
+                          "order)", stacklevel=3)
 
     def _check_pushed_grads(self) -> None:
         """A gradient changed in place after its push began (e.g. clip_grad_norm_ between backward
@@ -653,8 +694,9 @@ class ParameterServerTraining:
                     return
                 kind = job[0]
                 if kind == "push":
-                    _, step, version, ids, views = job
-                    link.ch.send(P.PUSH, worker=self.worker, step=step, version=version, ids=ids, values=views)
+                    _, step, version, ids, views, lr = job
+                    link.ch.send(P.PUSH, worker=self.worker, step=step, version=version, extra=P.lr_bits(lr),
+                                 ids=ids, values=views)
                 elif kind == "pull":
                     link.ch.send(P.PULL, worker=self.worker, step=job[1])
                 elif kind == "save":
