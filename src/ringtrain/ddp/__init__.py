@@ -14,7 +14,8 @@ into buckets by the planner (MG-WFBP; by default the exact optimum of ``ringtrai
 Modules: ``wrapper`` (DistributedDataParallel: hooks, bucket memory, launch, wait), ``options``
 (DDPOptions: the wrapper's settings), ``unused`` (find_unused_parameters' graph walk and used
 bitmap, the errors about missing or unexpected gradients), ``planning`` (the plan in force:
-profile, first plan, trial, re-plans), ``trial`` (the trial of candidate plans), ``buckets``
+profile, first plan, trial, re-plans), ``trial`` (the trial of candidate plans), ``join``
+(uneven inputs: the ranks that ran out shadow the others' collectives), ``buckets``
 (pure layout of gradients in flat buffers), ``comm_thread`` (the one thread that runs the
 collectives), ``calibration`` (allreduce sweep, backward profile, drift), ``timeline``
 (Chrome trace, PNG drawing, per-iteration stats), ``overhead`` (one-rank cost measurement).

@@ -46,9 +46,13 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    ``fell_back``, ``kept`` and ``trial`` say what it measured and kept; ``settled`` is True
    once the trial is over.
 
+Inside :meth:`DistributedDataParallel.join` (uneven inputs) each rank announces the forward's
+broadcast and the backward's collectives before running them, and a rank that has run out of
+batches shadows what is announced (:mod:`.join`).
+
 The wrapper owns the hooks, the buckets' memory and the iteration's state; :mod:`.options` its
 settings, :mod:`.unused` the ``find_unused_parameters`` analysis and the errors about missing or
-unexpected gradients, :mod:`.planning` the plan in force.
+unexpected gradients, :mod:`.planning` the plan in force, :mod:`.join` the uneven inputs.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -79,6 +83,7 @@ from ..errors import CommError, check_keywords
 from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread, settle_all
+from .join import Join
 from .options import DDPOptions, take_torch_keywords
 from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
@@ -133,6 +138,7 @@ class DistributedDataParallel(nn.Module):
             # host): the ranks of one host line up in Perfetto and in draw_timeline.
             self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
         self._thread = CommThread(f"ringtrain-ddp-comm-{comm.rank}")
+        self._join: Optional[Join] = None  # inside join(): the uneven-inputs block
         self._hooks: list = []
         self._closed = False
         try:
@@ -272,8 +278,11 @@ class DistributedDataParallel(nn.Module):
         if self._frozen and torch.is_grad_enabled():
             self._check_still_frozen()
         t0 = time.perf_counter()
-        if self.options.broadcast_buffers and self.world_size > 1 and self._module_buffers and st.sync_buffers:
-            self._broadcast_tensors(self._module_buffers, "broadcast buffers")
+        opts = self.options
+        broadcasts = bool(opts.broadcast_buffers and self.world_size > 1 and self._module_buffers and st.sync_buffers)
+        root = 0 if self._join is None else self._join.before_forward(broadcasts, torch.is_grad_enabled() and st.sync)
+        if broadcasts:
+            self._broadcast_tensors(self._module_buffers, "broadcast buffers", root)
         broadcast_s = time.perf_counter() - t0
         out = self.module(*inputs, **kwargs)
         # As torch's DDP (require_forward_param_sync): the next forward broadcasts the buffers only
@@ -345,6 +354,37 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._s.sync = old
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        """Train on uneven inputs, as torch's ``DistributedDataParallel.join``: wrap each rank's
+        training loop; a rank whose loop ends first shadows the others' collectives, with zero
+        gradients, until every rank's has (:mod:`.join` says how). Gradients are divided by the
+        world size (``divide_by_initial_world_size``) or by the ranks still training in that
+        iteration. On leaving, every rank takes the parameters (and buffers, with
+        ``broadcast_buffers``) of the highest rank among those that trained longest.
+        ``throw_on_early_termination``: instead, a RuntimeError on every rank as soon as one rank
+        runs out. ``enable=False`` (or one rank): nothing changes. An exception inside the block
+        leaves it at once, shadowing nothing."""
+        for name, value in (("divide_by_initial_world_size", divide_by_initial_world_size), ("enable", enable),
+                            ("throw_on_early_termination", throw_on_early_termination)):
+            if not isinstance(value, bool):
+                raise ValueError(f"join: {name}={value!r}: it must be True or False")
+        if not enable or self.world_size == 1:
+            yield
+            return
+        if self._join is not None:
+            raise RuntimeError("ringtrain.DistributedDataParallel.join: this wrapper is already inside join()")
+        self._join = Join(self, divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+            st = self._s
+            if st.failed is not None:
+                raise self._failed_backward_error()
+            self._join.shadow()
+        finally:
+            self._join = None
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -483,6 +523,8 @@ class DistributedDataParallel(nn.Module):
         st.first = now
         if self.world_size == 1:
             return
+        if self._join is not None:
+            self._join.before_backward()  # before every collective of the backward
         if self.options.find_unused_parameters:
             self._launch_used_bitmap()  # before any bucket: every rank queues it first
         for pid in st.unused:  # find_unused_parameters: no gradient from this backward
@@ -515,11 +557,11 @@ class DistributedDataParallel(nn.Module):
         st.pending[bucket] -= 1
         while st.launched < len(self._specs) and st.pending[st.launched] == 0:
             k = st.launched
-            job = self._thread.submit(
-                f"allreduce bucket {k}",
-                partial(self.comm.allreduce, self._bufs[k], "mean", self.options.algorithm),
-                self._specs[k].nbytes,
-            )
+            if self._join is None:
+                call = partial(self.comm.allreduce, self._bufs[k], "mean", self.options.algorithm)
+            else:  # (the mean over the ranks still training, or with joined ranks' zeros)
+                call = partial(self._join.mean, self._bufs[k], self.options.algorithm)
+            job = self._thread.submit(f"allreduce bucket {k}", call, self._specs[k].nbytes)
             st.jobs.append(job)
             st.launched += 1
 
@@ -774,8 +816,8 @@ class DistributedDataParallel(nn.Module):
                       f"(entry {first} of the parameters then buffers)")
         raise RuntimeError(f"ringtrain.DistributedDataParallel: every rank must wrap the same module, but {detail}.")
 
-    def _broadcast_tensors(self, tensors: list[torch.Tensor], label: str) -> None:
-        """Copy rank 0's values of ``tensors`` to every rank: one broadcast of their bytes."""
+    def _broadcast_tensors(self, tensors: list[torch.Tensor], label: str, root: int = 0) -> None:
+        """Copy rank ``root``'s values of ``tensors`` to every rank: one broadcast of their bytes."""
         tensors = [t for t in tensors if t.numel()]
         if self.world_size == 1 or not tensors:
             return
@@ -791,7 +833,7 @@ class DistributedDataParallel(nn.Module):
             flat = torch.zeros(end, dtype=torch.uint8)
             for t, (a, b) in zip(tensors, spans):
                 flat[a:b] = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._thread.run(label, partial(self.comm.broadcast, flat.numpy(), 0), self._timeout)
+            self._thread.run(label, partial(self.comm.broadcast, flat.numpy(), root), self._timeout)
             for t, (a, b) in zip(tensors, spans):
                 # Through .data: the tensor's autograd version is not bumped, as torch's DDP does not
                 # bump it. A buffer saved for a backward still to come (BatchNorm's running

@@ -1,0 +1,175 @@
+"""join(): training on uneven inputs, as torch's ``DistributedDataParallel.join``.
+
+Every rank must run the same collectives in the same order, so a rank that runs out of
+batches before the others would leave them waiting (``PeerLost`` or ``CommTimeout``). Inside
+``with ddp.join():`` a rank whose loop has ended *joins*: until every rank has, it *shadows*
+the collectives the ranks still training (the *active* ones) run, contributing zeros to their
+gradients. Words (those of :mod:`.wrapper` and :mod:`.planning`):
+
+- *announcement*: one small allreduce (max) that the active ranks run before each group of
+  collectives of theirs, saying which group follows: ``BUFFERS`` (the forward's broadcast of
+  the buffers) or ``BACKWARD`` (the backward's used bitmap and buckets, then the planning's
+  collectives after it). A joined rank announces ``JOINED`` (0); so every rank learns which
+  ranks are active, and a joined rank what to shadow. When no rank is active, all have joined.
+  The announcement names groups, not forwards: a forward that broadcasts nothing needs none,
+  and two forwards before one backward (a siamese loss) announce one backward.
+- *shadowing a backward*: the used bitmap (zeros) and each bucket's allreduce (zeros), in the
+  order of the plan in force, then the planning's step for that iteration: the profile
+  exchange, the trial's agreements and its new layouts come at the same iterations as on the
+  active ranks, so the joined rank follows every plan change. It times nothing: it hands the
+  planning its last profiled backward (an exchange needs a profile from every rank) and zero
+  times to the trial, which the trial's agreement (the slowest rank's, a max) leaves out.
+- *divisor*: the bucket's sum is divided by the world size (``divide_by_initial_world_size``,
+  the mean with joined ranks counted as zeros), or by the number of active ranks in that
+  iteration (read from the announcement, on the communication thread, before the buckets).
+- *buffers* are broadcast from the highest active rank (a joined rank's are stale), as torch's
+  DDP does under join; *at the end* the parameters (and buffers, with ``broadcast_buffers``) of
+  the highest rank among those that joined last are broadcast to all, as torch's DDP does, so
+  every rank leaves the block with the same model.
+
+With ``throw_on_early_termination`` the active ranks announce at every forward that
+synchronizes or broadcasts (``FORWARD``, or ``BUFFERS``), and the first announcement heard
+after a rank joined raises a RuntimeError on every rank, the joined one included: nothing is
+shadowed. A joined rank waits for each announcement within the communicator's deadline: a rank
+that dies is a CommError on the others, and so is one that trains alone for longer than the
+timeout between two announcements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import numpy as np
+import torch
+
+from ..collectives.ops import finish_mean, flat_view
+from .comm_thread import settle_all
+from .timeline import IterationStats
+
+#: What a rank announces comes next (module docstring); FORWARD: throw_on_early_termination only.
+JOINED, BUFFERS, BACKWARD, FORWARD = 0, 1, 2, 3
+_NAN = float("nan")
+#: What a joined rank hands the trial for an iteration it shadowed: nothing timed.
+_UNTIMED = {f.name: 0.0 for f in dataclasses.fields(IterationStats)}
+
+
+class Join:
+    """One ``with ddp.join(...)`` block of one wrapper (module docstring). The wrapper calls
+    :meth:`before_forward` and :meth:`before_backward` while its rank is active, submits its
+    buckets' allreduces as :meth:`mean`, and :meth:`shadow` once its rank has joined."""
+
+    __slots__ = ("ddp", "comm", "per_rank", "throw", "divisor", "last_active")
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool, throw_on_early_termination: bool):
+        self.ddp = ddp
+        self.comm = ddp.comm
+        self.per_rank = not divide_by_initial_world_size
+        self.throw = throw_on_early_termination
+        self.divisor = ddp.world_size
+        # The ranks active at the last announcement that had any (all, before the first): the
+        # highest of them holds the final model.
+        self.last_active = list(range(ddp.world_size))
+
+    # --- an active rank --------------------------------------------------------------------------
+
+    def before_forward(self, broadcasts: bool, synchronizes: bool) -> int:
+        """The forward is about to broadcast the buffers (``broadcasts``) and/or arm a
+        synchronizing backward (``synchronizes``): announce what needs it; returns the rank to
+        broadcast the buffers from, the highest active one."""
+        if broadcasts or (self.throw and synchronizes):
+            return max(self._announce(BUFFERS if broadcasts else FORWARD)[1])
+        return 0
+
+    def before_backward(self) -> None:
+        """The backward's collectives are about to be queued: queue the announcement ahead of
+        them (without waiting: the buckets' jobs, behind it on the same thread, read the divisor
+        it sets). With ``throw_on_early_termination`` the forward has announced already."""
+        if not self.throw:
+            self.ddp._thread.submit("join: announce", partial(self._say, BACKWARD))
+
+    def mean(self, buf: torch.Tensor, algorithm: str) -> None:
+        """A bucket's allreduce: the sum over ranks divided by the divisor (joined ranks sum
+        zeros). At the world size it is the wrapper's usual ``mean``, bit for bit; otherwise the
+        sum then the division (float16 is then summed in float16, not float32)."""
+        if self.divisor == self.comm.world_size:
+            self.comm.allreduce(buf, "mean", algorithm)
+        else:
+            self.comm.allreduce(buf, "sum", algorithm)
+            finish_mean(flat_view(buf), self.divisor)
+
+    # --- a joined rank ---------------------------------------------------------------------------
+
+    def shadow(self) -> None:
+        """This rank has joined: shadow the active ranks until every rank has joined, then
+        take the final model from the highest rank of those that joined last."""
+        ddp = self.ddp
+        while True:
+            said, active = self._announce(JOINED)
+            if not active:
+                break
+            kinds = {int(said[r]) for r in active}
+            if len(kinds) != 1:
+                raise RuntimeError(f"ringtrain.DistributedDataParallel.join: the active ranks {active} announced "
+                                   f"different steps ({sorted(kinds)}): they no longer run the same program")
+            kind = kinds.pop()
+            if kind == BUFFERS:
+                ddp._broadcast_tensors(ddp._module_buffers, "broadcast buffers", max(active))
+            elif kind == BACKWARD:
+                self._shadow_backward()
+        params = [p.data for p in ddp.module.parameters()]
+        buffers = ddp._module_buffers if ddp.options.broadcast_buffers else []
+        ddp._broadcast_tensors(params + buffers, "join: final model", max(self.last_active))
+
+    def _shadow_backward(self) -> None:
+        """The active ranks' backward: the used bitmap and the buckets with zeros (fresh
+        tensors: a ``.grad`` may be a view of the wrapper's buckets), then the planning's step."""
+        ddp = self.ddp
+        thread, timeout = ddp._thread, ddp._timeout
+        jobs = []
+        if ddp.options.find_unused_parameters:
+            used = np.zeros(len(ddp._params), dtype=np.uint8)
+            jobs.append(thread.submit("join: used parameters", partial(self.comm.allreduce, used, "max", "auto")))
+        for k, spec in enumerate(ddp._specs):
+            zeros = torch.zeros(spec.numel, dtype=spec.dtype)
+            jobs.append(thread.submit(f"join: bucket {k}", partial(self.mean, zeros, ddp.options.algorithm)))
+        settle_all(jobs, timeout)
+        for job in jobs:  # (re-raises the first error)
+            job.wait(timeout)
+        st, planning = ddp._s, ddp._planning
+        # (its last profiled backward; none yet: NaN stamps, which the profile counts as zero time)
+        stamps, start = planning.profile_rows[-1] if planning.profile_rows else ([_NAN] * len(ddp._params), None)
+        planning.after_iteration(st.iteration, stamps, start, IterationStats(**{**_UNTIMED, "iteration": st.iteration}))
+        st.iteration += 1
+        ddp._reset_iteration()  # (the buckets' counts of a new layout)
+
+    # --- both --------------------------------------------------------------------------------------
+
+    def _announce(self, kind: int) -> tuple[np.ndarray, list[int]]:
+        """Announce ``kind`` and wait: every rank's announcement, and the active ranks."""
+        ddp = self.ddp
+        return ddp._thread.run("join: announce", partial(self._say, kind), ddp._timeout)
+
+    def _say(self, kind: int) -> tuple[np.ndarray, list[int]]:
+        """The announcement's allreduce, run on the communication thread (in order with every
+        other collective of the wrapper), and what it tells (:meth:`_heard`)."""
+        said = np.zeros(self.comm.world_size, dtype=np.int64)
+        said[self.comm.rank] = kind
+        self.comm.allreduce(said, "max", "auto")
+        return said, self._heard(said)
+
+    def _heard(self, said: np.ndarray) -> list[int]:
+        """The active ranks in an announcement; sets the divisor, and with
+        ``throw_on_early_termination`` raises where some rank has joined while others train."""
+        active = [int(r) for r in np.flatnonzero(said)]
+        if not active:
+            return active
+        self.last_active = active
+        if self.per_rank:
+            self.divisor = len(active)
+        if self.throw and len(active) < self.comm.world_size:
+            joined = sorted(set(range(self.comm.world_size)) - set(active))
+            raise RuntimeError(
+                f"ringtrain.DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {joined} ran out "
+                f"of inputs while rank(s) {active} still train; raising on every rank (rank {self.comm.rank} here)")
+        return active
