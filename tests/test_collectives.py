@@ -439,3 +439,22 @@ def test_the_thread_transport_words_an_abort_as_the_process_transports_do(error,
         return str(info.value)
 
     assert run_threads(2, fn, timeout=20)[1] == f"rank 0 aborted: {said}"
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+def test_the_float16_reducer_gives_numpys_bits_on_every_value(op):
+    # Sums and products run through torch (numpy's float16 arithmetic is scalar, ~40x slower):
+    # the bits must stay numpy's, on every pair of special values and on magnitudes from
+    # subnormal to overflow.
+    rng = np.random.default_rng(0)
+    special = np.array([0, -0.0, np.inf, -np.inf, 65504, -65504, 6e-8, -6e-8, 1e-4, 2 ** -24, 2 ** -14, 1.0],
+                       dtype=np.float16)
+    with np.errstate(all="ignore"):  # (overflow to inf is among the cases)
+        spread = [(rng.standard_normal(50000) * 10.0 ** rng.uniform(-8, 5, 50000)).astype(np.float16) for _ in "ab"]
+        a = np.concatenate([np.repeat(special, len(special)), spread[0]])
+        b = np.concatenate([np.tile(special, len(special)), spread[1]])
+        want = {"sum": np.add, "mean": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op](a, b)
+    got = a.copy()
+    ops.reducer(op, "float16")(got, b)
+    same = (got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (a[~same][:4], b[~same][:4], got[~same][:4], want[~same][:4])
