@@ -43,7 +43,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..collectives.ops import finish_mean, flat_view
 from .comm_thread import settle_all
 from .timeline import IterationStats
 
@@ -56,8 +55,8 @@ _UNTIMED = {f.name: 0.0 for f in dataclasses.fields(IterationStats)}
 
 class Join:
     """One ``with ddp.join(...)`` block of one wrapper (module docstring). The wrapper calls
-    :meth:`before_forward` and :meth:`before_backward` while its rank is active, submits its
-    buckets' allreduces as :meth:`mean`, and :meth:`shadow` once its rank has joined."""
+    :meth:`before_forward` and :meth:`before_backward` while its rank is active, divides its
+    buckets' sums by :attr:`divisor`, and calls :meth:`shadow` once its rank has joined."""
 
     __slots__ = ("ddp", "comm", "per_rank", "throw", "divisor", "last_active")
 
@@ -87,16 +86,6 @@ class Join:
         it sets). With ``throw_on_early_termination`` the forward has announced already."""
         if not self.throw:
             self.ddp._thread.submit("join: announce", partial(self._say, BACKWARD))
-
-    def mean(self, buf: torch.Tensor, algorithm: str) -> None:
-        """A bucket's allreduce: the sum over ranks divided by the divisor (joined ranks sum
-        zeros). At the world size it is the wrapper's usual ``mean``, bit for bit; otherwise the
-        sum then the division (float16 is then summed in float16, not float32)."""
-        if self.divisor == self.comm.world_size:
-            self.comm.allreduce(buf, "mean", algorithm)
-        else:
-            self.comm.allreduce(buf, "sum", algorithm)
-            finish_mean(flat_view(buf), self.divisor)
 
     # --- a joined rank ---------------------------------------------------------------------------
 
@@ -132,7 +121,7 @@ class Join:
             jobs.append(thread.submit("join: used parameters", partial(self.comm.allreduce, used, "max", "auto")))
         for k, spec in enumerate(ddp._specs):
             zeros = torch.zeros(spec.numel, dtype=spec.dtype)
-            jobs.append(thread.submit(f"join: bucket {k}", partial(self.mean, zeros, ddp.options.algorithm)))
+            jobs.append(thread.submit(f"join: bucket {k}", partial(self._shadow_bucket, zeros)))
         settle_all(jobs, timeout)
         for job in jobs:  # (re-raises the first error)
             job.wait(timeout)
@@ -142,6 +131,11 @@ class Join:
         planning.after_iteration(st.iteration, stamps, start, IterationStats(**{**_UNTIMED, "iteration": st.iteration}))
         st.iteration += 1
         ddp._reset_iteration()  # (the buckets' counts of a new layout)
+
+    def _shadow_bucket(self, zeros: torch.Tensor) -> None:
+        """A bucket's allreduce as the active ranks run it (their divisor, read on the thread,
+        after the announcement before it set it)."""
+        self.ddp._allreduce_bucket(zeros, self.divisor)
 
     # --- both --------------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from .. import plan as planner
 from ..comm import ALGORITHMS
 
 SCHEDULES = planner.METHODS
+#: ``compression`` values: the dtype gradients cross the network in.
+COMPRESSIONS = {"fp16": "float16", "bf16": "bfloat16"}
 
 #: Keywords of torch's DistributedDataParallel the wrapper takes at the value that means the
 #: same here (torch's default: a CPU module, one process per rank, dense full-precision
@@ -107,6 +109,14 @@ class DDPOptions:
     backward, so a reference to a ``.grad`` kept across iterations sees it change (also after
     ``zero_grad(set_to_none=True)``), and a post-accumulate-grad hook of the user's registered
     after the wrapper's sees a gradient whose bucket may already be in flight."""
+    compression: Optional[str] = None
+    """Gradients cross the network in half precision: "fp16" or "bf16" (None: as they are). Each
+    float32 or float64 bucket is rounded to that dtype, divided by the world size, summed over the
+    ranks in it and copied back, as torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` and
+    Horovod's ``Compression.fp16`` do: half the bytes (a quarter from float64), for a rounding of
+    each gradient and of each partial sum (fp16: values under 6e-8 after the division flush to
+    zero, sums over 65504 overflow; bf16 keeps float32's range at 8 bits of precision). Buckets
+    of other dtypes go as they are; one rank sends and rounds nothing."""
     interference: Optional[planner.Interference] = None
     """Backward time lost per overlapped allreduce; None: measured by the trial's probes
     (schedule="optimal" with verify_iterations > 0), else taken as none."""
@@ -144,6 +154,9 @@ class DDPOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: it must be True or False")
+        if self.compression is not None and self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression={self.compression!r}: accepted values are None, "
+                             f"{', '.join(map(repr, COMPRESSIONS))}")
         if self.interference is not None and not isinstance(self.interference, planner.Interference):
             raise ValueError(f"interference={self.interference!r}: it must be a ringtrain.plan.Interference or None")
         if (self.alpha is None) != (self.beta is None):

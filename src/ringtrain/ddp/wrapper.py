@@ -77,14 +77,14 @@ import torch
 from torch import nn
 
 from .. import plan as planner
-from ..collectives.ops import check_cpu_module
+from ..collectives.ops import check_cpu_module, finish_mean, flat_view
 from ..comm import Communicator
 from ..errors import CommError, check_keywords
 from . import buckets as bucketing
 from . import calibration
 from .comm_thread import CommThread, settle_all
 from .join import Join
-from .options import DDPOptions, take_torch_keywords
+from .options import COMPRESSIONS, DDPOptions, take_torch_keywords
 from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
 from .unused import (OutputSink, earlier_forward_error, missing_gradients_error, output_tensors, reachable_params,
@@ -148,7 +148,11 @@ class DistributedDataParallel(nn.Module):
             # Frozen at construction: no hook, no slot. One that requires a gradient later is refused.
             self._frozen = [(names[id(p)], p) for p in module.parameters() if not p.requires_grad]
             self._pid_of = {id(p): i for i, p in enumerate(self._params)}
-            self._sizes = np.array([p.numel() * p.element_size() for p in self._params], dtype=np.float64)
+            # Bytes on the wire per gradient (what the plan and the sweep size by): half precision
+            # for float32 and float64 ones under compression.
+            self._wire = getattr(torch, COMPRESSIONS[opts.compression]) if opts.compression else None
+            self._sizes = np.array([p.numel() * self._wire_dtype(p.dtype).itemsize for p in self._params],
+                                   dtype=np.float64)
             self._module_buffers = [b for b in module.buffers() if b.numel()]
 
             if opts.init_sync:  # (the buffers too unless broadcast_buffers=False, as torch's DDP)
@@ -557,13 +561,34 @@ class DistributedDataParallel(nn.Module):
         st.pending[bucket] -= 1
         while st.launched < len(self._specs) and st.pending[st.launched] == 0:
             k = st.launched
-            if self._join is None:
-                call = partial(self.comm.allreduce, self._bufs[k], "mean", self.options.algorithm)
-            else:  # (the mean over the ranks still training, or with joined ranks' zeros)
-                call = partial(self._join.mean, self._bufs[k], self.options.algorithm)
-            job = self._thread.submit(f"allreduce bucket {k}", call, self._specs[k].nbytes)
+            spec = self._specs[k]
+            job = self._thread.submit(f"allreduce bucket {k}", partial(self._allreduce_bucket, self._bufs[k]),
+                                      spec.numel * self._wire_dtype(spec.dtype).itemsize)
             st.jobs.append(job)
             st.launched += 1
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` crosses the network in (``compression``)."""
+        return self._wire if self._wire is not None and dtype in (torch.float32, torch.float64) else dtype
+
+    def _allreduce_bucket(self, buf: torch.Tensor, divisor: Optional[int] = None) -> None:
+        """A bucket's mean over the ranks, on the communication thread: the sum divided by the
+        world size, or inside join() by its divisor (the ranks still training, read here: the
+        announcement queued ahead of this job set it) or ``divisor``; under ``compression`` the
+        sum of the half-precision gradients divided first, as torch's compression hooks."""
+        if divisor is None:
+            divisor = self.world_size if self._join is None else self._join.divisor
+        algorithm, d = self.options.algorithm, divisor
+        wire = self._wire_dtype(buf.dtype)
+        if wire != buf.dtype:
+            half = buf.to(wire).div_(d)
+            self.comm.allreduce(half, "sum", algorithm)
+            buf.copy_(half)
+        elif d == self.world_size:
+            self.comm.allreduce(buf, "mean", algorithm)
+        else:  # (float16 is then summed in float16, not float32: join's divisor only)
+            self.comm.allreduce(buf, "sum", algorithm)
+            finish_mean(flat_view(buf), d)
 
     def _end_backward(self) -> None:
         """Finish the iteration; on any error reset it (the error is the news, not missing
