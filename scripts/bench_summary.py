@@ -138,6 +138,22 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def compression_lines(rows: list[dict]) -> list[str]:
+    """Per model with ``--compression`` rows: the optimal schedule in half precision on the wire
+    against torch's DDP (defaults) and torch's DDP with the matching compression hook."""
+    out = []
+    for r in rows:
+        if r["impl"] != "ringtrain-compressed":
+            continue
+        same = {x["impl"]: x for x in rows if x["model"] == r["model"]}
+        ratios = [f"{same[k]['median_iter_s'] / r['median_iter_s']:.2f}x {name}"
+                  for k, name in (("torch-ddp", "torch DDP"), ("torch-ddp-compressed", "torch DDP with the hook"))
+                  if k in same]
+        out.append(f"- {r['model']}: {r['schedule']} {r['median_iter_s'] * 1e3:.0f} ms ({', '.join(ratios)}; "
+                   f"{r['groups']} groups, {r['hidden_fraction'] * 100:.0f}% hidden)")
+    return out + [""] if out else out
+
+
 def allreduce_lines(doc: dict) -> list[str]:
     """Per (world size, size): gloo, Open MPI and the fastest ringtrain configuration (busbw
     GB/s in brackets), and that one against gloo."""
@@ -182,7 +198,7 @@ def summarize(path: Path) -> tuple[list[str], dict]:
                 "|" + "---|" * (len(cols) + 1)]
         out += [f"| {m} | " + " | ".join(c.get(k, "") for k in cols) + " |" for m, c in table.items()]
         out.append("")
-    out += trial_lines(rows) + ps_lines(rows)
+    out += trial_lines(rows) + compression_lines(rows) + ps_lines(rows)
     return out, ring_stats(rows)
 
 

@@ -44,6 +44,15 @@ def test_optimal_below_ddp_and_far_from_the_fastest_is_counted():
     assert stats["below_ddp"] == [("lm", pytest.approx(0.1))]
 
 
+def test_compressed_rows_against_torchs_ddp_with_and_without_its_hook():
+    rows = [_row("mlp", "torch-ddp", "torch defaults (25 MiB)", 930),
+            _row("mlp", "ringtrain-compressed", "optimal+fp16", 620, groups=4, hidden_fraction=0.02),
+            _row("mlp", "torch-ddp-compressed", "torch defaults + fp16_compress_hook", 651)]
+    assert _script().compression_lines(rows) == [
+        "- mlp: optimal+fp16 620 ms (1.50x torch DDP, 1.05x torch DDP with the hook; 4 groups, 2% hidden)", ""]
+    assert _script().compression_lines(rows[:1]) == []
+
+
 def test_parameter_server_ratios_round_by_round():
     rows = [_row("mlp", "ringtrain", "optimal", 1000, samples_per_s=100.0),
             _row("mlp", "ps", "ps-sync:1", 3000, samples_per_s=40.0, round_medians=[3.0, 3.2], sim_error=-0.05),

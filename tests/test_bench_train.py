@@ -183,6 +183,23 @@ def test_bench_train_times_parameter_servers_round_by_round(capsys, tmp_path):
         assert 4 * 891904 <= per_step[way] < 1.01 * 4 * 891904
 
 
+def test_bench_train_times_compression_beside_torchs_ddp_with_its_hook(capsys):
+    from ringtrain import cli
+
+    rc = cli.main(["bench", "train", "--schedules", "single", "--models", "charlm", "--compression", "bf16",
+                   "--world-size", "2", "--batch-size", "4", "--steps", "1", "--rounds", "1", "--out", "", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)
+    rows = {(r["impl"], r["schedule"]): r for r in doc["rows"]}
+    assert set(rows) == {("ringtrain", "single"), ("alone", "no communication"), ("torch-ddp", "torch defaults (25 MiB)"),
+                         ("ringtrain-compressed", "optimal+bf16"),
+                         ("torch-ddp-compressed", "torch defaults + bf16_compress_hook")}
+    mine = rows["ringtrain-compressed", "optimal+bf16"]
+    assert mine["median_iter_s"] > 0 and mine["groups"] >= 1 and mine["hidden_fraction"] is not None
+    assert mine.get("sim_iter_s") is None  # (the simulator's figures are for full-precision bytes)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["bench", "train", "--models", ""], "--models: give at least one"),
     (["bench", "train", "--out", "/proc/version/x"], "--out /proc/version/x"),

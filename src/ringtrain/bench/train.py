@@ -18,6 +18,9 @@ as the single-allreduce wrapper measured it (its gradient hooks, spread over the
 bytes, and its buffer broadcasts); the allreduce cost from one sweep per model that every wrapper
 plans with (the overlap bound's allreduce too); the interference the optimal wrapper's probes
 measured. The layer trace is cut into one layer per parameter tensor, the wrapper's unit.
+With ``--compression fp16`` (or bf16) two more configurations take their turns: the optimal
+schedule with gradients in that precision on the wire (``compression=``), and torch's DDP with
+its defaults and the matching compression hook.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ TIMELINE_STEPS = 3
 #: parameter alone to time backward; the second is the first with the planned groups).
 PS_WARMUP_STEPS = 2
 NETS = ("none", "1gbit", "10gbit")
+#: The rows of the optimal schedule with ``--compression``, and every ringtrain wrapper's.
+COMPRESSED = "ringtrain-compressed"
+WRAPPERS = ("ringtrain", COMPRESSED)
 #: Seeds the order of each turn of the timed steps (the same on every rank).
 TURN_ORDER_SEED = 20261129
 
@@ -62,6 +68,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "ps-sync, ps-async, ps-sharded, each with :K for K servers (K defaults to 1, and to 2 for "
                    "ps-sharded), e.g. ring,ps-sync,ps-sharded:2,ps-async (default %(default)s)")
     p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
+    p.add_argument("--compression", default="none", choices=("none", "fp16", "bf16"), help="also time the optimal "
+                   "schedule with gradients in this half precision on the wire, and torch's DDP with the "
+                   "matching compression hook (default %(default)s)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default %(default)s)")
     p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf "
                    "(default %(default)s)")
@@ -95,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     kind = f"train-{args.net}-{args.world_size}r"
     cfg = {
         "models": names, "schedules": schedules, "torch_ddp": not args.no_torch_ddp,
+        "compression": None if args.compression == "none" else args.compression,
         "transport": "tcp" if (args.net != "none" and args.transport == "shm") else args.transport,
         "algorithm": args.algorithm, "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
         "timeline_dir": str(out_dir / "timelines") if out_dir else "", "timeline_stem": f"{kind}-{stamp}",
@@ -406,11 +416,13 @@ def _model_rows(cfg: dict, name: str, comm, rank: int, p: int) -> list[dict]:
         row = _row(c, name, batch, p, params, compute_only, trace)
         if c["impl"] == "ringtrain":
             row.update(_ring_fields(c, row["median_iter_s"], p, trace, sim_trace, cost, cfg["algorithm"], slow))
+        elif c["impl"] == COMPRESSED:
+            row.update(_compressed_fields(c))
         elif c["impl"] == "alone":  # the simulator's input for the parameter-server rows
             row["trace"] = trace.to_dict()
         rows.append(row)
     for c in configs:
-        if c["impl"] == "ringtrain":
+        if c["impl"] in (*WRAPPERS,):
             c["wrapped"].close()
     return rows
 
@@ -464,7 +476,56 @@ def _configurations(cfg: dict, name: str, base, comm, cost) -> list[dict]:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         configs.append({"impl": "torch-ddp", "schedule": "torch defaults (25 MiB)", "model": model,
                         "wrapped": wrapped, "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+    if cfg.get("compression"):
+        configs += _compressed_configurations(cfg["compression"], base, comm, cost, cfg["algorithm"])
     return configs
+
+
+def _compressed_configurations(compression: str, base, comm, cost, algorithm: str) -> list[dict]:
+    """The optimal schedule with gradients in half precision on the wire, and torch's DDP with its
+    defaults and the matching compression hook (bf16: the hook's steps; torch refuses its own off
+    CUDA with NCCL)."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import ringtrain
+
+    model = copy.deepcopy(base)
+    ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost, compression=compression)
+    configs = [{"impl": COMPRESSED, "schedule": f"optimal+{compression}", "model": model, "wrapped": ddp,
+                "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)}]
+    model = copy.deepcopy(base)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook if compression == "fp16" else bf16_hook)
+    configs.append({"impl": "torch-ddp-compressed", "schedule": f"torch defaults + {compression}_compress_hook",
+                    "model": model, "wrapped": wrapped,
+                    "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+    return configs
+
+
+def bf16_hook(state, bucket):
+    """torch's ``bf16_compress_hook``, step for step, for gloo on the CPU (torch's own refuses
+    anything but NCCL on CUDA): round to bfloat16, divide by the world size, sum, copy back."""
+    import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    half = buf.to(torch.bfloat16).div_(dist.get_world_size())
+
+    def decompress(fut):
+        buf.copy_(fut.value()[0])
+        return buf
+
+    return dist.all_reduce(half, async_op=True).get_future().then(decompress)
+
+
+def _compressed_fields(c: dict) -> dict:
+    """A compressed wrapper's plan and its own account of the timed iterations (the simulator's
+    and the bound's figures are for full-precision bytes: none here)."""
+    stats = c["stats"]
+    return dict(groups=len(c["wrapped"].plan.groups), kept=c["wrapped"].kept,
+                hidden_fraction=float(np.median([s.hidden_fraction for s in stats])) if stats else None,
+                comm_s=float(np.median([s.comm_s for s in stats])) if stats else None)
 
 
 def _step(c: dict, batches: list, k: int) -> None:
@@ -487,10 +548,10 @@ def _warm_up(configs: list[dict], batches: list) -> None:
         for k in range(WARMUP_STEPS):
             _step(c, batches, k)
         k = WARMUP_STEPS
-        while c["impl"] == "ringtrain" and not c["wrapped"].settled and k < MAX_WARMUP_STEPS:
+        while c["impl"] in WRAPPERS and not c["wrapped"].settled and k < MAX_WARMUP_STEPS:
             _step(c, batches, k)  # every rank takes the same number of steps: settled agrees across ranks
             k += 1
-        if c["impl"] == "ringtrain" and c["wrapped"].timeline_path is not None:
+        if c["impl"] in WRAPPERS and c["wrapped"].timeline_path is not None:
             for j in range(TIMELINE_STEPS):  # the timeline is recorded here, not in timed steps
                 _step(c, batches, k + j)
 
@@ -534,7 +595,7 @@ def _gather_times(configs: list[dict], p: int) -> dict[tuple[str, str], float]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
         c["times_max"] = t
         medians[c["impl"], c["schedule"]] = float(np.median(t.numpy()))  # torch's median is the lower one
-        if c["impl"] == "ringtrain":  # the wrapper's own account of the timed iterations
+        if c["impl"] in WRAPPERS:  # the wrapper's own account of the timed iterations
             c["stats"] = list(c["wrapped"].stats)[-len(c["times"]):]
     return medians
 
@@ -688,7 +749,10 @@ def _with_wrapper_costs(trace, hooks_s: float, broadcast_s: float):
 
 
 def _label(r: dict) -> str:
-    return {"ringtrain": r["schedule"], "ps": r["schedule"], "alone": "alone"}.get(r["impl"], "torch DDP")
+    if r["impl"] == "torch-ddp-compressed":
+        return f"DDP+{r['schedule'].split(' + ')[-1].split('_')[0]}"
+    return {"ringtrain": r["schedule"], COMPRESSED: r["schedule"], "ps": r["schedule"],
+            "alone": "alone"}.get(r["impl"], "torch DDP")
 
 
 #: The table's columns after the config's name, with their widths; a row without a value shows '-'.
@@ -756,7 +820,8 @@ def _charts(rows: list[dict], stem: Path) -> list[str]:
         mrows = [r for r in rows if r["model"] == model]
         labels = [_label(r) for r in mrows]
         vals = [r["median_iter_s"] * 1e3 for r in mrows]
-        colors = [{"ringtrain": "tab:blue", "ps": "tab:green"}.get(r["impl"], "tab:gray") for r in mrows]
+        colors = [{"ringtrain": "tab:blue", COMPRESSED: "tab:cyan", "ps": "tab:green"}.get(r["impl"], "tab:gray")
+                  for r in mrows]
         ax.bar(labels, vals, color=colors)
         bound = next((r["overlap_bound_s"] for r in mrows if r["impl"] == "ringtrain"), None)
         if bound:
