@@ -151,6 +151,7 @@ class DistributedDataParallel(nn.Module):
             # Bytes on the wire per gradient (what the plan and the sweep size by): half precision
             # for float32 and float64 ones under compression.
             self._wire = getattr(torch, COMPRESSIONS[opts.compression]) if opts.compression else None
+            self._scratch: Optional[torch.Tensor] = None  # the half-precision copy of a bucket on the wire
             self._sizes = np.array([p.numel() * self._wire_dtype(p.dtype).itemsize for p in self._params],
                                    dtype=np.float64)
             self._module_buffers = [b for b in module.buffers() if b.numel()]
@@ -581,7 +582,12 @@ class DistributedDataParallel(nn.Module):
         algorithm, d = self.options.algorithm, divisor
         wire = self._wire_dtype(buf.dtype)
         if wire != buf.dtype:
-            half = buf.to(wire).div_(d)
+            # Into memory kept for it (a fresh tensor's page faults took as long as the rounding:
+            # 32 ms against 11 for 21M values): one bucket at a time, on this thread.
+            if self._scratch is None or self._scratch.numel() < buf.numel():
+                self._scratch = torch.empty(buf.numel(), dtype=wire)
+            half = self._scratch[: buf.numel()].view(buf.shape)
+            half.copy_(buf).div_(d)
             self.comm.allreduce(half, "sum", algorithm)
             buf.copy_(half)
         elif d == self.world_size:
