@@ -121,6 +121,18 @@ def test_mismatched_call_raises_on_every_rank(which):
 
     results = run_comms(4, fn)
     assert all(isinstance(r, MismatchError) for r in results), results
+    if which == "shape":  # each rank names its own shape (the wire carries a digest of it)
+        said = " ".join(map(str, results))
+        assert "different shape: rank 2's is (10, 2)" in said and "'s is (2, 10)" in said, said
+
+
+def test_a_scalar_against_one_element_names_the_shape_of_the_scalar():
+    def fn(comm):
+        comm.allreduce(torch.tensor(1.0) if comm.rank == 0 else torch.tensor([2.0]))
+
+    results = run_comms(2, fn)
+    assert "(same number of elements, different shape: rank 0's is ())" in str(results[0]), results
+    assert "different shape: rank 1's is (1,)" in str(results[1]), results
 
 
 def test_silent_peer_times_out_and_communicator_stays_broken():
@@ -301,6 +313,26 @@ def test_tensors_autograd_tracks(dtype):
         loss.backward()
 
 
+def test_a_tensor_saved_for_backward_that_needs_no_gradient_counts_the_write_too():
+    # An input x of w * x is saved for w's gradient: overwritten by a collective, backward used
+    # its new values silently (w.grad 5 instead of 2 on the walkthrough's 2 ranks); a torch
+    # in-place op bumps the counter of any tensor. An inference tensor has none.
+    comm = Communicator(LocalHub(1).transport(0), timeout=1.0)
+    w = torch.ones(3, requires_grad=True)
+    x = torch.full((3,), 2.0)
+    loss = (w * x).sum()
+    for call in (comm.allreduce, comm.broadcast, comm.allgather, comm.reduce_scatter):
+        before = x._version
+        call(x)
+        assert x._version == before + 1, call
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.inference_mode():
+        frozen = torch.ones(3)
+    comm.allreduce(frozen)
+    assert frozen.is_inference()
+
+
 def test_a_tensor_off_the_cpu_is_refused_without_false_advice():
     comm = Communicator(LocalHub(1).transport(0), timeout=1.0)
     with pytest.raises(ValueError, match="tensor is on meta; ringtrain's collectives move CPU memory") as err:
@@ -342,3 +374,39 @@ def test_timeout_may_be_a_numeric_string_as_rank_and_port_may():
     for bad in ("abc", "nan", "0", "-1", True):
         with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
             Communicator(LocalHub(1).transport(0), timeout=bad)
+
+
+def test_torch_distributed_reduce_ops_are_taken_by_name():
+    import torch.distributed as dist
+
+    def fn(comm):
+        out = {}
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+            buf = torch.tensor([1.0 + comm.rank, 4.0])
+            comm.allreduce(buf, op=op)
+            out[op.name] = buf.tolist()
+        with pytest.raises(ValueError, match=r"torch's ReduceOp.BAND has no counterpart here"):
+            comm.allreduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
+        chunk = torch.tensor([1.0, 2.0])
+        comm.reduce_scatter(chunk, op=dist.ReduceOp.AVG)
+        return out, chunk.tolist()
+
+    for out, chunk in raise_first(run_comms(2, fn)):
+        assert out == {"SUM": [3.0, 8.0], "AVG": [1.5, 4.0], "MAX": [2.0, 4.0], "MIN": [1.0, 4.0],
+                       "PRODUCT": [2.0, 16.0]}
+
+
+def test_infinities_and_nans_reduce_without_numpy_warnings():
+    import warnings
+
+    def fn(comm):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            buf = np.array([np.inf, np.nan, 60000, 1], dtype=np.float16)
+            comm.allreduce(buf, op="max", algorithm="ring")
+            other = np.array([np.inf, -np.inf if comm.rank else np.inf, 1.0], dtype=np.float32)  # inf - inf: NaN
+            comm.allreduce(other, algorithm="ring")
+        return buf, other
+
+    for buf, other in raise_first(run_comms(2, fn)):
+        assert np.isinf(buf[0]) and np.isnan(buf[1]) and np.isnan(other[1]) and other[0] == np.inf

@@ -26,7 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .collectives.ops import FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view, mark_written, reducer
+from .collectives.ops import (FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view, mark_written, op_name,
+                              reducer)
 from .errors import CommError, check_seconds
 from .transport.base import CallHeader, Transport, shape_digest
 from .transport.ctrl_c import Breaker
@@ -84,8 +85,9 @@ class Communicator:
     # --- public collectives ---------------------------------------------------------------
 
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto"):
-        """Reduce ``buf`` over all ranks, in place; every rank ends with the same result."""
-        view = flat_view(buf)
+        """Reduce ``buf`` over all ranks, in place; every rank ends with the same result. ``op``:
+        sum, mean, min, max, prod (or torch.distributed's ReduceOp.SUM, AVG, MAX, MIN, PRODUCT)."""
+        view, op = flat_view(buf), op_name(op)
         check_op_dtype(op, view.dtype)
         alg = self._resolve(algorithm, view)
         call = self._call_fields("allreduce", view, op, alg)
@@ -111,7 +113,7 @@ class Communicator:
         holds the reduction of that chunk over all ranks; the other chunks are scratch."""
         from .collectives import ring, schedule
 
-        view = flat_view(buf)
+        view, op = flat_view(buf), op_name(op)
         check_op_dtype(op, view.dtype)
         call = self._call_fields("reduce_scatter", view, op, "ring")
         acc = _accumulator(view, op)
@@ -218,7 +220,7 @@ class Communicator:
     @staticmethod
     def _call_fields(kind: str, view: FlatView, op: str, alg: str, root: int = -1) -> tuple:
         """The call's CallHeader fields after its sequence number, which _call takes."""
-        return kind, op, alg, view.dtype, int(view.array.size), shape_digest(view.shape), root
+        return kind, op, alg, view.dtype, int(view.array.size), shape_digest(view.shape), root, tuple(view.shape)
 
     def _call(self, fn, call: tuple) -> None:
         """Run ``fn(header, deadline)``, ``header`` the CallHeader of the next sequence number and

@@ -48,6 +48,7 @@ from .checkpoint import CheckpointWriteError
 from .errors import CommError, check_join_timeout, check_number
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
+COMPRESSION = ("none", "fp16", "bf16")  # (ddp.options.COMPRESSIONS and none: its import would load torch)
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
 
 
@@ -74,6 +75,9 @@ class TrainConfig:
     """How bytes move (ringtrain.TRANSPORTS)."""
     bucket_cap_mb: float = 25.0
     """Bucket (ring) or push (parameter servers) size for schedule='fixed'."""
+    compression: str = "none"
+    """Gradients on the wire in half precision (the ring only): fp16 or bf16 halve the bytes of each allreduce
+    at a rounding of every gradient, as torch's compression hooks (docs/ddp.md); none sends them as they are."""
     checkpoint_dir: str = ""
     """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers: --model
     charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync), or to runs/charlm where older runs
@@ -118,6 +122,7 @@ class TrainConfig:
         except ValueError:
             raise ValueError(f"--model must be one of {', '.join(models.names())}, got {self.model!r}") from None
         for name, value, allowed in (("schedule", self.schedule, SCHEDULES), ("algorithm", self.algorithm, ALGORITHMS),
+                                     ("compression", self.compression, COMPRESSION),
                                      ("transport", self.transport, TRANSPORTS), ("strategy", self.strategy, STRATEGIES)):
             if value not in allowed:
                 raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
@@ -142,7 +147,7 @@ class TrainConfig:
 
             staleness_flag(self.max_staleness, self.strategy, "ps-async")
         if self.strategy != "ring":
-            ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "timeline")
+            ring_only = [f"--{name.replace('_', '-')}" for name in ("transport", "algorithm", "timeline", "compression")
                          if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default]
             if ring_only:
                 verb, them = ("is", "it") if len(ring_only) == 1 else ("are", "them")
@@ -192,7 +197,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     from .comm import ALGORITHMS
     from .transport import TRANSPORTS
 
-    choices = {"model": models.names(), "schedule": SCHEDULES, "algorithm": ALGORITHMS, "transport": TRANSPORTS}
+    choices = {"model": models.names(), "schedule": SCHEDULES, "algorithm": ALGORITHMS, "transport": TRANSPORTS,
+               "compression": COMPRESSION}
     unset = {"join_timeout": (float, "SECONDS")}  # defaults of None: (type, metavar); the docstring says what None means
     docs = _field_docs(TrainConfig)
     for name, field in TrainConfig.__dataclass_fields__.items():
@@ -647,7 +653,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     ddp = ringtrain.DistributedDataParallel(
         model, comm=comm, schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, algorithm=cfg.algorithm,
-        timeline=cfg.timeline or None,
+        timeline=cfg.timeline or None, compression=None if cfg.compression == "none" else cfg.compression,
         gradient_as_bucket_view=True,  # (this loop keeps no .grad across steps: no copy back)
     )
 

@@ -102,9 +102,10 @@ def flat_view(buf: Any) -> FlatView:
 
 def mark_written(buf: Any) -> None:
     """Count a collective's write into ``buf`` in its autograd version counter, as a torch
-    in-place op would: a tensor saved for backward and then overwritten makes backward raise
-    instead of using the new values. Numpy arrays and tensors autograd does not track: nothing."""
-    if isinstance(buf, np.ndarray) or not getattr(buf, "requires_grad", False):
+    in-place op would, whether or not it requires grad: a tensor saved for backward (an input
+    ``x`` of ``w * x``, as well as a parameter) and then overwritten makes backward raise instead
+    of using the new values. Numpy arrays and inference tensors (no counter): nothing."""
+    if isinstance(buf, np.ndarray) or buf.is_inference():
         return
     from torch.autograd.graph import increment_version
 
@@ -124,7 +125,8 @@ def reducer(op: str, dtype: str) -> Reducer:
     ufunc = _UFUNC[op]
 
     def reduce(out: np.ndarray, incoming: np.ndarray) -> None:
-        ufunc(out, incoming, out=out)
+        with np.errstate(all="ignore"):  # (an inf or NaN reduces as IEEE says, silently, as in torch and gloo)
+            ufunc(out, incoming, out=out)
 
     return reduce
 
@@ -161,8 +163,22 @@ def finish_mean(view: FlatView, world_size: int) -> None:
         np.divide(view.array, world_size, out=view.array)
 
 
+#: torch.distributed's ReduceOp names and the ops they are here (a script ported from it runs as it is).
+TORCH_OPS = {"SUM": "sum", "AVG": "mean", "MAX": "max", "MIN": "min", "PRODUCT": "prod"}
+
+
+def op_name(op: Any) -> Any:
+    """``op``, or the name of torch.distributed's ``ReduceOp.SUM`` / ``AVG`` / ``MAX`` / ``MIN`` /
+    ``PRODUCT`` (check_op_dtype refuses the rest, naming them)."""
+    if type(op).__name__ == "RedOpType" and getattr(op, "name", None) in TORCH_OPS:
+        return TORCH_OPS[op.name]
+    return op
+
+
 def check_op_dtype(op: str, dtype: str) -> None:
     if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        torchs = (f" (torch's ReduceOp.{op.name} has no counterpart here; its SUM, AVG, MAX, MIN and PRODUCT are "
+                  "taken)" if type(op).__name__ == "RedOpType" else "")
+        raise ValueError(f"op must be one of {OPS}, got {op!r}{torchs}")
     if op == "mean" and dtype in ("int32", "int64", "uint8"):
         raise ValueError(f"op='mean' needs a floating dtype, got {dtype} (use op='sum' and divide)")

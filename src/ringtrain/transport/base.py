@@ -22,7 +22,7 @@ import abc
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -81,6 +81,7 @@ class CallHeader:
     numel: int = 0
     shape: int = 0  # shape_digest of the caller's buffer
     root: int = -1
+    dims: tuple = field(default=(), compare=False)  # this rank's shape, for messages (not on the wire)
 
     SIZE = _HEADER.size
 
@@ -122,7 +123,8 @@ class CallHeader:
             return
         detail = ""
         if theirs.shape != self.shape and theirs.numel == self.numel:
-            detail = " (same number of elements, different shape)"
+            mine = f": rank {me}'s is {self.dims}" if self.dims or self.numel == 1 else ""
+            detail = f" (same number of elements, different shape{mine})"
         raise MismatchError(
             f"ranks disagree about the collective: rank {me} called {self.describe()} "
             f"but rank {peer} called {theirs.describe()}{detail}"
