@@ -411,7 +411,7 @@ def _summary(cfg: TrainConfig, p: int, transport: str, batch_size: int, times, l
     median = float(np.median(steady)) if steady else None
     summary = {
         "model": cfg.model, "workers": p, "transport": transport, "schedule": cfg.schedule,
-        "resumed_at": start, "steps_run": len(times), "final_step": cfg.steps,
+        "compression": cfg.compression, "resumed_at": start, "steps_run": len(times), "final_step": cfg.steps,
         "checkpoint_dir": cfg.checkpoint_dir if cfg.checkpoint_every else None, "resumes": cfg.resume,
         "last_loss": losses[-1] if losses else None,
         "median_step_s": median, "samples_per_s": p * batch_size / median if median else None,
@@ -782,7 +782,8 @@ def _report(summary: dict, as_json: bool) -> None:
 
 
 def _print_summary(s: dict) -> None:
-    print(f"\n{s['model']} on {plural(s['workers'], 'worker')} ({s['transport']}, schedule {s['schedule']}):")
+    wire = "" if s.get("compression", "none") == "none" else f", gradients in {s['compression']} on the wire"
+    print(f"\n{s['model']} on {plural(s['workers'], 'worker')} ({s['transport']}, schedule {s['schedule']}{wire}):")
     if s["steps_run"] == 0:
         print(f"  nothing to do: the checkpoint is already at step {s['resumed_at']} (--steps {s['final_step']})")
         return
