@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from .collectives.ops import (FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view, mark_written, op_name,
-                              reducer)
+from .collectives.ops import (NATIVE_DTYPES, FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view,
+                              mark_written, op_name, reducer)
 from .errors import CommError, check_seconds
 from .transport.base import CallHeader, Transport, shape_digest
 from .transport.ctrl_c import Breaker
@@ -90,6 +90,9 @@ class Communicator:
         view, op = flat_view(buf), op_name(op)
         check_op_dtype(op, view.dtype)
         alg = self._resolve(algorithm, view)
+        if alg == "native" and (view.dtype not in NATIVE_DTYPES or (view.dtype == "complex64" and op == "prod")):
+            raise ValueError(f"algorithm='native' (torch.distributed's gloo) cannot reduce {view.dtype} with op={op!r}: "
+                             "use another algorithm (auto)")
         call = self._call_fields("allreduce", view, op, alg)
         acc = _accumulator(view, op)
         if self.world_size > 1:
@@ -203,6 +206,7 @@ class Communicator:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if algorithm == "native" and self._native_factory is None:
             raise ValueError("algorithm='native' needs torch.distributed (create the communicator with ringtrain.init)")
+
         if algorithm != "auto":
             return algorithm
         nbytes = view.array.nbytes

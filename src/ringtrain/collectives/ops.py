@@ -24,7 +24,16 @@ _NUMPY_DTYPES = {
     np.dtype(np.int32): "int32",
     np.dtype(np.int64): "int64",
     np.dtype(np.uint8): "uint8",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.int16): "int16",
+    np.dtype(np.bool_): "bool",
+    np.dtype(np.complex64): "complex64",
 }
+#: Dtypes without a mean (sum and divide), and without an order (no min or max).
+_INTEGRAL = ("int32", "int64", "uint8", "int8", "int16", "bool")
+_UNORDERED = ("complex64",)
+#: What torch.distributed's gloo reduces (algorithm="native"): not int16.
+NATIVE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8", "bool", "complex64")
 
 
 #: The torch dtypes (names) a CPU tensor may have: numpy's (it is viewed through them) and bfloat16.
@@ -180,5 +189,7 @@ def check_op_dtype(op: str, dtype: str) -> None:
         torchs = (f" (torch's ReduceOp.{op.name} has no counterpart here; its SUM, AVG, MAX, MIN and PRODUCT are "
                   "taken)" if type(op).__name__ == "RedOpType" else "")
         raise ValueError(f"op must be one of {OPS}, got {op!r}{torchs}")
-    if op == "mean" and dtype in ("int32", "int64", "uint8"):
+    if op == "mean" and dtype in _INTEGRAL:
         raise ValueError(f"op='mean' needs a floating dtype, got {dtype} (use op='sum' and divide)")
+    if op in ("min", "max") and dtype in _UNORDERED:
+        raise ValueError(f"op={op!r} needs ordered values, got {dtype}")

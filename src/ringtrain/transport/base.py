@@ -44,8 +44,9 @@ def usable_cpus() -> int:
 KINDS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send")
 OPS = ("sum", "mean", "min", "max", "prod", "none")
 ALGORITHMS = ("ring", "naive", "central", "halving_doubling", "hierarchical", "native", "none")
-#: Logical dtype names; bfloat16 is stored as uint16 in numpy and reduced through torch.
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
+#: Logical dtype names; bfloat16 is stored as uint16 in numpy and reduced through torch. (Their
+#: index is their code on the wire: new ones go at the end.)
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8", "int16", "bool", "complex64")
 _STORAGE = {
     "float16": np.float16,
     "bfloat16": np.uint16,
@@ -54,6 +55,10 @@ _STORAGE = {
     "int32": np.int32,
     "int64": np.int64,
     "uint8": np.uint8,
+    "int8": np.int8,
+    "int16": np.int16,
+    "bool": np.bool_,
+    "complex64": np.complex64,
 }
 
 
