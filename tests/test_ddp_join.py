@@ -355,3 +355,37 @@ def test_join_refuses_what_is_not_a_bool_and_a_second_block():
         ddp.close()
 
     raise_first(run_comms(2, body))
+
+
+def test_ranks_agree_on_the_first_forward_after_the_block_whatever_their_last_forward_inside_was():
+    # Rank 1 ends the block with an evaluation forward (no buffer broadcast next), rank 0 with a
+    # training step long before: the first forward after the block broadcast on one rank and
+    # reduced on the other (MismatchError, the communicator broken).
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    counts = [2, 4]
+
+    def body(comm):
+        m = copy.deepcopy(base)
+        ddp = DistributedDataParallel(m, comm, alpha=1e-7, beta=1e-10, verify_iterations=0, warmup_iterations=0,
+                                      profile_iterations=1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(comm.rank)
+        with ddp.join():
+            for _ in range(counts[comm.rank]):
+                opt.zero_grad()
+                ddp(torch.randn(4, 8, generator=g)).sum().backward()
+                opt.step()
+            if comm.rank == 1:
+                with torch.no_grad():
+                    ddp(torch.randn(4, 8, generator=g))
+        for _ in range(2):  # the next epoch, outside the block
+            opt.zero_grad()
+            ddp(torch.randn(4, 8, generator=g)).sum().backward()
+            opt.step()
+        ddp.close()
+        return [p.detach().clone() for p in m.parameters()]  # (buffers: each rank's last forward's)
+
+    first, second = raise_first(run_comms(2, body, timeout=5.0, thread_timeout=60.0))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -109,6 +109,10 @@ class Join:
         params = [p.data for p in ddp.module.parameters()]
         buffers = ddp._module_buffers if ddp.options.broadcast_buffers else []
         ddp._broadcast_tensors(params + buffers, "join: final model", max(self.last_active))
+        # The next forward broadcasts the buffers where the one before it synchronized, and that
+        # differs from rank to rank now (a rank's last forward may have been an evaluation, a
+        # finished rank's a training one long ago): the same on every rank, none (they are equal).
+        ddp._s.sync_buffers = False
 
     def _shadow_backward(self) -> None:
         """The active ranks' backward: the used bitmap and the buckets with zeros (fresh
