@@ -150,7 +150,7 @@ def compression_lines(rows: list[dict]) -> list[str]:
                   for k, name in (("torch-ddp", "torch DDP"), ("torch-ddp-compressed", "torch DDP with the hook"))
                   if k in same]
         out.append(f"- {r['model']}: {r['schedule']} {r['median_iter_s'] * 1e3:.0f} ms ({', '.join(ratios)}; "
-                   f"{r['groups']} groups, {r['hidden_fraction'] * 100:.0f}% hidden)")
+                   f"{r['groups']} group{'s' * (r['groups'] != 1)}, {r['hidden_fraction'] * 100:.0f}% hidden)")
     return out + [""] if out else out
 
 

@@ -38,7 +38,7 @@ def start_server(secret: bytes, **kw) -> tuple[ParameterServer, threading.Thread
 
 class RawWorker(P.Channel):
     """A worker's channel in a test that speaks the protocol by hand: its PUSHes carry the
-    learning rate its HELLO gave (as ParameterServerTraining's do) unless ``extra`` says another."""
+    learning rate its HELLO gave (as ParameterServerTraining's do) unless ``lr`` says another."""
 
     lr = 0.0
 
@@ -49,7 +49,7 @@ class RawWorker(P.Channel):
             except (ValueError, KeyError, TypeError, RecursionError):  # (a test's bad HELLO)
                 pass
         elif kind == P.PUSH:
-            kw.setdefault("extra", P.lr_bits(self.lr))
+            kw.setdefault("lr", self.lr)
         super().send(kind, **kw)
 
 

@@ -385,6 +385,9 @@ def test_torch_distributed_reduce_ops_are_taken_by_name():
             buf = torch.tensor([1.0 + comm.rank, 4.0])
             comm.allreduce(buf, op=op)
             out[op.name] = buf.tolist()
+            again = torch.tensor([1.0 + comm.rank, 4.0])
+            comm.allreduce(again, op=dist.ReduceOp(op))  # (torch's API takes a ReduceOp made from one too)
+            assert again.tolist() == out[op.name]
         with pytest.raises(ValueError, match=r"torch's ReduceOp.BAND has no counterpart here"):
             comm.allreduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND)
         chunk = torch.tensor([1.0, 2.0])

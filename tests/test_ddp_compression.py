@@ -45,30 +45,17 @@ def _train(ddp, m, rank) -> dict:
     return {k: v.clone() for k, v in m.state_dict().items()}
 
 
-def _bf16_hook(state, bucket):
-    """torch's bf16_compress_hook, step for step (torch refuses its own off CUDA with NCCL)."""
-    import torch.distributed as dist
-
-    buf = bucket.buffer()
-    half = buf.to(torch.bfloat16).div_(dist.get_world_size())
-
-    def decompress(fut):
-        buf.copy_(fut.value()[0])
-        return buf
-
-    return dist.all_reduce(half, async_op=True).get_future().then(decompress)
-
-
 def _ours_and_torchs(rank, world_size, port, gloo_port, configs):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import ringtrain
+    from ringtrain.bench.train import bf16_hook
 
     torch.set_num_threads(1)
     comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=20.0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
-    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": _bf16_hook}
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook}  # (the hook's steps: torch refuses its own)
     out = {}
     try:
         for compression, schedule in configs:

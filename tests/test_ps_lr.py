@@ -209,8 +209,10 @@ def test_a_learning_rate_set_between_backward_and_step_applies_from_the_next_ste
     pst = wrap(m, endpoints, 0, 1)
     loss_of(pst, batch(0, 0)).backward()  # pushed with 0.1
     pst.lr = 0.02
-    with pytest.warns(UserWarning, match=r"changed to 0.02 after step 0's gradients had gone .* with 0.1"):
+    with pytest.warns(UserWarning, match=r"changed to 0.02 after step 0's forward, whose gradients go .* with 0.1") \
+            as said:
         pst.step()
+    assert said[0].filename == __file__  # (the line that called step(), not one inside ringtrain or torch)
     loss_of(pst, batch(0, 1)).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -224,8 +226,13 @@ def test_a_learning_rate_set_between_backward_and_step_applies_from_the_next_ste
 
 
 def test_a_server_refuses_a_push_whose_learning_rate_is_not_a_rate():
-    assert P.lr_of(P.Header(P.PUSH, 0, 1, 3, 0, P.lr_bits(0.0), 0), "worker 0") == 0.0
+    assert P.lr_of(P.Header(P.PUSH, 0, 1, 3, 0, P.lr_bits(0.0), 0, P.LR_FLAG), "worker 0") == 0.0
     assert struct.unpack("<d", struct.pack("<Q", P.lr_bits(0.25)))[0] == 0.25
+    # A PUSH of a worker from before the rate travelled (extra 0, no flag) is refused, not read as 0.
+    with pytest.raises(ProtocolError, match="pushed step 3 without a learning rate"):
+        P.lr_of(P.unpack_header(P.pack_header(P.PUSH, step=3), P.HEADER_SIZE), "worker 0")
+    with pytest.raises(ProtocolError, match="flags 1"):  # (a flag on another kind is garbage)
+        P.unpack_header(P.pack_header(P.PULL, flags=P.LR_FLAG), P.HEADER_SIZE)
     layout = make_layout([12, 3], 1, 16)
     server, thread, _ = ps_harness.start_server(SECRET)
     ch = P.Channel(P.dial(server.endpoint, P.ps_identity(1, 2, "ps", SECRET), 0, 5.0), "parameter server 0", 5.0)
@@ -236,9 +243,71 @@ def test_a_server_refuses_a_push_whose_learning_rate_is_not_a_rate():
     assert head.kind == P.WELCOME and ch.recv_json(head)["needs_init"]
     ids = np.array([p.id for p in layout.shard(0)], dtype=np.int64)
     ch.send(P.INIT, ids=ids, values=[np.zeros(15, dtype=np.float32)])
-    ch.send(P.PUSH, step=0, extra=P.lr_bits(math.nan), ids=ids, values=[np.ones(15, dtype=np.float32)])
+    ch.send(P.PUSH, step=0, lr=math.nan, ids=ids, values=[np.ones(15, dtype=np.float32)])
     with pytest.raises(ProtocolError, match="worker 0 pushed step 0 with learning rate nan, not a finite number"):
         ch.recv_header(5.0)
     ch.close()
     thread.join(10)
     assert server.updates == 0 and torch.equal(server.params, torch.zeros(15))
+
+
+class HalfUsed(nn.Module):
+    """``b`` is used only where ``use_b``: a step without it pushes b's zeros from step()."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def test_a_steps_pushes_from_step_carry_the_rate_its_first_push_took():
+    # Step 1 leaves b unused: its zeros go out from step(), after the rate was changed between
+    # backward and step(): they must carry step 1's rate (0.1), as a.weight's pushes during
+    # backward did, or the synchronous server takes the step as two rates (MismatchError).
+    started, endpoints = servers(1, 1)
+    m = HalfUsed()
+    pst = wrap(m, endpoints, 0, 1)
+    for s, use_b in enumerate((True, False, True)):
+        loss_of(lambda x: pst(x, use_b=use_b), batch(0, s)).backward()
+        if s == 1:
+            pst.lr = 0.02
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pst.step()
+    pst.wait()
+    got = [p.detach().clone() for p in m.parameters()]
+    pst.close()
+    started[0][1].join(10)
+    ref = HalfUsed()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for s, (use_b, lr) in enumerate(((True, 0.1), (False, 0.1), (True, 0.02))):
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad(set_to_none=False)  # (b's zeros: momentum moves it, as the servers do)
+        for p in ref.parameters():
+            p.grad = torch.zeros_like(p)
+        loss_of(lambda x: ref(x, use_b=use_b), batch(0, s)).backward()
+        opt.step()
+    for a, b in zip(got, ref.parameters()):
+        assert torch.equal(a, b.detach())
+
+
+def test_ps_step_counts_as_the_optimizers_step_for_torchs_schedulers():
+    # (torch warns "lr_scheduler.step() before optimizer.step()" where the optimizer's step was not called)
+    started, endpoints = servers(1, 1)
+    pst = wrap(model(), endpoints, 0, 1)
+    sched = torch.optim.lr_scheduler.StepLR(pst.optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in range(2):
+            loss_of(pst, batch(0, s)).backward()
+            pst.step()
+            with torch.no_grad():  # an evaluation before the scheduler's step: it takes no rate
+                pst(batch(0, 99))
+            sched.step()
+            assert pst._step_lr is None
+    assert pst.lr == pytest.approx(0.025)
+    pst.close()
+    started[0][1].join(10)

@@ -422,7 +422,7 @@ def _model_rows(cfg: dict, name: str, comm, rank: int, p: int) -> list[dict]:
             row["trace"] = trace.to_dict()
         rows.append(row)
     for c in configs:
-        if c["impl"] in (*WRAPPERS,):
+        if c["impl"] in WRAPPERS:
             c["wrapped"].close()
     return rows
 
@@ -477,14 +477,14 @@ def _configurations(cfg: dict, name: str, base, comm, cost) -> list[dict]:
         configs.append({"impl": "torch-ddp", "schedule": "torch defaults (25 MiB)", "model": model,
                         "wrapped": wrapped, "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
     if cfg.get("compression"):
-        configs += _compressed_configurations(cfg["compression"], base, comm, cost, cfg["algorithm"])
+        configs += _compressed_configurations(cfg["compression"], base, comm, cost, cfg["algorithm"], cfg["torch_ddp"])
     return configs
 
 
-def _compressed_configurations(compression: str, base, comm, cost, algorithm: str) -> list[dict]:
-    """The optimal schedule with gradients in half precision on the wire, and torch's DDP with its
-    defaults and the matching compression hook (bf16: the hook's steps; torch refuses its own off
-    CUDA with NCCL)."""
+def _compressed_configurations(compression: str, base, comm, cost, algorithm: str, torch_ddp: bool) -> list[dict]:
+    """The optimal schedule with gradients in half precision on the wire, and (``torch_ddp``)
+    torch's DDP with its defaults and the matching compression hook (bf16: the hook's steps;
+    torch refuses its own off CUDA with NCCL)."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -494,6 +494,8 @@ def _compressed_configurations(compression: str, base, comm, cost, algorithm: st
     ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost, compression=compression)
     configs = [{"impl": COMPRESSED, "schedule": f"optimal+{compression}", "model": model, "wrapped": ddp,
                 "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)}]
+    if not torch_ddp:
+        return configs
     model = copy.deepcopy(base)
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook if compression == "fp16" else bf16_hook)

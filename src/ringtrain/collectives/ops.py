@@ -179,6 +179,8 @@ TORCH_OPS = {"SUM": "sum", "AVG": "mean", "MAX": "max", "MIN": "min", "PRODUCT":
 def op_name(op: Any) -> Any:
     """``op``, or the name of torch.distributed's ``ReduceOp.SUM`` / ``AVG`` / ``MAX`` / ``MIN`` /
     ``PRODUCT`` (check_op_dtype refuses the rest, naming them)."""
+    if type(op).__name__ == "ReduceOp" and hasattr(op, "op"):  # (a ReduceOp made from a RedOpType)
+        op = op.op
     if type(op).__name__ == "RedOpType" and getattr(op, "name", None) in TORCH_OPS:
         return TORCH_OPS[op.name]
     return op

@@ -16,7 +16,8 @@ module only adds what travels inside a DATA frame's payload):
   initial values), INIT (worker 0 -> server: initial values of the whole shard), PUSH (worker ->
   server: gradients of some partitions for ``step``, tagged with the ``version`` of the
   parameters they were computed from; ``extra`` = the learning rate to apply them with, the bits
-  of an IEEE-754 double: ``lr_bits`` / ``lr_of``), PULL (worker -> server: "send me the shard's values for
+  of an IEEE-754 double, which the header's flag LR_FLAG says: ``lr_of`` refuses a PUSH without
+  it, such as an older worker's, whose ``extra`` 0 would read as a rate of 0), PULL (worker -> server: "send me the shard's values for
   ``step``": synchronous servers register it and stream each partition once it has taken step
   ``step`` - 1, asynchronous ones answer with the whole shard once the staleness bound allows),
   PARAMS (server -> worker: some partitions of the shard, any order, for the pull of ``step``,
@@ -64,6 +65,8 @@ JSON_KINDS = (HELLO, WELCOME, BYE, SAVED)  # (SAVED: only a failed save's)
 MAX_JSON = 4 << 20
 
 _HEADER = struct.Struct("<4sBBHIIqqQ")  # magic kind flags reserved worker count step version extra
+#: A PUSH's flag: its ``extra`` is its learning rate (the only flag; on other kinds none).
+LR_FLAG = 1
 HEADER_SIZE = _HEADER.size  # 40
 _ID = np.dtype("<u4")
 _IOV_MAX = 512
@@ -80,23 +83,25 @@ class Header:
     version: int
     extra: int
     body: int
+    flags: int = 0
 
     @property
     def name(self) -> str:
         return KIND_NAMES.get(self.kind, str(self.kind))
 
 
-def pack_header(kind: int, worker: int = 0, count: int = 0, step: int = 0, version: int = 0, extra: int = 0) -> bytes:
-    return _HEADER.pack(MAGIC, kind, 0, 0, worker, count, step, version, extra)
+def pack_header(kind: int, worker: int = 0, count: int = 0, step: int = 0, version: int = 0, extra: int = 0,
+                flags: int = 0) -> bytes:
+    return _HEADER.pack(MAGIC, kind, flags, 0, worker, count, step, version, extra)
 
 
 def unpack_header(data: bytes, frame_length: int) -> Header:
     magic, kind, flags, reserved, worker, count, step, version, extra = _HEADER.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"not a parameter-server message: bad magic {bytes(magic)!r}")
-    if kind not in KIND_NAMES or flags or reserved:
+    if kind not in KIND_NAMES or flags not in ((0, LR_FLAG) if kind == PUSH else (0,)) or reserved:
         raise ProtocolError(f"malformed parameter-server message: kind {kind}, flags {flags}, reserved {reserved}")
-    return Header(kind, worker, count, step, version, extra, frame_length - HEADER_SIZE)
+    return Header(kind, worker, count, step, version, extra, frame_length - HEADER_SIZE, flags)
 
 
 def lr_bits(lr: float) -> int:
@@ -106,6 +111,9 @@ def lr_bits(lr: float) -> int:
 
 def lr_of(head: Header, peer: str) -> float:
     """The learning rate a PUSH carries: a finite number >= 0 (0: a warm-up's first step)."""
+    if not head.flags & LR_FLAG:
+        raise ProtocolError(f"{peer} pushed step {head.step} without a learning rate (a worker of an older ringtrain: "
+                            "run the same version on the workers and the servers)")
     lr = struct.unpack("<d", struct.pack("<Q", head.extra))[0]
     if not (math.isfinite(lr) and lr >= 0):
         raise ProtocolError(f"{peer} pushed step {head.step} with learning rate {lr}, not a finite number >= 0")
@@ -133,8 +141,13 @@ class Channel:
 
     # --- sending ---------------------------------------------------------------------------
     def send(self, kind: int, *, worker: int = 0, step: int = 0, version: int = 0, extra: int = 0,
-             ids: Optional[np.ndarray] = None, values: Sequence = (), body: bytes = b"") -> None:
-        """One message: header, ids (u32), then ``values`` (buffers, sent without copying) or ``body``."""
+             ids: Optional[np.ndarray] = None, values: Sequence = (), body: bytes = b"",
+             lr: Optional[float] = None) -> None:
+        """One message: header, ids (u32), then ``values`` (buffers, sent without copying) or ``body``;
+        ``lr``: a PUSH's learning rate (in ``extra``, flagged)."""
+        flags = 0
+        if lr is not None:
+            flags, extra = LR_FLAG, lr_bits(lr)
         idbytes = b"" if ids is None else np.ascontiguousarray(ids, dtype=_ID).tobytes()
         count = 0 if ids is None else len(ids)
         views = [memoryview(v).cast("B") for v in values]
@@ -142,7 +155,7 @@ class Channel:
         with self._send_lock:
             self._seq += 1
             frame = wire.encode_data_header(CallHeader(self._seq, "send", numel=length), length)
-            head = frame + pack_header(kind, worker, count, step, version, extra) + idbytes + body
+            head = frame + pack_header(kind, worker, count, step, version, extra, flags) + idbytes + body
             self._send_buffers([memoryview(head), *views])
 
     def send_abort(self, error: BaseException) -> None:

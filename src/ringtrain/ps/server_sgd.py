@@ -6,13 +6,13 @@ servers' SGD, so that torch's learning-rate schedulers and the usual loop work u
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=N, cycle_momentum=False)
     for x, y in batches:
         opt.zero_grad()
-        loss_fn(pst(x), y).backward()   # pushes go out with this step's learning rate
+        loss_fn(pst(x), y).backward()   # the forward takes this step's learning rate; pushes carry it
         opt.step()                      # = pst.step()
         sched.step()                    # sets the next step's learning rate
 
 The servers own the parameters and the SGD state; this object holds no state of its own but
-the one group's settings. Its ``lr`` travels with every push of a step (read when the step's
-first push goes out, during backward), so it may change from step to step; ``momentum`` and
+the one group's settings. Its ``lr`` travels with every push of a step (read at the step's
+forward), so it may change from step to step; ``momentum`` and
 ``weight_decay`` reached the servers when the workers joined and stay for the run.
 """
 

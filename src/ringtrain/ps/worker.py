@@ -32,7 +32,8 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
 - The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
   the gradients (set to None). ``optimizer`` is the servers' SGD as torch sees it
   (``server_sgd.ServerSGD``: its ``step()`` is ``step()``; torch's schedulers set its learning
-  rate, which every push of a step carries, read at the step's first push). A parameter that
+  rate, which every push of a step carries, read at the step's forward: the first through this
+  wrapper that tracks gradients, or else at its first push). A parameter that
   got no gradient is pushed as zeros; a ``step()`` with no gradient at all (no backward since
   the last) is refused, pushing nothing.
 - *version*: a tensor's in-place write counter (``Tensor._version``). The receiver writes
@@ -63,6 +64,7 @@ import warnings
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -220,9 +222,9 @@ class ParameterServerTraining:
         self._found_outside = False  # the first step() has looked for them
         self.pull_wait_s = 0.0  # time forward (or wait()) spent blocked on pulled parameters
         self._pushed_grads: list[tuple[int, torch.Tensor, int]] = []  # (param, gradient, its _version) sent
-        self.optimizer = ServerSGD(self.params, self.step, worker, lr=opts.lr, momentum=opts.momentum,
+        self.optimizer = ServerSGD(self.params, self._step, worker, lr=opts.lr, momentum=opts.momentum,
                                    weight_decay=opts.weight_decay)
-        self._step_lr: Optional[float] = None  # the learning rate this step's pushes carry (from its first)
+        self._step_lr: Optional[float] = None  # the learning rate this step's pushes carry (from its forward)
         self._links = self._connect(servers)
         # (until then a wait may be on a worker still connecting: _deadline)
         self._joining_until = time.monotonic() + self.opts.join_s + 2 * self.opts.timeout
@@ -363,13 +365,15 @@ class ParameterServerTraining:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._raise_if_closed()
         if self._step_lr is None:  # (refused before backward, not in its first push's hook)
-            self.optimizer.learning_rate()
+            lr = self.optimizer.learning_rate()
+            if torch.is_grad_enabled():  # the step's forward: its rate (an evaluation's is not)
+                self._step_lr = lr
         return self.module(*args, **kwargs)
 
     @property
     def lr(self) -> float:
         """The learning rate of the next step (``optimizer.param_groups[0]["lr"]``); set it between
-        steps, before the next backward."""
+        steps, before the next forward."""
         return self.optimizer.param_groups[0]["lr"]
 
     @lr.setter
@@ -407,7 +411,7 @@ class ParameterServerTraining:
             # pushes gradients nobody computed as zeros), so this rarely waits at all.
             self._wait_params(range(len(self.params)))
             self._issue_pulls(self.step_count + 1)  # streamed: servers send partitions as they step them
-        if self._step_lr is None:
+        if self._step_lr is None:  # (no forward through this wrapper took it)
             self._step_lr = self.optimizer.learning_rate()
         self._pushed[g] = True
         members = set(self._groups[g])
@@ -431,7 +435,11 @@ class ParameterServerTraining:
                 self._pushed_grads.append((i, grad, grad._version))
 
     def step(self) -> None:
-        """Push the gradients not pushed yet, clear them, and ask every server for the next parameters."""
+        """Push the gradients not pushed yet, clear them, and ask every server for the next parameters:
+        ``optimizer.step()``, which torch's schedulers (and optimizer hooks) see as the optimizer's step."""
+        self.optimizer.step()
+
+    def _step(self) -> None:
         self._raise_if_closed()
         self._raise_if_failed()
         if self._double_backward:
@@ -468,15 +476,15 @@ class ParameterServerTraining:
             self.wait()
 
     def _warn_if_lr_changed(self) -> None:
-        """A learning rate set after the step's first push (a scheduler stepped between backward and
-        step()) is the next step's: say so, as torch's schedulers warn of that order."""
+        """A learning rate set after the step's forward took it (a scheduler stepped between
+        backward and step()) is the next step's: say so, as torch's schedulers warn of that order."""
         now, took = self.optimizer.param_groups[0]["lr"], self._step_lr
         self._step_lr = None
         if now != took:
             warnings.warn(f"worker {self.worker}: the learning rate changed to {now} after step {self.step_count}'s "
-                          f"gradients had gone to the servers with {took} (during backward): it applies from the "
-                          "next step. Set it before backward (a scheduler's step() after the optimizer's, torch's "
-                          "order)", stacklevel=3)
+                          f"forward, whose gradients go to the servers with {took}: it applies from the next step. "
+                          "Set it before the forward (a scheduler's step() after the optimizer's, torch's order)",
+                          stacklevel=_caller_level())
 
     def _check_pushed_grads(self) -> None:
         """A gradient changed in place after its push began (e.g. clip_grad_norm_ between backward
@@ -695,8 +703,7 @@ class ParameterServerTraining:
                 kind = job[0]
                 if kind == "push":
                     _, step, version, ids, views, lr = job
-                    link.ch.send(P.PUSH, worker=self.worker, step=step, version=version, extra=P.lr_bits(lr),
-                                 ids=ids, values=views)
+                    link.ch.send(P.PUSH, worker=self.worker, step=step, version=version, lr=lr, ids=ids, values=views)
                 elif kind == "pull":
                     link.ch.send(P.PULL, worker=self.worker, step=job[1])
                 elif kind == "save":
@@ -797,6 +804,19 @@ class ParameterServerTraining:
             "server_stats": [link.bye for link in self._links],
             "notices": list(self.notices),
         }
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel, from its caller's frame, of the first frame outside ringtrain
+    and torch: the user's line, whether it called ``step()`` or ``optimizer.step()`` (which torch
+    wraps once or twice)."""
+    import sys
+
+    inside = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _endpoints(servers: Any) -> list[tuple[str, int]]:
