@@ -260,7 +260,7 @@ def test_communicator_rejects_a_non_transport():
     (lambda c, b: c.allreduce(b, op="avg"), ["op", "sum", "mean", "prod"]),
     (lambda c, b: c.allreduce(b, algorithm="fast"), ["algorithm", "ring", "auto"]),
     (lambda c, b: c.allreduce([1.0, 2.0]), ["numpy", "torch"]),
-    (lambda c, b: c.allreduce(np.zeros(3, np.int16)), ["dtype", "float32"]),
+    (lambda c, b: c.allreduce(np.zeros(3, np.uint16)), ["dtype", "float32"]),
     (lambda c, b: c.allreduce(np.zeros(3, np.int32), op="mean"), ["mean", "int32"]),
     (lambda c, b: c.broadcast(b, root=3), ["root"]),
     (lambda c, b: c.reduce_scatter(b, op="avg"), ["op", "sum"]),
