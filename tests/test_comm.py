@@ -164,8 +164,10 @@ def test_silent_peer_times_out_and_communicator_stays_broken():
          r"unsupported dtype torch.complex128 \(a torch tensor\); use one of \['bfloat16', 'bool', 'complex64', "
          r"'float16', 'float32', 'float64', 'int16', 'int32', 'int64', 'int8', 'uint8'\]"),
         (lambda c: c.allreduce(torch.zeros(3).to_sparse()), "sparse tensors are not supported"),  # was "contiguous"
-        (lambda c: c.allreduce(np.ones((4, 4), np.float32)[:, 1]), "contiguous"),
-        (lambda c: c.allreduce(torch.ones(4, 4)[:, 1]), "contiguous"),
+        (lambda c: c.allreduce(torch.ones(3).expand(2, 3)), "share memory .* expanded tensor"),
+        (lambda c: c.allreduce(np.broadcast_to(np.ones(3, np.float32), (2, 3))), "read-only"),
+        (lambda c: c.allreduce(np.lib.stride_tricks.as_strided(np.ones(3, np.float32), (2, 3), (0, 4))),
+         "share memory"),
         (lambda c: c.allreduce([1.0, 2.0]), "numpy array or a CPU torch tensor"),
         (lambda c: c.broadcast(np.ones(3, np.float32), root=5), "root must be a rank"),
         (lambda c: c.broadcast(np.ones(3, np.float32), root=1.0), "root must be a rank"),
@@ -462,3 +464,37 @@ def test_native_refuses_a_dtype_gloo_cannot_reduce_before_anything_moves():
         comm.allreduce(np.ones(3, dtype=np.int16), algorithm="native")
     with pytest.raises(ValueError, match=r"cannot reduce complex64 with op='prod'"):  # (gloo: "does not support")
         comm.allreduce(np.ones(3, dtype=np.complex64), "prod", algorithm="native")
+
+
+def test_buffers_not_laid_out_row_major_go_through_a_copy_and_come_back():
+    # (refused before, "must be contiguous", where gloo reduces a transposed tensor; on torch 2.13
+    # gloo sums step slices wrongly)
+    def fn(comm):
+        base = torch.arange(12.0).reshape(3, 4) + 100 * comm.rank
+        t = base.t()  # transposed: a view of base
+        comm.allreduce(t)
+        chan = (torch.arange(2 * 3 * 2 * 2.0).reshape(2, 3, 2, 2) + comm.rank).to(memory_format=torch.channels_last)
+        comm.broadcast(chan, root=1)
+        sliced_base = torch.arange(10.0) * (comm.rank + 1)
+        comm.allreduce(sliced_base[::2], op="max")
+        fortran = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3) * (comm.rank + 1))
+        comm.allgather(fortran)
+        z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()  # a conjugated view
+        comm.allreduce(z)
+        w, x = torch.ones(2, 3, requires_grad=True), torch.ones(2, 3)
+        loss = (w * x).sum()  # x saved for w's gradient
+        comm.allreduce(x.t())  # its transposed view: written through the copy, and the write counted
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        return base, chan, sliced_base, fortran, z, x
+
+    for rank, (base, chan, sliced, fortran, z, x) in enumerate(raise_first(run_comms(2, fn))):
+        assert torch.equal(base, 2 * torch.arange(12.0).reshape(3, 4) + 100)
+        assert torch.equal(chan, torch.arange(24.0).reshape(2, 3, 2, 2) + 1) and chan.is_contiguous(
+            memory_format=torch.channels_last)
+        # every other element the max of x and 2x; the ones between untouched
+        assert torch.equal(sliced, torch.arange(10.0) * torch.tensor([2.0, rank + 1.0] * 5))
+        # chunk r (of the row-major order) from rank r: rank 0's first three elements, rank 1's last three
+        assert np.array_equal(fortran, np.array([[0, 1, 2], [6, 8, 10]], dtype=np.float32))
+        assert torch.equal(z.resolve_conj(), torch.tensor([2 - 4j, 6 + 2j], dtype=torch.complex64))
+        assert torch.equal(x, torch.full((2, 3), 2.0))

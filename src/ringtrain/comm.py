@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from .collectives.ops import (NATIVE_DTYPES, FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view,
-                              mark_written, op_name, reducer)
+                              mark_written, op_name, reducer, staged)
 from .errors import CommError, check_seconds
 from .transport.base import CallHeader, Transport, shape_digest
 from .transport.ctrl_c import Breaker
@@ -87,7 +87,8 @@ class Communicator:
     def allreduce(self, buf, op: str = "sum", algorithm: str = "auto"):
         """Reduce ``buf`` over all ranks, in place; every rank ends with the same result. ``op``:
         sum, mean, min, max, prod (or torch.distributed's ReduceOp.SUM, AVG, MAX, MIN, PRODUCT)."""
-        view, op = flat_view(buf), op_name(op)
+        work, back = staged(buf)  # (a buffer not laid out row-major: a row-major copy, written back)
+        view, op = flat_view(work), op_name(op)
         check_op_dtype(op, view.dtype)
         alg = self._resolve(algorithm, view)
         if alg == "native" and (view.dtype not in NATIVE_DTYPES or (view.dtype == "complex64" and op == "prod")):
@@ -108,7 +109,7 @@ class Communicator:
             self._call(None, call)
         if op == "mean":
             finish_mean(acc, self.world_size)
-        _written(buf, view, acc)
+        _written(work, view, acc, back)
         return buf
 
     def reduce_scatter(self, buf, op: str = "sum"):
@@ -116,7 +117,8 @@ class Communicator:
         holds the reduction of that chunk over all ranks; the other chunks are scratch."""
         from .collectives import ring, schedule
 
-        view, op = flat_view(buf), op_name(op)
+        work, back = staged(buf)  # (a buffer not laid out row-major: a row-major copy, written back)
+        view, op = flat_view(work), op_name(op)
         check_op_dtype(op, view.dtype)
         call = self._call_fields("reduce_scatter", view, op, "ring")
         acc = _accumulator(view, op)
@@ -128,20 +130,21 @@ class Communicator:
         if op == "mean":
             lo, hi = schedule.chunk_bounds(acc.array.size, self.world_size)[self.rank]
             finish_mean(FlatView(acc.array[lo:hi], acc.dtype, (hi - lo,)), self.world_size)
-        _written(buf, view, acc)
+        _written(work, view, acc, back)
         return buf
 
     def allgather(self, buf):
         """In place: rank r's input is chunk r of ``buf``; afterwards every chunk is filled."""
         from .collectives import ring
 
-        view = flat_view(buf)
+        work, back = staged(buf)
+        view = flat_view(work)
         call = self._call_fields("allgather", view, "none", "ring")
         if self.world_size > 1:
             self._call(lambda h, d: ring.allgather(self.transport, view.array, h, d), call)
         else:
             self._call(None, call)
-        _written(buf, view, view)
+        _written(work, view, view, back)
         return buf
 
     def broadcast(self, buf, root: int = 0):
@@ -151,7 +154,8 @@ class Communicator:
         if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < self.world_size:
             raise ValueError(f"root must be a rank in [0, {self.world_size}), got {root!r}")
         root = int(root)  # a numpy integer too (the call header packs an int)
-        view = flat_view(buf)
+        work, back = staged(buf)
+        view = flat_view(work)
         call = self._call_fields("broadcast", view, "none", "ring", root=root)
 
         def run(h: CallHeader, deadline: float) -> None:
@@ -161,7 +165,7 @@ class Communicator:
             ring.broadcast(self.transport, view.array, root, h, deadline)
 
         self._call(run if self.world_size > 1 else None, call)
-        _written(buf, view, view)
+        _written(work, view, view, back)
         return buf
 
     def barrier(self) -> None:
@@ -314,11 +318,11 @@ def _accumulator(view: FlatView, op: str) -> FlatView:
     return view
 
 
-def _written(buf, view: FlatView, acc: FlatView) -> None:
+def _written(buf, view: FlatView, acc: FlatView, back: Optional[Callable[[], None]] = None) -> None:
     """Finish a collective's in-place write: copy a wider accumulator back to its float16 or
-    bfloat16 buffer (rounded to nearest), and tell autograd that a tensor it tracks has changed
+    bfloat16 buffer (rounded to nearest), tell autograd that a tensor it tracks has changed
     (ringtrain writes through numpy, which autograd does not see; torch's own in-place ops count
-    the same way)."""
+    the same way), and copy a staged buffer back into the caller's (``back``, from ``staged``)."""
     import numpy as np
 
     if acc is not view and view.dtype == "bfloat16":
@@ -328,3 +332,5 @@ def _written(buf, view: FlatView, acc: FlatView) -> None:
     elif acc is not view:
         np.copyto(view.array, acc.array, casting="same_kind")
     mark_written(buf)
+    if back is not None:
+        back()

@@ -9,7 +9,7 @@ float16 arithmetic is scalar).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -61,6 +61,46 @@ def check_cpu_module(module: Any, who: str) -> None:
             )
 
 
+def staged(buf: Any) -> tuple[Any, Optional[Callable[[], None]]]:
+    """``buf`` as a collective can work on in place, and how to copy the result back: a dense
+    buffer that is not laid out row-major (a transposed tensor, channels_last, a step slice, a
+    Fortran-ordered array) or a complex tensor viewed conjugated goes through a row-major copy
+    written back afterwards (as gloo does for the first of those); anything else is taken as it
+    is (``flat_view`` refuses what it cannot take). A buffer whose elements share memory (an
+    expanded tensor, a broadcast array) cannot be written in place: refused."""
+    if isinstance(buf, np.ndarray):
+        if buf.flags.c_contiguous or not buf.flags.writeable or buf.dtype not in _NUMPY_DTYPES:
+            return buf, None
+        _refuse_overlap(buf.shape, buf.strides)
+        copy = np.ascontiguousarray(buf)
+        return copy, lambda: np.copyto(buf, copy)
+    torch = _torch()
+    if torch is None or not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or buf.layout != torch.strided:
+        return buf, None
+    if buf.is_contiguous() and not buf.is_conj() and not buf.is_neg():
+        return buf, None
+    if buf.requires_grad and not buf.is_leaf:
+        return buf, None  # (refused by flat_view: writing it would change what backward computes)
+    _refuse_overlap(buf.shape, buf.stride())
+    copy = buf.detach().resolve_conj().resolve_neg().contiguous()
+    target = buf.detach()  # (shares the version counter: the write counts as an in-place op's)
+    return copy, lambda: target.copy_(copy)
+
+
+def _refuse_overlap(shape: Sequence[int], strides: Sequence[int]) -> None:
+    if any(st == 0 and n > 1 for n, st in zip(shape, strides)):
+        raise ValueError("the buffer's elements share memory (an expanded tensor or a broadcast array), so a "
+                         "collective cannot write it in place: pass a copy (t.clone(), np.array(a))")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    return torch
+
+
 def flat_view(buf: Any) -> FlatView:
     """A flat view of ``buf`` or a ValueError that says what is wrong with it."""
     if isinstance(buf, np.ndarray):
@@ -69,10 +109,10 @@ def flat_view(buf: Any) -> FlatView:
             raise ValueError(
                 f"unsupported dtype {buf.dtype} (a numpy array); use one of {sorted(set(_NUMPY_DTYPES.values()))}"
             )
-        if not buf.flags.c_contiguous:
-            raise ValueError("buffer must be C-contiguous (use np.ascontiguousarray and copy back)")
         if not buf.flags.writeable:
             raise ValueError("buffer is read-only; collectives work in place")
+        if not buf.flags.c_contiguous:
+            raise ValueError("buffer must be C-contiguous (use np.ascontiguousarray and copy back)")
         # As a plain ndarray: a subclass may not flatten (np.matrix stays 2-D under reshape).
         return FlatView(buf.view(np.ndarray).reshape(-1), name, tuple(buf.shape))
     try:
@@ -89,8 +129,6 @@ def flat_view(buf: Any) -> FlatView:
             raise ValueError(f"sparse tensors are not supported (layout {buf.layout}); pass a dense one (t.to_dense())")
         if str(buf.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {buf.dtype} (a torch tensor); use one of {sorted(_TORCH_DTYPES)}")
-        if not buf.is_contiguous():
-            raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
         if buf.requires_grad:
             if not buf.is_leaf:
                 raise ValueError(
@@ -99,6 +137,8 @@ def flat_view(buf: Any) -> FlatView:
                     "t.detach().clone()) or a leaf tensor such as a parameter"
                 )
             buf = buf.detach()  # shares memory and the version counter (see mark_written)
+        if not buf.is_contiguous():
+            raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
         if buf.dtype == torch.bfloat16:
             return FlatView(buf.view(torch.int16).numpy().reshape(-1).view(np.uint16), "bfloat16", tuple(buf.shape))
         try:
