@@ -11,12 +11,13 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   (*atomic per shard step*).
 - *synchronous* (strategy "sync", "sharded"): a *partition's* step v is applied the moment
   every worker's gradient of it for step v is in: the server sums them in worker order
-  (0, 1, ..., W-1), divides by W and applies SGD to that partition (torch.optim.SGD over one
-  view per partition, momentum kept here), and at once sends the partition's new values to
+  (0, 1, ..., W-1), divides by W and applies the job's optimizer to that partition
+  (torch.optim.SGD, Adam or AdamW over one view per partition, its state kept here: SGD's
+  momentum buffer, Adam's moments and step count, *the partition's state*), and at once sends the partition's new values to
   every worker whose pull for step v+1 is registered, while later partitions' gradients still
   arrive: pushes and pulls overlap on the full-duplex link (*streamed pulls*; the worker sends
   its pull for step v+1 before its first push of step v). ``version`` counts steps applied to
-  every partition. Before a partition's first update of a step its values and momentum are kept,
+  every partition. Before a partition's first update of a step its values and state are kept,
   so that a step cut short (a lost worker, a timeout) is rolled back to version v everywhere:
   the shard is never left half-updated. A worker lost before the step is done ends the job:
   every other worker gets an error naming it.
@@ -30,12 +31,12 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   tells workers how many remain with every answer.
 
 - *checkpoint of step s* (SAVE): the shard as it was at version s, whatever came in since:
-  synchronous, partitions already stepped past s are saved with their values and momentum from
+  synchronous, partitions already stepped past s are saved with their values and state from
   before that step (kept from the last step, ``_prev``, and the step in progress, ``_undo``), so a
   worker that saves between backward and ``step()`` saves a consistent shard. Every worker's
   clock is saved as s, asynchronous too (async has no global step: every worker resumes at the
-  saving worker's step, on every server alike). The strategy is saved, and a job of the other kind
-  refuses the checkpoint. A save that fails (no checkpoint directory, a write error) is answered
+  saving worker's step, on every server alike). The strategy and the optimizer are saved, and a job
+  of the other kind, or with another optimizer, refuses the checkpoint. A save that fails (no checkpoint directory, a write error) is answered
   with the reason and the job goes on. A SAVE marked *background* is answered once the shard is
   copied and written on a thread (checkpoint_writer; one write at a time, one more copy queued
   behind it), so that the saving worker, and the others that wait for its next push, do not wait
@@ -70,6 +71,7 @@ from ..transport import tcp_setup
 from . import protocol as P
 from . import shard_resume
 from .server_config import HELLO_KEYS, MAX_PARTITIONS, ServerConfig, check_hello, format_shape
+from .server_optimizer import torch_optimizer
 from .sharding import layout_digest, make_layout, partition_count
 
 log = logging.getLogger(__name__)
@@ -133,7 +135,8 @@ class ParameterServer:
             diff = [k for k in HELLO_KEYS if self._settings[k] != hello[k]]
             if diff:
                 values = "".join(f"; its {k} is {hello[k]!r}, the first worker's {self._settings[k]!r}" for k in diff
-                                 if k in ("strategy", "lr", "momentum", "weight_decay", "partition_bytes"))
+                                 if k in ("strategy", "optimizer", "lr", "momentum", "betas", "eps", "weight_decay",
+                                          "partition_bytes"))
                 raise MismatchError(f"worker {hello['worker']} disagrees with the other workers about {diff}"
                                     + values + _first_difference(hello["shapes"], self._settings["shapes"]))
             return
@@ -151,7 +154,7 @@ class ParameterServer:
             layout = make_layout(numels, self.cfg.servers, partition_bytes)
         except ValueError as exc:
             raise MismatchError(f"{self.name} cannot serve this model: {exc}") from None
-        lr, momentum, wd = hello["lr"], hello["momentum"], hello["weight_decay"]
+        lr = hello["lr"]
         self.layout = layout
         self.shard = layout.shard(self.cfg.index)
         self.shard_ids = np.array([p.id for p in self.shard], dtype=np.int64)
@@ -163,7 +166,7 @@ class ParameterServer:
         # bits as one step over the whole shard).
         self._views = {i: self.params[self.offsets[i]: self.offsets[i] + self.numel_of[i]]
                        for i in self.shard_ids.tolist()}
-        self.opt = torch.optim.SGD(list(self._views.values()), lr=lr, momentum=momentum, weight_decay=wd)
+        self.opt = torch_optimizer(hello["optimizer"], list(self._views.values()), hello)
         W = self.cfg.workers
         self._grads = [torch.zeros(n, dtype=torch.float32) for _ in range(W)]
         self._got = [set() for _ in range(W)]  # partition ids received for the current push
@@ -171,7 +174,7 @@ class ParameterServer:
         self._complete = [False] * W  # sync: worker's push for step `version` is complete
         self._count = dict.fromkeys(self._views, 0)  # sync: workers' gradients in, per partition
         self._part_version = dict.fromkeys(self._views, 0)  # sync: steps applied, per partition
-        self._undo: dict[int, tuple] = {}  # sync: values and momentum before this step's update
+        self._undo: dict[int, tuple] = {}  # sync: values and state (_copy_state) before this step's update
         self._prev: dict[int, tuple] = {}  # sync: the same for the last step completed (for SAVE)
         self._want: list[Optional[int]] = [None] * W  # sync: the step each worker's pull asks for
         self._step_lr: Optional[tuple[float, int]] = None  # sync: step `version`'s learning rate, who sent it first
@@ -180,21 +183,23 @@ class ParameterServer:
         # server unconfigured, so every worker's HELLO meets the same refusal and reports it.
         if self._resume_payload is not None:
             try:
-                self._restore(self._resume_payload, hello["digest"])  # (checked equal to the layout's above)
+                self._restore(self._resume_payload, hello)  # (its digest checked equal to the layout's above)
             except MismatchError as exc:
                 if not self.cfg.synchronous:  # (synchronous: every lost worker fails the job anyway)
                     self._fail(exc)
                 raise
         self._settings = {k: hello[k] for k in HELLO_KEYS}
 
-    def _restore(self, payload: dict, digest: str) -> None:
-        shard_resume.check_resumable(payload, digest, self.cfg, self.name)
+    def _restore(self, payload: dict, hello: dict) -> None:
+        shard_resume.check_resumable(payload, hello["digest"], hello["optimizer"], self.cfg, self.name)
         self.params.copy_(payload["params"])
-        if payload.get("momentum") is not None:
-            momentum = payload["momentum"]
-            for i, view in self._views.items():
-                off = self.offsets[i]
-                self.opt.state[view]["momentum_buffer"] = momentum[off: off + view.numel()].clone()
+        state = shard_resume.optimizer_state(payload)
+        for k, (i, view) in enumerate(self._views.items()):  # (the order _optimizer_state saves in)
+            off = self.offsets[i]
+            entries = {key: flat[off: off + view.numel()].clone() for key, flat in state["elements"].items()}
+            entries.update({key: flat[k].clone() for key, flat in state["partitions"].items()})
+            if entries:
+                self.opt.state[view] = entries
         self.version = int(payload["version"])
         self._part_version = dict.fromkeys(self._views, self.version)
         self._clock = [int(c) for c in payload["clocks"]]
@@ -490,7 +495,7 @@ class ParameterServer:
             raise ProtocolError(f"worker {w} authenticated as ps rank {w + self.cfg.servers} but says worker {hello['worker']}")
         with self._cond:
             self._configure(hello)
-            welcome = {"version": self.version, "clock": self._clock[w],
+            welcome = {"version": self.version, "clock": self._clock[w], "optimizer": self._settings["optimizer"],
                        "needs_init": not self._initialized and w == 0,
                        "max_staleness": 0 if self.cfg.synchronous else self.cfg.max_staleness}
         ch.send(P.WELCOME, body=P.encode_json(welcome))
@@ -622,8 +627,7 @@ class ParameterServer:
             return
         for i in ready:  # what a rollback restores
             view = self._views[i]
-            momentum = self.opt.state.get(view, {}).get("momentum_buffer")
-            self._undo[i] = (view.clone(), None if momentum is None else momentum.clone())
+            self._undo[i] = (view.clone(), self._copy_state(view))
         self._apply(ready, lambda i: sum_in_order([self._slice(g, i) for g in self._grads]).div_(W),
                     self._step_lr[0])
         step = self.version + 1
@@ -647,15 +651,15 @@ class ParameterServer:
         return flat[self.offsets[i]: self.offsets[i] + self.numel_of[i]]
 
     def _apply(self, ids: list[int], grad_of, lr: float) -> None:
-        """One SGD step at learning rate ``lr`` on partitions ``ids``, partition i's gradient
+        """One optimizer step at learning rate ``lr`` on partitions ``ids``, partition i's gradient
         ``grad_of(i)`` (caller holds the lock)."""
         views = [self._views[i] for i in ids]
         for i, view in zip(ids, views):
             view.grad = grad_of(i)
-        # torch's own step, over these partitions only: SGD.step walks every parameter of its
-        # group, and a synchronous server steps partition by partition as they complete, so a
-        # shard of thousands of small tensors took time quadratic in their number. (The state is
-        # keyed by tensor: the momentum buffers stay where they are.)
+        # torch's own step, over these partitions only: SGD.step (Adam's too) walks every parameter
+        # of its group, and a synchronous server steps partition by partition as they complete, so
+        # a shard of thousands of small tensors took time quadratic in their number. (The state is
+        # keyed by tensor: momentum buffers, Adam's moments stay where they are.)
         group = self.opt.param_groups[0]
         every = group["params"]
         group["params"], group["lr"] = views, lr
@@ -666,15 +670,22 @@ class ParameterServer:
         for view in views:
             view.grad = None
 
+    def _copy_state(self, view: torch.Tensor) -> dict:
+        """A copy of the optimizer's state of one partition, whatever its entries (SGD's momentum
+        buffer; Adam's exp_avg, exp_avg_sq and step): torch updates them in place, so a record of
+        the tensors themselves would hold the step it is meant to undo. {}: none yet."""
+        return {key: value.clone() if isinstance(value, torch.Tensor) else value
+                for key, value in self.opt.state.get(view, {}).items()}
+
     def _rollback(self) -> None:
         """Put back every partition that took the unfinished step (caller holds the lock)."""
-        for i, (values, momentum) in self._undo.items():
+        for i, (values, state) in self._undo.items():
             view = self._views[i]
             view.copy_(values)
-            if momentum is None:
+            if state:
+                self.opt.state[view] = state
+            else:  # (its first step: torch makes the state afresh at the next)
                 self.opt.state.pop(view, None)
-            else:
-                self.opt.state[view]["momentum_buffer"] = momentum
             self._part_version[i] = self.version
         if self._undo:
             log.warning("%s rolled %d partitions back to version %d", self.name, len(self._undo), self.version)
@@ -885,7 +896,7 @@ class ParameterServer:
             raise _SaveRefused(f"{self.name} could not write an earlier checkpoint to {self.cfg.shard_dir} in the "
                                f"background ({exc}), so step {step} is not saved either") from None
         with self._cond:
-            version, params, momentum = self._state_at(step) if self.cfg.synchronous else self._state_now()
+            version, params, state = self._state_at(step) if self.cfg.synchronous else self._state_now()
             payload = {
                 "server": self.cfg.index,
                 "servers": self.cfg.servers,
@@ -898,7 +909,10 @@ class ParameterServer:
                 # server while the save goes round).
                 "clocks": [step] * self.cfg.workers,
                 "params": params,
-                "momentum": momentum,
+                "optimizer": self._settings["optimizer"],
+                "optimizer_state": state,
+                # (the same tensor, stored once: a server from before Adam resumes an SGD checkpoint)
+                "momentum": state["elements"].get("momentum_buffer"),
                 "staleness": {str(k): v for k, v in self.staleness.items()},
             }
         try:
@@ -910,12 +924,12 @@ class ParameterServer:
             raise _SaveRefused(f"{self.name} could not write the checkpoint of step {step} to "
                                f"{self.cfg.shard_dir}: {exc}") from None
 
-    def _state_now(self) -> tuple[int, torch.Tensor, Optional[torch.Tensor]]:
-        """Version, values and momentum of the shard as they are (caller holds the lock)."""
-        return self.version, self.params.clone(), self._momentum({})
+    def _state_now(self) -> tuple[int, torch.Tensor, dict]:
+        """Version, values and optimizer state of the shard as they are (caller holds the lock)."""
+        return self.version, self.params.clone(), self._optimizer_state({})
 
-    def _state_at(self, step: int) -> tuple[int, torch.Tensor, Optional[torch.Tensor]]:
-        """Sync: version, values and momentum of the shard at version ``step`` (caller holds the lock).
+    def _state_at(self, step: int) -> tuple[int, torch.Tensor, dict]:
+        """Sync: version, values and optimizer state of the shard at version ``step`` (caller holds the lock).
 
         A SAVE of step s comes after the saving worker's pushes of step s-1 and before those of
         step s+1, so the shard is at version s, with some partitions perhaps stepped past it
@@ -930,13 +944,29 @@ class ParameterServer:
         params = self.params.clone()
         for i, (values, _) in before.items():
             params[self.offsets[i]: self.offsets[i] + self.numel_of[i]].copy_(values)
-        return step, params, self._momentum(before)
+        return step, params, self._optimizer_state(before)
 
-    def _momentum(self, before: dict) -> Optional[torch.Tensor]:
-        """The momentum of the whole shard, partition i's from ``before[i]`` where given (None: none yet)."""
-        momenta = [before[i][1] if i in before else self.opt.state.get(view, {}).get("momentum_buffer")
-                   for i, view in self._views.items()]
-        return None if any(m is None for m in momenta) else torch.cat(momenta)
+    def _optimizer_state(self, before: dict) -> dict:
+        """The optimizer's state of the whole shard, partition i's from ``before[i]`` where given, copied:
+        ``{"elements": {key: tensor}, "partitions": {key: tensor}}``. An entry of one value per element
+        (a momentum buffer, exp_avg) is the partitions' entries one after the other, as the values are
+        (numel of the shard); one of one value per partition (Adam's step), theirs stacked (one per
+        partition, in the shard's order). An entry not every partition has is left out (none has any
+        before its first step: every partition takes every step)."""
+        states = [before[i][1] if i in before else self.opt.state.get(view, {}) for i, view in self._views.items()]
+        out: dict = {"elements": {}, "partitions": {}}
+        for key in states[0] if states else ():
+            entries = [state.get(key) for state in states]
+            if not all(isinstance(e, torch.Tensor) for e in entries):
+                continue
+            if all(e.shape == view.shape for e, view in zip(entries, self._views.values())):
+                out["elements"][key] = torch.cat([e.reshape(-1) for e in entries])
+            elif all(e.dim() == 0 for e in entries):
+                out["partitions"][key] = torch.stack(entries)
+            else:
+                raise _SaveRefused(f"{self.name} cannot save its optimizer's state {key!r}: of neither one value per "
+                                   "element nor one per partition")
+        return out
 
 
 def _tell_all(channels: list, error: CommError) -> None:

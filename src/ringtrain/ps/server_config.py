@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ProtocolError, check_join_timeout, check_number
+from .server_optimizer import OPTIMIZERS
 from .sharding import ITEMSIZE
 
 STRATEGIES = ("sync", "async", "sharded")
@@ -25,7 +26,11 @@ MAX_PARTITIONS = 1 << 20
 MAX_DIMS = 64  # (torch allows fewer)
 #: The HELLO fields every worker of a job must send alike (the server compares them). "shapes"
 #: is not in the layout's digest (the layout depends on sizes only): it is compared on its own.
-HELLO_KEYS = ("digest", "numels", "shapes", "partition_bytes", "lr", "momentum", "weight_decay", "strategy")
+HELLO_KEYS = ("digest", "numels", "shapes", "partition_bytes", "lr", "momentum", "weight_decay", "strategy",
+              "optimizer", "betas", "eps")
+#: What a HELLO without the optimizer's keys means: SGD (a worker that sets SGD sends none of them,
+#: the HELLO it sent before the servers applied Adam too; betas and eps are then not used).
+OPTIMIZER_DEFAULTS = {"optimizer": "sgd", "betas": [0.9, 0.999], "eps": 1e-8}
 
 
 class JoinTimeout:
@@ -134,8 +139,8 @@ def check_hello(hello: dict, who: str) -> dict:
             raise bad(key, f"must be an integer in [{low}, {high}]")
         return value
 
-    def number(key: str, positive: bool) -> float:
-        value = hello.get(key)
+    def number(key: str, positive: bool, value=_UNSET) -> float:
+        value = hello.get(key) if value is _UNSET else value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad(key, "must be a number")
         try:
@@ -161,6 +166,16 @@ def check_hello(hello: dict, who: str) -> dict:
         if not isinstance(value, str) or (allowed is not None and value not in allowed):
             raise bad(key, f"must be {'one of ' + str(allowed) if allowed else 'a string'}")
         out[key] = value
+    hello = {**OPTIMIZER_DEFAULTS, **hello}  # (bad() and number() read the name: they see the defaults too)
+    if hello["optimizer"] not in OPTIMIZERS:
+        raise bad("optimizer", f"must be one of {OPTIMIZERS}")
+    betas = hello["betas"]
+    if not isinstance(betas, list) or len(betas) != 2:
+        raise bad("betas", "must be a list of two numbers")
+    betas = [number("betas", positive=False, value=b) for b in betas]
+    if not all(b < 1 for b in betas):
+        raise bad("betas", "must be two numbers in [0, 1)")
+    out.update(optimizer=hello["optimizer"], betas=betas, eps=number("eps", positive=False))
     return out
 
 

@@ -5,7 +5,12 @@ the newest step whose file is whole in every sibling folder it can see, so a sav
 some servers resumes at the step before it on all of them; a folder that does not exist at all
 is taken for one on another machine's disk and not consulted (servers there that resumed at
 other steps are told apart when the workers meet them). A checkpoint made for another layout,
-by the other kind of job or with another number of workers is refused with how to resume.
+by the other kind of job, with another optimizer or with another number of workers is refused
+with how to resume.
+
+A checkpoint holds the optimizer's name ("optimizer") and its state ("optimizer_state", see
+``ParameterServer._optimizer_state``); one written before the servers applied Adam too has
+neither, only SGD's "momentum" (the shard's momentum buffer, or None), and is read as SGD's.
 """
 
 from __future__ import annotations
@@ -48,11 +53,21 @@ def newest_whole(cfg: ServerConfig, name: str) -> Optional[dict]:
     return None
 
 
-def check_resumable(payload: dict, digest: str, cfg: ServerConfig, name: str) -> None:
+def optimizer_state(payload: dict) -> dict:
+    """A checkpoint's optimizer state as ``ParameterServer._optimizer_state`` gives it, also from one
+    written before the servers applied Adam too (SGD's momentum buffer, when it had one)."""
+    if "optimizer_state" in payload:
+        return payload["optimizer_state"]
+    momentum = payload.get("momentum")
+    return {"elements": {} if momentum is None else {"momentum_buffer": momentum}, "partitions": {}}
+
+
+def check_resumable(payload: dict, digest: str, optimizer: str, cfg: ServerConfig, name: str) -> None:
     """MismatchError, saying how to resume, where this job cannot take the shard checkpoint
     ``payload``: it was made for another layout (``digest``: this job's; likeliest, another number
-    of servers), by a job of the other kind (synchronous or asynchronous), or with another
-    number of workers."""
+    of servers), by a job of the other kind (synchronous or asynchronous), with another optimizer
+    than this job's ``optimizer`` (its state would not be the one that optimizer keeps), or with
+    another number of workers."""
     if payload.get("layout") != digest:
         made_by = payload.get("servers")
         if isinstance(made_by, int) and made_by != cfg.servers:  # the likeliest cause: say it
@@ -69,6 +84,12 @@ def check_resumable(payload: dict, digest: str, cfg: ServerConfig, name: str) ->
             f"{name}: the checkpoint in {cfg.shard_dir} was made by {kind} job (strategy "
             f"{made_by!r}), this job's strategy is {cfg.strategy!r}: resume with strategy {made_by!r} "
             "or start a new checkpoint directory")
+    made_by = payload.get("optimizer", "sgd")  # (none: saved before the servers applied Adam too)
+    if made_by != optimizer:
+        raise MismatchError(
+            f"{name}: the checkpoint in {cfg.shard_dir} was made with optimizer {made_by!r}, this job's optimizer is "
+            f"{optimizer!r}: resume with optimizer {made_by!r} (PSOptions.optimizer) or start a new checkpoint "
+            "directory")
     made_with, W = len(payload["clocks"]), cfg.workers
     if made_with != W:
         raise MismatchError(

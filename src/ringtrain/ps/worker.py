@@ -29,9 +29,9 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   by another module, ``F.linear(x, self.a.weight)``, or held in an ``nn.ParameterList``), as the
   first step finds them (its forward waits for every parameter). One found later is logged: its
   value in that step may have been the one before the pull.
-- The optimizer lives on the servers: do not step a local optimizer; ``step()`` also clears
-  the gradients (set to None). ``optimizer`` is the servers' SGD as torch sees it
-  (``server_sgd.ServerSGD``: its ``step()`` is ``step()``; torch's schedulers set its learning
+- The optimizer lives on the servers (``PSOptions.optimizer``: SGD, Adam or AdamW): do not step a
+  local optimizer; ``step()`` also clears the gradients (set to None). ``optimizer`` is the
+  servers' optimizer as torch sees it (``server_optimizer.ServerOptimizer``: its ``step()`` is ``step()``; torch's schedulers set its learning
   rate, which every push of a step carries, read at the step's forward: the first through this
   wrapper that tracks gradients, or else at its first push). A parameter that
   got no gradient is pushed as zeros; a ``step()`` with no gradient at all (no backward since
@@ -73,10 +73,10 @@ from torch import nn
 
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module
-from ..errors import CommError, CommTimeout, PeerLost, ProtocolError, check_keywords, check_number
+from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError, check_keywords, check_number
 from . import protocol as P
-from .server_config import STRATEGIES, JoinTimeout
-from .server_sgd import ServerSGD
+from .server_config import OPTIMIZER_DEFAULTS, STRATEGIES, JoinTimeout
+from .server_optimizer import OPTIMIZERS, ServerOptimizer
 from .sharding import make_layout
 
 log = logging.getLogger(__name__)
@@ -91,18 +91,26 @@ RETRY_NOTE = (" (synchronous servers wait for it up to their timeout, then lose 
 class PSOptions(JoinTimeout):
     """Settings of one worker's side of parameter-server training (servers get theirs at launch).
 
-    Frozen: momentum and weight_decay reach the servers in the first HELLO and stay for the run;
-    lr is the learning rate to start with (``ParameterServerTraining.optimizer`` changes it from
-    step to step: each push carries its step's)."""
+    Frozen: the optimizer and its settings but lr (momentum, betas, eps, weight_decay) reach the
+    servers in the first HELLO and stay for the run; lr is the learning rate to start with
+    (``ParameterServerTraining.optimizer`` changes it from step to step: each push carries its step's)."""
 
     strategy: str = "sync"
     """'sync', 'sharded' (sync over several servers) or 'async'; must match the servers'."""
+    optimizer: str = "sgd"
+    """What the servers apply: 'sgd' (torch.optim.SGD), 'adam' or 'adamw' (torch.optim.Adam, AdamW);
+    its state (momentum buffers, Adam's moments and step) lives on the servers."""
     lr: float = 0.05
-    """SGD learning rate to start with (applied on the servers; ``optimizer``'s param group changes it)."""
+    """Learning rate to start with (applied on the servers; ``optimizer``'s param group changes it)."""
     momentum: float = 0.9
-    """SGD momentum (its buffer lives on the servers)."""
+    """SGD momentum (its buffer lives on the servers); not used by Adam and AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's and AdamW's coefficients of the running averages; not used by SGD."""
+    eps: float = 1e-8
+    """Adam's and AdamW's term added to the denominator; not used by SGD."""
     weight_decay: float = 0.0
-    """SGD weight decay."""
+    """Weight decay: SGD's and Adam's added to the gradient, AdamW's decoupled (0 here for every
+    optimizer, though torch's AdamW defaults to 0.01: set it)."""
     schedule: str = "optimal"
     """How gradients are merged into pushes during backward (ringtrain.plan.METHODS)."""
     bucket_cap_mb: float = 25.0
@@ -132,7 +140,17 @@ class PSOptions(JoinTimeout):
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.schedule not in planner.METHODS:
             raise ValueError(f"schedule must be one of {planner.METHODS}, got {self.schedule!r}")
-        for name in ("lr", "timeout", "partition_mb", "bucket_cap_mb", "momentum", "weight_decay", "alpha", "beta"):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        betas = self.betas
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        betas = tuple(check_number("betas", b, positive=False) for b in betas)
+        if not all(b < 1 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", betas)
+        for name in ("lr", "timeout", "partition_mb", "bucket_cap_mb", "momentum", "weight_decay", "eps", "alpha",
+                     "beta"):
             value, positive = getattr(self, name), name in ("lr", "timeout", "partition_mb", "bucket_cap_mb")
             # (the servers refuse a HELLO whose lr, momentum or weight_decay is not finite; a float,
             # not a numpy scalar, goes into the HELLO's JSON)
@@ -222,8 +240,9 @@ class ParameterServerTraining:
         self._found_outside = False  # the first step() has looked for them
         self.pull_wait_s = 0.0  # time forward (or wait()) spent blocked on pulled parameters
         self._pushed_grads: list[tuple[int, torch.Tensor, int]] = []  # (param, gradient, its _version) sent
-        self.optimizer = ServerSGD(self.params, self._step, worker, lr=opts.lr, momentum=opts.momentum,
-                                   weight_decay=opts.weight_decay)
+        self.optimizer = ServerOptimizer(self.params, self._step, worker, optimizer=opts.optimizer, lr=opts.lr,
+                                         momentum=opts.momentum, betas=opts.betas, eps=opts.eps,
+                                         weight_decay=opts.weight_decay)
         self._step_lr: Optional[float] = None  # the learning rate this step's pushes carry (from its forward)
         self._links = self._connect(servers)
         # (until then a wait may be on a worker still connecting: _deadline)
@@ -258,6 +277,8 @@ class ParameterServerTraining:
                  "shapes": [list(p.shape) for p in self.params], "partition_bytes": opts.partition_bytes,
                  "digest": self.layout.digest(), "strategy": opts.strategy, "lr": opts.lr,
                  "momentum": opts.momentum, "weight_decay": opts.weight_decay}
+        if opts.optimizer != OPTIMIZER_DEFAULTS["optimizer"]:  # (SGD's HELLO is the one it was before Adam)
+            hello.update(optimizer=opts.optimizer, betas=list(opts.betas), eps=opts.eps)
         links = []
         k, endpoint = 0, servers[0]
         join = opts.join_s  # (joining: a server still starting, or setting up its shard at the first HELLO)
@@ -283,6 +304,14 @@ class ParameterServerTraining:
                 link.version = int(welcome["version"])
                 link.clock = int(welcome["clock"])
                 link.max_staleness = _staleness_of(welcome, link.ch.peer)
+                # A server that does not say its optimizer predates Adam: it would ignore the HELLO's
+                # "optimizer" and apply SGD (and one that says another could only be a bug).
+                applies = welcome.get("optimizer", "sgd")
+                if applies != opts.optimizer:
+                    raise MismatchError(f"worker {self.worker}: {link.ch.peer} applies optimizer {applies!r}, this "
+                                        f"worker's is {opts.optimizer!r}"
+                                        + (" (the server's ringtrain predates Adam on the servers: update it)"
+                                           if "optimizer" not in welcome else ""))
                 if welcome.get("needs_init"):
                     self._send_values(link, P.INIT)
         except EOFError:
