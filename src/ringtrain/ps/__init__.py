@@ -13,7 +13,7 @@ from .sharding import Layout, Partition, make_layout
 from .worker import ParameterServerTraining, PSOptions
 
 __all__ = [
-    "OPTIMIZERS", "STRATEGIES", "Layout", "LocalServers", "ParameterServer", "ParameterServerTraining", "PSOptions", "Partition",
-    "ServerConfig", "ServerOptimizer", "ServerSGD", "benchmark", "is_server_rank", "launch_local", "make_layout", "run_server",
-    "run_server_role", "worker_from_env",
+    "OPTIMIZERS", "STRATEGIES", "Layout", "LocalServers", "ParameterServer", "ParameterServerTraining", "PSOptions",
+    "Partition", "ServerConfig", "ServerOptimizer", "ServerSGD", "benchmark", "is_server_rank", "launch_local",
+    "make_layout", "run_server", "run_server_role", "worker_from_env",
 ]

@@ -9,18 +9,18 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   land in that worker's own staging buffer as they arrive; only a complete push is ever used,
   under the server's lock, so a worker that dies half-way through a push changes nothing
   (*atomic per shard step*).
-- *synchronous* (strategy "sync", "sharded"): a *partition's* step v is applied the moment
-  every worker's gradient of it for step v is in: the server sums them in worker order
-  (0, 1, ..., W-1), divides by W and applies the job's optimizer to that partition
-  (torch.optim.SGD, Adam or AdamW over one view per partition, its state kept here: SGD's
-  momentum buffer, Adam's moments and step count, *the partition's state*), and at once sends the partition's new values to
-  every worker whose pull for step v+1 is registered, while later partitions' gradients still
-  arrive: pushes and pulls overlap on the full-duplex link (*streamed pulls*; the worker sends
-  its pull for step v+1 before its first push of step v). ``version`` counts steps applied to
-  every partition. Before a partition's first update of a step its values and state are kept,
-  so that a step cut short (a lost worker, a timeout) is rolled back to version v everywhere:
-  the shard is never left half-updated. A worker lost before the step is done ends the job:
-  every other worker gets an error naming it.
+- *synchronous* (strategy "sync", "sharded"): a *partition's* step v is applied the moment every
+  worker's gradient of it for step v is in: the server sums them in worker order (0, 1, ..., W-1),
+  divides by W and applies the job's optimizer to that partition (torch.optim.SGD, Adam or AdamW
+  over one view per partition, its state kept here: SGD's momentum buffer, Adam's moments and step
+  count, *the partition's state*), and at once sends the partition's new values to every worker
+  whose pull for step v+1 is registered, while later partitions' gradients still arrive: pushes
+  and pulls overlap on the full-duplex link (*streamed pulls*; the worker sends its pull for step
+  v+1 before its first push of step v). ``version`` counts steps applied to every partition.
+  Before a partition's first update of a step its values and state are kept, so that a step cut
+  short (a lost worker, a timeout) is rolled back to version v everywhere: the shard is never left
+  half-updated. A worker lost before the step is done ends the job: every other worker gets an
+  error naming it.
 - *asynchronous* ("async"): each complete push is applied on arrival, scaled by 1/W so that W
   updates move the parameters as far as one synchronous step. Its *staleness* is the number of
   updates applied since the parameters it was computed from (version now - version pulled),
@@ -31,17 +31,18 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   tells workers how many remain with every answer.
 
 - *checkpoint of step s* (SAVE): the shard as it was at version s, whatever came in since:
-  synchronous, partitions already stepped past s are saved with their values and state from
-  before that step (kept from the last step, ``_prev``, and the step in progress, ``_undo``), so a
-  worker that saves between backward and ``step()`` saves a consistent shard. Every worker's
-  clock is saved as s, asynchronous too (async has no global step: every worker resumes at the
-  saving worker's step, on every server alike). The strategy and the optimizer are saved, and a job
-  of the other kind, or with another optimizer, refuses the checkpoint. A save that fails (no checkpoint directory, a write error) is answered
-  with the reason and the job goes on. A SAVE marked *background* is answered once the shard is
-  copied and written on a thread (checkpoint_writer; one write at a time, one more copy queued
-  behind it), so that the saving worker, and the others that wait for its next push, do not wait
-  for the disk (a write longer than ``timeout`` failed the job); the error of such a write is the
-  answer to a later SAVE, and fails serve() at the end.
+  synchronous, partitions already stepped past s are saved with their values and state from before
+  that step (kept from the last step, ``_prev``, and the step in progress, ``_undo``), so a worker
+  that saves between backward and ``step()`` saves a consistent shard. Every worker's clock is
+  saved as s, asynchronous too (async has no global step: every worker resumes at the saving
+  worker's step, on every server alike). The strategy and the optimizer are saved, and a job of
+  the other kind, or with another optimizer, refuses the checkpoint. A save that fails (no
+  checkpoint directory, a write error) is answered with the reason and the job goes on. A SAVE
+  marked *background* is answered once the shard is copied and written on a thread
+  (checkpoint_writer; one write at a time, one more copy queued behind it), so that the saving
+  worker, and the others that wait for its next push, do not wait for the disk (a write longer
+  than ``timeout`` failed the job); the error of such a write is the answer to a later SAVE, and
+  fails serve() at the end.
 - *resume*: at the newest step whose shard file is whole in every server's folder this one can
   see, if this job may take it (``shard_resume``); what a HELLO and a ServerConfig hold is
   ``server_config``'s.

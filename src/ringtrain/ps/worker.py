@@ -31,9 +31,10 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   value in that step may have been the one before the pull.
 - The optimizer lives on the servers (``PSOptions.optimizer``: SGD, Adam or AdamW): do not step a
   local optimizer; ``step()`` also clears the gradients (set to None). ``optimizer`` is the
-  servers' optimizer as torch sees it (``server_optimizer.ServerOptimizer``: its ``step()`` is ``step()``; torch's schedulers set its learning
-  rate, which every push of a step carries, read at the step's forward: the first through this
-  wrapper that tracks gradients, or else at its first push). A parameter that
+  servers' optimizer as torch sees it (``server_optimizer.ServerOptimizer``: its ``step()`` is
+  ``step()``; torch's schedulers set its learning rate, which every push of a step carries, read
+  at the step's forward: the first through this wrapper that tracks gradients, or else at its
+  first push). A parameter that
   got no gradient is pushed as zeros; a ``step()`` with no gradient at all (no backward since
   the last) is refused, pushing nothing.
 - *version*: a tensor's in-place write counter (``Tensor._version``). The receiver writes
