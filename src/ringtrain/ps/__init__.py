@@ -8,12 +8,12 @@ See docs/ps.md for the loop, the launch roles and the guarantees.
 from .launch import LocalServers, benchmark, is_server_rank, launch_local, run_server_role, worker_from_env
 from .server import ParameterServer, run_server
 from .server_config import STRATEGIES, ServerConfig
-from .server_optimizer import OPTIMIZERS, ServerOptimizer, ServerSGD
+from .server_optimizer import OPTIMIZERS, ServerOptimizer
 from .sharding import Layout, Partition, make_layout
 from .worker import ParameterServerTraining, PSOptions
 
 __all__ = [
     "OPTIMIZERS", "STRATEGIES", "Layout", "LocalServers", "ParameterServer", "ParameterServerTraining", "PSOptions",
-    "Partition", "ServerConfig", "ServerOptimizer", "ServerSGD", "benchmark", "is_server_rank", "launch_local",
+    "Partition", "ServerConfig", "ServerOptimizer", "benchmark", "is_server_rank", "launch_local",
     "make_layout", "run_server", "run_server_role", "worker_from_env",
 ]

@@ -92,6 +92,3 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise ValueError(f"worker {self._worker}: the learning rate must be a finite number >= 0, got {lr!r}")
         return float(lr)
 
-
-#: The name before the servers applied Adam too (``ringtrain.ps.ServerSGD``).
-ServerSGD = ServerOptimizer
