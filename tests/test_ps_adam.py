@@ -1,7 +1,6 @@
-"""Parameter servers applying Adam and AdamW (``PSOptions.optimizer``): bitwise the same as one
-process running torch's optimizer (synchronous over one and two servers, under a scheduler;
-asynchronous with one worker), the whole optimizer state kept for a step cut short, a checkpoint
-of step s and a resume; what is refused (another optimizer's checkpoint, workers that disagree,
+"""Parameter servers applying Adam and AdamW (``PSOptions.optimizer``; bitwise the same as one
+process running torch's optimizer under a scheduler: test_ps_lr.py): the whole optimizer state
+kept for a step cut short, a checkpoint of step s and a resume; what is refused (another optimizer's checkpoint, workers that disagree,
 settings a scheduler would change); SGD's HELLO and an SGD checkpoint from before Adam.
 
 Servers run in threads of this process (ps_harness), workers in threads too (on_threads) or as raw
@@ -27,8 +26,6 @@ from ps_harness import both_take_step_0, recv_params, recv_partitions
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"adam-secret"
-STEPS = 8
-FACTORS = [0.0, 0.25, 1.0, 1.0, 0.5, 0.5, 0.125, 2.0]  # a warm-up from 0, decays, one rise
 ADAM = {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05}  # (not torch's defaults: they must travel)
 ONE_ELEMENT = 4 / (1 << 20)  # partition_mb of 1-element partitions
 
@@ -46,33 +43,6 @@ def loss_of(m, x: torch.Tensor) -> torch.Tensor:
     return (m(x) - 1).pow(2).mean()
 
 
-def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: FACTORS[min(s, len(FACTORS) - 1)])
-
-
-def reference(optimizer: str, workers: int, steps: int = STEPS, lrs=None, scheduled: bool = True):
-    """One process: each worker's gradient summed in worker order, / W, torch's Adam or AdamW (and
-    the scheduler, or the learning rates ``lrs``, one per step)."""
-    m = model()
-    opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](m.parameters(), lr=0.01, **ADAM)
-    sched = schedule(opt) if lrs is None and scheduled else None
-    for s in range(steps):
-        if lrs is not None:
-            opt.param_groups[0]["lr"] = lrs[s]
-        total = None
-        for w in range(workers):
-            m.zero_grad()
-            loss_of(m, batch(w, s)).backward()
-            grads = [p.grad.clone() for p in m.parameters()]
-            total = grads if total is None else [a.add_(b) for a, b in zip(total, grads)]
-        for p, g in zip(m.parameters(), total):
-            p.grad = g.div_(workers)
-        opt.step()
-        if sched is not None:
-            sched.step()
-    return [p.detach().clone() for p in m.parameters()], opt
-
-
 def servers(n: int, workers: int, **kw):
     started = [ps_harness.start_server(SECRET, index=k, servers=n, workers=workers, **kw) for k in range(n)]
     return started, [s.endpoint for s, _, _ in started]
@@ -87,56 +57,6 @@ def join_all(started) -> None:
 def wrap(m: nn.Module, endpoints, w: int, workers: int, **kw) -> ParameterServerTraining:
     kw = {"optimizer": "adamw", "lr": 0.01, "timeout": 10.0, "partition_mb": 16 / (1 << 20), **ADAM, **kw}
     return ParameterServerTraining(m, servers=endpoints, worker=w, workers=workers, secret=SECRET, **kw)
-
-
-@pytest.mark.parametrize("n_servers,strategy,optimizer,scheduled", [
-    (1, "sync", "adamw", False), (1, "sync", "adamw", True), (2, "sharded", "adamw", True),
-    (2, "sharded", "adam", True)])
-def test_synchronous_adam_trains_as_torchs_in_one_process(n_servers, strategy, optimizer, scheduled):
-    workers = 2
-    started, endpoints = servers(n_servers, workers, strategy=strategy)
-    models = [model() for _ in range(workers)]
-
-    def work(w: int):
-        pst = wrap(models[w], endpoints, w, workers, strategy=strategy, optimizer=optimizer)
-        opt = pst.optimizer
-        sched = schedule(opt) if scheduled else None
-        for s in range(STEPS):
-            opt.zero_grad()
-            loss_of(pst, batch(w, s)).backward()
-            opt.step()  # = pst.step()
-            if sched is not None:
-                sched.step()
-        pst.wait()
-        out = [p.detach().clone() for p in models[w].parameters()]
-        pst.close()
-        return out
-
-    results = on_threads(workers, work, timeout=50)
-    join_all(started)
-    want, _ = reference(optimizer, workers, scheduled=scheduled)
-    for w, got in enumerate(results):
-        for i, (a, b) in enumerate(zip(got, want)):
-            # Bitwise: summed in worker order, / W, torch's optimizer stepped partition by partition
-            # (elementwise: the same bits as one step over every parameter).
-            assert torch.equal(a, b), f"worker {w} parameter {i}: {(a - b).abs().max()}"
-
-
-def test_asynchronous_adamw_with_one_worker_is_torchs_adamw():
-    started, endpoints = servers(1, 1, strategy="async")
-    m = model()
-    pst = wrap(m, endpoints, 0, 1, strategy="async")
-    lrs = [0.01, 0.0, 0.005, 0.02, 0.001, 0.01]
-    for s, lr in enumerate(lrs):
-        pst.lr = lr
-        loss_of(pst, batch(0, s)).backward()
-        pst.step()
-    pst.wait()
-    got = [p.detach().clone() for p in m.parameters()]
-    pst.close()
-    join_all(started)
-    for a, b in zip(got, reference("adamw", 1, len(lrs), lrs)[0]):
-        assert torch.equal(a, b)
 
 
 def test_the_workers_optimizer_has_torchs_adamw_group_and_refuses_a_scheduler_cycling_betas():

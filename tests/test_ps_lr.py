@@ -27,6 +27,11 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = b"lr-schedule-secret"
 STEPS = 8
 FACTORS = [0.0, 0.25, 1.0, 1.0, 0.5, 0.5, 0.125, 2.0]  # a warm-up from 0, decays, one rise
+#: The servers' optimizers and their settings (Adam's not torch's defaults: they must travel).
+SETTINGS = {"sgd": dict(lr=0.1, momentum=0.9),
+            "adam": dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05),
+            "adamw": dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)}
+TORCH = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def model() -> nn.Module:
@@ -46,11 +51,11 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: FACTORS[min(s, len(FACTORS) - 1)])
 
 
-def reference(workers: int, steps: int = STEPS, lrs=None) -> list[torch.Tensor]:
-    """One process: each worker's gradient summed in worker order, / W, torch's SGD and scheduler
-    (or the learning rates ``lrs``, one per step)."""
+def reference(workers: int, steps: int = STEPS, lrs=None, optimizer: str = "sgd") -> list[torch.Tensor]:
+    """One process: each worker's gradient summed in worker order, / W, torch's ``optimizer`` and
+    scheduler (or the learning rates ``lrs``, one per step)."""
     m = model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    opt = TORCH[optimizer](m.parameters(), **SETTINGS[optimizer])
     sched = schedule(opt) if lrs is None else None
     for s in range(steps):
         if lrs is not None:
@@ -74,19 +79,22 @@ def servers(n: int, workers: int, **kw):
     return started, [s.endpoint for s, _, _ in started]
 
 
-def wrap(m: nn.Module, endpoints, w: int, workers: int, **kw) -> ParameterServerTraining:
-    return ParameterServerTraining(m, servers=endpoints, worker=w, workers=workers, secret=SECRET, lr=0.1,
-                                   momentum=0.9, timeout=10.0, partition_mb=16 / (1 << 20), **kw)
+def wrap(m: nn.Module, endpoints, w: int, workers: int, optimizer: str = "sgd", **kw) -> ParameterServerTraining:
+    return ParameterServerTraining(m, servers=endpoints, worker=w, workers=workers, secret=SECRET, timeout=10.0,
+                                   partition_mb=16 / (1 << 20), optimizer=optimizer, **SETTINGS[optimizer], **kw)
 
 
-@pytest.mark.parametrize("n_servers,strategy", [(1, "sync"), (2, "sharded")])
-def test_a_torch_scheduler_on_the_optimizer_trains_as_sgd_with_it_in_one_process(n_servers, strategy):
+@pytest.mark.parametrize("n_servers,strategy,optimizer", [(1, "sync", "sgd"), (2, "sharded", "sgd"),
+                                                           (1, "sync", "adamw"), (2, "sharded", "adamw"),
+                                                           (2, "sharded", "adam")])
+def test_a_torch_scheduler_on_the_optimizer_trains_as_the_optimizer_with_it_in_one_process(n_servers, strategy,
+                                                                                            optimizer):
     workers = 2
     started, endpoints = servers(n_servers, workers, strategy=strategy)
     models = [model() for _ in range(workers)]
 
     def work(w: int):
-        pst = wrap(models[w], endpoints, w, workers, strategy=strategy)
+        pst = wrap(models[w], endpoints, w, workers, optimizer, strategy=strategy)
         opt = pst.optimizer
         sched = schedule(opt)
         lrs = []
@@ -104,20 +112,22 @@ def test_a_torch_scheduler_on_the_optimizer_trains_as_sgd_with_it_in_one_process
     results = on_threads(workers, work, timeout=50)
     for _, thread, _ in started:
         thread.join(10)
-    want = reference(workers)
+    want = reference(workers, optimizer=optimizer)
     for w, (got, lrs) in enumerate(results):
-        assert lrs == pytest.approx([0.1 * f for f in FACTORS])
+        assert lrs == pytest.approx([SETTINGS[optimizer]["lr"] * f for f in FACTORS])
         for i, (a, b) in enumerate(zip(got, want)):
-            # Bitwise: the servers sum in worker order, divide by W and step torch's SGD at the
-            # learning rate each step's pushes carry, as the reference steps with its scheduler.
+            # Bitwise: the servers sum in worker order, divide by W and step torch's optimizer at
+            # the learning rate each step's pushes carry, partition by partition (elementwise: the
+            # same bits as one step over every parameter), as the reference steps with its scheduler.
             assert torch.equal(a, b), f"worker {w} parameter {i}: {(a - b).abs().max()}"
 
 
-def test_asynchronous_servers_apply_each_push_at_its_workers_learning_rate():
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_asynchronous_servers_apply_each_push_at_its_workers_learning_rate(optimizer):
     # One asynchronous worker: every push is applied on arrival, before the pull after it.
     started, endpoints = servers(1, 1, strategy="async")
     m = model()
-    pst = wrap(m, endpoints, 0, 1, strategy="async")
+    pst = wrap(m, endpoints, 0, 1, optimizer, strategy="async")
     lrs = [0.1, 0.0, 0.05, 0.2, 0.01, 0.1]
     for s, lr in enumerate(lrs):
         pst.lr = lr
@@ -127,7 +137,7 @@ def test_asynchronous_servers_apply_each_push_at_its_workers_learning_rate():
     got = [p.detach().clone() for p in m.parameters()]
     pst.close()
     started[0][1].join(10)
-    for a, b in zip(got, reference(1, len(lrs), lrs)):
+    for a, b in zip(got, reference(1, len(lrs), lrs, optimizer)):
         assert torch.equal(a, b)
 
 
