@@ -667,8 +667,12 @@ def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_pat
 
 
 def test_compression_reaches_the_workers(tmp_path, launches, capsys):
+    from ringtrain.ddp.options import COMPRESSIONS
+    from ringtrain.train import COMPRESSION
+
     cli.main(["train", "--compression", "bf16", "--checkpoint-dir", str(tmp_path)])
     assert launched_config(launches)["compression"] == "bf16"
+    assert COMPRESSION == ("none", *COMPRESSIONS)  # (the command line's list, kept without importing torch)
 
 
 # --- --join-timeout: from the command line to the calls where the ranks meet ------------------------

@@ -38,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..train import COMPRESSION
 from .machine import check_out_dir, check_ranks, plural, run_stamp
 from .procs import RankFailed, emit, emulated, interrupted, progress, run_ranks
 
@@ -68,7 +69,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "ps-sync, ps-async, ps-sharded, each with :K for K servers (K defaults to 1, and to 2 for "
                    "ps-sharded), e.g. ring,ps-sync,ps-sharded:2,ps-async (default %(default)s)")
     p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
-    p.add_argument("--compression", default="none", choices=("none", "fp16", "bf16"), help="also time the optimal "
+    p.add_argument("--compression", default="none", choices=COMPRESSION, help="also time the optimal "
                    "schedule with gradients in this half precision on the wire, and torch's DDP with the "
                    "matching compression hook (default %(default)s)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default %(default)s)")
@@ -521,13 +522,18 @@ def bf16_hook(state, bucket):
     return dist.all_reduce(half, async_op=True).get_future().then(decompress)
 
 
+def _median(stats: list, name: str):
+    """The median of field ``name`` of a wrapper's IterationStats (None without any)."""
+    return float(np.median([getattr(s, name) for s in stats])) if stats else None
+
+
 def _compressed_fields(c: dict) -> dict:
     """A compressed wrapper's plan and its own account of the timed iterations (the simulator's
     and the bound's figures are for full-precision bytes: none here)."""
     stats = c["stats"]
     return dict(groups=len(c["wrapped"].plan.groups), kept=c["wrapped"].kept,
-                hidden_fraction=float(np.median([s.hidden_fraction for s in stats])) if stats else None,
-                comm_s=float(np.median([s.comm_s for s in stats])) if stats else None)
+                hidden_fraction=_median(stats, "hidden_fraction"),
+                comm_s=_median(stats, "comm_s"))
 
 
 def _step(c: dict, batches: list, k: int) -> None:
@@ -655,8 +661,8 @@ def _ring_fields(c: dict, med: float, p: int, trace, sim_trace, cost, algorithm:
     one_allreduce = float(cost(float(sum(plan.group_bytes))))
     bound = trace.forward_s + max(trace.backward_s, first_ready + one_allreduce) + trace.optimizer_s
     return dict(
-        hooks_s=float(np.median([s.hooks_s for s in stats])) if stats else None,
-        broadcast_s=float(np.median([s.broadcast_s for s in stats])) if stats else None,
+        hooks_s=_median(stats, "hooks_s"),
+        broadcast_s=_median(stats, "broadcast_s"),
         alpha=ddp.alpha, beta=ddp.beta, cost=dataclasses.asdict(cost), groups=len(plan.groups),
         plan_in_force=plan.method,
         interference=slow.to_dict() if slow is not None else None, fell_back=ddp.fell_back,
@@ -664,10 +670,10 @@ def _ring_fields(c: dict, med: float, p: int, trace, sim_trace, cost, algorithm:
         planner_iter_s=planner_iteration_s(trace, plan),
         sim_iter_s=pred.iteration_s, sim_error=(pred.iteration_s - med) / med,
         overlap_bound_s=bound, vs_bound=med / bound,
-        hidden_fraction=float(np.median([s.hidden_fraction for s in stats])) if stats else None,
-        comm_s=float(np.median([s.comm_s for s in stats])) if stats else None,
-        backward_s=float(np.median([s.backward_s for s in stats])) if stats else None,
-        exposed_s=float(np.median([s.exposed_s for s in stats])) if stats else None,
+        hidden_fraction=_median(stats, "hidden_fraction"),
+        comm_s=_median(stats, "comm_s"),
+        backward_s=_median(stats, "backward_s"),
+        exposed_s=_median(stats, "exposed_s"),
         timeline=str(ddp.timeline_path) if ddp.timeline_path else None,
     )
 

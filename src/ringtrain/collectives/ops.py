@@ -32,12 +32,12 @@ _NUMPY_DTYPES = {
 #: Dtypes without a mean (sum and divide), and without an order (no min or max).
 _INTEGRAL = ("int32", "int64", "uint8", "int8", "int16", "bool")
 _UNORDERED = ("complex64",)
-#: What torch.distributed's gloo reduces (algorithm="native"): not int16.
-NATIVE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8", "bool", "complex64")
 
 
 #: The torch dtypes (names) a CPU tensor may have: numpy's (it is viewed through them) and bfloat16.
 _TORCH_DTYPES = ("bfloat16",) + tuple(_NUMPY_DTYPES.values())
+#: What torch.distributed's gloo reduces (algorithm="native"): every dtype here but int16.
+NATIVE_DTYPES = tuple(d for d in _TORCH_DTYPES if d != "int16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +115,7 @@ def flat_view(buf: Any) -> FlatView:
             raise ValueError("buffer must be C-contiguous (use np.ascontiguousarray and copy back)")
         # As a plain ndarray: a subclass may not flatten (np.matrix stays 2-D under reshape).
         return FlatView(buf.view(np.ndarray).reshape(-1), name, tuple(buf.shape))
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
+    torch = _torch()
     if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise ValueError(

@@ -579,7 +579,7 @@ class DistributedDataParallel(nn.Module):
         sum of the half-precision gradients divided first, as torch's compression hooks."""
         if divisor is None:
             divisor = self.world_size if self._join is None else self._join.divisor
-        algorithm, d = self.options.algorithm, divisor
+        algorithm = self.options.algorithm
         wire = self._wire_dtype(buf.dtype)
         if wire != buf.dtype:
             # Into memory kept for it (a fresh tensor's page faults took as long as the rounding:
@@ -587,14 +587,14 @@ class DistributedDataParallel(nn.Module):
             if self._scratch is None or self._scratch.numel() < buf.numel():
                 self._scratch = torch.empty(buf.numel(), dtype=wire)
             half = self._scratch[: buf.numel()].view(buf.shape)
-            half.copy_(buf).div_(d)
+            half.copy_(buf).div_(divisor)
             self.comm.allreduce(half, "sum", algorithm)
             buf.copy_(half)
-        elif d == self.world_size:
+        elif divisor == self.world_size:
             self.comm.allreduce(buf, "mean", algorithm)
         else:  # (float16 is then summed in float16, not float32: join's divisor only)
             self.comm.allreduce(buf, "sum", algorithm)
-            finish_mean(flat_view(buf), d)
+            finish_mean(flat_view(buf), divisor)
 
     def _end_backward(self) -> None:
         """Finish the iteration; on any error reset it (the error is the news, not missing
