@@ -30,15 +30,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 STEPS, EVERY = 24, 4
 
 
-def command(directory: Path, steps: int = STEPS) -> list[str]:
+def command(directory: Path, steps: int = STEPS, *more: str) -> list[str]:
     return [sys.executable, "-m", "ringtrain.cli", "train", "--workers", "2", "--model", "charlm",
             "--batch-size", "4", "--steps", str(steps), "--checkpoint-every", str(EVERY),
-            "--checkpoint-dir", str(directory), "--no-progress", "--timeout", "30"]
+            "--checkpoint-dir", str(directory), "--no-progress", "--timeout", "30", *more]
 
 
-def start(directory: Path, steps: int = STEPS) -> subprocess.Popen:
+def start(directory: Path, steps: int = STEPS, *more: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(command(directory, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(command(directory, steps, *more), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
 
 
@@ -96,7 +96,8 @@ def final_tensors(directory: Path) -> dict:
     return found.payload
 
 
-def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])  # (momentum buffers; Adam's moments and step count)
+def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path, optimizer):
     import torch
 
     seed = int(os.environ.get("RINGTRAIN_RESUME_SEED", random.randrange(1 << 30)))
@@ -107,8 +108,9 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
     why = f"RINGTRAIN_RESUME_SEED={seed}: kill {fraction:.2f} checkpoint periods after checkpoint {wait_for}"
 
     ref_dir, victim_dir = tmp_path / "reference", tmp_path / "victim"
-    reference = start(ref_dir)
-    victim = start(victim_dir)
+    flags = ("--optimizer", optimizer)
+    reference = start(ref_dir, STEPS, *flags)
+    victim = start(victim_dir, STEPS, *flags)
     try:
         seen_at = {}
         deadline = time.monotonic() + 60
@@ -123,7 +125,7 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
         kill_job(victim, pids)
         killed_at = checkpoints(victim_dir)
         assert f"ckpt-{STEPS:09d}.pt" not in killed_at, f"{why}: the run finished before the kill"
-        resumed = start(victim_dir)
+        resumed = start(victim_dir, STEPS, *flags)
         out = finish(resumed)
         assert "resumed from" in out and f"to step {STEPS}" in out, out[-3000:]
         finish(reference)

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,12 +61,13 @@ def refusal(argv: list[str], launches, capsys) -> str:
 
 
 def save_run(directory: Path, steps=(1, 2), strategy: str = "ring", model: str = "charlm", workers: int = 1,
-             batch: int = 4, seed: int = 0, legacy: bool = False) -> None:
+             batch: int = 4, seed: int = 0, legacy: bool = False, optimizer: str = "sgd") -> None:
     """Checkpoints as the workers of such a run save them (``legacy``: without the fields a
     checkpoint records since the parent checks them)."""
-    cfg = train.TrainConfig(model=model, strategy=strategy, batch_size=batch, seed=seed, checkpoint_dir=str(directory))
+    cfg = train.TrainConfig(model=model, strategy=strategy, batch_size=batch, seed=seed, checkpoint_dir=str(directory),
+                            optimizer=optimizer)
     net, loader, _ = train._workload(cfg, 0, workers)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if strategy == "ring" else None
+    opt = train._optimizer(cfg)(net.parameters()) if strategy == "ring" else None
     for step in steps:
         if legacy:
             payload = checkpoint.training_state(step, net, opt, loader)
@@ -258,11 +260,11 @@ def test_the_help_names_the_checkpoint_directory_a_run_uses(tmp_path, monkeypatc
     assert "runs/<model>" not in text
 
 
-def test_checkpoints_record_strategy_and_canonical_model(tmp_path):
-    save_run(tmp_path, model="charlm", strategy="ps-sharded")
+def test_checkpoints_record_strategy_canonical_model_and_optimizer(tmp_path):
+    save_run(tmp_path, model="charlm", strategy="ps-sharded", optimizer="adam")
     extra = checkpoint.latest(tmp_path).payload["extra"]
     corpus = extra.pop("corpus")  # the text's sha256: a resume on other text says so
-    assert extra == {"strategy": "ps-sharded", "model_name": "charlm-transformer"}
+    assert extra == {"strategy": "ps-sharded", "model_name": "charlm-transformer", "optimizer_name": "adam"}
     assert isinstance(corpus, str) and len(corpus) == 64
 
 
@@ -448,6 +450,39 @@ def test_resuming_with_another_seed_is_refused(tmp_path, launches, capsys):
     save_run(tmp_path, seed=5)
     message = refusal(train_argv(tmp_path, "--seed", "6"), launches, capsys)
     assert "--seed 5" in message, message
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps-sync"])
+def test_resuming_with_another_optimizer_is_refused_naming_it(tmp_path, strategy, launches, capsys):
+    save_run(tmp_path, strategy=strategy, optimizer="adamw")
+    if strategy != "ring":  # (the servers' files of the same steps, as a parameter-server run leaves them)
+        shutil.copytree(tmp_path, tmp_path / "servers" / "server-0", ignore=shutil.ignore_patterns("servers"))
+    message = refusal(train_argv(tmp_path, "--strategy", strategy), launches, capsys)
+    assert "--optimizer adamw, not sgd" in message and "pass --optimizer adamw" in message, message
+    assert cli.main(train_argv(tmp_path, "--strategy", strategy, "--optimizer", "adamw")) == 0
+    assert launched_config(launches)["optimizer"] == "adamw"
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["recorded", "older-checkpoints"])
+def test_sgd_resumes_checkpoints_made_before_the_optimizer_was_recorded(tmp_path, legacy, launches, capsys):
+    save_run(tmp_path, legacy=legacy)
+    assert cli.main(train_argv(tmp_path)) == 0
+    launches.clear()
+    message = refusal(train_argv(tmp_path, "--optimizer", "adam"), launches, capsys)
+    assert "--optimizer sgd, not adam" in message, message
+
+
+@pytest.mark.parametrize("optimizer, lr", [("sgd", 0.05), ("adam", 1e-3), ("adamw", 1e-3)])
+def test_each_optimizer_starts_at_its_usual_learning_rate_unless_given_one(optimizer, lr):
+    from ringtrain.ps.server_optimizer import OPTIMIZERS
+
+    assert train.OPTIMIZERS == OPTIMIZERS  # (the command line's list, kept without importing torch)
+    assert train.TrainConfig(optimizer=optimizer).lr == lr
+    assert train.TrainConfig(optimizer=optimizer, lr=0.2).lr == 0.2
+    cfg = train.TrainConfig(optimizer=optimizer, lr=0.2)
+    opt = train._optimizer(cfg)([torch.zeros(2, requires_grad=True)])
+    assert type(opt).__name__.lower() == optimizer and opt.param_groups[0]["lr"] == 0.2
+    assert opt.param_groups[0]["weight_decay"] == 0.0
 
 
 def test_the_help_example_of_a_resume_on_more_workers_keeps_the_global_batch():

@@ -1,9 +1,9 @@
 """The checkpoint directory of a `ringtrain train` run, read by the parent before any worker
 starts: which step the run resumes at, and whether it can resume there at all.
 
-A resumed run keeps the strategy family (ring or parameter servers), the model, the global batch
-and seed, and for parameter servers their number and kind (sync or async) of the checkpoints it
-continues; anything else is refused here, naming the flag to pass, instead of failing on some
+A resumed run keeps the strategy family (ring or parameter servers), the model, the optimizer,
+the global batch and seed, and for parameter servers their number and kind (sync or async) of the
+checkpoints it continues; anything else is refused here, naming the flag to pass, instead of failing on some
 rank after startup or silently overwriting them. ``--no-resume`` moves the old checkpoints aside.
 """
 
@@ -49,6 +49,8 @@ class _Saved:
     model_shapes: dict[str, tuple[int, ...]]
     data: dict | None
     """The sampler's state (global batch size, seed)."""
+    optimizer: str
+    """--optimizer of the run that saved it (sgd in checkpoints made before there was a choice)."""
 
 
 def _saved_checkpoints(directory: Path) -> list[_Saved]:
@@ -70,7 +72,7 @@ def _saved_checkpoints(directory: Path) -> list[_Saved]:
         strategy = extra.get("strategy") or ("ring" if payload.get("optimizer") is not None else "ps")
         shapes = {k: tuple(v.shape) for k, v in payload["model"].items()}
         saved.append(_Saved(path, int(payload["step"]), _strategy_family(strategy), extra.get("model_name"), shapes,
-                            payload.get("data")))
+                            payload.get("data"), extra.get("optimizer_name", "sgd")))
     return saved
 
 
@@ -95,6 +97,7 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
     if saved:
         _check_same_strategy(cfg, saved)
         _check_same_model(cfg, saved[0])
+        _check_same_optimizer(cfg, saved[0])
         _check_same_data(cfg, workers, saved[0])
     if cfg.strategy == "ring":
         return saved[0].step if saved else None  # (the newest whole one, as resume_step's checkpoint.latest)
@@ -129,6 +132,15 @@ def _check_same_model(cfg: TrainConfig, newest: _Saved) -> None:
         use = f"pass --model {newest.model}, " if newest.model else ""
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: {newest.path.name} is of {theirs}, not {mine}: "
                          f"{use}give this run another --checkpoint-dir, {_restart_hint()}")
+
+
+def _check_same_optimizer(cfg: TrainConfig, newest: _Saved) -> None:
+    """Its state (momentum buffers; Adam's moments and step) is of one optimizer: another one cannot
+    take it over, and starting that one afresh would not be the run resumed."""
+    if newest.optimizer != cfg.optimizer:
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: {newest.path.name} was made with --optimizer "
+                         f"{newest.optimizer}, not {cfg.optimizer}: pass --optimizer {newest.optimizer}, give this run "
+                         f"another --checkpoint-dir, {_restart_hint()}")
 
 
 def _check_same_data(cfg: TrainConfig, workers: int, newest: _Saved) -> None:

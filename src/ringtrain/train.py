@@ -4,8 +4,8 @@
     ringtrain train --steps 200                  # run again: resumes from the last checkpoint
     ringtrain train --steps 300 --workers 4 --batch-size 16   # resumes on 4 workers, same global batch (64)
 
-A resumed run keeps the global batch (workers x batch size), the seed, the model and the
-strategy of the checkpoints it continues; ``--no-resume`` starts afresh and first moves the
+A resumed run keeps the global batch (workers x batch size), the seed, the model, the optimizer
+and the strategy of the checkpoints it continues; ``--no-resume`` starts afresh and first moves the
 directory's checkpoints into a ``superseded-<time>`` subdirectory.
 
 The parent starts the workers through torch's own launcher (torch.distributed.run). Each
@@ -49,6 +49,11 @@ from .errors import CommError, check_join_timeout, check_number
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 COMPRESSION = ("none", "fp16", "bf16")  # (ddp.options.COMPRESSIONS and none: its import would load torch)
+OPTIMIZERS = ("sgd", "adam", "adamw")  # (ps.server_optimizer.OPTIMIZERS, which a test keeps equal: torch again)
+#: --lr 0's learning rate for each optimizer.
+USUAL_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+#: Every optimizer's settings but the learning rate (ps.server_optimizer.torch_optimizer takes those of its kind).
+OPTIMIZER_SETTINGS = {"momentum": 0.9, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
 
 
@@ -62,8 +67,11 @@ class TrainConfig:
     and the summary to measure the plan it kept, in about 25 s."""
     batch_size: int = 0
     """Per-worker batch; 0 = the model's default."""
-    lr: float = 0.05
-    """SGD learning rate (momentum 0.9)."""
+    lr: float = 0.0
+    """Learning rate; 0 = the optimizer's usual one: 0.05 for sgd, 0.001 for adam and adamw."""
+    optimizer: str = "sgd"
+    """sgd (momentum 0.9), adam or adamw (torch's defaults: betas (0.9, 0.999), eps 1e-8, no weight decay),
+    stepped by every worker (ring) or by the parameter servers. A resumed run keeps its checkpoints' optimizer."""
     seed: int = 0
     """Weights, data order and every random draw derive from it."""
     schedule: str = "optimal"
@@ -129,8 +137,11 @@ class TrainConfig:
         for name, low in (("steps", 1), ("checkpoint_every", 0), ("batch_size", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"--lr must be a finite number > 0 (0: the optimizer's usual one), got {self.lr}")
+        self.lr = self.lr or USUAL_LR[self.optimizer]
         check_number("--timeout", self.timeout, unit=" of seconds")
         if self.join_timeout is not None:
             check_number("--join-timeout", self.join_timeout, unit=" of seconds")
@@ -198,7 +209,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     from .transport import TRANSPORTS
 
     choices = {"model": models.names(), "schedule": SCHEDULES, "algorithm": ALGORITHMS, "transport": TRANSPORTS,
-               "compression": COMPRESSION}
+               "compression": COMPRESSION, "optimizer": OPTIMIZERS}
     unset = {"join_timeout": (float, "SECONDS")}  # defaults of None: (type, metavar); the docstring says what None means
     docs = _field_docs(TrainConfig)
     for name, field in TrainConfig.__dataclass_fields__.items():
@@ -385,10 +396,11 @@ def _one_worker_rate(model, loss_fn, batch, make_optimizer, steps: int = 5) -> f
 
 
 def _optimizer(cfg: TrainConfig):
-    """The run's optimizer, as a function of the parameters (the servers' is the same: ps.worker)."""
-    import torch
+    """The run's optimizer, as a function of the parameters (the servers build theirs with the same
+    torch_optimizer from the same settings: ps_worker)."""
+    from .ps.server_optimizer import torch_optimizer
 
-    return lambda params: torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    return lambda params: torch_optimizer(cfg.optimizer, params, {"lr": cfg.lr, **OPTIMIZER_SETTINGS})
 
 
 def _workload(cfg: TrainConfig, rank: int, p: int):
@@ -447,7 +459,7 @@ def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
     """checkpoint.training_state plus what the parent checks before resuming (resume.prepare_checkpoint_dir)."""
     from . import checkpoint, models
 
-    return checkpoint.training_state(step, model, opt, loader, strategy=cfg.strategy,
+    return checkpoint.training_state(step, model, opt, loader, strategy=cfg.strategy, optimizer_name=cfg.optimizer,
                                      model_name=models.spec(cfg.model).name,
                                      corpus=getattr(loader.dataset, "digest", None))
 
@@ -716,7 +728,8 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     one_worker_rate = partial(_one_worker_rate, model, model.loss, loader.dataset.batch(np.arange(batch_size)),
                               _optimizer(cfg))
     one_rate = one_worker_rate()
-    pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, lr=cfg.lr, momentum=0.9,
+    pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, optimizer=cfg.optimizer, lr=cfg.lr,
+                             **OPTIMIZER_SETTINGS,
                              schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, timeout=cfg.timeout,
                              join_timeout=cfg.join_timeout)
     start = pst.step_count  # the servers' step for this worker (0 unless they resumed)

@@ -17,6 +17,7 @@ import sys
 from ..errors import check_number
 from .launch import check_servers, is_server_rank, run_server_role, train_steps, worker_from_env
 from .server_config import STRATEGIES, staleness_flag
+from .server_optimizer import OPTIMIZERS
 
 RESULT_PREFIX = "RESULT "
 
@@ -28,8 +29,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--model", default="mlp", help="reference model (ringtrain.models.names())")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=0, help="per-worker batch; 0 = the model's default")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="what the servers apply")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--max-staleness", type=int, default=0, help="async only; -1 = unbounded")
     p.add_argument("--schedule", default="optimal", help="push merging (ringtrain.plan.METHODS)")
     p.add_argument("--partition-mb", type=float, default=4.0)
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
     model = models.build(args.model, seed=args.seed)
     dataset = data.dataset(spec.dataset, seed=args.seed, **spec.batch_kwargs)
     loader = data.ShardedLoader(dataset, batch, rank=info.rank, world_size=workers, seed=args.seed)
-    pst = worker_from_env(model, args.servers, strategy=args.strategy, lr=args.lr, momentum=args.momentum,
+    pst = worker_from_env(model, args.servers, strategy=args.strategy, optimizer=args.optimizer, lr=args.lr,
+                          momentum=args.momentum,
                           schedule=args.schedule, partition_mb=args.partition_mb, timeout=args.timeout,
                           join_timeout=args.join_timeout)
     out = train_steps(pst, model, loader, args.steps)
