@@ -3,8 +3,8 @@ starts: which step the run resumes at, and whether it can resume there at all.
 
 A resumed run keeps the strategy family (ring or parameter servers), the model, the optimizer,
 the global batch and seed, and for parameter servers their number and kind (sync or async) of the
-checkpoints it continues; anything else is refused here, naming the flag to pass, instead of failing on some
-rank after startup or silently overwriting them. ``--no-resume`` moves the old checkpoints aside.
+checkpoints it continues; anything else is refused here, naming the flag to pass, instead of
+failing on some rank after startup or silently overwriting them. ``--no-resume`` moves the old checkpoints aside.
 """
 
 from __future__ import annotations
