@@ -210,6 +210,16 @@ def _torch_text(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def store_endpoint(store: dist.Store) -> tuple[Optional[str], Optional[int]]:
+    """The address and port of the TCPStore under ``store`` (through its PrefixStores), where the
+    ranks met; (None, None) for another kind of store (job_info then reads MASTER_ADDR/MASTER_PORT)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    return None, None
+
+
 def exchange_host_ids(store: dist.Store, info: JobInfo) -> list[str]:
     store.set(f"host/{info.rank}", info.host_id)
     return [store.get(f"host/{r}").decode() for r in range(info.world_size)]

@@ -98,6 +98,13 @@ def create_communicator(
     info = rendezvous.job_info(rank, world_size, master_addr, master_port)
     warn_if_unauthenticated(info)
     store = rendezvous.connect_store(info, join_timeout)
+    return communicator_on_store(store, info, transport, timeout, join_timeout)
+
+
+def communicator_on_store(store, info: rendezvous.JobInfo, transport: str, timeout: float,
+                          join_timeout: float) -> Communicator:
+    """A communicator of the job whose ranks meet in ``store``, a store of their own (prefixed for
+    this communicator): ``create_communicator``'s, or the one torch hands a process-group backend."""
     try:
         host_ids = rendezvous.exchange_host_ids(store, info)
         if info.rank == 0:  # a random job identity, published through this communicator's keys
