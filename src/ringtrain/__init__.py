@@ -27,6 +27,7 @@ __all__ = [
     "ProtocolError",
     "RendezvousError",
     "TRANSPORTS",
+    "TorchProcessGroup",
     "allgather",
     "allreduce",
     "barrier",
@@ -103,9 +104,13 @@ def barrier() -> None:
 
 
 def __getattr__(name: str):
-    # The training wrapper pulls in torch.nn; import it only when asked for.
+    # The training wrapper pulls in torch.nn, the process group torch.distributed: import them only when asked for.
     if name == "DistributedDataParallel":
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "TorchProcessGroup":  # (imports torch.distributed, and registers the "ringtrain" backend)
+        from .torch_group import TorchProcessGroup
+
+        return TorchProcessGroup
     raise AttributeError(f"module 'ringtrain' has no attribute {name!r}")

@@ -1,0 +1,370 @@
+"""ringtrain's communicator as a torch.distributed ProcessGroup, for torch's own DDP and its hooks.
+
+    pg = ringtrain.TorchProcessGroup(ringtrain.init())
+    model = torch.nn.parallel.DistributedDataParallel(module, process_group=pg)
+
+or, once this module is imported, as a named backend of torch's (the ranks meet through torch's
+own store, under torchrun or with init_method):
+
+    import ringtrain.torch_group
+    torch.distributed.init_process_group("ringtrain", timeout=timedelta(seconds=60))
+
+Words: a *call* is one of torch's collective methods on the group (``allreduce(tensors, opts)``);
+its *job* is what the communicator does for it, and the *work* is what the call returns: a
+``torch.distributed.Work`` whose ``wait()`` and ``get_future()`` end when the job has.
+
+Invariants:
+- one worker thread per group runs the jobs one at a time, in the order of the calls, so the
+  ranks' communicators see the same sequence of collectives (each call's arguments are checked
+  on the caller's thread, and a refused call queues nothing);
+- a job's error is kept, never swallowed: ``work.wait()`` raises it as it was (PeerLost,
+  CommTimeout, MismatchError), ``work.get_future()`` completes with it as torch's futures carry
+  errors (a RuntimeError naming it, "PeerLost: ..."), which is what DDP's backward raises;
+- nothing waits without a bound: every job is a communicator call, bounded by its timeout; after
+  one fails, the communicator is broken and every later job fails at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives.ops import OPS, op_name
+from .comm import ALGORITHMS, Communicator
+
+BACKEND = "ringtrain"
+"""The name under which torch.distributed knows this group (``init_process_group(BACKEND)``)."""
+
+
+class _Work(dist._Work):
+    """One call's work. ``future`` is torch's own, for DDP and ``then`` chains; ``raw`` holds the
+    job's result or its exception object, which ``wait()`` raises as it was."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+        self.raw: torch.futures.Future = torch.futures.Future()
+        # A callback that raises marks the future it returns as failed in torch's C++ sense, which
+        # DDP's reducer and then() chains see; raw.set_exception alone would read there as success.
+        self.future = self.raw.then(lambda f: f.value())
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        # (timeout, torch's, is not needed: the job itself is bounded by the communicator's timeout)
+        self.raw.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.raw.done()
+
+    def result(self):
+        self.wait()
+        return self._result
+
+
+class _Worker:
+    """The thread that runs a group's jobs, one at a time, in the order they were submitted."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], result) -> _Work:
+        work = _Work(result)
+        self._jobs.put((job, work))
+        return work
+
+    def stop(self, timeout: float) -> None:
+        """Let the jobs already submitted finish (each is bounded), then end the thread."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, work = item
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - kept for the caller's wait()
+                # (torch's futures carry an Exception; a job's SystemExit, say, goes as a RuntimeError)
+                work.raw.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            else:
+                work.raw.set_result(work._result)
+            del job, work, item  # (the tensors are the caller's again)
+
+
+class TorchProcessGroup(dist.ProcessGroup):
+    """A torch.distributed ProcessGroup whose collectives are ringtrain's, over ``comm`` (None: the
+    communicator made by ``ringtrain.init()``). CPU tensors; ``algorithm``: the allreduce algorithm
+    (``ringtrain.ALGORITHMS``). While the group is open the communicator is the group's: call it
+    through the group (``dist.all_reduce(t, group=pg)``), not directly. ``close()`` (torch's
+    ``destroy_process_group`` calls it) ends the worker; it closes ``comm`` only where
+    ``owns_comm`` (the named backend's groups, which made their communicator)."""
+
+    def __init__(self, comm: Optional[Communicator] = None, *, algorithm: str = "auto", owns_comm: bool = False):
+        if comm is None:
+            from . import get_communicator
+
+            comm = get_communicator()
+        if not isinstance(comm, Communicator):
+            raise ValueError(f"comm must be a ringtrain Communicator (ringtrain.init()), got {comm!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        super().__init__(comm.rank, comm.world_size)
+        self.comm = comm
+        self.algorithm = algorithm
+        self._owns_comm = owns_comm
+        self._worker: Optional[_Worker] = _Worker(f"ringtrain-pg-rank{comm.rank}")
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"TorchProcessGroup({self.comm!r}, algorithm={self.algorithm!r})"
+
+    # --- collectives ------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        t = _one(tensors, "allreduce")
+        op = _op(opts, "allreduce")
+        return self._submit(lambda: self.comm.allreduce(t, op=op, algorithm=self.algorithm), tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """Every tensor of ``tensors`` reduced, in one allreduce of their concatenation."""
+        tensors = list(tensors)
+        op = _op(opts, "allreduce_coalesced")
+        for t in tensors:
+            _check_cpu(t, "allreduce_coalesced")
+        if len({t.dtype for t in tensors}) > 1:
+            raise ValueError(f"allreduce_coalesced: the tensors must share one dtype, got {[t.dtype for t in tensors]}")
+
+        def job() -> None:
+            flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+            self.comm.allreduce(flat, op=op, algorithm=self.algorithm)
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(part.view_as(t))
+
+        return self._submit(job, tensors)
+
+    def broadcast(self, tensors, opts=None):
+        t = _one(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        if opts is not None and opts.rootTensor != 0:
+            raise ValueError(f"broadcast: rootTensor must be 0 (one tensor per rank), got {opts.rootTensor}")
+        return self._submit(lambda: self.comm.broadcast(t, root=root), tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """torch's list form: output_tensors[0][i] receives rank i's input_tensors[0]."""
+        x = _one(input_tensors, "allgather")
+        outs = list(_one(output_tensors, "allgather", what="list of output tensors"))
+        if len(outs) != self.size():
+            raise ValueError(f"allgather: {len(outs)} output tensors for {self.size()} ranks")
+        for o in outs:
+            _check_like(o, x, x.numel(), "allgather", "each output tensor")
+        n, flat = x.numel(), self._gather_buffer(x)
+
+        def job() -> None:
+            self.comm.allgather(flat)
+            for i, o in enumerate(outs):
+                o.copy_(flat[i * n:(i + 1) * n].view_as(o))
+
+        return self._submit(job, output_tensors)
+
+    def all_gather_single(self, output, input, opts=None):
+        """all_gather_single (all_gather_into_tensor): ``output`` (size·n elements) receives every
+        rank's ``input`` (n), in rank order."""
+        _check_cpu(input, "all_gather_single")
+        _check_like(output, input, input.numel() * self.size(), "all_gather_single", "output")
+        flat = self._gather_buffer(input)
+
+        def job() -> None:
+            self.comm.allgather(flat)
+            output.copy_(flat.view_as(output))
+
+        return self._submit(job, [output])
+
+    _allgather_base = all_gather_single  # (its older name, which older torch calls)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """torch's list form: output_tensors[0] receives the reduction of every rank's input_tensors[0][rank]."""
+        y = _one(output_tensors, "reduce_scatter")
+        xs = list(_one(input_tensors, "reduce_scatter", what="list of input tensors"))
+        op = _op(opts, "reduce_scatter")
+        if len(xs) != self.size():
+            raise ValueError(f"reduce_scatter: {len(xs)} input tensors for {self.size()} ranks")
+        for x in xs:
+            _check_like(x, y, y.numel(), "reduce_scatter", "each input tensor")
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        return self._submit(self._scatter_job(flat, y, op), output_tensors)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        """reduce_scatter_single (reduce_scatter_tensor): ``output`` (n elements) receives chunk
+        ``rank`` of the reduction of ``input`` (size·n elements) over the ranks."""
+        _check_cpu(output, "reduce_scatter_single")
+        _check_like(input, output, output.numel() * self.size(), "reduce_scatter_single", "input")
+        op = _op(opts, "reduce_scatter_single")
+        flat = input.reshape(-1).clone()  # (the communicator consumes its buffer; torch's input stays)
+        return self._submit(self._scatter_job(flat, output, op), [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def barrier(self, opts=None):
+        return self._submit(self.comm.barrier, [])
+
+    # --- what is not implemented: each says so, naming the call -----------------------------
+
+    def send(self, *args, **kwargs):
+        raise _unsupported("send (isend, batch_isend_irecv)")
+
+    def recv(self, *args, **kwargs):
+        raise _unsupported("recv (irecv)")
+
+    def recv_anysource(self, *args, **kwargs):
+        raise _unsupported("recv_anysource")
+
+    def reduce(self, *args, **kwargs):
+        raise _unsupported("reduce (use all_reduce)")
+
+    def gather(self, *args, **kwargs):
+        raise _unsupported("gather (use all_gather)")
+
+    def scatter(self, *args, **kwargs):
+        raise _unsupported("scatter (use broadcast)")
+
+    def alltoall(self, *args, **kwargs):
+        raise _unsupported("all_to_all")
+
+    def alltoall_base(self, *args, **kwargs):
+        raise _unsupported("all_to_all_single")
+
+    all_to_all_single = alltoall_base
+
+    def allgather_coalesced(self, *args, **kwargs):
+        raise _unsupported("allgather_coalesced")
+
+    def allgather_into_tensor_coalesced(self, *args, **kwargs):
+        raise _unsupported("all_gather_single of several tensors at once (a coalescing manager)")
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, *args, **kwargs):
+        raise _unsupported("reduce_scatter_single of several tensors at once (a coalescing manager)")
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise _unsupported("monitored_barrier (use barrier: a silent rank is a CommTimeout)")
+
+    # --- life --------------------------------------------------------------------------------
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """End the worker after the jobs already submitted (each bounded by the communicator's
+        timeout; ``timeout`` seconds at most, default that timeout); close the communicator where
+        the group owns it. Idempotent."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop(self.comm.timeout if timeout is None else timeout)
+            if self._owns_comm:
+                self.comm.close()
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        """Close the communicator at once (its calls in progress fail, the peers learn of it)."""
+        self.comm.close()
+        self.close(timeout=0.0)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _submit(self, job: Callable[[], None], result) -> _Work:
+        if self._worker is None:
+            raise RuntimeError(f"{self!r} is closed")
+        return self._worker.submit(job, result)
+
+    def _gather_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """A flat buffer of size·n elements with ``x`` (n) in this rank's chunk, taken now."""
+        n = x.numel()
+        flat = torch.empty(n * self.size(), dtype=x.dtype)
+        flat[self.rank() * n:(self.rank() + 1) * n].copy_(x.reshape(-1))
+        return flat
+
+    def _scatter_job(self, flat: torch.Tensor, out: torch.Tensor, op: str) -> Callable[[], None]:
+        n, r = out.numel(), self.rank()
+
+        def job() -> None:
+            self.comm.reduce_scatter(flat, op=op)
+            out.copy_(flat[r * n:(r + 1) * n].view_as(out))
+
+        return job
+
+
+def _unsupported(call: str) -> NotImplementedError:
+    return NotImplementedError(f"ringtrain's process group does not implement {call}; it implements "
+                               "all_reduce, broadcast, all_gather, all_gather_single (all_gather_into_tensor), "
+                               "reduce_scatter, reduce_scatter_single (reduce_scatter_tensor) and barrier "
+                               "(docs/comm.md)")
+
+
+def _check_cpu(t, call: str) -> None:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{call}: ringtrain's process group takes CPU tensors, got one on {where}")
+
+
+def _one(tensors, call: str, what: str = "tensor"):
+    """The one entry of a per-device list (torch's form; one CPU device per rank here)."""
+    tensors = list(tensors)
+    if len(tensors) != 1:
+        raise ValueError(f"{call}: ringtrain's process group takes one {what} per rank, got {len(tensors)}")
+    if what == "tensor":
+        _check_cpu(tensors[0], call)
+    return tensors[0]
+
+
+def _check_like(t: torch.Tensor, like: torch.Tensor, numel: int, call: str, what: str) -> None:
+    _check_cpu(t, call)
+    if t.dtype != like.dtype or t.numel() != numel:
+        raise ValueError(f"{call}: {what} must be {numel} elements of {like.dtype}, got {t.numel()} of {t.dtype}")
+
+
+def _op(opts, call: str) -> str:
+    op = op_name(opts.reduceOp) if opts is not None else "sum"
+    if op not in OPS:
+        raise ValueError(f"{call}: ringtrain reduces with SUM, AVG, MAX, MIN or PRODUCT, not {getattr(op, 'name', op)}")
+    return op
+
+
+def _create_backend(store, rank: int, world_size: int, timeout: timedelta) -> TorchProcessGroup:
+    """torch's backend creator (``init_process_group("ringtrain")``, ``new_group(backend="ringtrain")``):
+    a communicator of the group's ranks, meeting in the store torch hands over, with torch's timeout."""
+    from . import rendezvous
+    from .lifecycle import tie_to_launcher
+    from .session import communicator_on_store, warn_if_unauthenticated
+
+    tie_to_launcher()  # as ringtrain.init() does
+    seconds = timeout.total_seconds()
+    addr, port = rendezvous.store_endpoint(store)
+    info = rendezvous.job_info(rank, world_size, addr, port)
+    warn_if_unauthenticated(info)
+    store = dist.PrefixStore("ringtrain/", store)
+    store.set_timeout(timeout)
+    comm = communicator_on_store(store, info, "auto", seconds, seconds)
+    return TorchProcessGroup(comm, owns_comm=True)
+
+
+def register_backend() -> None:
+    """Make ``init_process_group("ringtrain")`` build a TorchProcessGroup (importing this module does).
+    Idempotent."""
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create_backend, devices=["cpu"])
+
+
+register_backend()

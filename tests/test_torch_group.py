@@ -1,0 +1,189 @@
+"""ringtrain's TorchProcessGroup over threads: torch.distributed's calls on it, their results,
+their errors. (torch's DDP over it, in real processes: test_torch_group_ddp.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringtrain import CommError, MismatchError
+from ringtrain.torch_group import TorchProcessGroup
+
+from thread_harness import raise_first, run_comms
+
+pytestmark = pytest.mark.timeout(60)
+SIZES = [1, 2, 3, 4]
+
+
+def data(rank: int, n: int, j: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """Distinct per (rank, element), integer valued so every sum is exact."""
+    return (torch.arange(n) + rank * n + j * 1000).to(dtype)
+
+
+def on_group(p: int, fn, timeout: float = 10.0):
+    """``fn(pg)`` on ``p`` threads, each with a TorchProcessGroup over its own communicator."""
+    def body(comm):
+        pg = TorchProcessGroup(comm)
+        try:
+            return fn(pg)
+        finally:
+            pg.close()
+
+    return raise_first(run_comms(p, body, timeout=timeout))
+
+
+@pytest.mark.parametrize("p", SIZES)
+@pytest.mark.parametrize("op, reduce", [
+    (dist.ReduceOp.SUM, lambda s: s.sum(0)),
+    (dist.ReduceOp.AVG, lambda s: s.mean(0)),
+    (dist.ReduceOp.MAX, lambda s: s.max(0).values),
+    (dist.ReduceOp.MIN, lambda s: s.min(0).values),
+    (dist.ReduceOp.PRODUCT, lambda s: s.prod(0)),
+])
+def test_all_reduce(p, op, reduce):
+    def fn(pg):
+        t = data(pg.rank(), 7, dtype=torch.float64).reshape(7, 1)
+        dist.all_reduce(t, op=op, group=pg)
+        return t
+
+    expect = reduce(torch.stack([data(r, 7, dtype=torch.float64).reshape(7, 1) for r in range(p)]))
+    for got in on_group(p, fn):
+        assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("p", SIZES)
+def test_broadcast_all_gather_reduce_scatter_barrier(p):
+    n = 5
+
+    def fn(pg):
+        r = pg.rank()
+        b = data(r, n)
+        dist.broadcast(b, group_src=p - 1, group=pg)  # (src= needs a registered group: see docs/comm.md)
+        outs = [torch.empty(n) for _ in range(p)]
+        dist.all_gather(outs, data(r, n), group=pg)
+        into = torch.empty(p, n)
+        dist.all_gather_single(into, data(r, n), group=pg)
+        y = torch.empty(n, dtype=torch.int64)
+        dist.reduce_scatter(y, [data(r, n, j, torch.int64) for j in range(p)], group=pg)
+        z = torch.empty(n, dtype=torch.int64)
+        whole = torch.cat([data(r, n, j, torch.int64) for j in range(p)])
+        dist.reduce_scatter_single(z, whole, group=pg)
+        dist.barrier(group=pg)
+        return b, outs, into, y, z, whole
+
+    for rank, (b, outs, into, y, z, whole) in enumerate(on_group(p, fn)):
+        assert torch.equal(b, data(p - 1, n))
+        for i, o in enumerate(outs):
+            assert torch.equal(o, data(i, n)), f"rank {rank}: all_gather's output {i}"
+        assert torch.equal(into, torch.stack([data(i, n) for i in range(p)]))
+        mine = sum(data(i, n, rank, torch.int64) for i in range(p))
+        assert torch.equal(y, mine)
+        assert torch.equal(z, mine)
+        assert torch.equal(whole, torch.cat([data(rank, n, j, torch.int64) for j in range(p)])), "input kept"
+
+
+def test_all_reduce_coalesced_and_in_place_gather():
+    p, n = 3, 4
+
+    def fn(pg):
+        r = pg.rank()
+        ts = [data(r, n), data(r, 1).reshape(()), data(r, 6).reshape(2, 3)]
+        pg.allreduce_coalesced(ts, dist.AllreduceCoalescedOptions()).wait()
+        out = torch.zeros(p * n)
+        out[r * n:(r + 1) * n] = data(r, n)
+        dist.all_gather_single(out, out[r * n:(r + 1) * n], group=pg)  # the input a chunk of the output
+        return ts, out
+
+    for ts, out in on_group(p, fn):
+        assert torch.equal(ts[0], sum(data(r, n) for r in range(p)))
+        assert torch.equal(ts[1], sum(data(r, 1) for r in range(p)).reshape(()))
+        assert torch.equal(ts[2], sum(data(r, 6) for r in range(p)).reshape(2, 3))
+        assert torch.equal(out, torch.cat([data(r, n) for r in range(p)]))
+
+
+def test_async_work_and_future():
+    def fn(pg):
+        t = data(pg.rank(), 3)
+        work = dist.all_reduce(t, group=pg, async_op=True)
+        chained = dist.all_reduce(torch.ones(2), group=pg, async_op=True).get_future().then(lambda f: f.value()[0] * 10)
+        assert work.wait() is True
+        assert work.is_completed()
+        return t, chained.wait(), work.get_future().wait()
+
+    for t, chained, value in on_group(2, fn):
+        assert torch.equal(t, data(0, 3) + data(1, 3))
+        assert torch.equal(chained, torch.full((2,), 20.0))
+        assert value[0] is not None and torch.equal(value[0], t)
+
+
+def test_collectives_run_in_call_order():
+    """Many calls issued before any is waited for: the worker runs them in order on every rank."""
+    def fn(pg):
+        ts = [data(pg.rank(), 9, j) for j in range(20)]
+        works = [dist.all_reduce(t, group=pg, async_op=True) for t in ts]
+        for w in works:
+            w.wait()
+        return ts
+
+    for ts in on_group(3, fn):
+        for j, t in enumerate(ts):
+            assert torch.equal(t, sum(data(r, 9, j) for r in range(3)))
+
+
+def test_mismatch_surfaces_at_wait_and_in_the_future():
+    """A ringtrain error in the worker reaches the caller: work.wait() raises it as it was; the
+    future (what DDP and then() chains see) fails with a RuntimeError naming it; every later call
+    fails at once (the communicator is broken), never hangs."""
+    def fn(pg):
+        t = torch.zeros(3 + pg.rank())
+        work = dist.all_reduce(t, group=pg, async_op=True)
+        with pytest.raises(MismatchError):
+            work.wait()
+        with pytest.raises(RuntimeError, match="MismatchError"):
+            work.get_future().wait()
+        with pytest.raises(CommError, match="broken"):
+            dist.all_reduce(torch.zeros(3), group=pg)
+        return True
+
+    assert on_group(2, fn) == [True, True]
+
+
+def test_bad_calls_are_refused_at_once_naming_the_call():
+    def fn(pg):
+        with pytest.raises(ValueError, match="all_gather_single: output must be 6 elements"):
+            pg.all_gather_single(torch.empty(5), torch.empty(3))
+        with pytest.raises(ValueError, match="allreduce: .* one tensor per rank, got 2"):
+            pg.allreduce([torch.ones(1), torch.ones(1)], dist.AllreduceOptions())
+        with pytest.raises(ValueError, match="not .*BAND"):
+            dist.all_reduce(torch.ones(1, dtype=torch.int32), op=dist.ReduceOp.BAND, group=pg)
+        with pytest.raises(ValueError, match="broadcast: .* CPU tensors, got one on meta"):
+            dist.broadcast(torch.empty(2, device="meta"), group_src=0, group=pg)
+        with pytest.raises(ValueError, match="reduce_scatter: 1 input tensors for 2 ranks"):
+            dist.reduce_scatter(torch.empty(1), [torch.ones(1)], group=pg)
+        # Unsupported collectives: a NotImplementedError naming the call, before anything moves.
+        with pytest.raises(NotImplementedError, match="does not implement gather"):
+            dist.gather(torch.ones(1), [torch.empty(1)] * 2 if pg.rank() == 0 else None, group_dst=0, group=pg)
+        with pytest.raises(NotImplementedError, match="does not implement send"):
+            pg.send([torch.ones(1)], 1 - pg.rank(), 0)
+        with pytest.raises(NotImplementedError, match="does not implement all_to_all_single"):
+            dist.all_to_all_single(torch.empty(2), torch.ones(2), group=pg)
+        # ... and the group still works.
+        t = torch.ones(2)
+        dist.all_reduce(t, group=pg)
+        return t
+
+    for t in on_group(2, fn):
+        assert torch.equal(t, torch.full((2,), 2.0))
+
+
+def test_closed_group_refuses_calls():
+    def fn(pg):
+        assert pg.name() == "ringtrain" and pg.size() == 2
+        pg.close()
+        pg.close()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            dist.all_reduce(torch.ones(1), group=pg)
+        return True
+
+    assert on_group(2, fn) == [True, True]
