@@ -193,7 +193,7 @@ def test_bench_train_times_compression_beside_torchs_ddp_with_its_hook(capsys):
     doc = json.loads(out)
     rows = {(r["impl"], r["schedule"]): r for r in doc["rows"]}
     assert set(rows) == {("ringtrain", "single"), ("alone", "no communication"), ("torch-ddp", "torch defaults (25 MiB)"),
-                         ("ringtrain-compressed", "optimal+bf16"),
+                         ("torch-ddp-ringtrain", "torch defaults (25 MiB)"), ("ringtrain-compressed", "optimal+bf16"),
                          ("torch-ddp-compressed", "torch defaults + bf16_compress_hook")}
     mine = rows["ringtrain-compressed", "optimal+bf16"]
     assert mine["median_iter_s"] > 0 and mine["groups"] >= 1 and mine["hidden_fraction"] is not None

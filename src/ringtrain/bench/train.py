@@ -57,6 +57,8 @@ NETS = ("none", "1gbit", "10gbit")
 #: The rows of the optimal schedule with ``--compression``, and every ringtrain wrapper's.
 COMPRESSED = "ringtrain-compressed"
 WRAPPERS = ("ringtrain", COMPRESSED)
+TORCH_DDP_RINGTRAIN = "torch-ddp-ringtrain"
+"""torch's DDP over ringtrain.TorchProcessGroup: torch's buckets and reducer, ringtrain's collectives."""
 #: Seeds the order of each turn of the timed steps (the same on every rank).
 TURN_ORDER_SEED = 20261129
 
@@ -425,6 +427,8 @@ def _model_rows(cfg: dict, name: str, comm, rank: int, p: int) -> list[dict]:
     for c in configs:
         if c["impl"] in WRAPPERS:
             c["wrapped"].close()
+        if "group" in c:
+            c["group"].close()
     return rows
 
 
@@ -453,7 +457,7 @@ def _sweep_cost(comm, algorithm: str, base):
 def _configurations(cfg: dict, name: str, base, comm, cost) -> list[dict]:
     """The timed configurations, each on its own copy of ``base`` with its own SGD: ringtrain's
     wrapper under every schedule (the optimal one records a timeline if asked), the model alone,
-    and torch's DDP unless left out."""
+    and torch's DDP unless left out, over gloo and over ringtrain's TorchProcessGroup."""
     import torch
 
     import ringtrain
@@ -477,6 +481,13 @@ def _configurations(cfg: dict, name: str, base, comm, cost) -> list[dict]:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         configs.append({"impl": "torch-ddp", "schedule": "torch defaults (25 MiB)", "model": model,
                         "wrapped": wrapped, "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+        # torch's DDP again, its collectives ringtrain's (the group runs them on comm between the
+        # other configurations' steps, which leave it idle).
+        model, group = copy.deepcopy(base), ringtrain.TorchProcessGroup(comm, algorithm=cfg["algorithm"])
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        configs.append({"impl": TORCH_DDP_RINGTRAIN, "schedule": "torch defaults (25 MiB)", "model": model,
+                        "wrapped": wrapped, "group": group,
+                        "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
     if cfg.get("compression"):
         configs += _compressed_configurations(cfg["compression"], base, comm, cost, cfg["algorithm"], cfg["torch_ddp"])
     return configs
@@ -760,7 +771,7 @@ def _label(r: dict) -> str:
     if r["impl"] == "torch-ddp-compressed":
         return f"DDP+{r['schedule'].split(' + ')[-1].split('_')[0]}"
     return {"ringtrain": r["schedule"], COMPRESSED: r["schedule"], "ps": r["schedule"],
-            "alone": "alone"}.get(r["impl"], "torch DDP")
+            "alone": "alone", TORCH_DDP_RINGTRAIN: "DDP/ringtrn"}.get(r["impl"], "torch DDP")
 
 
 #: The table's columns after the config's name, with their widths; a row without a value shows '-'.
