@@ -48,6 +48,7 @@ class _Work(dist._Work):
     def __init__(self, result):
         super().__init__()
         self._result = result
+        self.done = threading.Event()  # set once raw is: a wait on it, unlike torch's, ends on Ctrl-C
         self.raw: torch.futures.Future = torch.futures.Future()
         # A callback that raises marks the future it returns as failed in torch's C++ sense, which
         # DDP's reducer and then() chains see; raw.set_exception alone would read there as success.
@@ -55,7 +56,8 @@ class _Work(dist._Work):
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         # (timeout, torch's, is not needed: the job itself is bounded by the communicator's timeout)
-        self.raw.wait()
+        self.done.wait()
+        self.raw.wait()  # (raises the job's error)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -97,6 +99,7 @@ class _Worker:
                 work.raw.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             else:
                 work.raw.set_result(work._result)
+            work.done.set()
             del job, work, item  # (the tensors are the caller's again)
 
 
