@@ -154,6 +154,19 @@ def compression_lines(rows: list[dict]) -> list[str]:
     return out + [""] if out else out
 
 
+def group_lines(rows: list[dict]) -> list[str]:
+    """Per model: torch's DDP over ringtrain.TorchProcessGroup against torch's DDP over gloo (the
+    same buckets and reducer; only the collectives differ)."""
+    out = []
+    for r in rows:
+        ddp = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "torch-ddp"), None)
+        if r["impl"] == "torch-ddp-ringtrain" and ddp:
+            out.append(f"- {r['model']}: torch DDP over ringtrain's process group {r['median_iter_s'] * 1e3:.0f} ms, "
+                       f"over gloo {ddp['median_iter_s'] * 1e3:.0f} ms "
+                       f"({ddp['median_iter_s'] / r['median_iter_s']:.2f}x)")
+    return out + [""] if out else out
+
+
 def allreduce_lines(doc: dict) -> list[str]:
     """Per (world size, size): gloo, Open MPI and the fastest ringtrain configuration (busbw
     GB/s in brackets), and that one against gloo."""
@@ -198,7 +211,7 @@ def summarize(path: Path) -> tuple[list[str], dict]:
                 "|" + "---|" * (len(cols) + 1)]
         out += [f"| {m} | " + " | ".join(c.get(k, "") for k in cols) + " |" for m, c in table.items()]
         out.append("")
-    out += trial_lines(rows) + compression_lines(rows) + ps_lines(rows)
+    out += trial_lines(rows) + compression_lines(rows) + group_lines(rows) + ps_lines(rows)
     return out, ring_stats(rows)
 
 

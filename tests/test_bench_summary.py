@@ -53,6 +53,14 @@ def test_compressed_rows_against_torchs_ddp_with_and_without_its_hook():
     assert _script().compression_lines(rows[:1]) == []
 
 
+def test_torch_ddp_over_ringtrains_group_against_torch_ddp_over_gloo():
+    rows = [_row("mlp", "torch-ddp", "torch defaults (25 MiB)", 900),
+            _row("mlp", "torch-ddp-ringtrain", "torch defaults (25 MiB)", 750)]
+    assert _script().group_lines(rows) == [
+        "- mlp: torch DDP over ringtrain's process group 750 ms, over gloo 900 ms (1.20x)", ""]
+    assert _script().group_lines(rows[1:]) == []
+
+
 def test_parameter_server_ratios_round_by_round():
     rows = [_row("mlp", "ringtrain", "optimal", 1000, samples_per_s=100.0),
             _row("mlp", "ps", "ps-sync:1", 3000, samples_per_s=40.0, round_medians=[3.0, 3.2], sim_error=-0.05),
