@@ -225,6 +225,31 @@ def test_ps_resume_takes_the_servers_step_when_the_workers_checkpoint_of_it_is_m
     assert "nothing to do: the checkpoint is already at step 10" in again, again[-2000:]
 
 
+@pytest.mark.timeout(300)
+def test_ps_resume_on_another_number_of_servers_ends_where_an_uninterrupted_run_does(tmp_path):
+    """4 steps on one server (ps-sync), then the same directory on two (ps-sharded --servers 2) to
+    step 8: the servers cut the saved shard in two, and their shards of step 8, values and momentum,
+    are bitwise those of a run on two servers from the start."""
+    from ringtrain import checkpoint
+
+    def sharded(directory: Path, steps: int) -> list[str]:
+        argv = ps_command(directory, steps)
+        argv[argv.index("ps-sync")] = "ps-sharded"
+        return argv + ["--servers", "2"]
+
+    ref, victim = tmp_path / "ref", tmp_path / "victim"
+    run_to_end(sharded(ref, 8))
+    run_to_end(ps_command(victim, 4))
+    assert sorted(p.name for p in (victim / "servers").iterdir()) == ["server-0"]
+    out = run_to_end(sharded(victim, 8))
+    assert "resumed at step 4 (parameter servers and" in out, out[-2000:]
+    for k in range(2):
+        a, b = (checkpoint.load(d / "servers" / f"server-{k}" / checkpoint.checkpoint_name(8)).payload
+                for d in (ref, victim))
+        assert a["version"] == b["version"] == 8 and a["servers"] == b["servers"] == 2
+        assert a["params"].equal(b["params"]) and a["momentum"].equal(b["momentum"]), f"server {k}'s shard differs"
+
+
 def one_worker_command(directory: Path, steps: int, *more: str) -> list[str]:
     return [sys.executable, "-m", "ringtrain.cli", "train", "--workers", "1", "--model", "charlm", "--batch-size", "4",
             "--steps", str(steps), "--checkpoint-every", "2", "--checkpoint-dir", str(directory), "--no-progress",

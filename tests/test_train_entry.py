@@ -3,7 +3,8 @@ and how a failure reaches the user.
 
 Before starting workers, `ringtrain train` refuses a checkpoint directory it cannot continue
 (checkpoints of another strategy, another model, another global batch or seed, or parameter
-servers' checkpoints of another number of servers or the other kind of job), a --timeline
+servers' checkpoints of the other kind of job, of another number of asynchronous servers, or to be
+cut anew for another number of servers with a file missing), a --timeline
 it cannot write, and a batch larger than the data set; --no-resume moves old checkpoints
 aside instead of overwriting them. Each refusal is one ``ringtrain train: ...`` line and
 leaves the files as they were. After the workers, a failed rank is reported with its rank,
@@ -165,17 +166,41 @@ def save_servers(directory: Path, servers: int, strategy: str = "sync") -> None:
 
 
 @pytest.mark.parametrize("saved, run", [(2, 1), (1, 2)])
-def test_a_parameter_server_run_with_another_number_of_servers_refuses_before_launching(
-        tmp_path, saved, run, launches, capsys):
-    # The servers refused it too, but only once every rank had started (and the workers had waited).
+def test_a_synchronous_parameter_server_run_resumes_on_another_number_of_servers(tmp_path, saved, run, launches):
+    # (refused before the servers cut a save anew for another number of servers: test_ps_reshard.py)
     save_run(tmp_path, steps=(1,), strategy="ps-sharded")
     save_servers(tmp_path, saved)
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", str(run))) == 0
+    assert len(launches) == 1
+
+
+def test_a_save_to_cut_anew_with_a_file_missing_is_refused_before_launching_naming_it(tmp_path, launches, capsys):
+    save_run(tmp_path, steps=(1,), strategy="ps-sharded")
+    save_servers(tmp_path, 2)
+    shutil.rmtree(tmp_path / "servers" / "server-1")
     before = fingerprint(tmp_path)
-    message = refusal(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", str(run)), launches, capsys)
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sync"), launches, capsys)
+    missing = tmp_path / "servers" / "server-1" / checkpoint.checkpoint_name(1)
+    assert f"was made by 2 servers; resumed on 1, every file of it is read, but {missing} is missing" in message, message
+    assert "resume with --servers 2" in message, message
+    assert fingerprint(tmp_path) == before
+    # On as many servers as made it, server 1's folder may be on another machine's disk: it launches.
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", "2")) == 0
+    assert len(launches) == 1
+
+
+@pytest.mark.parametrize("saved, run", [(2, 1), (1, 2)])
+def test_an_asynchronous_run_with_another_number_of_servers_refuses_before_launching(
+        tmp_path, saved, run, launches, capsys):
+    # The servers refused it too, but only once every rank had started (and the workers had waited).
+    save_run(tmp_path, steps=(1,), strategy="ps-async")
+    save_servers(tmp_path, saved, strategy="async")
+    before = fingerprint(tmp_path)
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-async", "--servers", str(run)), launches, capsys)
     assert f"was made by {saved} server{'s' * (saved > 1)}, this run has {run}" in message, message
     assert f"resume with --servers {saved}" in message, message
     assert fingerprint(tmp_path) == before
-    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", str(saved))) == 0
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-async", "--servers", str(saved))) == 0
     assert len(launches) == 1
 
 

@@ -2,9 +2,11 @@
 starts: which step the run resumes at, and whether it can resume there at all.
 
 A resumed run keeps the strategy family (ring or parameter servers), the model, the optimizer,
-the global batch and seed, and for parameter servers their number and kind (sync or async) of the
-checkpoints it continues; anything else is refused here, naming the flag to pass, instead of
-failing on some rank after startup or silently overwriting them. ``--no-resume`` moves the old checkpoints aside.
+the global batch and seed, and for parameter servers the kind (sync or async) of the checkpoints it
+continues, and their number where asynchronous (synchronous servers cut a save of another number
+of servers anew); anything else is refused here, naming the flag to pass, instead of failing on
+some rank after startup or silently overwriting them. ``--no-resume`` moves the old checkpoints
+aside.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ def resume_step(cfg: TrainConfig) -> int | None:
     if cfg.strategy == "ring":
         found = checkpoint.latest(cfg.checkpoint_dir, warn=False)  # (the parent named the damaged ones)
         return None if found is None else found.step
-    steps = [set(held) for held in _server_checkpoints(cfg).values()]
-    common = set.intersection(*steps) if steps else set()
-    return max(common) if common else None
+    saved = _servers_save(cfg)
+    return None if saved is None else saved.step
+
+
+def _servers_save(cfg: TrainConfig):
+    """The servers' save a parameter-server run resumes (ps.shard_resume.newest_whole), or None."""
+    from .ps import shard_resume
+
+    return shard_resume.newest_whole(Path(cfg.checkpoint_dir) / "servers", cfg.servers)
 
 
 def _strategy_family(strategy: str) -> str:
@@ -78,7 +86,7 @@ def _saved_checkpoints(directory: Path) -> list[_Saved]:
 
 def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
     """Resuming: refuse checkpoints this run cannot continue (another strategy, model, global
-    batch, seed or number of servers), and return the step it resumes at (resume_step, from the
+    batch, seed, or number of asynchronous servers), and return the step it resumes at (resume_step, from the
     checkpoints read here: None, step 0). Starting afresh (--no-resume): move the old checkpoints
     aside; None."""
     directory = Path(cfg.checkpoint_dir)
@@ -101,8 +109,8 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
         _check_same_data(cfg, workers, saved[0])
     if cfg.strategy == "ring":
         return saved[0].step if saved else None  # (the newest whole one, as resume_step's checkpoint.latest)
-    _check_servers_hold_checkpoints(cfg, saved)
-    return resume_step(cfg)  # (the servers' folders listed: nothing loaded again)
+    found = _check_servers_hold_checkpoints(cfg, saved)
+    return None if found is None else found.step
 
 
 def _restart_hint() -> str:
@@ -165,44 +173,39 @@ def _check_same_data(cfg: TrainConfig, workers: int, newest: _Saved) -> None:
                      f"{batch} = {workers * batch} would change it: {fix}, {_restart_hint()}")
 
 
-def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]) -> None:
-    """Parameter-server workers resume at the servers' step; with worker checkpoints but none of
+def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]):
+    """The servers' save the run resumes (ps.shard_resume.SavedStep; None: step 0), checked.
+    Parameter-server workers resume at the servers' step; with worker checkpoints but none of
     the servers', the run would start at step 0 and overwrite the workers' checkpoints."""
+    from .ps import shard_resume
+
     servers = Path(cfg.checkpoint_dir) / "servers"
     if not saved:
-        return
-    files = _server_checkpoints(cfg)
-    steps = {name: set(held) for name, held in files.items()}
+        return _servers_save(cfg)
+    steps = {f"server-{k}": set(held) for k, held in shard_resume.held_steps(servers).items()}
     if not any(steps.values()):
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds worker checkpoints (steps "
                          f"{sorted(s.step for s in saved)}) but no parameter-server checkpoints in {servers}, so "
                          f"there is nothing to resume: give this run another --checkpoint-dir, {_restart_hint()}")
-    # Servers resume at the newest step every one of them saved (ps.server, *resume*): with none in
-    # common (the first save cut short) they would start at step 0 and overwrite the workers' files.
-    common = set.intersection(*steps.values())
-    if not common:
+    # Servers resume at the newest step every one of them saved (ps.shard_resume): with none whole
+    # (the first save cut short) they would start at step 0 and overwrite the workers' files.
+    found = _servers_save(cfg)
+    if found is None:
         held = "; ".join(f"{name}: {sorted(s)}" for name, s in steps.items())
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: no step is saved by every parameter server "
                          f"in {servers} ({held}), so there is nothing to resume: give this run "
                          f"another --checkpoint-dir, {_restart_hint()}")
-    _check_same_servers(cfg, next(held for held in files.values() if held)[max(common)], max(common))
+    _check_same_servers(cfg, found)
+    return found
 
 
-def _server_checkpoints(cfg: TrainConfig) -> dict[str, dict[int, Path]]:
-    """Per server folder (``server-<k>``) of this run's servers that exists: its checkpoints by step,
-    unverified. (A folder that does not exist is on another machine's disk, as ps.server reads it.)"""
-    folders = [Path(cfg.checkpoint_dir) / "servers" / f"server-{k}" for k in range(cfg.servers)]
-    return {d.name: dict(checkpoint.list_checkpoints(d)) for d in folders if d.is_dir()}
-
-
-def _check_same_servers(cfg: TrainConfig, path: Path, step: int) -> None:
-    """The servers refuse a shard saved by another number of servers, or a synchronous job's by an
-    asynchronous one (ps.server), but only once every rank has started: say it here, before."""
-    try:
-        saved = checkpoint.load(path).payload
-    except checkpoint.CheckpointError:
-        return  # (the server skips a damaged file: it resumes at an older step, or refuses it then)
-    where = f"--checkpoint-dir {cfg.checkpoint_dir}: the parameter servers' checkpoint of step {step}"
+def _check_same_servers(cfg: TrainConfig, found) -> None:
+    """The servers refuse a synchronous job's shards in an asynchronous job or the other way round,
+    an asynchronous job's on another number of servers, and a save to be cut anew for another
+    number of servers whose files are not all here (ps.shard_resume), but only once every rank has
+    started: say it here, before."""
+    saved = found.payload
+    where = f"--checkpoint-dir {cfg.checkpoint_dir}: the parameter servers' checkpoint of step {found.step}"
     made, flags = [], []  # (both said at once: resuming with one fixed was refused for the other)
     strategy = saved.get("strategy")  # (None: saved before the strategy was recorded)
     if strategy is not None and (strategy == "async") != (cfg.strategy == "ps-async"):
@@ -210,9 +213,14 @@ def _check_same_servers(cfg: TrainConfig, path: Path, step: int) -> None:
         kind = "an asynchronous" if strategy == "async" else "a synchronous"
         made.append(f"by {kind} job (--strategy {theirs}), not --strategy {cfg.strategy}")
         flags.append(f"--strategy {theirs}")
-    made_by = saved.get("servers")
-    if isinstance(made_by, int) and made_by != cfg.servers:
-        made.append(f"by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}")
+    made_by = found.servers
+    if made_by != cfg.servers and "async" in (strategy, cfg.strategy.removeprefix("ps-")):
+        made.append(f"by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}")  # (async: as many)
         flags.append(f"--servers {made_by}")
     if made:
         raise ValueError(f"{where} was made {' and '.join(made)}: resume with {' '.join(flags)}, {_restart_hint()}")
+    if made_by != cfg.servers and found.absent:
+        missing = ", ".join(str(found.files[k]) for k in found.absent)
+        raise ValueError(f"{where} was made by {made_by} servers; resumed on {cfg.servers}, every file of it is read, "
+                         f"but {missing} is missing: put it back, or resume with --servers {made_by}, "
+                         f"{_restart_hint()}")

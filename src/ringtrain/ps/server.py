@@ -44,7 +44,9 @@ Words (layout words are ``sharding.py``'s, message words ``protocol.py``'s):
   than ``timeout`` failed the job); the error of such a write is the answer to a later SAVE, and
   fails serve() at the end.
 - *resume*: at the newest step whose shard file is whole in every server's folder this one can
-  see, if this job may take it (``shard_resume``); what a HELLO and a ServerConfig hold is
+  see, if this job may take it (``shard_resume``): this server's own file of it, or, where the save
+  was made for another layout (another number of servers, a synchronous job), this server's
+  partitions cut from every server's file of it. What a HELLO and a ServerConfig hold is
   ``server_config``'s.
 
 Threads: one per connection reads that worker's messages in order; synchronous servers add
@@ -61,6 +63,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -124,7 +127,8 @@ class ParameterServer:
         self.staleness: Counter[int] = Counter()
         self._settings: Optional[dict] = None
         self._initialized = False
-        self._resume_payload = shard_resume.newest_whole(cfg, self.name) if cfg.resume else None
+        self._resume = (shard_resume.newest_whole(Path(cfg.checkpoint_dir), cfg.servers, cfg.index, self.name)
+                        if cfg.resume and cfg.checkpoint_dir else None)
         self.version = 0
         self.updates = 0
 
@@ -182,17 +186,27 @@ class ParameterServer:
         self._lr_of = [lr] * W  # async: each worker's learning rate for the push it is sending
         # Configured only once the checkpoint is taken: one it refuses (MismatchError) leaves the
         # server unconfigured, so every worker's HELLO meets the same refusal and reports it.
-        if self._resume_payload is not None:
+        if self._resume is not None:
             try:
-                self._restore(self._resume_payload, hello)  # (its digest checked equal to the layout's above)
+                self._restore(self._resume, hello)
             except MismatchError as exc:
                 if not self.cfg.synchronous:  # (synchronous: every lost worker fails the job anyway)
                     self._fail(exc)
                 raise
         self._settings = {k: hello[k] for k in HELLO_KEYS}
 
-    def _restore(self, payload: dict, hello: dict) -> None:
-        shard_resume.check_resumable(payload, hello["digest"], hello["optimizer"], self.cfg, self.name)
+    def _restore(self, saved: shard_resume.SavedStep, hello: dict) -> None:
+        """Take the save ``saved`` (shard_resume): this server's own file of it, or, made for another
+        layout (another number of servers), this server's partitions cut from every server's file."""
+        old = shard_resume.check_resumable(saved, self.layout, hello, self.cfg, self.name)
+        if old.digest() != self.layout.digest():
+            payload = shard_resume.repartition(saved, old, self.layout, self.cfg.index, self.name)
+        elif saved.own:
+            payload = saved.payload
+        else:
+            raise MismatchError(f"{self.name}: the checkpoint of step {saved.step} in {self.cfg.checkpoint_dir} has no "
+                                f"file of this server: {saved.files[self.cfg.index]} is missing (its folder is not "
+                                "there): put it back, or start a new checkpoint directory")
         self.params.copy_(payload["params"])
         state = shard_resume.optimizer_state(payload)
         for k, (i, view) in enumerate(self._views.items()):  # (the order _optimizer_state saves in)
@@ -902,6 +916,10 @@ class ParameterServer:
                 "server": self.cfg.index,
                 "servers": self.cfg.servers,
                 "layout": self.layout.digest(),
+                # (the model and partition size: a job with another number of servers cuts the shards anew)
+                "numels": list(self.layout.numels),
+                "shapes": self._settings["shapes"],
+                "partition_bytes": self.layout.partition_bytes,
                 "strategy": self.cfg.strategy,
                 "version": version,
                 # Every worker resumes at `step`: synchronous, the shard's step (a worker that pushed
