@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup mpi demo test bench clean
+.PHONY: setup mpi horovod demo test bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ setup: $(STAMP)
 mpi: $(STAMP)
 	-@command -v mpirun >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
 	-@$(BIN)/python -c 'import mpi4py' 2>/dev/null || $(BIN)/pip install --quiet mpi4py
+
+# Horovod 0.28.1, patched to build against this torch, in .venv-horovod/: the benchmarks' Horovod
+# anchor (--horovod-python .venv-horovod/bin/python). Slow (~10 min on 2 cores); never part of test.
+horovod:
+	PYTHON=$(PYTHON) bash scripts/horovod/install.sh
 
 demo: $(STAMP)
 	$(BIN)/ringtrain train
