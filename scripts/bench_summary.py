@@ -16,8 +16,9 @@ After the files, one line sums up the ring rows of them all: how often optimal i
 the fastest schedule, how often below torch DDP and by how much, and the simulator's errors.
 
 A ``ringtrain bench allreduce`` file gives the README's allreduce table (per world size and
-size: gloo, Open MPI and the best ringtrain configuration, median time and busbw); a
-``python -m ringtrain.ddp.overhead`` file the wrapper's cost on one rank per model.
+size: gloo, Open MPI, Horovod when the run timed it, and the best ringtrain configuration,
+median time and busbw); a ``python -m ringtrain.ddp.overhead`` file the wrapper's cost on one
+rank per model.
 Pure reading of the JSON: it measures nothing.
 """
 
@@ -168,10 +169,12 @@ def group_lines(rows: list[dict]) -> list[str]:
 
 
 def allreduce_lines(doc: dict) -> list[str]:
-    """Per (world size, size): gloo, Open MPI and the fastest ringtrain configuration (busbw
-    GB/s in brackets), and that one against gloo."""
+    """Per (world size, size): gloo, Open MPI, Horovod (a column only in a run that timed it) and
+    the fastest ringtrain configuration (busbw GB/s in brackets), and that one against gloo."""
     rows = doc["rows"]
-    out = ["| ranks | size | gloo | Open MPI | ringtrain best | configuration | vs gloo |", "|---|---|---|---|---|---|---|"]
+    horovod = any(r["impl"] == "horovod" for r in rows)
+    out = ["| ranks | size | gloo | Open MPI |" + " Horovod |" * horovod + " ringtrain best | configuration | vs gloo |",
+           "|---|---|---|---|---|---|---|" + "---|" * horovod]
     for p, n in sorted({(r["world_size"], r["nbytes"]) for r in rows}):
         here = [r for r in rows if r["world_size"] == p and r["nbytes"] == n]
         anchor = {r["impl"]: r for r in here if r["impl"] != "ringtrain"}
@@ -182,7 +185,8 @@ def allreduce_lines(doc: dict) -> list[str]:
         cell = lambda r: f"{_duration(r['median_s'])} ({r['busbw_GBps']:.2f})" if r else ""  # noqa: E731
         gloo = anchor.get("gloo")
         ratio = f"{gloo['median_s'] / best['median_s']:.2f}×" if gloo else ""
-        out.append(f"| {p} | {_size(n)} | {cell(gloo)} | {cell(anchor.get('mpi'))} | {cell(best)} | "
+        hvd = f" {cell(anchor.get('horovod'))} |" if horovod else ""
+        out.append(f"| {p} | {_size(n)} | {cell(gloo)} | {cell(anchor.get('mpi'))} |{hvd} {cell(best)} | "
                    f"{best['transport']}/{best['algorithm']} | {ratio} |")
     return out
 

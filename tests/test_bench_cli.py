@@ -12,7 +12,7 @@ from ringtrain.bench import allreduce as bench_allreduce
 from ringtrain.bench import train as bench_train
 
 ALLREDUCE = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K", "--algorithms", "ring",
-             "--transports", "tcp", "--repeats", "1", "--no-mpi"]
+             "--transports", "tcp", "--repeats", "1", "--no-mpi", "--no-horovod"]
 TRAIN = ["bench", "train", "--models", "mlp", "--schedules", "single", "--world-size", "2", "--steps", "1",
          "--rounds", "1", "--no-torch-ddp"]
 ALONE_ROW = {"model": "mlp", "impl": "alone", "schedule": "no communication", "batch_size": 4,
@@ -84,7 +84,8 @@ def test_quick_takes_an_explicit_repeats_as_given(extra, repeats, monkeypatch):
     # --quick --repeats 7 ran 5 repeats: 7 was taken as "not given".
     seen = []
     monkeypatch.setattr(bench_allreduce, "_launch", lambda p, cfg, args, rows: seen.append(cfg))
-    argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K", "--no-mpi", "--out", "", "--json"]
+    argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K", "--no-mpi", "--no-horovod", "--out", "",
+            "--json"]
     assert cli.main(argv + extra) == 0
     assert seen[0]["repeats"] == repeats
     if "--quick" in extra:
@@ -328,7 +329,7 @@ def test_a_rank_failing_in_the_last_world_size_keeps_the_sizes_finished_and_name
     assert rc == 1 and err.strip().endswith("ringtrain bench allreduce: rank 3 exited with status 1:\nboom"), err
     assert [(r["world_size"], r["nbytes"], r["net"]) for r in doc["rows"]] == [
         (2, 4 << 10, "none"), (2, 64 << 10, "none"), (4, 4 << 10, "none")]
-    assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi",
+    assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi", "Horovod anchor skipped: --no-horovod",
                             "stopped (rank 3 exited with status 1) before the run ended: the rows finished by then, "
                             "for world size 2 at 4K, 64K (2 of 2 sizes); world size 4 at 4K (1 of 2 sizes)"]
     saved = json.loads(Path(doc["saved_to"]).read_text())

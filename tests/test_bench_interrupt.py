@@ -64,7 +64,7 @@ def test_ctrl_c_on_bench_allreduce_is_one_line(net, tmp_path):
     if net != "none" and os.geteuid() != 0:
         pytest.skip("--net needs root")
     argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "16M", "--repeats", "100", "--no-mpi",
-            "--transports", "tcp", "--algorithms", "ring", "--net", net, "--out", str(tmp_path / "out")]
+            "--no-horovod", "--transports", "tcp", "--algorithms", "ring", "--net", net, "--out", str(tmp_path / "out")]
     status, err, pid = interrupt_when(argv, "# world size 2", tmp_path)
     lines = [l for l in err.splitlines() if not l.startswith("#")]
     assert status == 130 and lines == ["ringtrain bench allreduce: interrupted; nothing saved"], err
@@ -109,7 +109,7 @@ def test_ctrl_c_on_bench_allreduce_keeps_the_sizes_it_finished(tmp_path):
     # kept them only once every world size was. SIGINT comes at once after 4K (settle=0): 128M
     # is still being checked and timed then, so only 4K is finished.
     argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K,128M", "--repeats", "5", "--no-mpi",
-            "--transports", "tcp", "--algorithms", "ring", "--net", "none", "--out", str(tmp_path / "out")]
+            "--no-horovod", "--transports", "tcp", "--algorithms", "ring", "--net", "none", "--out", str(tmp_path / "out")]
     status, err, _ = interrupt_when(argv, "# world size 2: 4K done (1 of 2 sizes)", tmp_path, settle=0)
     lines = [l for l in err.splitlines() if not l.startswith("#")]
     saved = sorted((tmp_path / "out").glob("allreduce-none-*.json"))
@@ -119,5 +119,6 @@ def test_ctrl_c_on_bench_allreduce_keeps_the_sizes_it_finished(tmp_path):
     assert [(r["impl"], r["transport"], r["nbytes"]) for r in doc["rows"]] == [
         ("gloo", "gloo", 4096), ("ringtrain", "tcp", 4096)], doc["rows"]
     assert all(len(r["times_s"]) == 5 and r["world_size"] == 2 and r["net"] == "none" for r in doc["rows"])
-    assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi", "interrupted (Ctrl-C) before the run ended: the "
-                            "rows finished by then, for world size 2 at 4K (1 of 2 sizes)"]
+    assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi", "Horovod anchor skipped: --no-horovod",
+                            "interrupted (Ctrl-C) before the run ended: the rows finished by then, for world size 2 "
+                            "at 4K (1 of 2 sizes)"]

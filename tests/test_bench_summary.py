@@ -106,6 +106,19 @@ def test_an_allreduce_result_gives_the_best_configuration_against_the_anchors(ca
                         "| 2.59× |"), lines
 
 
+def test_a_run_that_timed_horovod_has_its_column_and_one_that_did_not_has_none():
+    def row(impl, s, bw):
+        return {"impl": impl, "transport": impl, "algorithm": impl, "world_size": 2, "nbytes": 1 << 20,
+                "median_s": s, "busbw_GBps": bw}
+
+    rows = [row("gloo", 0.00291, 0.36), row("horovod", 0.0031, 0.34), row("ringtrain", 0.000525, 2.0)]
+    lines = _script().allreduce_lines({"rows": rows})
+    assert lines[:2] == ["| ranks | size | gloo | Open MPI | Horovod | ringtrain best | configuration | vs gloo |",
+                         "|---|---|---|---|---|---|---|---|"], lines
+    assert lines[2] == "| 2 | 1 MiB | 2.91 ms (0.36) |  | 3.1 ms (0.34) | 525 µs (2.00) | ringtrain/ringtrain | 5.54× |"
+    assert "Horovod" not in _script().allreduce_lines({"rows": [rows[0], rows[2]]})[0]
+
+
 def test_durations_read_in_the_unit_that_fits():
     duration = _script()._duration
     assert [duration(s) for s in (62e-6, 999.6e-6, 0.0755, 0.99996, 2.25)] == ["62 µs", "1 ms", "75.5 ms", "1 s",

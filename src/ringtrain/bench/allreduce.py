@@ -1,9 +1,12 @@
-"""`ringtrain bench allreduce`: every algorithm x transport against gloo and Open MPI.
+"""`ringtrain bench allreduce`: every algorithm x transport against gloo, Open MPI and Horovod.
 
 For each world size the ranks run as separate processes (``bench.procs``). In one run and
 interleaved repeat by repeat, they time: torch.distributed's gloo ``all_reduce`` (the anchor),
-ringtrain's algorithms on each transport, and — in a second launch through ``mpirun`` when
-mpi4py and Open MPI are installed — MPI_Allreduce. Per size: median time over repeats (each
+ringtrain's algorithms on each transport; then, in launches of their own: MPI_Allreduce through
+``mpirun`` when mpi4py and Open MPI are installed, and Horovod's ``hvd.allreduce_`` through
+``horovodrun --gloo`` when an interpreter imports ``horovod.torch`` (this one, or the one
+--horovod-python names: Horovod 0.28.1 builds against this torch only patched, in a venv of its
+own, ``scripts/horovod/install.sh``). Per size: median time over repeats (each
 repeat's time is the slowest rank's), algbw = bytes / time and busbw = algbw · 2(p−1)/p
 (the nccl-tests convention). Every configuration's result is checked exactly once before it
 is timed: a wrong answer aborts the benchmark. Rank 0 sends each size's rows as soon as that
@@ -13,11 +16,13 @@ size is timed, so a run stopped early (Ctrl-C, a failed rank, --timeout) saves w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -90,11 +95,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "(default %(default)s); the tbf burst (1 ms of line rate: 128 KiB at 1gbit, 1.25 MiB at 10gbit) "
                    "lets smaller messages through faster than the line rate")
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI anchor")
+    p.add_argument("--no-horovod", action="store_true", help="skip the Horovod anchor")
+    p.add_argument("--horovod-python", default=None, metavar="PYTHON",
+                   help="the interpreter that runs the Horovod anchor, one that imports horovod.torch (default: "
+                        "this one; scripts/horovod/install.sh builds Horovod into .venv-horovod/)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--out", default="benchmarks", help="directory for the result file (default %(default)s; '' to skip saving)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mpi-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--horovod-worker", default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         return _worker(json.loads(args.worker))
     if args.mpi_worker:
         return _mpi_worker(json.loads(args.mpi_worker))
+    if args.horovod_worker:
+        return _horovod_worker(json.loads(args.horovod_worker))
     try:
         world_sizes, sizes, algorithms, transports, repeats = _settings(args)
         warning = _check_machine(world_sizes, sizes)
@@ -115,11 +127,21 @@ def run(args: argparse.Namespace) -> int:
     elif args.net != "none":
         notes.append(f"Open MPI anchor skipped: under --net {args.net} mpirun would not start its ranks "
                      "on the emulated hosts")
+    horovod = None  # the interpreter that runs the Horovod anchor, None when it is skipped
+    if args.no_horovod:
+        notes.append("Horovod anchor skipped: --no-horovod")
+    elif args.net != "none":
+        notes.append(f"Horovod anchor skipped: under --net {args.net} horovodrun would not start its ranks "
+                     "on the emulated hosts")
+    elif why := horovod_missing(args.horovod_python or sys.executable):
+        notes.append(f"Horovod anchor skipped: {why}")
+    else:
+        horovod = args.horovod_python or sys.executable
     cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
     rows: list[dict] = []
     stopped, failure = None, None  # why the run ended before its last world size, if it did
     try:
-        _measure(world_sizes, cfg, args, notes, rows)
+        _measure(world_sizes, cfg, args, notes, rows, horovod)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
         stopped = "interrupted (Ctrl-C)"
     except RankFailed as exc:
@@ -148,10 +170,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes: list[str],
-             rows: list[dict]) -> None:
+             rows: list[dict], horovod: str | None = None) -> None:
     """Measure into ``rows`` every world size's rows (ringtrain and gloo size by size, as rank 0
-    sends them, then Open MPI's): a run stopped early keeps in them what it finished. What went
-    wrong with MPI goes to ``notes``."""
+    sends them, then Open MPI's, then Horovod's when ``horovod`` names its interpreter): a run
+    stopped early keeps in them what it finished. What went wrong with MPI or Horovod goes to
+    ``notes``."""
     for p in world_sizes:
         configs = len(cfg["transports"]) * len(cfg["algorithms"]) + 1
         print(f"# world size {p}: {plural(len(cfg['sizes']), 'size')} x {plural(configs, 'configuration')}",
@@ -160,6 +183,11 @@ def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes:
         if not args.no_mpi and args.net == "none":
             mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
             rows += mpi_rows
+            if note:
+                notes.append(note)
+        if horovod:
+            horovod_rows, note = _launch_horovod(p, cfg, args.timeout, horovod)
+            rows += [dict(r, net=args.net) for r in horovod_rows]
             if note:
                 notes.append(note)
 
@@ -294,7 +322,64 @@ def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | No
     return [r for d in docs for r in d["rows"]], None
 
 
-# --- the timed loop, shared by the ringtrain/gloo worker and the MPI worker ------------------
+def horovod_missing(python: str) -> str | None:
+    """Why ``python`` cannot run the Horovod anchor (not found, or no ``horovod.torch`` to import),
+    None when it can. Another interpreter is asked in a child process (a few ms: torch is not
+    imported)."""
+    if python == sys.executable:
+        found = importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
+    else:
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            return f"--horovod-python {python}: no such interpreter"
+        probe = ("import importlib.util as u, sys; "
+                 "sys.exit(u.find_spec('horovod') is None or u.find_spec('horovod.torch') is None)")
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    if found:
+        return None
+    return (f"horovod.torch is not importable from {python} (scripts/horovod/install.sh builds Horovod into "
+            ".venv-horovod/; then --horovod-python .venv-horovod/bin/python)")
+
+
+def horovod_command(python: str, p: int, cfg: dict) -> list[str]:
+    """horovodrun (its module, from ``python``) starting ``p`` local ranks over gloo, each running
+    this module's Horovod worker under the same interpreter."""
+    return [python, "-m", "horovod.runner.launch", "-np", str(p), "-H", f"localhost:{p}", "--gloo",
+            python, "-m", "ringtrain.cli", "bench", "allreduce", "--horovod-worker", json.dumps(cfg)]
+
+
+def result_docs(stdout: str) -> list[dict]:
+    """The RESULT documents in a launcher's output. horovodrun heads each rank's lines with
+    '[0]<stdout>:', so the prefix is looked for anywhere in a line, not only at its start."""
+    return [json.loads(line.partition(RESULT_PREFIX)[2]) for line in stdout.splitlines() if RESULT_PREFIX in line]
+
+
+def _launch_horovod(p: int, cfg: dict, timeout: float, python: str) -> tuple[list[dict], str | None]:
+    """Horovod's rows for world size ``p`` (and None), or no rows and why. ``python`` imports this
+    copy of ringtrain through PYTHONPATH: its venv holds only torch, numpy and Horovod."""
+    import ringtrain
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(ringtrain.__file__)))
+    path = os.pathsep.join(x for x in (src, os.environ.get("PYTHONPATH")) if x)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A session of its own, killed whole on the deadline; each rank's middleman (horovodrun's
+    # safe_shell_exec, in a session of its own) then ends its rank: SIGTERM, SIGKILL 5 s later.
+    proc = subprocess.Popen(horovod_command(python, p, cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # (the middlemen hold its pipes until they end)
+            proc.communicate(timeout=30)
+        return [], f"Horovod anchor timed out after {timeout:.0f}s"
+    docs = result_docs(out)
+    if proc.returncode or not docs:
+        tail = (err.strip() or out.strip())[-300:]
+        return [], f"Horovod anchor failed (status {proc.returncode}): {tail}"
+    return [r for d in docs for r in d["rows"]], None
+
+
+# --- the timed loop, shared by the ringtrain/gloo worker and the MPI and Horovod workers -----
 
 
 def _iters_for(nbytes: int) -> int:
@@ -395,6 +480,35 @@ def _mpi_worker(cfg: dict) -> int:
 
     _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, world.Barrier,
                   lambda x: world.allreduce(x, op=MPI.MAX), done)
+    return 0
+
+
+def _horovod_worker(cfg: dict) -> int:
+    import horovod
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    torch.set_num_threads(1)
+    rank, p = hvd.rank(), hvd.size()
+
+    def allreduce(buf):
+        # One name per size, as a training step names each gradient: Horovod's response cache
+        # then knows the tensor from the second call on (an unnamed call is new every time).
+        hvd.allreduce_(torch.from_numpy(buf), op=hvd.Sum, name=f"bench.{buf.size}")
+
+    configs = [({"impl": "horovod", "transport": "gloo", "algorithm": "hvd.allreduce_",
+                 "version": horovod.__version__}, allreduce)]
+
+    def slowest(x: float) -> float:
+        return float(hvd.allreduce(torch.tensor([x], dtype=torch.float64), op=hvd.Max, name="bench.slowest")[0])
+
+    def done(nbytes: int, rows: list[dict]) -> None:
+        if rank == 0:  # (_launch_horovod reads every document when horovodrun has ended)
+            emit({"rows": rows})
+
+    _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, hvd.barrier, slowest, done)
+    hvd.shutdown()
     return 0
 
 
