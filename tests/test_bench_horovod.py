@@ -96,10 +96,12 @@ def test_this_interpreter_without_horovod_is_skipped(monkeypatch):
 @pytest.mark.timeout(60)
 def test_an_importable_horovod_is_timed_after_each_world_size(tmp_path, ranks_and_horovod, capsys, monkeypatch):
     monkeypatch.setattr(bench_allreduce, "horovod_missing", lambda python: None)
-    argv = ALLREDUCE[:3] + ["2,3"] + ALLREDUCE[4:] + ["--horovod-python", "/venv/bin/python", "--out", "", "--json"]
+    python = _stand_in(tmp_path, "exit 0")
+    monkeypatch.chdir(tmp_path)  # given relative, run by its absolute path (horovodrun's shell starts elsewhere)
+    argv = ALLREDUCE[:3] + ["2,3"] + ALLREDUCE[4:] + ["--horovod-python", "./python", "--out", "", "--json"]
     assert cli.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert ranks_and_horovod == [(2, "/venv/bin/python"), (3, "/venv/bin/python")]
+    assert ranks_and_horovod == [(2, python), (3, python)]
     assert [(r["impl"], r["world_size"]) for r in doc["rows"]] == [("gloo", 2), ("horovod", 2), ("gloo", 3),
                                                                    ("horovod", 3)]
     assert [r["net"] for r in doc["rows"]] == ["none"] * 4

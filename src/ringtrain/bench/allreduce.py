@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
                      "on the emulated hosts")
     elif why := horovod_missing(args.horovod_python or sys.executable):
         notes.append(f"Horovod anchor skipped: {why}")
-    else:
-        horovod = args.horovod_python or sys.executable
+    else:  # (absolute: horovodrun starts it through a shell of its own)
+        horovod = os.path.abspath(shutil.which(args.horovod_python or sys.executable))
     cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
     rows: list[dict] = []
     stopped, failure = None, None  # why the run ended before its last world size, if it did
@@ -329,7 +329,7 @@ def horovod_missing(python: str) -> str | None:
     if python == sys.executable:
         found = importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
     else:
-        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        if shutil.which(python) is None:  # (a path, or a name on PATH)
             return f"--horovod-python {python}: no such interpreter"
         probe = ("import importlib.util as u, sys; "
                  "sys.exit(u.find_spec('horovod') is None or u.find_spec('horovod.torch') is None)")
