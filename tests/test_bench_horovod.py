@@ -132,7 +132,7 @@ def test_the_launch_returns_rank_0s_rows_and_sees_this_ringtrain(tmp_path):
     rows, note = bench_allreduce._launch_horovod(2, {}, 30, python)
     assert (rows, note) == ([row], None)
     src = str(Path(bench_allreduce.__file__).resolve().parents[2])
-    assert (tmp_path / "path").read_text().split(os.pathsep)[0] == src
+    assert (tmp_path / "path").read_text().strip().split(os.pathsep)[0] == src
 
 
 @pytest.mark.timeout(60)
@@ -144,6 +144,36 @@ def test_the_launch_returns_rank_0s_rows_and_sees_this_ringtrain(tmp_path):
 def test_a_failing_or_late_launch_is_a_note(tmp_path, body, note):
     rows, got = bench_allreduce._launch_horovod(2, {}, 1, _stand_in(tmp_path, body))
     assert rows == [] and got == note
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_the_launch_ends_its_session(tmp_path):
+    """horovodrun runs in a session of its own, which the terminal's Ctrl-C does not reach: the
+    KeyboardInterrupt in this process must end it (a "rank" of the stand-in, in its session)."""
+    import signal
+    import time
+
+    from faults.harness import alive
+
+    pid_file = tmp_path / "rank.pid"
+    python = _stand_in(tmp_path, f'sleep 60 & echo $! > "{pid_file}"; wait')
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(KeyboardInterrupt):
+            bench_allreduce._launch_horovod(2, {}, 30, python)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    rank = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(rank), "the stand-in's rank outlived the Ctrl-C"
 
 
 @pytest.mark.timeout(300)

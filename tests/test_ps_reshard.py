@@ -130,6 +130,22 @@ def test_a_save_cut_short_resumes_at_the_step_before_on_another_number_of_server
     assert_same(got, want)
 
 
+def test_a_job_stopped_before_a_new_servers_first_save_resumes_the_save_before(tmp_path):
+    """1 -> 2 servers, stopped once server 0 had saved step 4 and server 1 nothing: server 1 made
+    its folder at start, so its missing file is a save cut short (the step before, cut anew), not
+    a folder on another machine's disk (which would refuse the run)."""
+    want = run(tmp_path / "whole", 1, 6)
+    root = tmp_path / "cut"
+    run(root, 1, 2, save_after=(2,))
+    run(root, 2, 3, resume=True)  # no save: server 1 had its folder all the same
+    assert (root / "server-1").is_dir() and not checkpoint.list_checkpoints(root / "server-1")
+    run(root, 2, 4, save_after=(4,), resume=True)
+    shard(root, 1, 4).unlink()  # (the stop: server 0's file of step 4 written, server 1's not)
+    got = run(root, 2, 6, resume=True)
+    assert [first for first, _ in got] == [2] * W
+    assert_same(got, want)
+
+
 # --- refused (one worker: with two, the one whose HELLO comes second may hear PeerLost instead) -------
 
 @pytest.mark.parametrize("after", [1, 2])

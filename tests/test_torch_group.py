@@ -159,6 +159,11 @@ def test_bad_calls_are_refused_at_once_naming_the_call():
             dist.all_reduce(torch.ones(1, dtype=torch.int32), op=dist.ReduceOp.BAND, group=pg)
         with pytest.raises(ValueError, match="broadcast: .* CPU tensors, got one on meta"):
             dist.broadcast(torch.empty(2, device="meta"), group_src=0, group=pg)
+        with pytest.raises(ValueError, match="allreduce: op='mean' needs a floating dtype, got int32"):
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG, group=pg)
+        with pytest.raises(ValueError, match="reduce_scatter_single: op='max' needs ordered values, got complex64"):
+            dist.reduce_scatter_tensor(torch.empty(1, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64),
+                                       op=dist.ReduceOp.MAX, group=pg)
         with pytest.raises(ValueError, match="reduce_scatter: 1 input tensors for 2 ranks"):
             dist.reduce_scatter(torch.empty(1), [torch.ones(1)], group=pg)
         # Unsupported collectives: a NotImplementedError naming the call, before anything moves.
@@ -175,6 +180,40 @@ def test_bad_calls_are_refused_at_once_naming_the_call():
 
     for t in on_group(2, fn):
         assert torch.equal(t, torch.full((2,), 2.0))
+
+
+def test_a_call_racing_close_is_run_or_refused_never_left_waiting():
+    """close() on one thread while another submits: each call either ran (wait() returns) or was
+    refused as closed, never queued behind the end of the worker (a wait() with nothing to end it)."""
+    import threading
+
+    def fn(pg):
+        works, refused, go = [], [], threading.Event()
+
+        def submit():
+            go.wait()
+            for _ in range(200):
+                try:
+                    works.append(pg.barrier())
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+                    return
+
+        t = threading.Thread(target=submit)
+        t.start()
+        go.set()
+        pg.close()
+        t.join(10)
+        outcomes = []
+        for work in works:
+            try:
+                outcomes.append(work.wait())  # (a barrier the peer also ran, or one it never joined)
+            except Exception as exc:  # noqa: BLE001 - any error, as long as the wait ends
+                outcomes.append(type(exc).__name__)
+        return len(works), refused[:1], outcomes
+
+    for count, refused, outcomes in on_group(1, fn):
+        assert len(outcomes) == count and all(r.endswith("is closed") for r in refused)
 
 
 def test_closed_group_refuses_calls():

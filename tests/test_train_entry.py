@@ -149,14 +149,15 @@ def test_the_step_a_run_resumes_at_is_the_newest_every_server_saved(tmp_path):
     assert resume.resume_step(train.TrainConfig(checkpoint_dir=str(tmp_path / "ring"))) == 5
 
 
-def save_servers(directory: Path, servers: int, strategy: str = "sync") -> None:
+def save_servers(directory: Path, servers: int, strategy: str = "sync", optimizer: str = "sgd") -> None:
     """Real parameter servers (threads) save step 1 into ``directory``/servers, as a run's do."""
     from ringtrain.ps import ParameterServerTraining
 
     started = [ps_harness.start_server(b"entry", index=k, servers=servers, strategy=strategy,
                                        checkpoint_dir=str(directory / "servers")) for k in range(servers)]
     ps = ParameterServerTraining(ps_harness.tiny(), servers=[s.endpoint for s, _, _ in started], worker=0, workers=1,
-                                 secret=b"entry", strategy=strategy, timeout=10.0, partition_mb=4 / (1 << 20))
+                                 secret=b"entry", strategy=strategy, timeout=10.0, partition_mb=4 / (1 << 20),
+                                 optimizer=optimizer)
     ps.module(torch.ones(2, 4)).sum().backward()
     ps.step()
     ps.save_checkpoint()
@@ -479,13 +480,21 @@ def test_resuming_with_another_seed_is_refused(tmp_path, launches, capsys):
 
 @pytest.mark.parametrize("strategy", ["ring", "ps-sync"])
 def test_resuming_with_another_optimizer_is_refused_naming_it(tmp_path, strategy, launches, capsys):
-    save_run(tmp_path, strategy=strategy, optimizer="adamw")
-    if strategy != "ring":  # (the servers' files of the same steps, as a parameter-server run leaves them)
-        shutil.copytree(tmp_path, tmp_path / "servers" / "server-0", ignore=shutil.ignore_patterns("servers"))
+    save_run(tmp_path, steps=(1,), strategy=strategy, optimizer="adamw")
+    if strategy != "ring":
+        save_servers(tmp_path, 1, optimizer="adamw")
     message = refusal(train_argv(tmp_path, "--strategy", strategy), launches, capsys)
     assert "--optimizer adamw, not sgd" in message and "pass --optimizer adamw" in message, message
     assert cli.main(train_argv(tmp_path, "--strategy", strategy, "--optimizer", "adamw")) == 0
     assert launched_config(launches)["optimizer"] == "adamw"
+
+
+def test_the_servers_files_alone_tell_their_optimizer(tmp_path, launches, capsys):
+    """No worker checkpoint (the workers' first save cut short): the servers' files say it."""
+    save_servers(tmp_path, 1, optimizer="adam")
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sync"), launches, capsys)
+    assert "with --optimizer adam, not sgd: resume with --optimizer adam" in message, message
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sync", "--optimizer", "adam")) == 0
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["recorded", "older-checkpoints"])

@@ -180,8 +180,11 @@ def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]):
     from .ps import shard_resume
 
     servers = Path(cfg.checkpoint_dir) / "servers"
-    if not saved:
-        return _servers_save(cfg)
+    if not saved:  # (the servers' files alone: the workers' first save was cut short, or removed)
+        found = _servers_save(cfg)
+        if found is not None:
+            _check_same_servers(cfg, found)
+        return found
     steps = {f"server-{k}": set(held) for k, held in shard_resume.held_steps(servers).items()}
     if not any(steps.values()):
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds worker checkpoints (steps "
@@ -201,7 +204,7 @@ def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]):
 
 def _check_same_servers(cfg: TrainConfig, found) -> None:
     """The servers refuse a synchronous job's shards in an asynchronous job or the other way round,
-    an asynchronous job's on another number of servers, and a save to be cut anew for another
+    another optimizer's, an asynchronous job's on another number of servers, and a save to be cut anew for another
     number of servers whose files are not all here (ps.shard_resume), but only once every rank has
     started: say it here, before."""
     saved = found.payload
@@ -213,6 +216,10 @@ def _check_same_servers(cfg: TrainConfig, found) -> None:
         kind = "an asynchronous" if strategy == "async" else "a synchronous"
         made.append(f"by {kind} job (--strategy {theirs}), not --strategy {cfg.strategy}")
         flags.append(f"--strategy {theirs}")
+    optimizer = saved.get("optimizer", "sgd")  # (saved before the servers applied Adam too: SGD)
+    if optimizer != cfg.optimizer:
+        made.append(f"with --optimizer {optimizer}, not {cfg.optimizer}")
+        flags.append(f"--optimizer {optimizer}")
     made_by = found.servers
     if made_by != cfg.servers and "async" in (strategy, cfg.strategy.removeprefix("ps-")):
         made.append(f"by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}")  # (async: as many)

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .collectives.ops import OPS, op_name
+from .collectives.ops import OPS, check_op_dtype, flat_view, op_name
 from .comm import ALGORITHMS, Communicator
+from .errors import CommTimeout
 
 BACKEND = "ringtrain"
 """The name under which torch.distributed knows this group (``init_process_group(BACKEND)``)."""
@@ -45,9 +47,10 @@ class _Work(dist._Work):
     """One call's work. ``future`` is torch's own, for DDP and ``then`` chains; ``raw`` holds the
     job's result or its exception object, which ``wait()`` raises as it was."""
 
-    def __init__(self, result):
+    def __init__(self, result, worker: threading.Thread):
         super().__init__()
         self._result = result
+        self._worker = worker
         self.done = threading.Event()  # set once raw is: a wait on it, unlike torch's, ends on Ctrl-C
         self.raw: torch.futures.Future = torch.futures.Future()
         # A callback that raises marks the future it returns as failed in torch's C++ sense, which
@@ -55,8 +58,16 @@ class _Work(dist._Work):
         self.future = self.raw.then(lambda f: f.value())
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        # (timeout, torch's, is not needed: the job itself is bounded by the communicator's timeout)
-        self.done.wait()
+        """Until the job has run (each job is bounded by the communicator's timeout, those queued
+        before it too), or torch's ``timeout`` (zero or None: no more bound than that) is up."""
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        deadline = time.monotonic() + seconds if seconds > 0 else None
+        while not self.done.wait(0.5):
+            if not self._worker.is_alive() and not self.done.is_set():
+                raise RuntimeError("ringtrain's process group was closed before this call ran")
+            if deadline is not None and time.monotonic() > deadline:
+                raise CommTimeout(f"ringtrain's process group: the call did not finish within {seconds:g} s "
+                                  "(work.wait's timeout)")
         self.raw.wait()  # (raises the job's error)
         return True
 
@@ -76,17 +87,24 @@ class _Worker:
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # (no job goes in after the end marker: it would never run)
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], result) -> _Work:
-        work = _Work(result)
-        self._jobs.put((job, work))
+    def submit(self, job: Callable[[], None], result, closed: str) -> _Work:
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(closed)
+            work = _Work(result, self._thread)
+            self._jobs.put((job, work))
         return work
 
     def stop(self, timeout: float) -> None:
         """Let the jobs already submitted finish (each is bounded), then end the thread."""
-        self._jobs.put(None)
+        with self._lock:
+            self._stopped = True
+            self._jobs.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -136,17 +154,17 @@ class TorchProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         t = _one(tensors, "allreduce")
-        op = _op(opts, "allreduce")
+        op = _op(opts, "allreduce", t)
         return self._submit(lambda: self.comm.allreduce(t, op=op, algorithm=self.algorithm), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """Every tensor of ``tensors`` reduced, in one allreduce of their concatenation."""
         tensors = list(tensors)
-        op = _op(opts, "allreduce_coalesced")
         for t in tensors:
             _check_cpu(t, "allreduce_coalesced")
         if len({t.dtype for t in tensors}) > 1:
             raise ValueError(f"allreduce_coalesced: the tensors must share one dtype, got {[t.dtype for t in tensors]}")
+        op = _op(opts, "allreduce_coalesced", tensors[0] if tensors else None)
 
         def job() -> None:
             flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
@@ -199,7 +217,7 @@ class TorchProcessGroup(dist.ProcessGroup):
         """torch's list form: output_tensors[0] receives the reduction of every rank's input_tensors[0][rank]."""
         y = _one(output_tensors, "reduce_scatter")
         xs = list(_one(input_tensors, "reduce_scatter", what="list of input tensors"))
-        op = _op(opts, "reduce_scatter")
+        op = _op(opts, "reduce_scatter", y)
         if len(xs) != self.size():
             raise ValueError(f"reduce_scatter: {len(xs)} input tensors for {self.size()} ranks")
         for x in xs:
@@ -212,7 +230,7 @@ class TorchProcessGroup(dist.ProcessGroup):
         ``rank`` of the reduction of ``input`` (size·n elements) over the ranks."""
         _check_cpu(output, "reduce_scatter_single")
         _check_like(input, output, output.numel() * self.size(), "reduce_scatter_single", "input")
-        op = _op(opts, "reduce_scatter_single")
+        op = _op(opts, "reduce_scatter_single", output)
         flat = input.reshape(-1).clone()  # (the communicator consumes its buffer; torch's input stays)
         return self._submit(self._scatter_job(flat, output, op), [output])
 
@@ -288,9 +306,10 @@ class TorchProcessGroup(dist.ProcessGroup):
     # --- internals ---------------------------------------------------------------------------
 
     def _submit(self, job: Callable[[], None], result) -> _Work:
-        if self._worker is None:
+        worker = self._worker
+        if worker is None:
             raise RuntimeError(f"{self!r} is closed")
-        return self._worker.submit(job, result)
+        return worker.submit(job, result, f"{self!r} is closed")
 
     def _gather_buffer(self, x: torch.Tensor) -> torch.Tensor:
         """A flat buffer of size·n elements with ``x`` (n) in this rank's chunk, taken now."""
@@ -338,10 +357,17 @@ def _check_like(t: torch.Tensor, like: torch.Tensor, numel: int, call: str, what
         raise ValueError(f"{call}: {what} must be {numel} elements of {like.dtype}, got {t.numel()} of {t.dtype}")
 
 
-def _op(opts, call: str) -> str:
+def _op(opts, call: str, like: Optional[torch.Tensor] = None) -> str:
+    """The reduction ``opts`` names, checked against the dtype of ``like`` now (AVG of integers,
+    MAX of complex numbers: refused on the caller's thread, before anything is queued)."""
     op = op_name(opts.reduceOp) if opts is not None else "sum"
     if op not in OPS:
         raise ValueError(f"{call}: ringtrain reduces with SUM, AVG, MAX, MIN or PRODUCT, not {getattr(op, 'name', op)}")
+    if like is not None:
+        try:
+            check_op_dtype(op, flat_view(torch.empty(0, dtype=like.dtype)).dtype)
+        except ValueError as exc:
+            raise ValueError(f"{call}: {exc}") from None
     return op
 
 
@@ -355,7 +381,15 @@ def _create_backend(store, rank: int, world_size: int, timeout: timedelta) -> To
     tie_to_launcher()  # as ringtrain.init() does
     seconds = timeout.total_seconds()
     addr, port = rendezvous.store_endpoint(store)
-    info = rendezvous.job_info(rank, world_size, addr, port)
+    try:
+        info = rendezvous.job_info(rank, world_size, addr, port)
+    except ValueError as exc:
+        if addr is not None:
+            raise
+        # (a FileStore or HashStore: no address of the job's, which the ranks' listeners are chosen by)
+        raise ValueError(f"backend {BACKEND!r} over a {type(store).__name__}: the ranks meet through a TCP store "
+                         "(init_method 'env://' or 'tcp://host:port', as torchrun's), or set MASTER_ADDR and "
+                         f"MASTER_PORT for the ranks' listeners ({exc})") from None
     warn_if_unauthenticated(info)
     store = dist.PrefixStore("ringtrain/", store)
     store.set_timeout(timeout)

@@ -140,7 +140,7 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise ValueError(f"--lr must be a finite number > 0 (0: the optimizer's usual one), got {self.lr}")
+            raise ValueError(f"--lr must be a finite number >= 0 (0: the optimizer's usual one), got {self.lr}")
         self.lr = self.lr or USUAL_LR[self.optimizer]
         check_number("--timeout", self.timeout, unit=" of seconds")
         if self.join_timeout is not None:

@@ -322,6 +322,14 @@ def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | No
     return [r for d in docs for r in d["rows"]], None
 
 
+def _end_session(proc: subprocess.Popen) -> None:
+    """Kill horovodrun's session; each rank's middleman then ends its rank (see _launch_horovod)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):  # (the middlemen hold its pipes until they end)
+        proc.communicate(timeout=30)
+
+
 def horovod_missing(python: str) -> str | None:
     """Why ``python`` cannot run the Horovod anchor (not found, or no ``horovod.torch`` to import),
     None when it can. Another interpreter is asked in a child process (a few ms: torch is not
@@ -333,7 +341,10 @@ def horovod_missing(python: str) -> str | None:
             return f"--horovod-python {python}: no such interpreter"
         probe = ("import importlib.util as u, sys; "
                  "sys.exit(u.find_spec('horovod') is None or u.find_spec('horovod.torch') is None)")
-        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+        try:
+            found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+        except subprocess.TimeoutExpired:
+            return f"--horovod-python {python}: did not answer within 60 s whether it imports horovod.torch"
     if found:
         return None
     return (f"horovod.torch is not importable from {python} (scripts/horovod/install.sh builds Horovod into "
@@ -368,10 +379,11 @@ def _launch_horovod(p: int, cfg: dict, timeout: float, python: str) -> tuple[lis
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):  # (the middlemen hold its pipes until they end)
-            proc.communicate(timeout=30)
+        _end_session(proc)
         return [], f"Horovod anchor timed out after {timeout:.0f}s"
+    except BaseException:  # Ctrl-C (its session does not hear the terminal's) or any other way out
+        _end_session(proc)
+        raise
     docs = result_docs(out)
     if proc.returncode or not docs:
         tail = (err.strip() or out.strip())[-300:]

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ..errors import check_number
+from ..train import USUAL_LR
 from .launch import check_servers, is_server_rank, run_server_role, train_steps, worker_from_env
 from .server_config import STRATEGIES, staleness_flag
 from .server_optimizer import OPTIMIZERS
@@ -30,7 +32,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=0, help="per-worker batch; 0 = the model's default")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="what the servers apply")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.0,
+                   help="0 = the optimizer's usual one (ringtrain train's: 0.05 for sgd, 0.001 for adam and adamw)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--max-staleness", type=int, default=0, help="async only; -1 = unbounded")
     p.add_argument("--schedule", default="optimal", help="push merging (ringtrain.plan.METHODS)")
@@ -46,6 +49,9 @@ def parse(argv) -> argparse.Namespace:
                 check_number(flag, value, unit=" of seconds")
         except ValueError as exc:
             p.error(str(exc))
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        p.error(f"--lr must be a finite number >= 0 (0: the optimizer's usual one), got {args.lr}")
+    args.lr = args.lr or USUAL_LR[args.optimizer]
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.servers < 1:

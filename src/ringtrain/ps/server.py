@@ -56,6 +56,7 @@ worker's push. Every wait ends by ``timeout`` with CommTimeout naming who is mis
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -129,6 +130,13 @@ class ParameterServer:
         self._initialized = False
         self._resume = (shard_resume.newest_whole(Path(cfg.checkpoint_dir), cfg.servers, cfg.index, self.name)
                         if cfg.resume and cfg.checkpoint_dir else None)
+        if cfg.shard_dir:
+            # Made now (after this server chose its step), not at the first save: a folder that is
+            # not there is then another machine's disk (shard_resume), never that of a server of
+            # this disk stopped before its first save, whose missing file tells a save cut short.
+            # One that cannot be made fails the first save, as a full disk does (SAVE's error).
+            with contextlib.suppress(OSError):
+                Path(cfg.shard_dir).mkdir(parents=True, exist_ok=True)
         self.version = 0
         self.updates = 0
 
@@ -193,6 +201,7 @@ class ParameterServer:
                 if not self.cfg.synchronous:  # (synchronous: every lost worker fails the job anyway)
                     self._fail(exc)
                 raise
+            self._resume = None  # (taken: its tensors are not kept for the server's lifetime)
         self._settings = {k: hello[k] for k in HELLO_KEYS}
 
     def _restore(self, saved: shard_resume.SavedStep, hello: dict) -> None:
@@ -206,7 +215,8 @@ class ParameterServer:
         else:
             raise MismatchError(f"{self.name}: the checkpoint of step {saved.step} in {self.cfg.checkpoint_dir} has no "
                                 f"file of this server: {saved.files[self.cfg.index]} is missing (its folder is not "
-                                "there): put it back, or start a new checkpoint directory")
+                                "there): put it back, or remove the other servers' files of that step to resume "
+                                "the step before, or start a new checkpoint directory")
         self.params.copy_(payload["params"])
         state = shard_resume.optimizer_state(payload)
         for k, (i, view) in enumerate(self._views.items()):  # (the order _optimizer_state saves in)
