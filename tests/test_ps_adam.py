@@ -241,22 +241,32 @@ def train(pst: ParameterServerTraining, steps: int, save_after: tuple[int, ...] 
     pst.wait()
 
 
-@pytest.mark.parametrize("partition_mb", [ONE_ELEMENT, 16 / (1 << 20)], ids=["1-element", "4-element"])
-def test_adamw_resumed_mid_run_equals_the_run_uninterrupted(tmp_path, partition_mb):
-    started, endpoints = servers(2, 1, checkpoint_dir=str(tmp_path))
-    pst = wrap(model(), endpoints, 0, 1, partition_mb=partition_mb)
-    train(pst, 6, save_after=(3,))
+def assert_resumes_bitwise(tmp_path, n: int, steps: int, saved_at: int, edit=None, **kw) -> None:
+    """One worker over ``n`` servers trains ``steps`` steps, saving after ``saved_at``; servers
+    resumed from that save and a worker built with other weights (the servers' replace them) train
+    to ``steps`` again: parameters bitwise those of the first run. ``kw`` goes to wrap(), and
+    ``edit(tmp_path)``, if given, rewrites the save in between."""
+    started, endpoints = servers(n, 1, checkpoint_dir=str(tmp_path))
+    pst = wrap(model(), endpoints, 0, 1, **kw)
+    train(pst, steps, save_after=(saved_at,))
     want = [p.detach().clone() for p in pst.module.parameters()]
     pst.close()
     join_all(started)
-    started, endpoints = servers(2, 1, checkpoint_dir=str(tmp_path), resume=True)
-    pst = wrap(model(seed=7), endpoints, 0, 1, partition_mb=partition_mb)
-    assert pst.step_count == 3
-    train(pst, 6)
+    if edit is not None:
+        edit(tmp_path)
+    started, endpoints = servers(n, 1, checkpoint_dir=str(tmp_path), resume=True)
+    pst = wrap(model(seed=7), endpoints, 0, 1, **kw)
+    assert pst.step_count == saved_at
+    train(pst, steps)
     for got, exact in zip(pst.module.parameters(), want):
         assert torch.equal(got, exact)
     pst.close()
     join_all(started)
+
+
+@pytest.mark.parametrize("partition_mb", [ONE_ELEMENT, 16 / (1 << 20)], ids=["1-element", "4-element"])
+def test_adamw_resumed_mid_run_equals_the_run_uninterrupted(tmp_path, partition_mb):
+    assert_resumes_bitwise(tmp_path, 2, 6, 3, partition_mb=partition_mb)
 
 
 @pytest.mark.parametrize("saved,resumed", [("sgd", "adamw"), ("adamw", "adam")])
@@ -275,26 +285,13 @@ def test_a_resume_with_another_optimizer_is_refused_naming_both(tmp_path, saved,
 
 def test_an_sgd_checkpoint_written_before_adam_resumes_with_its_momentum(tmp_path):
     """A checkpoint of the old format (no "optimizer", SGD's "momentum" only) resumes as before."""
-    def sgd(m, endpoints):
-        return wrap(m, endpoints, 0, 1, optimizer="sgd", lr=0.1, momentum=0.9, weight_decay=0.0)
+    def to_the_old_format(root) -> None:
+        folder = root / "server-0"
+        payload = checkpoint.load(folder / checkpoint.checkpoint_name(2)).payload
+        assert payload["momentum"] is not None
+        old = {k: v for k, v in payload.items() if k not in ("optimizer", "optimizer_state")}
+        (folder / checkpoint.checkpoint_name(2)).unlink()
+        checkpoint.save(folder, 2, old)
 
-    started, endpoints = servers(1, 1, checkpoint_dir=str(tmp_path))
-    pst = sgd(model(), endpoints)
-    train(pst, 4, save_after=(2,))
-    want = [p.detach().clone() for p in pst.module.parameters()]
-    pst.close()
-    join_all(started)
-    folder = tmp_path / "server-0"
-    payload = checkpoint.load(folder / checkpoint.checkpoint_name(2)).payload
-    assert payload["momentum"] is not None
-    old = {k: v for k, v in payload.items() if k not in ("optimizer", "optimizer_state")}
-    (folder / checkpoint.checkpoint_name(2)).unlink()
-    checkpoint.save(folder, 2, old)
-    started, endpoints = servers(1, 1, checkpoint_dir=str(tmp_path), resume=True)
-    pst = sgd(model(seed=7), endpoints)
-    assert pst.step_count == 2
-    train(pst, 4)
-    for got, exact in zip(pst.module.parameters(), want):
-        assert torch.equal(got, exact)
-    pst.close()
-    join_all(started)
+    assert_resumes_bitwise(tmp_path, 1, 4, 2, edit=to_the_old_format, optimizer="sgd", lr=0.1, momentum=0.9,
+                           weight_decay=0.0)
