@@ -52,8 +52,6 @@ COMPRESSION = ("none", "fp16", "bf16")  # (ddp.options.COMPRESSIONS and none: it
 OPTIMIZERS = ("sgd", "adam", "adamw")  # (ps.server_optimizer.OPTIMIZERS, which a test keeps equal: torch again)
 #: --lr 0's learning rate for each optimizer.
 USUAL_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
-#: Every optimizer's settings but the learning rate (ps.server_optimizer.torch_optimizer takes those of its kind).
-OPTIMIZER_SETTINGS = {"momentum": 0.9, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
 STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
 
 
@@ -396,11 +394,15 @@ def _one_worker_rate(model, loss_fn, batch, make_optimizer, steps: int = 5) -> f
 
 
 def _optimizer(cfg: TrainConfig):
-    """The run's optimizer, as a function of the parameters (the servers build theirs with the same
-    torch_optimizer from the same settings: ps_worker)."""
+    """The run's optimizer, as a function of the parameters: torch_optimizer with the parameter
+    servers' default settings (ps.PSOptions: momentum 0.9, torch's betas and eps, no weight
+    decay), which the servers of a ps_worker run apply too."""
+    from .ps import PSOptions
     from .ps.server_optimizer import torch_optimizer
 
-    return lambda params: torch_optimizer(cfg.optimizer, params, {"lr": cfg.lr, **OPTIMIZER_SETTINGS})
+    opts = PSOptions(optimizer=cfg.optimizer, lr=cfg.lr)
+    settings = {key: getattr(opts, key) for key in ("lr", "momentum", "betas", "eps", "weight_decay")}
+    return lambda params: torch_optimizer(cfg.optimizer, params, settings)
 
 
 def _workload(cfg: TrainConfig, rank: int, p: int):
@@ -729,7 +731,6 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
                               _optimizer(cfg))
     one_rate = one_worker_rate()
     pst = ps.worker_from_env(model, cfg.servers, strategy=strategy, optimizer=cfg.optimizer, lr=cfg.lr,
-                             **OPTIMIZER_SETTINGS,
                              schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, timeout=cfg.timeout,
                              join_timeout=cfg.join_timeout)
     start = pst.step_count  # the servers' step for this worker (0 unless they resumed)
