@@ -390,8 +390,6 @@ def _worker(cfg: dict) -> int:
 def _model_rows(cfg: dict, name: str, comm, rank: int, p: int) -> list[dict]:
     """Model ``name``'s rows: every configuration built, warmed up and timed taking turns step by
     step, then described (with the simulator's and the planner's predictions); its wrappers closed."""
-    import torch
-
     from ..sim.traces import profile_module
 
     batch, base, batches = _workload(cfg, name, rank, p)
@@ -399,7 +397,7 @@ def _model_rows(cfg: dict, name: str, comm, rank: int, p: int) -> list[dict]:
     # configuration timed in the same interleaved rounds as training (same CPU load).
     twin = copy.deepcopy(base)
     profiled = profile_module(twin, lambda: batches[0], twin.loss, name=name, repeats=3,
-                              optimizer=torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9),
+                              optimizer=_sgd(twin.parameters()),
                               batch_size=batch)
     cost = _sweep_cost(comm, cfg["algorithm"], base)
     configs = _configurations(cfg, name, base, comm, cost)
@@ -471,23 +469,18 @@ def _configurations(cfg: dict, name: str, base, comm, cost) -> list[dict]:
         ddp = ringtrain.DistributedDataParallel(model, comm=comm, schedule=sched, algorithm=cfg["algorithm"],
                                                 timeline=timeline or None, timeline_iterations=TIMELINE_STEPS,
                                                 cost=cost)
-        configs.append({"impl": "ringtrain", "schedule": sched, "model": model, "wrapped": ddp,
-                        "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+        configs.append(_config("ringtrain", sched, model, ddp))
     alone = copy.deepcopy(base)
-    configs.append({"impl": "alone", "schedule": "no communication", "model": alone, "wrapped": alone,
-                    "opt": torch.optim.SGD(alone.parameters(), lr=0.01, momentum=0.9)})
+    configs.append(_config("alone", "no communication", alone, alone))
     if cfg["torch_ddp"]:
         model = copy.deepcopy(base)
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        configs.append({"impl": "torch-ddp", "schedule": "torch defaults (25 MiB)", "model": model,
-                        "wrapped": wrapped, "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+        configs.append(_config("torch-ddp", "torch defaults (25 MiB)", model,
+                               torch.nn.parallel.DistributedDataParallel(model)))
         # torch's DDP again, its collectives ringtrain's (the group runs them on comm between the
         # other configurations' steps, which leave it idle).
         model, group = copy.deepcopy(base), ringtrain.TorchProcessGroup(comm, algorithm=cfg["algorithm"])
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
-        configs.append({"impl": TORCH_DDP_RINGTRAIN, "schedule": "torch defaults (25 MiB)", "model": model,
-                        "wrapped": wrapped, "group": group,
-                        "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+        configs.append(_config(TORCH_DDP_RINGTRAIN, "torch defaults (25 MiB)", model,
+                               torch.nn.parallel.DistributedDataParallel(model, process_group=group), group=group))
     if cfg.get("compression"):
         configs += _compressed_configurations(cfg["compression"], base, comm, cost, cfg["algorithm"], cfg["torch_ddp"])
     return configs
@@ -504,17 +497,29 @@ def _compressed_configurations(compression: str, base, comm, cost, algorithm: st
 
     model = copy.deepcopy(base)
     ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost, compression=compression)
-    configs = [{"impl": COMPRESSED, "schedule": f"optimal+{compression}", "model": model, "wrapped": ddp,
-                "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)}]
+    configs = [_config(COMPRESSED, f"optimal+{compression}", model, ddp)]
     if not torch_ddp:
         return configs
     model = copy.deepcopy(base)
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook if compression == "fp16" else bf16_hook)
-    configs.append({"impl": "torch-ddp-compressed", "schedule": f"torch defaults + {compression}_compress_hook",
-                    "model": model, "wrapped": wrapped,
-                    "opt": torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)})
+    configs.append(_config("torch-ddp-compressed", f"torch defaults + {compression}_compress_hook", model, wrapped))
     return configs
+
+
+def _config(impl: str, schedule: str, model, wrapped, **more) -> dict:
+    """One timed configuration: ``wrapped`` over ``model`` (its own copy of the base model), with
+    its own _sgd."""
+    return {"impl": impl, "schedule": schedule, "model": model, "wrapped": wrapped, "opt": _sgd(model.parameters()),
+            **more}
+
+
+def _sgd(params):
+    """The optimizer of every configuration and of the profile (the same settings, or their steps
+    would differ)."""
+    import torch
+
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
 def bf16_hook(state, bucket):
