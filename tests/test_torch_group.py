@@ -131,6 +131,30 @@ def test_collectives_run_in_call_order():
             assert torch.equal(t, sum(data(r, 9, j) for r in range(3)))
 
 
+def test_a_callback_may_wait_for_the_collective_it_issues():
+    """A future's callbacks run on the group's worker: one that issues a collective and waits for
+    it (PowerSGD's hook does) has it run there, after the calls queued before it, in call order
+    on every rank; wait_idle then says every call has ended."""
+    def fn(pg):
+        queued = data(pg.rank(), 4, 1)
+        second = data(pg.rank(), 4, 2)
+
+        def callback(fut):
+            dist.all_reduce(queued, group=pg, async_op=True)  # (issued before the callback's: runs first)
+            return dist.all_reduce(second, group=pg, async_op=True).get_future().wait()[0] * 10
+
+        first = data(pg.rank(), 4)
+        chained = dist.all_reduce(first, group=pg, async_op=True).get_future().then(callback)
+        value = chained.wait()
+        assert pg.wait_idle(5.0)
+        return first, queued, value
+
+    for first, queued, value in on_group(3, fn):
+        assert torch.equal(first, sum(data(r, 4) for r in range(3)))
+        assert torch.equal(queued, sum(data(r, 4, 1) for r in range(3)))
+        assert torch.equal(value, 10 * sum(data(r, 4, 2) for r in range(3)))
+
+
 def test_mismatch_surfaces_at_wait_and_in_the_future():
     """A ringtrain error in the worker reaches the caller: work.wait() raises it as it was; the
     future (what DDP and then() chains see) fails with a RuntimeError naming it; every later call

@@ -16,7 +16,9 @@ its *job* is what the communicator does for it, and the *work* is what the call 
 Invariants:
 - one worker thread per group runs the jobs one at a time, in the order of the calls, so the
   ranks' communicators see the same sequence of collectives (each call's arguments are checked
-  on the caller's thread, and a refused call queues nothing);
+  on the caller's thread, and a refused call queues nothing); a call made from a callback of a
+  future, which runs on that worker, runs at once, there, after the calls queued before it
+  (waited for in the callback, as PowerSGD's hook does, it would otherwise never run);
 - a job's error is kept, never swallowed: ``work.wait()`` raises it as it was (PeerLost,
   CommTimeout, MismatchError), ``work.get_future()`` completes with it as torch's futures carry
   errors (a RuntimeError naming it, "PeerLost: ..."), which is what DDP's backward raises;
@@ -83,11 +85,19 @@ class _Work(dist._Work):
 
 
 class _Worker:
-    """The thread that runs a group's jobs, one at a time, in the order they were submitted."""
+    """The thread that runs a group's jobs, one at a time, in the order they were submitted.
+
+    A job submitted on the worker thread itself runs at once, there, after the jobs queued
+    before it: only a callback of a finished job's future runs there (torch runs a future's
+    callbacks on the thread that completes it), and one that issues a collective and waits for
+    it (PowerSGD's hook does, in its ``then`` chain) would otherwise wait for the thread it
+    holds, for ever. The order of the jobs stays the order of the calls."""
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # (no job goes in after the end marker: it would never run)
+        self._idle = threading.Condition(self._lock)  # notified when `_pending` reaches 0
+        self._pending = 0  # jobs submitted whose futures are not completed yet
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -97,28 +107,58 @@ class _Worker:
             if self._stopped:
                 raise RuntimeError(closed)
             work = _Work(result, self._thread)
-            self._jobs.put((job, work))
+            self._pending += 1
+            if threading.current_thread() is not self._thread:
+                self._jobs.put((job, work))
+                return work
+        self._run_queued()  # (a call from a callback on this thread: see the class docstring)
+        self._run_one(job, work)
         return work
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until every job submitted so far has run and its future completed (callbacks
+        included); False if that takes over ``timeout`` seconds."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def stop(self, timeout: float) -> None:
         """Let the jobs already submitted finish (each is bounded), then end the thread."""
         with self._lock:
             self._stopped = True
             self._jobs.put(None)
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:  # (closed from a callback: it ends after it)
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, work = item
+            self._run_one(*item)
+            del item  # (the tensors are the caller's again)
+
+    def _run_queued(self) -> None:
+        """Run the jobs queued so far, here (on the worker thread, inside a callback)."""
+        while True:
             try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - kept for the caller's wait()
-                # (torch's futures carry an Exception; a job's SystemExit, say, goes as a RuntimeError)
-                work.raw.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-            else:
-                work.raw.set_result(work._result)
-            work.done.set()
-            del job, work, item  # (the tensors are the caller's again)
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # stopped meanwhile: the end marker stays last
+                self._jobs.put(None)
+                return
+            self._run_one(*item)
+
+    def _run_one(self, job: Callable[[], None], work: _Work) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 - kept for the caller's wait()
+            # (torch's futures carry an Exception; a job's SystemExit, say, goes as a RuntimeError)
+            work.raw.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+        else:
+            work.raw.set_result(work._result)
+        work.done.set()
+        with self._idle:
+            self._pending -= 1
+            if not self._pending:
+                self._idle.notify_all()
 
 
 class TorchProcessGroup(dist.ProcessGroup):
@@ -294,6 +334,13 @@ class TorchProcessGroup(dist.ProcessGroup):
             worker.stop(self.comm.timeout if timeout is None else timeout)
             if self._owns_comm:
                 self.comm.close()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until every call made so far has run and its future completed, callbacks included
+        (True), or ``timeout`` seconds (False). ringtrain's DistributedDataParallel waits so after
+        a comm hook, before its own thread uses the communicator again."""
+        worker = self._worker
+        return True if worker is None else worker.wait_idle(timeout)
 
     def shutdown(self) -> None:
         self.close()
