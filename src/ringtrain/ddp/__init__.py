@@ -15,7 +15,8 @@ Modules: ``wrapper`` (DistributedDataParallel: hooks, bucket memory, launch, wai
 (DDPOptions: the wrapper's settings), ``unused`` (find_unused_parameters' graph walk and used
 bitmap, the errors about missing or unexpected gradients), ``planning`` (the plan in force:
 profile, first plan, trial, re-plans), ``trial`` (the trial of candidate plans), ``join``
-(uneven inputs: the ranks that ran out shadow the others' collectives), ``buckets``
+(uneven inputs: the ranks that ran out shadow the others' collectives), ``comm_hook`` (torch's
+communication hooks, ``register_comm_hook``, and the bucket they get), ``buckets``
 (pure layout of gradients in flat buffers), ``comm_thread`` (the one thread that runs the
 collectives), ``calibration`` (allreduce sweep, backward profile, drift), ``timeline``
 (Chrome trace, PNG drawing, per-iteration stats), ``overhead`` (one-rank cost measurement).

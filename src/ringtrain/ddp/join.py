@@ -13,7 +13,8 @@ gradients. Words (those of :mod:`.wrapper` and :mod:`.planning`):
   ranks are active, and a joined rank what to shadow. When no rank is active, all have joined.
   The announcement names groups, not forwards: a forward that broadcasts nothing needs none,
   and two forwards before one backward (a siamese loss) announce one backward.
-- *shadowing a backward*: the used bitmap (zeros) and each bucket's allreduce (zeros), in the
+- *shadowing a backward*: the used bitmap (zeros) and each bucket's allreduce (zeros; or the
+  comm hook on a bucket of zeros, as torch's DDP runs it on a joined rank), in the
   order of the plan in force, then the planning's step for that iteration: the profile
   exchange, the trial's agreements and its new layouts come at the same iterations as on the
   active ranks, so the joined rank follows every plan change. It times nothing: it hands the
@@ -125,7 +126,7 @@ class Join:
             jobs.append(thread.submit("join: used parameters", partial(self.comm.allreduce, used, "max", "auto")))
         for k, spec in enumerate(ddp._specs):
             zeros = torch.zeros(spec.numel, dtype=spec.dtype)
-            jobs.append(thread.submit(f"join: bucket {k}", partial(self._shadow_bucket, zeros)))
+            jobs.append(thread.submit(f"join: {ddp._reduction_label(k)}", partial(self._shadow_bucket, spec, zeros)))
         settle_all(jobs, timeout)
         for job in jobs:  # (re-raises the first error)
             job.wait(timeout)
@@ -136,10 +137,12 @@ class Join:
         st.iteration += 1
         ddp._reset_iteration()  # (the buckets' counts of a new layout)
 
-    def _shadow_bucket(self, zeros: torch.Tensor) -> None:
-        """A bucket's allreduce as the active ranks run it (their divisor, read on the thread,
-        after the announcement before it set it)."""
-        self.ddp._allreduce_bucket(zeros, self.divisor)
+    def _shadow_bucket(self, spec, zeros: torch.Tensor) -> None:
+        """A bucket's reduction as the active ranks run it: the allreduce with their divisor
+        (read on the thread, after the announcement before it set it), or the comm hook on the
+        zeros (it divides by its group's size: join() refuses a hook with a divisor per rank),
+        as torch's DDP runs the hook on a joined rank."""
+        self.ddp._reduction(spec, zeros, self.divisor)()
 
     # --- both --------------------------------------------------------------------------------------
 

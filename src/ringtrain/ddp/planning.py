@@ -12,7 +12,8 @@ callables and calls :meth:`Planning.after_iteration` once per synchronizing back
    ``ringtrain.plan.merge`` with the chosen schedule, and the buckets are laid out again. Every
    ``replan_interval`` iterations the profile is exchanged again and the plan re-made if the
    ready curve drifted by more than ``drift_threshold`` of the backward time (or the order
-   changed). Plans are logged on the ``ringtrain.ddp`` logger (INFO on rank 0).
+   changed); not with a comm hook (``replans``: a hook's state by bucket index must stay valid).
+   Plans are logged on the ``ringtrain.ddp`` logger (INFO on rank 0).
 2. *Trial* (``schedule="optimal"``, ``verify_iterations`` > 0; :mod:`.trial` has its words and
    steps): after the first plan, the wrapper measures what the model cannot know. Probe plans
    and one allreduce after backward give the *interference* (backward time lost per overlapped
@@ -71,7 +72,8 @@ class Planning:
     """
 
     __slots__ = ("options", "sizes", "cost", "comm", "recorder", "interference", "profile_rows", "plan_times",
-                 "trial", "kept", "record", "_run", "_install", "_in_force", "_layout", "_use", "_log", "__weakref__")
+                 "trial", "kept", "record", "replans", "_run", "_install", "_in_force", "_layout", "_use", "_log",
+                 "__weakref__")
 
     def __init__(self, options: DDPOptions, sizes: np.ndarray, cost: planner.CostFn, comm,
                  recorder: Optional[TraceRecorder], *, run: Callable, install: Callable, in_force: Callable,
@@ -84,6 +86,9 @@ class Planning:
         self.trial: Optional[PlanTrial] = None  # under way: the trial of plans (verify_iterations)
         self.kept = "plan"  # the trial's candidate in force (trial.CANDIDATES)
         self.record: list[dict] = []  # what the trial measured (the wrapper's ``trial`` property)
+        # False: no re-plan after the first plan and its trial (a comm hook may keep state by
+        # bucket index, as PowerSGD does, which a new layout would make wrong).
+        self.replans = True
         self.interference = options.interference or planner.NO_INTERFERENCE
 
     @property
@@ -121,7 +126,8 @@ class Planning:
                 self._start_trial()
         elif self.trial is not None:
             self._verify_step(last)
-        elif opts.replan_interval and it > planned_at and (it - planned_at) % opts.replan_interval == 0:
+        elif (self.replans and opts.replan_interval and it > planned_at
+              and (it - planned_at) % opts.replan_interval == 0):
             self._replan(False, stamps, it)
 
     def _start_trial(self) -> None:

@@ -19,7 +19,8 @@ How one synchronizing iteration goes (words of :mod:`.buckets`, :mod:`.calibrati
    other strides keeps its own tensor and is copied back, as every one is by default), and,
    once a bucket's last slot is filled and every earlier bucket has been launched, *launches*
    it: queues its allreduce (op ``mean``) on the wrapper's one communication thread. Buckets launch in plan order on every rank, whatever
-   order the hooks fire in, so the collectives match across ranks.
+   order the hooks fire in, so the collectives match across ranks. With a comm hook
+   (``register_comm_hook``, :mod:`.comm_hook`) the hook reduces the bucket there instead.
 3. The end of backward is the hook of the last expected gradient (a public mechanism, unlike
    autograd's internal ``queue_callback``): it waits for every launched allreduce (with a
    deadline) and copies each bucket's mean back into the ``.grad`` tensors that are not views of
@@ -52,7 +53,8 @@ batches shadows what is announced (:mod:`.join`).
 
 The wrapper owns the hooks, the buckets' memory and the iteration's state; :mod:`.options` its
 settings, :mod:`.unused` the ``find_unused_parameters`` analysis and the errors about missing or
-unexpected gradients, :mod:`.planning` the plan in force, :mod:`.join` the uneven inputs.
+unexpected gradients, :mod:`.planning` the plan in force, :mod:`.join` the uneven inputs,
+:mod:`.comm_hook` torch's communication hooks and the bucket they get.
 
 With one rank the mean is the gradient itself: hooks only stamp and count (for stats and for
 the unused-parameter check) and nothing is copied or sent.
@@ -82,6 +84,7 @@ from ..comm import Communicator
 from ..errors import CommError, check_keywords
 from . import buckets as bucketing
 from . import calibration
+from . import comm_hook
 from .comm_thread import CommThread, settle_all
 from .join import Join
 from .options import COMPRESSIONS, DDPOptions, take_torch_keywords
@@ -141,6 +144,9 @@ class DistributedDataParallel(nn.Module):
         self._join: Optional[Join] = None  # inside join(): the uneven-inputs block
         self._hooks: list = []
         self._closed = False
+        self._comm_hook: Optional[comm_hook.CommHook] = None  # register_comm_hook's
+        self._groups: list = []  # the process_group, once made (closed with the wrapper)
+        self._group_lock = threading.Lock()
         try:
             names = {id(p): n for n, p in module.named_parameters()}
             self._params = [p for p in module.parameters() if p.requires_grad]
@@ -198,7 +204,7 @@ class DistributedDataParallel(nn.Module):
                 h.remove()
             self._thread.close()
             raise
-        self._finalizer = weakref.finalize(self, _shutdown, self._thread, self._recorder, self._hooks)
+        self._finalizer = weakref.finalize(self, _shutdown, self._thread, self._recorder, self._hooks, self._groups)
 
     # --- public ------------------------------------------------------------------------------
 
@@ -269,6 +275,80 @@ class DistributedDataParallel(nn.Module):
     @property
     def timeline_path(self):
         return None if self._recorder is None else self._recorder.path
+
+    @property
+    def process_group(self):
+        """A ``ringtrain.TorchProcessGroup`` over this wrapper's communicator, made at the first
+        use and closed with the wrapper: the group for a comm hook's collectives
+        (``model.register_comm_hook(model.process_group, fp16_compress_hook)``,
+        ``PowerSGDState(process_group=model.process_group, ...)``), with no
+        ``torch.distributed.init_process_group``. It shares the communicator with the wrapper,
+        which waits for its calls to end after each hook: use it in hooks, or between backward
+        passes, not while one is in flight."""
+        with self._group_lock:
+            if not self._groups:
+                if self._closed:
+                    raise RuntimeError("ringtrain.DistributedDataParallel: this wrapper was closed, and its "
+                                       "process_group with it.")
+                from ..torch_group import TorchProcessGroup
+
+                self._groups.append(TorchProcessGroup(self.comm, algorithm=self.options.algorithm))
+            return self._groups[0]
+
+    def register_comm_hook(self, state: Any, hook) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> torch.futures.Future[Tensor]``
+        instead of the allreduce, as torch's DDP's method of that name does: the stock hooks of
+        ``torch.distributed.algorithms.ddp_comm_hooks`` (``fp16_compress_hook``,
+        ``powerSGD_hook``, ...) and the user's. ``bucket`` offers ``dist.GradBucket``'s methods
+        (:class:`.comm_hook.GradBucket`) over this rank's gradients, not divided by anything
+        (the stock hooks divide by their group's size); the future's value, the bucket reduced,
+        becomes the gradients. ``state`` is what the hook gets: the stock hooks send through
+        ``state`` (a ProcessGroup) or ``state.process_group``, None meaning torch.distributed's
+        default group, as with torch; :attr:`process_group` needs no ``init_process_group``.
+
+        The hook runs on the wrapper's communication thread, one bucket at a time
+        (:mod:`.comm_hook` says why). A hook that raises, or whose future fails, never
+        completes (the wrapper's deadline) or holds no tensor of the bucket's shape, is a
+        CommError naming it from ``backward()``, and the wrapper is then broken as after a
+        failed allreduce. Not called under ``no_sync()``, nor with one rank (nothing is
+        communicated, as without a hook). With a hook the buckets are not re-planned once the
+        first plan and its trial are over (``settled``), so that a hook's state kept by bucket
+        index (PowerSGD's) stays valid from then on; a PowerSGD state that starts before the
+        first plan is refused.
+
+        Refused, as by torch: a hook that is not callable (TypeError), a second hook. And here:
+        a hook registered after the first synchronizing backward (every rank must switch at the
+        same iteration, and the plan is measured with it), a hook with ``compression=`` (both
+        decide how a bucket crosses the network: ``compression="fp16"`` is
+        ``fp16_compress_hook``), a hook inside ``join(divide_by_initial_world_size=False)``
+        (the stock hooks divide by their group's size) (ValueError or RuntimeError, saying what
+        to do)."""
+        comm_hook.check_hook(hook)
+        st, opts = self._s, self.options
+        if self._comm_hook is not None:
+            raise RuntimeError(f"register_comm_hook can only be called once (this wrapper has "
+                               f"{self._comm_hook.name} already), as with torch's DDP")
+        if st.iteration or st.active:
+            raise RuntimeError("register_comm_hook: register the hook before the first synchronizing backward, on "
+                               "every rank (torch's DDP asks the same): the ranks must switch to it at the same "
+                               "iteration, and the plan of the buckets is measured with it. Register it right after "
+                               "wrapping the module.")
+        if opts.compression is not None:
+            raise ValueError(f"register_comm_hook: this wrapper was made with compression={opts.compression!r}, and "
+                             "a comm hook decides as well how each bucket crosses the network "
+                             f"(compression={opts.compression!r} does what torch's {opts.compression}_compress_hook "
+                             "does). Use one of them: wrap the module without compression= to register a hook.")
+        if self._join is not None and self._join.per_rank:
+            raise ValueError(_JOIN_PER_RANK)
+        group = comm_hook.hook_group(state, self.world_size, self.rank)
+        if self.world_size > 1:
+            trial = opts.schedule == "optimal" and opts.verify_iterations > 0
+            comm_hook.check_state_start(state, opts.warmup_iterations + opts.profile_iterations, trial)
+        # (another TorchProcessGroup over this communicator than process_group: waited for as well)
+        extra = [group] if getattr(group, "comm", None) is self.comm and group not in self._groups else []
+        self._comm_hook = comm_hook.CommHook(hook, state, self._groups, extra, self._timeout)
+        self._planning.replans = False  # (a hook's state by bucket index stays valid once settled)
+        self._log(f"comm hook {self._comm_hook.name} registered")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._closed:
@@ -381,6 +461,8 @@ class DistributedDataParallel(nn.Module):
             return
         if self._join is not None:
             raise RuntimeError("ringtrain.DistributedDataParallel.join: this wrapper is already inside join()")
+        if self._comm_hook is not None and not divide_by_initial_world_size:
+            raise ValueError(_JOIN_PER_RANK)
         self._join = Join(self, divide_by_initial_world_size, throw_on_early_termination)
         try:
             yield
@@ -563,10 +645,27 @@ class DistributedDataParallel(nn.Module):
         while st.launched < len(self._specs) and st.pending[st.launched] == 0:
             k = st.launched
             spec = self._specs[k]
-            job = self._thread.submit(f"allreduce bucket {k}", partial(self._allreduce_bucket, self._bufs[k]),
+            job = self._thread.submit(self._reduction_label(k), self._reduction(spec, self._bufs[k]),
                                       spec.numel * self._wire_dtype(spec.dtype).itemsize)
             st.jobs.append(job)
             st.launched += 1
+
+    def _reduction_label(self, k: int) -> str:
+        """The job's label of bucket ``k``'s reduction (and its span's name in the timeline)."""
+        return f"allreduce bucket {k}" if self._comm_hook is None else f"{self._comm_hook.name} bucket {k}"
+
+    def _reduction(self, spec: bucketing.BucketSpec, buf: torch.Tensor, divisor: Optional[int] = None):
+        """What reduces bucket ``spec``, held in ``buf``, on the communication thread: the
+        allreduce (``divisor``: see :meth:`_allreduce_bucket`), or the comm hook, whose bucket's
+        gradients are the parameters' slots where ``buf`` is the bucket's own buffer, and views
+        of ``buf`` laid out alike where it is not (a joined rank's zeros)."""
+        if self._comm_hook is None:
+            return partial(self._allreduce_bucket, buf, divisor)
+        params = [self._params[pid] for pid in spec.pids]
+        views = ([self._slots[pid] for pid in spec.pids] if buf is self._bufs[spec.index]
+                 else comm_hook.bucket_views(buf, spec.offsets, params))
+        bucket = comm_hook.GradBucket(spec.index, buf, views, params, spec.index == len(self._specs) - 1)
+        return partial(self._comm_hook.run, bucket, id(self._specs))
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``dtype`` crosses the network in (``compression``)."""
@@ -754,7 +853,7 @@ class DistributedDataParallel(nn.Module):
             rec.span(f"backward {self._names[pid]}", "backward", "compute", prev, t, iteration=it)
             prev = t
         for k, job in enumerate(st.jobs):
-            rec.span(f"allreduce bucket {k}", "allreduce", "communication", job.started, job.ended, iteration=it,
+            rec.span(job.label, "allreduce", "communication", job.started, job.ended, iteration=it,
                      bytes=job.nbytes, params=len(self._specs[k].pids))
         prev = t_last
         for what, a, b in copies:
@@ -875,6 +974,11 @@ class DistributedDataParallel(nn.Module):
         logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d: %s", self.rank, message)
 
 
+_JOIN_PER_RANK = ("ringtrain.DistributedDataParallel: a comm hook and join(divide_by_initial_world_size=False) do not "
+                  "go together: the stock hooks divide each bucket by their group's size, the initial world size, "
+                  "whatever join() asks. Use join() (divide_by_initial_world_size=True) with a hook.")
+
+
 class _State:
     """The wrapper's mutable run-time state (see the module docstring for the words)."""
 
@@ -912,9 +1016,10 @@ class _State:
         self.retired: list[torch.Tensor] = []
 
 
-def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list) -> None:
-    """Remove the hooks, write the trace file, stop the communication thread (``close``, or
-    the wrapper collected)."""
+def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list, groups: list) -> None:
+    """Remove the hooks, write the trace file, stop the communication thread, then close the
+    ``process_group`` (a comm hook on that thread may still use it) (``close``, or the wrapper
+    collected)."""
     for h in hooks:
         h.remove()
     hooks.clear()
@@ -922,7 +1027,11 @@ def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list
         if recorder is not None:
             recorder.flush()
     finally:
-        thread.close()
+        try:
+            thread.close()
+        finally:
+            for group in groups:
+                group.close()
 
 
 def _grad_hook(ddp: weakref.ref, pid: int, param: torch.Tensor) -> None:

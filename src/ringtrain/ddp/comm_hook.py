@@ -1,0 +1,273 @@
+"""Communication hooks: torch DDP's ``register_comm_hook`` on ringtrain's wrapper.
+
+A *hook* is ``hook(state, bucket) -> torch.futures.Future[Tensor]``, as torch's DDP takes it
+(``torch.distributed.algorithms.ddp_comm_hooks``: ``allreduce_hook``, ``fp16_compress_hook``,
+``bf16_compress_hook``, ``powerSGD_hook``, or one of the user's). Words:
+
+- *bucket*: the :class:`GradBucket` a hook gets for one of the wrapper's buckets: torch's
+  ``dist.GradBucket`` methods over its flat buffer, which holds this rank's gradients, not
+  divided by anything (torch's hooks divide by their group's size, as with torch's DDP).
+- *group*: the ProcessGroup the stock hooks send through, taken from ``state`` as they take it:
+  ``state`` itself, or ``state.process_group`` (PowerSGD's state); None is torch.distributed's
+  default group. The wrapper's ``process_group``, a ``ringtrain.TorchProcessGroup`` over its
+  own communicator, needs no ``torch.distributed.init_process_group``.
+- *result*: the value of the hook's future, the bucket reduced; written into the bucket's
+  buffer, unless it is that buffer (torch's hooks reduce it in place and return it).
+
+Why a hook runs the way it does:
+
+- on the wrapper's communication thread, in place of the bucket's allreduce, one bucket at a
+  time: the next bucket's hook starts once this one's future has completed and, where the group
+  is one over the wrapper's own communicator, once the group has run every call made so far.
+  So every rank issues the same collectives in the same order (PowerSGD issues some from its
+  future's callbacks, whose timing differs from rank to rank: two buckets in flight would
+  interleave them differently), and the communicator, which runs one call at a time, is never
+  used by the group and the wrapper's own collectives at once;
+- every wait has the wrapper's deadline: torch's ``Future.wait`` has none, so the thread waits
+  on an event that the future's done-callback sets, and a future that never completes is a
+  ``CommTimeout`` naming the hook;
+- a hook that raises, a future that fails and a result that does not fit the bucket are a
+  ``CommError`` naming the hook and the bucket, and the hook is not called again (the later
+  buckets of that backward are skipped): this rank may have issued fewer collectives than its
+  peers, and the next ones would pair with theirs. The wrapper is then broken, as after a
+  failed allreduce.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommError, CommTimeout
+
+
+class GradBucket:
+    """One bucket as a hook sees it: the methods of torch's ``dist.GradBucket``."""
+
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_last")
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: Sequence[torch.Tensor],
+                 parameters: Sequence[torch.Tensor], last: bool):
+        self._index = index
+        self._buffer = buffer
+        self._gradients = list(gradients)
+        self._parameters = list(parameters)
+        self._last = last
+
+    def index(self) -> int:
+        """The bucket's position in launch order (0: the first gradients of backward)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat (1-D) buffer of the bucket's gradients, or what ``set_buffer`` put instead."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's gradient, in the order of :meth:`parameters`: views of the buffer
+        (of the bucket's own buffer, whatever ``set_buffer`` did since, as torch's)."""
+        return list(self._gradients)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The bucket's parameters, in backward order."""
+        return list(self._parameters)
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket of the backward (PowerSGD counts iterations by it)."""
+        return self._last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace what :meth:`buffer` returns (``fp16_compress_wrapper`` puts a float16 copy)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"GradBucket.set_buffer takes a tensor, got {type(tensor).__name__}")
+        self._buffer = tensor
+
+    def __repr__(self) -> str:
+        return (f"GradBucket(index={self._index}, {self._buffer.numel()} {self._buffer.dtype} elements, "
+                f"{len(self._parameters)} parameters{', last' if self._last else ''})")
+
+
+def bucket_views(buffer: torch.Tensor, offsets: Sequence[int], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``buffer`` shaped as ``params``, at ``offsets`` (a joined rank's zero buckets)."""
+    return [buffer[off:off + p.numel()].view(p.shape) for off, p in zip(offsets, params)]
+
+
+def hook_name(hook: Callable) -> str:
+    """The hook's name for messages and the timeline (a partial's function's)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or type(hook).__name__
+
+
+def check_hook(hook: Any) -> None:
+    """torch's checks: a callable (TypeError), and where it is annotated, a bucket annotated as a
+    ``dist.GradBucket`` and a return annotated as a ``torch.futures.Future[torch.Tensor]``
+    (ValueError). torch looks the bucket up by the name ``bucket``; here it is the second
+    parameter, whatever its name."""
+    if not callable(hook):
+        raise TypeError(f"register_comm_hook: the communication hook must be callable, got {hook!r}")
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):  # (a builtin without a signature: nothing to check)
+        return
+    params = list(sig.parameters.values())
+    bucket = params[1].annotation if len(params) > 1 else inspect.Parameter.empty
+    if bucket not in (inspect.Parameter.empty, dist.GradBucket, GradBucket) and not _names(bucket, "GradBucket"):
+        raise ValueError(f"register_comm_hook: {hook_name(hook)}'s bucket annotation should be dist.GradBucket, "
+                         f"got {bucket!r}")
+    ret = sig.return_annotation
+    if ret not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor], torch.futures.Future) \
+            and not _names(ret, "Future"):
+        raise ValueError(f"register_comm_hook: {hook_name(hook)}'s return annotation should be "
+                         f"torch.futures.Future[torch.Tensor], got {ret!r}")
+
+
+def _names(annotation: Any, name: str) -> bool:
+    """A string annotation (``from __future__ import annotations``) naming ``name``."""
+    return isinstance(annotation, str) and name in annotation
+
+
+_NO_GROUP = object()
+
+
+def hook_group(state: Any, world_size: int, rank: int) -> Optional[dist.ProcessGroup]:
+    """The group the stock hooks send through for ``state`` (module docstring), checked to be
+    this wrapper's ranks; None where the state names none (a state of the user's own)."""
+    if isinstance(state, dist.ProcessGroup):
+        group = state
+    else:
+        group = None if state is None else getattr(state, "process_group", _NO_GROUP)
+        if group is _NO_GROUP or (group is not None and not isinstance(group, dist.ProcessGroup)):
+            return None
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            where = "state=None" if state is None else f"{type(state).__name__}(process_group=None)"
+            raise ValueError(
+                f"register_comm_hook: {where} means torch.distributed's default group (dist.group.WORLD), as with "
+                "torch's DDP, and torch.distributed is not initialized, so the hook would fail at the first backward. "
+                "Pass the wrapper's own group, which needs no init_process_group: "
+                "model.register_comm_hook(model.process_group, hook) (PowerSGD: "
+                "PowerSGDState(process_group=model.process_group, ...)), or call "
+                "torch.distributed.init_process_group first.")
+        group = dist.group.WORLD
+    if group.size() != world_size or group.rank() != rank:
+        raise ValueError(f"register_comm_hook: the hook's process group is rank {group.rank()} of {group.size()}, but "
+                         f"this wrapper is rank {rank} of {world_size}: the hook would reduce over other ranks than "
+                         "the wrapper's. Pass model.process_group (a group over the wrapper's communicator).")
+    return group
+
+
+def check_state_start(state: Any, planned_after: int, trial: bool) -> None:
+    """Refuse a PowerSGD state (one with ``start_powerSGD_iter`` that keeps error feedback or
+    warm-start vectors, by bucket index) that would start before the buckets are laid out by
+    their plan, after ``planned_after`` iterations: its state would be of buckets that no longer
+    exist (or hold other gradients in the same places). ``trial``: a trial of plans follows."""
+    start = getattr(state, "start_powerSGD_iter", None)
+    keeps = getattr(state, "use_error_feedback", False) or getattr(state, "warm_start", False)
+    if not isinstance(start, int) or not keeps or start >= planned_after:
+        return
+    after = (", and past the trial of plans that follows (schedule='optimal': model.settled turns True after it; "
+             "schedule='fixed' has none)") if trial else ""
+    raise ValueError(f"register_comm_hook: PowerSGD would keep state by bucket from iteration {start} "
+                     f"(start_powerSGD_iter), but the wrapper lays its buckets out by their plan after iteration "
+                     f"{planned_after - 1} (warmup_iterations + profile_iterations = {planned_after}): that state "
+                     f"would be of buckets that no longer exist. Give start_powerSGD_iter >= {planned_after}{after}.")
+
+
+class CommHook:
+    """A registered hook (module docstring): :meth:`run` reduces one bucket with it, on the
+    wrapper's communication thread. ``shared``: the ``ringtrain.TorchProcessGroup``s over the
+    wrapper's communicator, which each run waits for until they have run every call made so far:
+    the wrapper's list of its own ``process_group`` (empty until made; the hook may reach it
+    through a state of the user's own), and the state's group where it is another one over that
+    communicator. ``timeout``: the wrapper's deadline for each wait."""
+
+    __slots__ = ("hook", "state", "name", "own", "extra", "timeout", "failed", "layouts")
+
+    def __init__(self, hook: Callable, state: Any, own: list, extra: Sequence, timeout: float):
+        self.hook, self.state = hook, state
+        self.name = hook_name(hook)
+        self.own, self.extra = own, tuple(extra)
+        self.timeout = timeout
+        self.failed: Optional[BaseException] = None  # the error of the run that failed (none runs after it)
+        self.layouts: set[int] = set()  # ids of the bucket layouts the hook has reduced (for the failure's hint)
+
+    def run(self, bucket: GradBucket, layout: int = 0) -> None:
+        """Reduce ``bucket`` with the hook: call it, wait for its future, write the result into
+        the bucket's buffer. ``layout``: an id of the bucket layout in force (a new one after a
+        plan change), for the hint of a failure."""
+        index = bucket.index()
+        if self.failed is not None:
+            raise CommError(f"comm hook {self.name} was not called on bucket {index}: it failed on an earlier bucket "
+                            f"({type(self.failed).__name__}: {self.failed})")
+        target = bucket.buffer()
+        try:
+            try:
+                future = self.hook(self.state, bucket)
+                if not isinstance(future, torch._C.Future):
+                    raise TypeError(f"it returned {type(future).__name__}, not a torch.futures.Future (torch's hooks "
+                                    "return dist.all_reduce(..., async_op=True).get_future().then(...))")
+                value = self._wait(future, index)
+                write_result(value, target, index)
+            finally:
+                self._settle(index)
+        except BaseException as exc:
+            self.failed = exc
+            raise self._failure(exc, index, layout) from exc
+        self.layouts.add(layout)
+
+    def _wait(self, future: torch.futures.Future, index: int) -> Any:
+        """The future's value, once it completed (raises its error), within the deadline."""
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(self.timeout):
+            raise CommTimeout(f"its future for bucket {index} did not complete within {self.timeout:.1f} s")
+        return future.value()
+
+    def _settle(self, index: int) -> None:
+        """Until the groups over the wrapper's communicator have run every call made so far (a
+        hook may leave calls behind its future), within the deadline."""
+        for group in (*self.own, *self.extra):
+            if not group.wait_idle(self.timeout):
+                raise CommTimeout(f"the calls it made on {group!r} for bucket {index} did not end within "
+                                  f"{self.timeout:.1f} s")
+
+    def _failure(self, exc: BaseException, index: int, layout: int) -> CommError:
+        """The CommError a failed run raises: what failed, naming the hook and the bucket."""
+        where = f"comm hook {self.name} on bucket {index}"
+        if isinstance(exc, CommTimeout):
+            return CommTimeout(f"{where}: {exc}")
+        hint = ""
+        if self.layouts and layout not in self.layouts:
+            hint = (" The buckets were laid out anew since the hook last ran (the plan changed: see model.settled): "
+                    "a hook that keeps state by bucket index, as PowerSGD does, must start it once the layout has "
+                    "settled (PowerSGDState's start_powerSGD_iter after it; with a hook the wrapper does not re-plan "
+                    "after settling).")
+        error = type(exc) if isinstance(exc, CommError) else CommError
+        return error(f"{where} failed: {type(exc).__name__}: {exc}.{hint}")
+
+
+def write_result(value: Any, target: torch.Tensor, index: int) -> None:
+    """Write the future's ``value`` into the bucket's buffer ``target`` (nothing to do where it
+    is that buffer). It must have the buffer's shape; another floating dtype is cast, as torch's
+    DDP casts it (``fp16_compress_wrapper`` returns a float16 buffer). A list of one tensor (the
+    value of a work's own future) counts as that tensor."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"its future's value is {type(value).__name__}, not a tensor: it must be the bucket's buffer "
+                        "reduced (torch's hooks return bucket.buffer())")
+    fits = value.dtype == target.dtype or (value.is_floating_point() and target.is_floating_point())
+    if tuple(value.shape) != tuple(target.shape) or not fits:
+        raise ValueError(f"its future's value is a {value.dtype} tensor of shape {tuple(value.shape)}, but bucket "
+                         f"{index} is a buffer of shape {tuple(target.shape)}, {target.dtype}: the value must be the "
+                         "bucket's buffer reduced (a tensor of the buffer's shape, and its dtype or another floating "
+                         "one)")
+    if value.dtype == target.dtype and value.data_ptr() == target.data_ptr() and value.stride() == target.stride():
+        return  # the hook reduced the buffer in place and returned it
+    with torch.no_grad():
+        target.copy_(value)

@@ -1,0 +1,517 @@
+"""DistributedDataParallel.register_comm_hook: torch DDP's communication hooks on ringtrain's wrapper.
+
+Against torch's own DDP with the same hook over gloo, in the same processes on the same data:
+the stock hooks (allreduce, fp16, bf16) under several schedules, PowerSGD (and torch's DDP over
+ringtrain's process group with it), and join(). Then, over threads: what a hook is called with
+and when, the timeline, one rank, and the refusals and failures (each names the hook; none
+hangs). The harnesses kill every rank or thread at their deadline.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+from mp_harness import free_port, run_ranks
+from test_ddp_support import make_model, rank_batch, train
+from thread_harness import raise_first, run_comms
+from ringtrain.ddp import DistributedDataParallel
+from ringtrain.errors import CommError, CommTimeout
+
+pytestmark = pytest.mark.timeout(120)
+# Given alpha and beta: no calibration sweep. The first plan after one iteration, a trial of one
+# iteration per phase (schedule="optimal"), and small fixed buckets: several per backward.
+FAST = dict(alpha=1e-7, beta=1e-10, warmup_iterations=0, profile_iterations=1, verify_iterations=1,
+            bucket_cap_mb=0.004)
+STEPS = 6
+
+
+_SEEDING = threading.Lock()
+
+
+def _mlp():
+    """The test model: its seeding and drawing under a lock, as the ranks of the thread tests
+    share torch's global generator."""
+    with _SEEDING:
+        return make_model("mlp")
+
+
+def bf16_compress(state, bucket):
+    """torch's bf16_compress_hook itself, under another name: torch's DDP refuses the hook by its
+    name off CUDA with NCCL (ringtrain's wrapper does not)."""
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def _batches(world_size, rank):
+    return lambda step: rank_batch("mlp", step, world_size, rank)
+
+
+def _init(rank, world_size, port, gloo_port):
+    """ringtrain's communicator and torch's default group (gloo), in one rank's process."""
+    import ringtrain
+
+    torch.set_num_threads(1)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=20.0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
+    return comm
+
+
+def _torch_ddp(hook, state=None, group=None):
+    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
+    ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def _saved(out) -> bytes:
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def _loaded(results) -> list:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")
+    return [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+
+
+def _same_on_every_rank(results) -> None:
+    for key in results[0]:
+        for rank, res in enumerate(results):
+            for i, (a, b) in enumerate(zip(res[key], results[0][key])):
+                assert torch.equal(a, b), f"{key}: parameter {i} differs between rank 0 and rank {rank}"
+
+
+# --- the stock hooks against torch's DDP -------------------------------------------------------
+
+HOOKS = {"allreduce_hook": default_hooks.allreduce_hook, "fp16_compress_hook": default_hooks.fp16_compress_hook,
+         "bf16_compress_hook": default_hooks.bf16_compress_hook}
+THEIRS = {"allreduce_hook": default_hooks.allreduce_hook, "fp16_compress_hook": default_hooks.fp16_compress_hook,
+          "bf16_compress_hook": bf16_compress}
+SCHEDULES = ("fixed", "wfbp", "optimal")
+
+
+def _stock_hooks(rank, world_size, port, gloo_port):
+    comm = _init(rank, world_size, port, gloo_port)
+    batches = _batches(world_size, rank)
+    out = {}
+    try:
+        for name in HOOKS:
+            out[name, "torch"] = train(_torch_ddp(THEIRS[name]), batches, STEPS)
+            for schedule in SCHEDULES:
+                ddp = DistributedDataParallel(_mlp(), comm, schedule=schedule, **FAST)
+                ddp.register_comm_hook(ddp.process_group, HOOKS[name])
+                out[name, schedule] = train(ddp, batches, STEPS)
+                assert len(ddp.buckets) > 1 or schedule == "optimal", (schedule, ddp.buckets)
+                ddp.close()
+    finally:
+        dist.destroy_process_group()
+        comm.close()
+    return _saved(out)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stock_hooks_give_torch_ddps_parameters(world_size):
+    results = _loaded(run_ranks(_stock_hooks, world_size, free_port(), timeout=110.0))
+    _same_on_every_rank(results)
+    for name in HOOKS:
+        theirs = results[0][name, "torch"]
+        for schedule in SCHEDULES:
+            ours = results[0][name, schedule]
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                if world_size == 2:
+                    # The hook's steps are torch's, and the sum of two values (in float32, or one
+                    # half-precision rounding of it) is the same in any order: the same bits.
+                    assert torch.equal(a, b), (name, schedule, i, (a - b).abs().max())
+                else:
+                    # Three values: gloo and ringtrain add them in other orders ((a+b)+c against
+                    # a+(b+c)): float32 sums differ in their last bit, half-precision ones by one
+                    # rounding of a gradient (2^-11 relative for fp16, 2^-8 for bf16), which moves a
+                    # parameter by up to lr times that each step.
+                    tol = {"allreduce_hook": 1e-6, "fp16_compress_hook": 2e-3, "bf16_compress_hook": 2e-2}[name]
+                    torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{name} {schedule} parameter {i}")
+    for name in ("fp16_compress_hook", "bf16_compress_hook"):  # (the hook did run: it rounded)
+        ours, uncompressed = results[0][name, "fixed"], results[0]["allreduce_hook", "fixed"]
+        assert any(not torch.equal(a, b) for a, b in zip(ours, uncompressed)), name
+
+
+# --- PowerSGD ------------------------------------------------------------------------------------
+
+def _power_sgd_state(group):
+    return PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
+
+
+def _power_sgd(rank, world_size, port, gloo_port):
+    import ringtrain
+
+    comm = _init(rank, world_size, port, gloo_port)
+    batches = _batches(world_size, rank)
+    out = {}
+    try:
+        # schedule="fixed" at torch's bucket size, planned after one iteration: the buckets of
+        # torch's DDP, which rebuilds its buckets after the first iteration in the order the
+        # gradients came (this model's fit in one bucket). PowerSGD compresses each tensor of a
+        # bucket with random vectors drawn for the bucket: the same buckets, the same draws.
+        ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **{**FAST, "bucket_cap_mb": 25})
+        ddp.register_comm_hook(_power_sgd_state(ddp.process_group), powerSGD_hook)
+        out["ours"] = train(ddp, batches, 8)
+        ddp.close()
+        ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **{**FAST, "bucket_cap_mb": 25})
+        ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)
+        out["uncompressed"] = train(ddp, batches, 8)
+        ddp.close()
+        out["torch"] = train(_torch_ddp(powerSGD_hook, _power_sgd_state(None)), batches, 8)
+        # torch's DDP over ringtrain's group: PowerSGD's callbacks issue collectives from the
+        # group's worker thread and wait for them there.
+        pg = ringtrain.TorchProcessGroup(comm)
+        out["torch over ringtrain"] = train(_torch_ddp(powerSGD_hook, _power_sgd_state(pg), pg), batches, 8)
+        pg.close()
+    finally:
+        dist.destroy_process_group()
+        comm.close()
+    return _saved(out)
+
+
+@pytest.mark.multiprocess
+def test_power_sgd_gives_torch_ddps_parameters():
+    results = _loaded(run_ranks(_power_sgd, 2, free_port(), timeout=110.0))
+    _same_on_every_rank(results)
+    ours = results[0]["ours"]
+    for other in ("torch", "torch over ringtrain"):
+        for i, (a, b) in enumerate(zip(ours, results[0][other])):
+            assert torch.equal(a, b), (other, i, (a - b).abs().max())  # (2 ranks: sums in any order, the same bits)
+    # ... and PowerSGD did compress (rank-1 approximations of the weights' gradients from step 2 on).
+    assert any(not torch.equal(a, b) for a, b in zip(ours, results[0]["uncompressed"]))
+
+
+# --- join() --------------------------------------------------------------------------------------
+
+COUNTS = [7, 3]  # batches per rank: rank 1 joins after 3 iterations, during the first plan
+
+
+def _join_with_hook(rank, world_size, port, gloo_port):
+    comm = _init(rank, world_size, port, gloo_port)
+    out = {}
+
+    def run(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        with ddp.join():
+            for step in range(COUNTS[rank]):
+                x, y = rank_batch("mlp", step, world_size, rank)
+                opt.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+                opt.step()
+        return [p.detach().clone() for p in ddp.parameters()]
+
+    try:
+        out["torch"] = run(_torch_ddp(default_hooks.fp16_compress_hook))
+        for schedule in ("fixed", "optimal"):
+            ddp = DistributedDataParallel(_mlp(), comm, schedule=schedule, **FAST)
+            ddp.register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
+            out[schedule] = run(ddp)
+            ddp.close()
+    finally:
+        dist.destroy_process_group()
+        comm.close()
+    return _saved(out)
+
+
+@pytest.mark.multiprocess
+def test_join_runs_the_hook_on_zeros_as_torch_ddp():
+    """The joined rank runs the hook on buckets of zeros, as torch's DDP does."""
+    results = _loaded(run_ranks(_join_with_hook, 2, free_port(), timeout=110.0))
+    _same_on_every_rank(results)
+    for schedule in ("fixed", "optimal"):
+        for i, (a, b) in enumerate(zip(results[0][schedule], results[0]["torch"])):
+            assert torch.equal(a, b), (schedule, i, (a - b).abs().max())
+
+
+# --- what a hook gets, and when (threads) --------------------------------------------------------
+
+class Recorder:
+    """A user's hook: doubles the bucket, sums it over the group, divides by twice the group's
+    size (the mean, exactly: scaling by 2 and 4 is exact); records each call."""
+
+    def __init__(self, group):
+        self.group = group
+        self.calls: list[tuple] = []
+        self.threads: set[str] = set()
+
+    def __call__(self, state, bucket):
+        assert state is self
+        self.calls.append((bucket.index(), bucket.is_last(), [id(p) for p in bucket.parameters()],
+                           [g.shape for g in bucket.gradients()], bucket.buffer().numel()))
+        self.threads.add(threading.current_thread().name)
+        buf = bucket.buffer().mul_(2)
+        size = self.group.size()
+        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(2 * size))
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_users_hook_is_called_once_per_bucket_and_not_under_no_sync(as_view, tmp_path):
+    def body(comm):
+        torch.manual_seed(0)
+        plain = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
+        want = train(plain, _batches(2, comm.rank), 4)
+        plain.close()
+        ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", gradient_as_bucket_view=as_view,
+                                      timeline=tmp_path / "trace.json", timeline_iterations=2, **FAST)
+        hook = Recorder(ddp.process_group)
+        ddp.register_comm_hook(hook, hook)
+        per_iteration = []
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)  # (train's settings)
+        for step in range(4):
+            x, y = rank_batch("mlp", step, 2, comm.rank)
+            opt.zero_grad()
+            if step == 2:  # accumulate a local gradient first: no hook call
+                with ddp.no_sync():
+                    F.mse_loss(ddp(x), y).backward()
+                assert len(hook.calls) == sum(per_iteration)
+                opt.zero_grad()
+            before, specs = len(hook.calls), ddp.buckets  # (the layout in force: a new plan comes after backward)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            per_iteration.append(len(hook.calls) - before)
+            assert per_iteration[-1] == len(specs)
+            for (index, last, params, shapes, numel), spec in zip(hook.calls[before:], specs):
+                assert index == spec.index and last == (index == len(specs) - 1) and numel == spec.numel
+                assert params == [id(ddp._params[pid]) for pid in spec.pids]
+                assert shapes == [ddp._params[pid].shape for pid in spec.pids]
+        got = [p.detach().clone() for p in ddp.parameters()]
+        path = ddp.timeline_path
+        ddp.close()
+        return want, got, per_iteration, hook.threads, path, [len(s.pids) for s in specs]
+
+    for rank, (want, got, per_iteration, threads, path, sizes) in enumerate(raise_first(run_comms(2, body))):
+        assert per_iteration[0] == 1 and all(n > 1 for n in per_iteration[1:]), per_iteration
+        assert threads == {f"ringtrain-ddp-comm-{rank}"}  # the wrapper's communication thread
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)  # the mean, as the wrapper's own allreduce gives it
+        import json
+
+        spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X" and e["cat"] == "allreduce"]
+        names = {e["name"] for e in spans}
+        assert names == {f"Recorder bucket {k}" for k in range(len(sizes))}, names
+
+
+def test_unused_parameters_contribute_zeros_to_the_hook():
+    """find_unused_parameters: the parameter the forward leaves out is in a bucket as zeros; its
+    .grad stays None (no rank has one), as without a hook."""
+    def body(comm):
+        out = []
+        for hooked in (False, True):
+            with _SEEDING:
+                module = make_model("unused")
+            ddp = DistributedDataParallel(module, comm, schedule="fixed", find_unused_parameters=True, **FAST)
+            if hooked:
+                ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)
+            for step in range(3):
+                x, y = rank_batch("unused", step, 2, comm.rank)
+                ddp.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+            out.append([p.grad for p in module.parameters()])
+            ddp.close()
+        return out
+
+    for plain, hooked in raise_first(run_comms(2, body)):
+        assert [g is None for g in hooked] == [False, False, True, True]
+        assert all(torch.equal(a, b) for a, b in zip(plain[:2], hooked[:2]))
+
+
+def test_one_rank_calls_no_hook():
+    """One rank communicates nothing, with or without a hook (as the wrapper without one)."""
+    def body(comm):
+        ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
+        hook = Recorder(ddp.process_group)
+        ddp.register_comm_hook(hook, hook)
+        assert ddp.process_group.size() == 1
+        got = train(ddp, _batches(1, 0), 3)
+        ddp.close()
+        return got, hook.calls
+
+    got, calls = raise_first(run_comms(1, body))[0]
+    assert calls == []
+    want = train(_mlp(), _batches(1, 0), 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+def _two_ranks(body, timeout: float = 10.0):
+    return raise_first(run_comms(2, body, timeout=timeout))
+
+
+def test_refusals_at_registration():
+    assert not dist.is_initialized()  # (torch's default group: none in this process)
+
+    def body(comm):
+        ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
+        pg = ddp.process_group
+        with pytest.raises(TypeError, match="must be callable"):
+            ddp.register_comm_hook(pg, "fp16_compress_hook")
+
+        def annotated(state, b: int) -> torch.futures.Future[torch.Tensor]:
+            return default_hooks.allreduce_hook(state, b)
+
+        with pytest.raises(ValueError, match="annotated.*bucket annotation should be dist.GradBucket"):
+            ddp.register_comm_hook(pg, annotated)
+        with pytest.raises(ValueError, match=r"state=None means torch.distributed's default group.*model\.process_"):
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        early = PowerSGDState(process_group=pg, start_powerSGD_iter=2)
+        default = DistributedDataParallel(_mlp(), comm, alpha=1e-7, beta=1e-10)  # (planned after 3 iterations)
+        with pytest.raises(ValueError, match=r"start_powerSGD_iter >= 3, and past the trial of plans"):
+            default.register_comm_hook(early, powerSGD_hook)
+        default.close()
+        with pytest.raises(ValueError, match=r"PowerSGDState\(process_group=None\).*model.process_group"):
+            ddp.register_comm_hook(_power_sgd_state(None), powerSGD_hook)
+        import ringtrain
+
+        alone = ringtrain.TorchProcessGroup(ringtrain.Communicator(_local_transport(), timeout=5.0))
+        with pytest.raises(ValueError, match="rank 0 of 1, but this wrapper is rank"):
+            ddp.register_comm_hook(alone, default_hooks.allreduce_hook)
+        alone.close()
+        ddp.register_comm_hook(pg, default_hooks.allreduce_hook)
+        with pytest.raises(RuntimeError, match="only be called once"):
+            ddp.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+        with pytest.raises(ValueError, match="divide_by_initial_world_size=False"):
+            with ddp.join(divide_by_initial_world_size=False):
+                pass
+        ddp.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            dist.all_reduce(torch.ones(1), group=pg)
+
+        squeezed = DistributedDataParallel(_mlp(), comm, schedule="fixed", compression="fp16", **FAST)
+        with pytest.raises(ValueError, match="compression='fp16'.*fp16_compress_hook"):
+            squeezed.register_comm_hook(squeezed.process_group, default_hooks.fp16_compress_hook)
+        squeezed.close()
+
+        late = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
+        train(late, _batches(2, comm.rank), 1)
+        with pytest.raises(RuntimeError, match="before the first synchronizing backward"):
+            late.register_comm_hook(late.process_group, default_hooks.allreduce_hook)
+        late.close()
+        return True
+
+    assert _two_ranks(body) == [True, True]
+
+
+def _local_transport():
+    from ringtrain.transport.local import LocalHub
+
+    return LocalHub(1).transport(0)
+
+
+# --- failures: each a CommError naming the hook, from backward, on every rank --------------------
+
+def _step(ddp, rank, step=0):
+    x, y = rank_batch("mlp", step, 2, rank)
+    F.mse_loss(ddp(x), y).backward()
+
+
+def _failing(hook_for, steps: int = 3, timeout: float = 10.0):
+    """Train with ``hook_for(ddp)`` on 2 ranks; each rank's (step, error) where backward raised,
+    and the error of a forward after it."""
+    def body(comm):
+        ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
+        ddp.register_comm_hook(ddp.process_group, hook_for(ddp, comm.rank))
+        try:
+            for step in range(steps):
+                start = time.monotonic()
+                try:
+                    _step(ddp, comm.rank, step)
+                except CommError as exc:
+                    seconds = time.monotonic() - start
+                    with pytest.raises(CommError, match="previous backward pass's communication failed") as later:
+                        _step(ddp, comm.rank, step + 1)
+                    return step, exc, seconds, later.value
+            return None
+        finally:
+            ddp.close()
+            comm.close()  # (as a process that ends: the peers learn of it at once)
+
+    return _two_ranks(body, timeout)
+
+
+def test_a_hook_that_raises_on_every_rank():
+    def hook_for(ddp, rank):
+        def broken(state, bucket):
+            if bucket.index() == 1:
+                raise ValueError("no luck")
+            return default_hooks.allreduce_hook(state, bucket)
+        return broken
+
+    for step, error, _, later in _failing(hook_for):
+        assert step == 1  # (the first iteration has one bucket)
+        assert "comm hook test_a_hook_that_raises_on_every_rank.<locals>.hook_for.<locals>.broken on bucket 1 " \
+               "failed: ValueError: no luck" in str(error)
+        assert isinstance(error.__cause__, ValueError)
+        assert "no luck" in str(later)
+
+
+def test_a_hook_that_raises_on_one_rank_ends_the_others_backward_at_once():
+    def hook_for(ddp, rank):
+        def broken(state, bucket):
+            if rank == 1 and bucket.index() == 0 and bucket.is_last() is False:
+                raise ValueError("rank 1 only")
+            return default_hooks.allreduce_hook(state, bucket)
+        return broken
+
+    (step0, error0, seconds0, _), (step1, error1, _, _) = _failing(hook_for, timeout=30.0)
+    assert step1 == 1 and "failed: ValueError: rank 1 only" in str(error1)
+    # Rank 0's allreduce for bucket 0 waited for rank 1, whose communicator then closed: the
+    # failure reached rank 0's backward, naming its hook and what its collective met.
+    assert step0 == 1 and "comm hook" in str(error0) and "broken on bucket 0 failed" in str(error0)
+    assert "PeerLost" in str(error0) or "closed" in str(error0), error0
+    assert seconds0 < 15.0
+
+
+def test_a_future_with_the_wrong_shape_or_no_future():
+    def hook_for(ddp, rank):
+        def halves(state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer()[: bucket.buffer().numel() // 2])
+            return fut
+        return halves
+
+    for step, error, _, _ in _failing(hook_for):
+        assert step == 0
+        assert "comm hook" in str(error) and "halves on bucket 0 failed: ValueError: its future's value is a " \
+               "torch.float32 tensor of shape" in str(error) and "bucket's buffer reduced" in str(error)
+
+    def not_a_future(ddp, rank):
+        return lambda state, bucket: bucket.buffer()
+
+    for step, error, _, _ in _failing(not_a_future):
+        assert step == 0 and "it returned Tensor, not a torch.futures.Future" in str(error)
+
+
+def test_a_failed_future_reaches_backward():
+    def hook_for(ddp, rank):
+        def failing(state, bucket):
+            return default_hooks.allreduce_hook(state, bucket).then(lambda f: 1 / 0)
+        return failing
+
+    for step, error, _, _ in _failing(hook_for):
+        assert step == 0 and "failing on bucket 0 failed" in str(error) and "division by zero" in str(error)
+
+
+def test_a_future_that_never_completes_is_a_timeout_naming_the_hook():
+    def hook_for(ddp, rank):
+        def never(state, bucket):
+            return torch.futures.Future()
+        return never
+
+    # (the wrapper's deadline: the communicator's timeout, 0.5 s, plus 10 s)
+    for step, error, seconds, _ in _failing(hook_for, timeout=0.5):
+        assert step == 0 and isinstance(error, CommTimeout) and "never" in str(error), error
+        assert seconds < 20.0
