@@ -161,21 +161,20 @@ def hook_group(state: Any, world_size: int, rank: int) -> Optional[dist.ProcessG
     return group
 
 
-def check_state_start(state: Any, planned_after: int, trial: bool) -> None:
-    """Refuse a PowerSGD state (one with ``start_powerSGD_iter`` that keeps error feedback or
-    warm-start vectors, by bucket index) that would start before the buckets are laid out by
-    their plan, after ``planned_after`` iterations: its state would be of buckets that no longer
-    exist (or hold other gradients in the same places). ``trial``: a trial of plans follows."""
-    start = getattr(state, "start_powerSGD_iter", None)
-    keeps = getattr(state, "use_error_feedback", False) or getattr(state, "warm_start", False)
-    if not isinstance(start, int) or not keeps or start >= planned_after:
-        return
-    after = (", and past the trial of plans that follows (schedule='optimal': model.settled turns True after it; "
-             "schedule='fixed' has none)") if trial else ""
-    raise ValueError(f"register_comm_hook: PowerSGD would keep state by bucket from iteration {start} "
-                     f"(start_powerSGD_iter), but the wrapper lays its buckets out by their plan after iteration "
-                     f"{planned_after - 1} (warmup_iterations + profile_iterations = {planned_after}): that state "
-                     f"would be of buckets that no longer exist. Give start_powerSGD_iter >= {planned_after}{after}.")
+#: The attributes in which a hook's state keeps something per bucket index (PowerSGD's error
+#: feedback and warm-start vectors): emptied when the buckets are laid out anew.
+BUCKET_STATE = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def forget_buckets(state: Any) -> None:
+    """Empty what ``state`` keeps per bucket index (``BUCKET_STATE``): the buckets were laid out
+    anew, so index k now holds other gradients (or another number of them). PowerSGD then goes
+    on as if it compressed those buckets for the first time: fresh warm-start vectors, drawn from
+    its generator (alike on every rank), and the error feedback of the old buckets dropped."""
+    for name in BUCKET_STATE:
+        kept = getattr(state, name, None)
+        if isinstance(kept, dict):
+            kept.clear()
 
 
 class CommHook:
@@ -186,7 +185,7 @@ class CommHook:
     through a state of the user's own), and the state's group where it is another one over that
     communicator. ``timeout``: the wrapper's deadline for each wait."""
 
-    __slots__ = ("hook", "state", "name", "own", "extra", "timeout", "failed", "layouts")
+    __slots__ = ("hook", "state", "name", "own", "extra", "timeout", "failed", "layout")
 
     def __init__(self, hook: Callable, state: Any, own: list, extra: Sequence, timeout: float):
         self.hook, self.state = hook, state
@@ -194,13 +193,18 @@ class CommHook:
         self.own, self.extra = own, tuple(extra)
         self.timeout = timeout
         self.failed: Optional[BaseException] = None  # the error of the run that failed (none runs after it)
-        self.layouts: set[int] = set()  # ids of the bucket layouts the hook has reduced (for the failure's hint)
+        self.layout: Any = None  # the bucket layout the hook last reduced (held: compared by identity)
 
-    def run(self, bucket: GradBucket, layout: int = 0) -> None:
+    def run(self, bucket: GradBucket, layout: Any = None) -> None:
         """Reduce ``bucket`` with the hook: call it, wait for its future, write the result into
-        the bucket's buffer. ``layout``: an id of the bucket layout in force (a new one after a
-        plan change), for the hint of a failure."""
+        the bucket's buffer. ``layout``: the wrapper's bucket layout in force (its list of
+        specs); under another one than the hook last reduced, the state's buckets are forgotten
+        first (:func:`forget_buckets`; every rank changes layout at the same iteration)."""
         index = bucket.index()
+        if layout is not self.layout:
+            if self.layout is not None:
+                forget_buckets(self.state)
+            self.layout = layout
         if self.failed is not None:
             raise CommError(f"comm hook {self.name} was not called on bucket {index}: it failed on an earlier bucket "
                             f"({type(self.failed).__name__}: {self.failed})")
@@ -217,8 +221,7 @@ class CommHook:
                 self._settle(index)
         except BaseException as exc:
             self.failed = exc
-            raise self._failure(exc, index, layout) from exc
-        self.layouts.add(layout)
+            raise self._failure(exc, index) from exc
 
     def _wait(self, future: torch.futures.Future, index: int) -> Any:
         """The future's value, once it completed (raises its error), within the deadline."""
@@ -236,19 +239,13 @@ class CommHook:
                 raise CommTimeout(f"the calls it made on {group!r} for bucket {index} did not end within "
                                   f"{self.timeout:.1f} s")
 
-    def _failure(self, exc: BaseException, index: int, layout: int) -> CommError:
+    def _failure(self, exc: BaseException, index: int) -> CommError:
         """The CommError a failed run raises: what failed, naming the hook and the bucket."""
         where = f"comm hook {self.name} on bucket {index}"
         if isinstance(exc, CommTimeout):
             return CommTimeout(f"{where}: {exc}")
-        hint = ""
-        if self.layouts and layout not in self.layouts:
-            hint = (" The buckets were laid out anew since the hook last ran (the plan changed: see model.settled): "
-                    "a hook that keeps state by bucket index, as PowerSGD does, must start it once the layout has "
-                    "settled (PowerSGDState's start_powerSGD_iter after it; with a hook the wrapper does not re-plan "
-                    "after settling).")
         error = type(exc) if isinstance(exc, CommError) else CommError
-        return error(f"{where} failed: {type(exc).__name__}: {exc}.{hint}")
+        return error(f"{where} failed: {type(exc).__name__}: {exc}.")
 
 
 def write_result(value: Any, target: torch.Tensor, index: int) -> None:

@@ -311,10 +311,10 @@ class DistributedDataParallel(nn.Module):
         completes (the wrapper's deadline) or holds no tensor of the bucket's shape, is a
         CommError naming it from ``backward()``, and the wrapper is then broken as after a
         failed allreduce. Not called under ``no_sync()``, nor with one rank (nothing is
-        communicated, as without a hook). With a hook the buckets are not re-planned once the
-        first plan and its trial are over (``settled``), so that a hook's state kept by bucket
-        index (PowerSGD's) stays valid from then on; a PowerSGD state that starts before the
-        first plan is refused.
+        communicated, as without a hook). What a hook's state keeps by bucket index (PowerSGD's
+        error feedback and warm-start vectors, :data:`.comm_hook.BUCKET_STATE`) is emptied
+        whenever the buckets are laid out anew (the first plan, the trial's candidates), and
+        with a hook they are not re-planned once ``settled``, so from then on it stays.
 
         Refused, as by torch: a hook that is not callable (TypeError), a second hook. And here:
         a hook registered after the first synchronizing backward (every rank must switch at the
@@ -341,9 +341,6 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None and self._join.per_rank:
             raise ValueError(_JOIN_PER_RANK)
         group = comm_hook.hook_group(state, self.world_size, self.rank)
-        if self.world_size > 1:
-            trial = opts.schedule == "optimal" and opts.verify_iterations > 0
-            comm_hook.check_state_start(state, opts.warmup_iterations + opts.profile_iterations, trial)
         # (another TorchProcessGroup over this communicator than process_group: waited for as well)
         extra = [group] if getattr(group, "comm", None) is self.comm and group not in self._groups else []
         self._comm_hook = comm_hook.CommHook(hook, state, self._groups, extra, self._timeout)
@@ -665,7 +662,7 @@ class DistributedDataParallel(nn.Module):
         views = ([self._slots[pid] for pid in spec.pids] if buf is self._bufs[spec.index]
                  else comm_hook.bucket_views(buf, spec.offsets, params))
         bucket = comm_hook.GradBucket(spec.index, buf, views, params, spec.index == len(self._specs) - 1)
-        return partial(self._comm_hook.run, bucket, id(self._specs))
+        return partial(self._comm_hook.run, bucket, self._specs)
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``dtype`` crosses the network in (``compression``)."""
