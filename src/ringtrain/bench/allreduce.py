@@ -3,10 +3,12 @@
 For each world size the ranks run as separate processes (``bench.procs``). In one run and
 interleaved repeat by repeat, they time: torch.distributed's gloo ``all_reduce`` (the anchor),
 ringtrain's algorithms on each transport; then, in launches of their own: MPI_Allreduce through
-``mpirun`` when mpi4py and Open MPI are installed, and Horovod's ``hvd.allreduce_`` through
-``horovodrun --gloo`` when an interpreter imports ``horovod.torch`` (this one, or the one
---horovod-python names: Horovod 0.28.1 builds against this torch only patched, in a venv of its
-own, ``scripts/horovod/install.sh``). Per size: median time over repeats (each
+``mpirun`` when mpi4py and Open MPI are installed (not under --net: mpirun cannot start its
+ranks on the emulated hosts), and Horovod's ``hvd.allreduce_`` over gloo when an interpreter
+imports ``horovod.torch`` (this one, or the one --horovod-python names: Horovod 0.28.1 builds
+against this torch only patched, in a venv of its own, ``scripts/horovod/install.sh``). Horovod's
+workers are started as horovodrun's gloo launcher starts them, but by ``bench.horovod``, which
+can put each on its emulated host: under --net too. Per size: median time over repeats (each
 repeat's time is the slowest rank's), algbw = bytes / time and busbw = algbw · 2(p−1)/p
 (the nccl-tests convention). Every configuration's result is checked exactly once before it
 is timed: a wrong answer aborts the benchmark. Rank 0 sends each size's rows as soon as that
@@ -16,19 +18,19 @@ size is timed, so a run stopped early (Ctrl-C, a failed rank, --timeout) saves w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from .horovod import anchor_python
+from .horovod import launch as launch_horovod
 from .machine import plural
 from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, progress, run_ranks
 
@@ -98,7 +100,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-horovod", action="store_true", help="skip the Horovod anchor")
     p.add_argument("--horovod-python", default=None, metavar="PYTHON",
                    help="the interpreter that runs the Horovod anchor, one that imports horovod.torch (default: "
-                        "this one; scripts/horovod/install.sh builds Horovod into .venv-horovod/)")
+                        "this one; scripts/horovod/install.sh builds Horovod into .venv-horovod/); its workers are "
+                        "started without horovodrun, on the emulated hosts under --net")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--out", default="benchmarks", help="directory for the result file (default %(default)s; '' to skip saving)")
@@ -127,16 +130,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.net != "none":
         notes.append(f"Open MPI anchor skipped: under --net {args.net} mpirun would not start its ranks "
                      "on the emulated hosts")
-    horovod = None  # the interpreter that runs the Horovod anchor, None when it is skipped
-    if args.no_horovod:
-        notes.append("Horovod anchor skipped: --no-horovod")
-    elif args.net != "none":
-        notes.append(f"Horovod anchor skipped: under --net {args.net} horovodrun would not start its ranks "
-                     "on the emulated hosts")
-    elif why := horovod_missing(args.horovod_python or sys.executable):
-        notes.append(f"Horovod anchor skipped: {why}")
-    else:  # (absolute: horovodrun starts it through a shell of its own)
-        horovod = os.path.abspath(shutil.which(args.horovod_python or sys.executable))
+    # the interpreter that runs the Horovod anchor, None when it is skipped (and the note why)
+    horovod, note = anchor_python(args.no_horovod, args.horovod_python)
+    if note:
+        notes.append(note)
     cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
     rows: list[dict] = []
     stopped, failure = None, None  # why the run ended before its last world size, if it did
@@ -186,8 +183,7 @@ def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes:
             if note:
                 notes.append(note)
         if horovod:
-            horovod_rows, note = _launch_horovod(p, cfg, args.timeout, horovod)
-            rows += [dict(r, net=args.net) for r in horovod_rows]
+            note = _launch_horovod(p, cfg, args, horovod, rows)
             if note:
                 notes.append(note)
 
@@ -322,73 +318,16 @@ def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | No
     return [r for d in docs for r in d["rows"]], None
 
 
-def _end_session(proc: subprocess.Popen) -> None:
-    """Kill horovodrun's session; each rank's middleman then ends its rank (see _launch_horovod)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):  # (the middlemen hold its pipes until they end)
-        proc.communicate(timeout=30)
+def _launch_horovod(p: int, cfg: dict, args, python: str, rows: list[dict]) -> str | None:
+    """Horovod's rows for world size ``p`` into ``rows`` as its rank 0 sends them (in a launch of
+    its own under ``python``, on an emulated network like the other launches'); None, or the note
+    saying why it failed (``bench.horovod.launch``)."""
+    def arrived(doc: dict) -> None:
+        rows.extend([dict(r, net=args.net) for r in doc["rows"]])
 
-
-def horovod_missing(python: str) -> str | None:
-    """Why ``python`` cannot run the Horovod anchor (not found, or no ``horovod.torch`` to import),
-    None when it can. Another interpreter is asked in a child process (a few ms: torch is not
-    imported)."""
-    if python == sys.executable:
-        found = importlib.util.find_spec("horovod") is not None and importlib.util.find_spec("horovod.torch") is not None
-    else:
-        if shutil.which(python) is None:  # (a path, or a name on PATH)
-            return f"--horovod-python {python}: no such interpreter"
-        probe = ("import importlib.util as u, sys; "
-                 "sys.exit(u.find_spec('horovod') is None or u.find_spec('horovod.torch') is None)")
-        try:
-            found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
-        except subprocess.TimeoutExpired:
-            return f"--horovod-python {python}: did not answer within 60 s whether it imports horovod.torch"
-    if found:
-        return None
-    return (f"horovod.torch is not importable from {python} (scripts/horovod/install.sh builds Horovod into "
-            ".venv-horovod/; then --horovod-python .venv-horovod/bin/python)")
-
-
-def horovod_command(python: str, p: int, cfg: dict) -> list[str]:
-    """horovodrun (its module, from ``python``) starting ``p`` local ranks over gloo, each running
-    this module's Horovod worker under the same interpreter."""
-    return [python, "-m", "horovod.runner.launch", "-np", str(p), "-H", f"localhost:{p}", "--gloo",
-            python, "-m", "ringtrain.cli", "bench", "allreduce", "--horovod-worker", json.dumps(cfg)]
-
-
-def result_docs(stdout: str) -> list[dict]:
-    """The RESULT documents in a launcher's output. horovodrun heads each rank's lines with
-    '[0]<stdout>:', so the prefix is looked for anywhere in a line, not only at its start."""
-    return [json.loads(line.partition(RESULT_PREFIX)[2]) for line in stdout.splitlines() if RESULT_PREFIX in line]
-
-
-def _launch_horovod(p: int, cfg: dict, timeout: float, python: str) -> tuple[list[dict], str | None]:
-    """Horovod's rows for world size ``p`` (and None), or no rows and why. ``python`` imports this
-    copy of ringtrain through PYTHONPATH: its venv holds only torch, numpy and Horovod."""
-    import ringtrain
-
-    src = os.path.dirname(os.path.dirname(os.path.abspath(ringtrain.__file__)))
-    path = os.pathsep.join(x for x in (src, os.environ.get("PYTHONPATH")) if x)
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # A session of its own, killed whole on the deadline; each rank's middleman (horovodrun's
-    # safe_shell_exec, in a session of its own) then ends its rank: SIGTERM, SIGKILL 5 s later.
-    proc = subprocess.Popen(horovod_command(python, p, cfg), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _end_session(proc)
-        return [], f"Horovod anchor timed out after {timeout:.0f}s"
-    except BaseException:  # Ctrl-C (its session does not hear the terminal's) or any other way out
-        _end_session(proc)
-        raise
-    docs = result_docs(out)
-    if proc.returncode or not docs:
-        tail = (err.strip() or out.strip())[-300:]
-        return [], f"Horovod anchor failed (status {proc.returncode}): {tail}"
-    return [r for d in docs for r in d["rows"]], None
+    print(f"# world size {p}: the Horovod anchor", file=sys.stderr)
+    return launch_horovod(python, ["bench", "allreduce", "--horovod-worker", json.dumps(cfg)], p, rate=args.net,
+                          timeout=args.timeout, on_result=arrived)
 
 
 # --- the timed loop, shared by the ringtrain/gloo worker and the MPI and Horovod workers -----
@@ -496,6 +435,9 @@ def _mpi_worker(cfg: dict) -> int:
 
 
 def _horovod_worker(cfg: dict) -> int:
+    from ..lifecycle import die_with_parent
+
+    die_with_parent()
     import horovod
     import horovod.torch as hvd
     import torch
@@ -516,7 +458,7 @@ def _horovod_worker(cfg: dict) -> int:
         return float(hvd.allreduce(torch.tensor([x], dtype=torch.float64), op=hvd.Max, name="bench.slowest")[0])
 
     def done(nbytes: int, rows: list[dict]) -> None:
-        if rank == 0:  # (_launch_horovod reads every document when horovodrun has ended)
+        if rank == 0:
             emit({"rows": rows})
 
     _time_configs(configs, cfg["sizes"], cfg["repeats"], rank, p, hvd.barrier, slowest, done)

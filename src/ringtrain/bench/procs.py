@@ -1,7 +1,9 @@
 """Starting the ranks of a benchmark: N local processes, or one per emulated host.
 
 Each rank is ``python -m <module> <args>`` with torchrun's variables (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT) in its environment, so the worker is an ordinary ringtrain job.
+MASTER_ADDR, MASTER_PORT) in its environment, so the worker is an ordinary ringtrain job
+(``python`` is this interpreter unless the caller names another: Horovod's workers run under an
+interpreter of their own, with the variables of ``bench.horovod`` on top).
 Rank 0 prints its result as one JSON line prefixed by ``RESULT ``; the other ranks' output
 is kept for the error report. If any rank fails or the deadline passes, every rank is killed
 and the error names the rank and shows the tail of its output.
@@ -18,7 +20,7 @@ import sys
 import tempfile
 import time
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ..lifecycle import LAUNCHER_ENV
 
@@ -59,8 +61,13 @@ def run_ranks(
     net=None,
     extra_env: Optional[dict] = None,
     on_result: Optional[Callable[[dict], None]] = None,
+    python: Optional[str] = None,
+    rank_env: Optional[Callable[[int], Mapping[str, str]]] = None,
 ) -> list[dict]:
     """Run the job; return the list of RESULT documents printed by rank 0.
+
+    ``python`` runs the ranks (default: this interpreter); ``rank_env(rank)``, variables one rank
+    gets on top of the others (Horovod's rank, size and host, which no torchrun variable gives).
 
     ``on_result`` is also given each document as it comes, while the job runs: a caller that
     keeps them has what the job finished when it is then stopped (Ctrl-C, a failed rank, the
@@ -79,12 +86,13 @@ def run_ranks(
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
         env[LAUNCHER_ENV] = str(os.getpid())  # (a rank that finds this process gone ends: die_with_parent)
-        argv = [sys.executable, "-m", module, *args]
+        argv = [python or sys.executable, "-m", module, *args]
         echo = _Progress(logs[0], on_result)
         procs = []
         try:
             for rank in range(world_size):
                 renv = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+                renv.update(rank_env(rank) if rank_env is not None else {})
                 if net is not None:
                     renv["RINGTRAIN_HOST_ID"] = net.host_id(rank)
                     procs.append(net.popen(rank, argv, env=renv, stdout=logs[rank], stderr=subprocess.STDOUT))
