@@ -10,7 +10,9 @@ For each ``ringtrain bench train`` file it prints, in Markdown:
   the share of communication hidden, the simulator's error and the iteration over the overlap
   bound; bold: the fastest ringtrain schedule), then what the optimal schedule's trial timed;
 * for parameter-server rows: samples/s per strategy, 2 sharded servers against 1 (over the
-  whole run and round by round) and the simulator's error per synchronous row.
+  whole run and round by round) and the simulator's error per synchronous row;
+* for a run with the Horovod anchor: per model, Horovod / torch DDP as timed side by side in
+  Horovod's own launch, against optimal / torch DDP in the main launch.
 
 After the files, one line sums up the ring rows of them all: how often optimal is within 3% of
 the fastest schedule, how often below torch DDP and by how much, and the simulator's errors.
@@ -168,6 +170,26 @@ def group_lines(rows: list[dict]) -> list[str]:
     return out + [""] if out else out
 
 
+def horovod_lines(rows: list[dict]) -> list[str]:
+    """Per model with a Horovod row: Horovod and the torch DDP that took turns with it in their
+    launch, and optimal against the torch DDP of the main launch (each iteration / its DDP's)."""
+    out = []
+    for r in rows:
+        hvd_ddp = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "torch-ddp-horovod-launch"), None)
+        if r["impl"] != "horovod" or hvd_ddp is None:
+            continue
+        line = (f"- {r['model']}: Horovod {r['median_iter_s'] * 1e3:.0f} ms, torch DDP {hvd_ddp['median_iter_s'] * 1e3:.0f}"
+                f" ms in Horovod's launch (Horovod / DDP {r['median_iter_s'] / hvd_ddp['median_iter_s']:.2f})")
+        ddp = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "torch-ddp"), None)
+        opt = next((x for x in rows if x["model"] == r["model"] and x["impl"] == "ringtrain"
+                    and x["schedule"] == "optimal"), None)
+        if ddp and opt:
+            line += (f"; optimal {opt['median_iter_s'] * 1e3:.0f} ms, torch DDP {ddp['median_iter_s'] * 1e3:.0f} ms "
+                     f"in the main launch (optimal / DDP {opt['median_iter_s'] / ddp['median_iter_s']:.2f})")
+        out.append(line)
+    return out + [""] if out else out
+
+
 def allreduce_lines(doc: dict) -> list[str]:
     """Per (world size, size): gloo, Open MPI, Horovod (a column only in a run that timed it) and
     the fastest ringtrain configuration (busbw GB/s in brackets), and that one against gloo."""
@@ -215,7 +237,7 @@ def summarize(path: Path) -> tuple[list[str], dict]:
                 "|" + "---|" * (len(cols) + 1)]
         out += [f"| {m} | " + " | ".join(c.get(k, "") for k in cols) + " |" for m, c in table.items()]
         out.append("")
-    out += trial_lines(rows) + compression_lines(rows) + group_lines(rows) + ps_lines(rows)
+    out += trial_lines(rows) + compression_lines(rows) + group_lines(rows) + horovod_lines(rows) + ps_lines(rows)
     return out, ring_stats(rows)
 
 

@@ -14,7 +14,7 @@ from ringtrain.bench import train as bench_train
 ALLREDUCE = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K", "--algorithms", "ring",
              "--transports", "tcp", "--repeats", "1", "--no-mpi", "--no-horovod"]
 TRAIN = ["bench", "train", "--models", "mlp", "--schedules", "single", "--world-size", "2", "--steps", "1",
-         "--rounds", "1", "--no-torch-ddp"]
+         "--rounds", "1", "--no-torch-ddp", "--no-horovod"]
 ALONE_ROW = {"model": "mlp", "impl": "alone", "schedule": "no communication", "batch_size": 4,
              "median_iter_s": 0.1, "samples_per_s": 80.0, "world_size": 2, "net": "none"}
 
@@ -204,6 +204,7 @@ def test_shm_left_out_under_net_is_said(transports, timed, note, monkeypatch, ca
 def test_bench_train_says_shm_is_not_timed_under_net(no_ranks, capsys):
     assert cli.main(TRAIN + ["--transport", "shm", "--net", "1gbit", "--out", "", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["notes"] == [
+        "Horovod anchor skipped: --no-horovod",
         "--transport shm: under --net 1gbit each rank is a host of its own and shared memory cannot cross them; "
         "tcp timed instead"]
 

@@ -1,8 +1,9 @@
-"""The Horovod anchor of `ringtrain bench allreduce`: when it is skipped and what it says; the
-workers started without horovodrun (``bench.horovod``): the slot plan and variables horovodrun
-would give them, the launch with its failures, deadline and Ctrl-C (a stand-in interpreter plays
-Horovod's). Then real runs where .venv-horovod/bin/python (scripts/horovod/install.sh) or this
-interpreter imports horovod.torch, under --net 1gbit where this is root; skipped otherwise."""
+"""The Horovod anchor of `ringtrain bench allreduce` and `ringtrain bench train`: when it is
+skipped and what it says; the workers started without horovodrun (``bench.horovod``): the slot
+plan and variables horovodrun would give them, the launch with its failures, deadline and Ctrl-C
+(a stand-in interpreter plays Horovod's); the rows and the table of the train anchor. Then real
+runs where .venv-horovod/bin/python (scripts/horovod/install.sh) or this interpreter imports
+horovod.torch, under --net 1gbit where this is root; skipped otherwise."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 from ringtrain import cli
 from ringtrain.bench import allreduce as bench_allreduce
 from ringtrain.bench import horovod as bench_horovod
+from ringtrain.bench import train as bench_train
 from ringtrain.lifecycle import LAUNCHER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,6 +278,121 @@ def test_ctrl_c_during_the_launch_ends_the_ranks_and_the_helper(tmp_path):
     _assert_all_gone(os.getpid())
 
 
+# --- bench train's anchor, without Horovod ---------------------------------------------------
+
+
+def _train_row(impl, schedule, ms, **extra):
+    return {"model": "mlp", "impl": impl, "schedule": schedule, "median_iter_s": ms / 1e3, "iter_s": [ms / 1e3],
+            "samples_per_s": 64 / (ms / 1e3), "world_size": 2, "net": "1gbit", **extra}
+
+
+HOROVOD_ROWS = [_train_row("horovod", "hvd.DistributedOptimizer (Horovod 0.28.1 defaults)", 990, launch="horovod",
+                           horovod_over_ddp=0.99 / 0.9),
+                _train_row("torch-ddp-horovod-launch", "torch defaults (25 MiB)", 900, launch="horovod")]
+
+
+@pytest.fixture
+def train_launches(monkeypatch):
+    """The ring job answers one model's rows; the Horovod launch is recorded and answers its two."""
+    launched = []
+
+    def launch(module, module_args, nprocs, args, on_result=None):
+        on_result({"rows": [_train_row("ringtrain", "optimal", 800), _train_row("torch-ddp", "torch defaults", 920)]})
+        return []
+
+    def launch_horovod(python, module_args, p, *, rate, timeout, on_result):
+        launched.append((python, module_args[:3], json.loads(module_args[3]), p, rate))
+        on_result({"rows": [{k: v for k, v in r.items() if k not in ("net", "world_size")} for r in HOROVOD_ROWS]})
+        return None
+
+    monkeypatch.setattr(bench_train, "_launch", launch)
+    monkeypatch.setattr(bench_train, "launch_horovod", launch_horovod)
+    return launched
+
+
+TRAIN = ["bench", "train", "--models", "mlp", "--schedules", "optimal", "--world-size", "2", "--steps", "2",
+         "--rounds", "1", "--net", "1gbit", "--out", "", "--json"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra, note", [
+    (["--no-horovod"], "Horovod anchor skipped: --no-horovod"),
+    (["--horovod-python", "/nonexistent/python"],
+     "Horovod anchor skipped: --horovod-python /nonexistent/python: no such interpreter"),
+])
+def test_bench_train_says_why_it_skips_horovod(extra, note, train_launches, capsys):
+    assert cli.main(TRAIN + extra) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert note in doc["notes"] and train_launches == []
+    assert [r["impl"] for r in doc["rows"]] == ["ringtrain", "torch-ddp"]
+
+
+@pytest.mark.timeout(60)
+def test_bench_train_runs_horovods_launch_after_the_ring_job_on_the_same_settings(tmp_path, train_launches, capsys,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(bench_horovod, "horovod_missing", lambda python: None)
+    python = _stand_in(tmp_path, "exit 0")
+    assert cli.main(TRAIN + ["--horovod-python", python]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert train_launches == [(python, ["bench", "train", "--horovod-worker"],
+                               {"models": ["mlp"], "batch_size": 0, "steps": 2, "rounds": 1}, 2, "1gbit")]
+    assert [r["impl"] for r in doc["rows"]] == ["ringtrain", "torch-ddp", "horovod", "torch-ddp-horovod-launch"]
+    assert all(r["net"] == "1gbit" and r["world_size"] == 2 for r in doc["rows"])
+    assert not any(n.startswith("Horovod") for n in doc["notes"]), doc["notes"]
+
+
+def test_the_table_sets_each_launchs_rows_against_its_own_ddp():
+    rows = [_train_row("ringtrain", "optimal", 800), _train_row("torch-ddp", "torch defaults", 920)] + HOROVOD_ROWS
+    lines = bench_train.format_table(rows).splitlines()
+    hvd = next(line for line in lines if line.startswith("horovod "))
+    ddp = next(line for line in lines if line.startswith("torch-ddp (horovod launch) "))
+    assert "0.91x" in hvd.split() and "1.00x" in ddp.split()  # (900/990 against its own launch's DDP)
+    assert lines[-1] == "iteration / torch DDP beside it: optimal 0.87 (main launch), horovod 1.10 (its own launch)"
+    assert bench_train.horovod_line(rows[:2]) is None
+
+
+def test_the_summary_states_optimal_and_horovod_against_their_ddp():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_summary", ROOT / "scripts" / "bench_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    rows = [_train_row("ringtrain", "optimal", 800), _train_row("torch-ddp", "torch defaults", 920)] + HOROVOD_ROWS
+    assert summary.horovod_lines(rows) == [
+        "- mlp: Horovod 990 ms, torch DDP 900 ms in Horovod's launch (Horovod / DDP 1.10); optimal 800 ms, "
+        "torch DDP 920 ms in the main launch (optimal / DDP 0.87)", ""]
+    assert summary.horovod_lines(rows[:2]) == []
+
+
+@pytest.mark.timeout(60)
+def test_horovods_copies_are_checked_against_ddps():
+    import torch
+    import torch.distributed as dist
+
+    from ringtrain import models
+
+    base = models.build("mlp", seed=0)
+    ddp = models.build("mlp", seed=0)
+    with torch.no_grad():
+        for q in ddp.parameters():
+            q.add_(0.01)  # training moved DDP's copy
+    close = models.build("mlp", seed=0)
+    with torch.no_grad():
+        for q, d in zip(close.parameters(), ddp.parameters()):
+            q.copy_(d + 1e-7)  # rounding
+    summed = models.build("mlp", seed=0)
+    with torch.no_grad():
+        for q in summed.parameters():
+            q.add_(0.02)  # twice the step: a gradient summed instead of averaged
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        bench_train.check_horovod("mlp", base, close, ddp)
+        with pytest.raises(RuntimeError, match="Horovod's copy of mlp ended .* from torch DDP's after the same steps"):
+            bench_train.check_horovod("mlp", base, summed, ddp)
+    finally:
+        dist.destroy_process_group()
+
+
 # --- real runs -------------------------------------------------------------------------------
 
 
@@ -304,6 +421,24 @@ def test_bench_allreduce_times_horovod_on_the_emulated_network(capsys):
     assert all(r["median_s"] > 0 and r["busbw_GBps"] > 0 for r in horovod)
     # at 1 Gbit/s 1 MiB cannot go faster than the line allows (the tbf burst is 128 KiB)
     assert next(r for r in horovod if r["nbytes"] == 1 << 20)["busbw_GBps"] < 0.125
+    assert not any(n.startswith("Horovod") for n in doc["notes"]), doc["notes"]
+    _assert_all_gone(os.getpid())
+
+
+@pytest.mark.timeout(600)
+def test_bench_train_times_horovod_beside_torch_ddp_on_the_emulated_network(capsys):
+    python = _needs_horovod("1gbit")
+    assert cli.main(["bench", "train", "--net", "1gbit", "--models", "mlp", "--steps", "2", "--rounds", "1",
+                     "--schedules", "optimal", "--horovod-python", python, "--out", "", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert {"ringtrain", "torch-ddp", "horovod", "torch-ddp-horovod-launch"} <= set(rows), list(rows)
+    for impl in ("horovod", "torch-ddp-horovod-launch"):
+        r = rows[impl]
+        assert r["launch"] == "horovod" and r["net"] == "1gbit" and r["world_size"] == 2
+        assert len(r["iter_s"]) == 2 and r["median_iter_s"] > 0 and r["samples_per_s"] > 0
+    assert rows["horovod"]["horovod_over_ddp"] == pytest.approx(
+        rows["horovod"]["median_iter_s"] / rows["torch-ddp-horovod-launch"]["median_iter_s"])
     assert not any(n.startswith("Horovod") for n in doc["notes"]), doc["notes"]
     _assert_all_gone(os.getpid())
 

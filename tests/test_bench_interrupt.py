@@ -90,7 +90,8 @@ def test_ctrl_c_on_bench_train_keeps_the_models_it_finished(tmp_path):
     # A run cut short kept nothing: the ranks sent every model's rows at the end (on the lent
     # 16-core machine three runs, stopped at their deadlines in their last model, saved nothing).
     argv = ["bench", "train", "--models", "charlm,mlp", "--schedules", "single", "--world-size", "2",
-            "--batch-size", "4", "--steps", "40", "--rounds", "2", "--no-torch-ddp", "--out", str(tmp_path / "out")]
+            "--batch-size", "4", "--steps", "40", "--rounds", "2", "--no-torch-ddp", "--no-horovod",
+            "--out", str(tmp_path / "out")]
     status, err, _ = interrupt_when(argv, "# mlp: warming up", tmp_path)
     lines = [l for l in err.splitlines() if not l.startswith("#")]
     saved = sorted((tmp_path / "out").glob("train-none-2r-*.json"))
@@ -99,7 +100,8 @@ def test_ctrl_c_on_bench_train_keeps_the_models_it_finished(tmp_path):
     doc = json.loads(saved[0].read_text())
     assert [(r["model"], r["impl"]) for r in doc["rows"]] == [("charlm", "ringtrain"), ("charlm", "alone")]
     assert len(doc["rows"][0]["iter_s"]) == 80
-    assert doc["notes"] == ["interrupted (Ctrl-C) before the run ended: the rows finished by then, of charlm"]
+    assert doc["notes"] == ["Horovod anchor skipped: --no-horovod",
+                            "interrupted (Ctrl-C) before the run ended: the rows finished by then, of charlm"]
 
 
 @pytest.mark.multiprocess

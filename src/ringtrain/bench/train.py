@@ -21,6 +21,18 @@ measured. The layer trace is cut into one layer per parameter tensor, the wrappe
 With ``--compression fp16`` (or bf16) two more configurations take their turns: the optimal
 schedule with gradients in that precision on the wire (``compression=``), and torch's DDP with
 its defaults and the matching compression hook.
+
+Horovod (an interpreter that imports ``horovod.torch``: this one or --horovod-python's) cannot
+take turns in that launch: it runs under its own interpreter, and its background thread (a
+1 ms cycle) would run through every other configuration's steps. It gets a launch of its own
+right after the ring job, on an emulated network of the same rate, the same world size, models,
+data, seed, batch and SGD: its ranks take turns step by step, as above, between
+``hvd.DistributedOptimizer`` (Horovod's defaults; parameters broadcast from rank 0 first) and
+torch's DDP over gloo (a process group of its own beside Horovod), and check that Horovod kept
+its copies equal across ranks and within rounding of DDP's. Rows "horovod" and "torch-ddp
+(horovod launch)"; the ratio Horovod / DDP measured side by side there is the figure to set
+against optimal / DDP of the main launch (DDP's two rows differ by what Horovod's thread costs
+it, among others).
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ from typing import Sequence
 import numpy as np
 
 from ..train import COMPRESSION
+from .horovod import anchor_python
+from .horovod import launch as launch_horovod
 from .machine import check_out_dir, check_ranks, plural, run_stamp
 from .procs import RankFailed, emit, emulated, interrupted, progress, run_ranks
 
@@ -61,6 +75,13 @@ TORCH_DDP_RINGTRAIN = "torch-ddp-ringtrain"
 """torch's DDP over ringtrain.TorchProcessGroup: torch's buckets and reducer, ringtrain's collectives."""
 #: Seeds the order of each turn of the timed steps (the same on every rank).
 TURN_ORDER_SEED = 20261129
+#: The rows of the Horovod launch: Horovod's DistributedOptimizer, and torch's DDP beside it.
+HOROVOD = "horovod"
+HOROVOD_DDP = "torch-ddp-horovod-launch"
+#: How far (a share of the distance training moved DDP's copy from the initial weights) Horovod's
+#: copy may end from DDP's after the same steps on the same batches: rounding takes ~1e-6 of it,
+#: a gradient summed instead of averaged or left out the whole distance.
+HOROVOD_TOLERANCE = 1e-2
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -70,7 +91,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "with that schedule, e.g. ring-optimal) and parameter servers: "
                    "ps-sync, ps-async, ps-sharded, each with :K for K servers (K defaults to 1, and to 2 for "
                    "ps-sharded), e.g. ring,ps-sync,ps-sharded:2,ps-async (default %(default)s)")
-    p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor")
+    p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor (of the main launch; "
+                   "the Horovod launch keeps its own)")
+    p.add_argument("--no-horovod", action="store_true", help="skip the Horovod anchor")
+    p.add_argument("--horovod-python", default=None, metavar="PYTHON",
+                   help="the interpreter that runs the Horovod anchor, one that imports horovod.torch (default: "
+                        "this one; scripts/horovod/install.sh builds Horovod into .venv-horovod/): a launch of its "
+                        "own after the ring job, Horovod and torch DDP taking turns")
     p.add_argument("--compression", default="none", choices=COMPRESSION, help="also time the optimal "
                    "schedule with gradients in this half precision on the wire, and torch's DDP with the "
                    "matching compression hook (default %(default)s)")
@@ -88,11 +115,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--out", default="benchmarks", help="directory for results and charts (default %(default)s; '' to skip)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--horovod-worker", default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(json.loads(args.worker))
+    if args.horovod_worker:
+        return _horovod_worker(json.loads(args.horovod_worker))
     try:
         names, schedules, strategies = _settings(args)
         # the most processes one job starts: the ring's ranks, or the workers and servers of a ps job
@@ -113,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
         "timeline_dir": str(out_dir / "timelines") if out_dir else "", "timeline_stem": f"{kind}-{stamp}",
     }
     notes = []
+    # the interpreter that runs the Horovod anchor, None when it is skipped (and the note why)
+    horovod, note = anchor_python(args.no_horovod, args.horovod_python)
+    if note:
+        notes.append(note)
     if cfg["transport"] != args.transport:
         notes.append(f"--transport shm: under --net {args.net} each rank is a host of its own and shared memory "
                      "cannot cross them; tcp timed instead")
@@ -121,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     ps_runs: dict[tuple, list[dict]] = {}
     stopped, failure = None, None  # why the run ended before its last job, if it did
     try:
-        _measure(cfg, names, strategies, args, rows, ps_runs)
+        _measure(cfg, names, strategies, args, rows, ps_runs, horovod, notes)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
         stopped = "interrupted (Ctrl-C)"
     except RankFailed as exc:
@@ -164,16 +198,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Namespace, rows: list[dict],
-             ps_runs: dict[tuple, list[dict]]) -> None:
+             ps_runs: dict[tuple, list[dict]], horovod: str | None = None, notes: list[str] | None = None) -> None:
     """Measure into ``rows`` the ring job's rows (every schedule, alone, torch DDP), model by model
-    as its rank 0 sends them, and into ``ps_runs`` each parameter-server job's documents, job by
-    job: a run stopped early keeps in them what it finished."""
-    if cfg["schedules"]:  # the ring job (ring, ring-SCHEDULE): its schedules, alone and torch DDP
-        def arrived(doc: dict) -> None:
-            rows.extend(dict(r, net=args.net, world_size=args.world_size) for r in doc["rows"])
+    as its rank 0 sends them, then the Horovod launch's (when ``horovod`` names its interpreter;
+    what went wrong with it goes to ``notes``), and into ``ps_runs`` each parameter-server job's
+    documents, job by job: a run stopped early keeps in them what it finished."""
+    def arrived(doc: dict) -> None:
+        rows.extend(dict(r, net=args.net, world_size=args.world_size) for r in doc["rows"])
 
+    if cfg["schedules"]:  # the ring job (ring, ring-SCHEDULE): its schedules, alone and torch DDP
         _launch("ringtrain.cli", ["bench", "train", "--worker", json.dumps(cfg)], args.world_size, args,
                 on_result=arrived)
+    if horovod:
+        note = _launch_horovod(names, args, horovod, arrived)
+        if note and notes is not None:
+            notes.append(note)
     # Parameter-server jobs take turns round by round, as the ring's schedules do step by
     # step, so that 1 and 2 servers meet the same load; each job warms up for PS_WARMUP_STEPS.
     for r in range(args.rounds if strategies.get("ps") else 0):
@@ -272,6 +311,16 @@ def ring_schedules(strategies: dict, schedules: list[str]) -> list[str]:
 def _launch(module: str, module_args: list[str], nprocs: int, args, on_result=None) -> list[dict]:
     with emulated(args.net, nprocs) as net:
         return run_ranks(module, module_args, nprocs, timeout=args.timeout, net=net, on_result=on_result)
+
+
+def _launch_horovod(names: list[str], args, python: str, on_result) -> str | None:
+    """The Horovod launch (see the module docstring) under ``python``: its rows to ``on_result``
+    model by model; None, or the note saying why it failed (``bench.horovod.launch``)."""
+    hcfg = {"models": names, "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds}
+    print(f"# the Horovod anchor: {plural(len(names), 'model')}, Horovod and torch DDP taking turns",
+          file=sys.stderr, flush=True)
+    return launch_horovod(python, ["bench", "train", "--horovod-worker", json.dumps(hcfg)], args.world_size,
+                          rate=args.net, timeout=args.timeout, on_result=on_result)
 
 
 def _ps_row(docs: list[dict], args) -> dict:
@@ -557,7 +606,7 @@ def _step(c: dict, batches: list, k: int) -> None:
     forward, backward() and SGD step times appended to ``c["parts"]``."""
     x, y = batches[k % len(batches)]
     t0 = time.perf_counter()
-    c["opt"].zero_grad(set_to_none=True)
+    c["opt"].zero_grad()  # (gradients set to None, torch's default; Horovod's optimizer takes no argument)
     loss = c["model"].loss(c["wrapped"](x), y)
     t1 = time.perf_counter()
     loss.backward()
@@ -601,6 +650,108 @@ def _time_rounds(cfg: dict, name: str, configs: list[dict], batches: list, rank:
             c["times"].append(time.perf_counter() - t0)
         if rank == 0:
             progress(f"# {name}: round {r + 1}/{cfg['rounds']} done")
+
+
+# --- the Horovod launch's worker (under the Horovod interpreter) ------------------------------
+
+
+def _horovod_worker(cfg: dict) -> int:
+    """One rank of the Horovod launch: Horovod over gloo (its variables from ``bench.horovod``)
+    and torch's gloo process group beside it (torchrun's variables, another port), model by
+    model; rank 0 sends each model's two rows as soon as they are known."""
+    from ..lifecycle import die_with_parent
+
+    die_with_parent()
+    import datetime
+
+    import horovod.torch as hvd
+    import torch
+    import torch.distributed as dist
+
+    hvd.init()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    if (hvd.rank(), hvd.size()) != (rank, p):
+        raise RuntimeError(f"Horovod's rank {hvd.rank()} of {hvd.size()} is not torch's {rank} of {p}: "
+                           "the launch gave them different places")
+    for name in cfg["models"]:
+        rows = _horovod_model_rows(cfg, name, rank, p)
+        if rank == 0:
+            emit({"rows": rows})
+    dist.destroy_process_group()
+    hvd.shutdown()
+    return 0
+
+
+def _horovod_model_rows(cfg: dict, name: str, rank: int, p: int) -> list[dict]:
+    """Model ``name`` trained by Horovod's DistributedOptimizer and by torch's DDP, each on its own
+    copy of the same model and the same batches as in the main launch, warmed up, then timed taking
+    turns step by step (``_time_rounds``), both checked; their rows."""
+    import horovod
+    import horovod.torch as hvd
+    import torch
+
+    batch, base, batches = _workload(cfg, name, rank, p)
+    model = copy.deepcopy(base)
+    # Horovod's defaults (fusion buffer, cycle time, averaging), as its examples set it up: each
+    # gradient named after its parameter (here under the model's name: the names of one model's
+    # tensors must not meet another's in Horovod's response cache), rank 0's state broadcast first.
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=[(f"{name}.{n}", q) for n, q in model.named_parameters()])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    horovod_ = dict(_config(HOROVOD, f"hvd.DistributedOptimizer (Horovod {horovod.__version__} defaults)", model,
+                            model), opt=opt)
+    model = copy.deepcopy(base)
+    ddp = _config(HOROVOD_DDP, "torch defaults (25 MiB)", model, torch.nn.parallel.DistributedDataParallel(model))
+    configs = [horovod_, ddp]
+    if rank == 0:
+        progress(f"# {name} (Horovod launch): warming up Horovod and torch DDP")
+    _warm_up(configs, batches)
+    check_horovod(name, base, horovod_["model"], ddp["model"])  # before the timing, and after it
+    _time_rounds(cfg, f"{name} (Horovod launch)", configs, batches, rank)
+    check_horovod(name, base, horovod_["model"], ddp["model"])
+    medians = _gather_times(configs, p)
+    rows = [_launch_row(c, name, batch, p) for c in configs]
+    rows[0]["horovod_over_ddp"] = medians[HOROVOD, horovod_["schedule"]] / medians[HOROVOD_DDP, ddp["schedule"]]
+    return rows
+
+
+def check_horovod(name: str, base, horovod_model, ddp_model, tolerance: float = HOROVOD_TOLERANCE) -> None:
+    """Raise (on every rank alike) unless Horovod's copy of ``base`` is the same on every rank and
+    ends within ``tolerance`` of DDP's, as a share of the distance DDP's moved from ``base``: both
+    took the same steps on the same batches, so only rounding may part them."""
+    import torch
+    import torch.distributed as dist
+
+    def flat(module) -> torch.Tensor:
+        return torch.cat([q.detach().reshape(-1).double() for q in module.parameters()])
+
+    mine, theirs, start = flat(horovod_model), flat(ddp_model), flat(base)
+    root = mine.clone()
+    dist.broadcast(root, 0)
+    apart = torch.tensor([float((mine - root).abs().max())], dtype=torch.float64)
+    dist.all_reduce(apart, op=dist.ReduceOp.MAX)
+    if apart.item() > 0:
+        raise RuntimeError(f"Horovod's copies of {name} differ across ranks (by up to {apart.item():.3g}): its "
+                           "DistributedOptimizer did not apply the same averaged gradients everywhere")
+    moved = float((theirs - start).norm())
+    gap = float((mine - theirs).norm())
+    if gap > tolerance * moved:
+        raise RuntimeError(f"Horovod's copy of {name} ended {gap:.3g} from torch DDP's after the same steps, "
+                           f"{gap / moved if moved else float('inf'):.3g} of the {moved:.3g} training moved DDP's "
+                           f"(more than {tolerance:g}): they did not apply the same averaged gradients")
+
+
+def _launch_row(c: dict, name: str, batch: int, p: int) -> dict:
+    """A row of the Horovod launch: its times (the slowest rank's) and where they went."""
+    t = c["times_max"]
+    med = float(np.median(t.numpy()))
+    return {"model": name, "impl": c["impl"], "schedule": c["schedule"], "launch": "horovod", "batch_size": batch,
+            "median_iter_s": med, "iter_s": t.tolist(), "samples_per_s": p * batch / med,
+            "measured_forward_s": c["parts_s"][0], "measured_backward_call_s": c["parts_s"][1],
+            "measured_step_s": c["parts_s"][2]}
 
 
 def _gather_times(configs: list[dict], p: int) -> dict[tuple[str, str], float]:
@@ -776,7 +927,8 @@ def _label(r: dict) -> str:
     if r["impl"] == "torch-ddp-compressed":
         return f"DDP+{r['schedule'].split(' + ')[-1].split('_')[0]}"
     return {"ringtrain": r["schedule"], COMPRESSED: r["schedule"], "ps": r["schedule"],
-            "alone": "alone", TORCH_DDP_RINGTRAIN: "DDP/ringtrn"}.get(r["impl"], "torch DDP")
+            "alone": "alone", TORCH_DDP_RINGTRAIN: "DDP/ringtrn", HOROVOD: "horovod",
+            HOROVOD_DDP: "torch-ddp (horovod launch)"}.get(r["impl"], "torch DDP")
 
 
 #: The table's columns after the config's name, with their widths; a row without a value shows '-'.
@@ -809,11 +961,27 @@ def _extras(r: dict) -> str:
     return line
 
 
+def horovod_line(mrows: list[dict]) -> str | None:
+    """One model's Horovod against optimal, each as a share of the torch DDP timed beside it:
+    optimal / DDP of the main launch, Horovod / DDP of Horovod's own launch; None without a
+    Horovod row."""
+    hvd = next((r for r in mrows if r["impl"] == HOROVOD and r.get("horovod_over_ddp")), None)
+    if hvd is None:
+        return None
+    ddp = next((r for r in mrows if r["impl"] == "torch-ddp"), None)
+    optimal = next((r for r in mrows if r["impl"] == "ringtrain" and r["schedule"] == "optimal"), None)
+    ours = f"optimal {optimal['median_iter_s'] / ddp['median_iter_s']:.2f} (main launch), " if optimal and ddp else ""
+    return f"iteration / torch DDP beside it: {ours}horovod {hvd['horovod_over_ddp']:.2f} (its own launch)"
+
+
 def format_table(rows: list[dict]) -> str:
     out = []
+    width = max([12] + [len(_label(r)) + 1 for r in rows])
     for model in dict.fromkeys(r["model"] for r in rows):
         mrows = [r for r in rows if r["model"] == model]
+        # each row against the torch DDP of its own launch (the Horovod launch has one of its own)
         torch_ddp = next((r for r in mrows if r["impl"] == "torch-ddp"), None)
+        horovod_ddp = next((r for r in mrows if r["impl"] == HOROVOD_DDP), None)
         r0 = next((r for r in mrows if "params" in r), None)
         if r0 is not None:
             out.append(f"\n{model} ({r0['params'] / 1e6:.2f}M params, batch {r0['batch_size']}/rank, "
@@ -821,10 +989,12 @@ def format_table(rows: list[dict]) -> str:
                        f"compute alone {r0['compute_only_s'] * 1e3:.1f} ms")
         else:
             out.append(f"\n{model} ({plural(mrows[0]['world_size'], 'worker')}, net {mrows[0]['net']})")
-        out.append(f"{'config':<12}" + "".join(f"{name:>{width}}" for name, width in COLUMNS))
+        out.append(f"{'config':<{width}}" + "".join(f"{name:>{w}}" for name, w in COLUMNS))
         for r in mrows:
-            cells = _cells(r, torch_ddp)
-            out.append(f"{_label(r):<12}" + "".join(f"{cells[name]:>{width}}" for name, width in COLUMNS) + _extras(r))
+            cells = _cells(r, horovod_ddp if r.get("launch") == "horovod" else torch_ddp)
+            out.append(f"{_label(r):<{width}}" + "".join(f"{cells[name]:>{w}}" for name, w in COLUMNS) + _extras(r))
+        if line := horovod_line(mrows):
+            out.append(line)
     return "\n".join(out)
 
 
@@ -844,7 +1014,8 @@ def _charts(rows: list[dict], stem: Path) -> list[str]:
         mrows = [r for r in rows if r["model"] == model]
         labels = [_label(r) for r in mrows]
         vals = [r["median_iter_s"] * 1e3 for r in mrows]
-        colors = [{"ringtrain": "tab:blue", COMPRESSED: "tab:cyan", "ps": "tab:green"}.get(r["impl"], "tab:gray")
+        colors = [{"ringtrain": "tab:blue", COMPRESSED: "tab:cyan", "ps": "tab:green", HOROVOD: "tab:orange"}.get(
+                      r["impl"], "tab:gray")
                   for r in mrows]
         ax.bar(labels, vals, color=colors)
         bound = next((r["overlap_bound_s"] for r in mrows if r["impl"] == "ringtrain"), None)
