@@ -183,19 +183,22 @@ def test_bench_train_times_parameter_servers_round_by_round(capsys, tmp_path):
         assert 4 * 891904 <= per_step[way] < 1.01 * 4 * 891904
 
 
-def test_bench_train_times_compression_beside_torchs_ddp_with_its_hook(capsys):
+@pytest.mark.parametrize("compression, hook", [("bf16", "bf16_compress_hook"), ("powersgd", "powerSGD_hook")])
+def test_bench_train_times_compression_beside_torchs_ddp_with_its_hook(capsys, compression, hook):
     from ringtrain import cli
 
-    rc = cli.main(["bench", "train", "--schedules", "single", "--models", "charlm", "--compression", "bf16",
-                   "--world-size", "2", "--batch-size", "4", "--steps", "1", "--rounds", "1", "--out", "", "--json"])
+    rc = cli.main(["bench", "train", "--schedules", "single", "--models", "charlm", "--compression", compression,
+                   "--world-size", "2", "--batch-size", "4", "--steps", "1", "--rounds", "1", "--out", "", "--json",
+                   "--no-horovod"])
     assert rc == 0
     out = capsys.readouterr().out
     doc = json.loads(out)
     rows = {(r["impl"], r["schedule"]): r for r in doc["rows"]}
     assert set(rows) == {("ringtrain", "single"), ("alone", "no communication"), ("torch-ddp", "torch defaults (25 MiB)"),
-                         ("torch-ddp-ringtrain", "torch defaults (25 MiB)"), ("ringtrain-compressed", "optimal+bf16"),
-                         ("torch-ddp-compressed", "torch defaults + bf16_compress_hook")}
-    mine = rows["ringtrain-compressed", "optimal+bf16"]
+                         ("torch-ddp-ringtrain", "torch defaults (25 MiB)"),
+                         ("ringtrain-compressed", f"optimal+{compression}"),
+                         ("torch-ddp-compressed", f"torch defaults + {hook}")}
+    mine = rows["ringtrain-compressed", f"optimal+{compression}"]
     assert mine["median_iter_s"] > 0 and mine["groups"] >= 1 and mine["hidden_fraction"] is not None
     assert mine.get("sim_iter_s") is None  # (the simulator's figures are for full-precision bytes)
 
