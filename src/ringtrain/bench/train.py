@@ -21,8 +21,8 @@ measured. The layer trace is cut into one layer per parameter tensor, the wrappe
 With ``--compression fp16`` (or bf16) two more configurations take their turns: the optimal
 schedule with gradients in that precision on the wire (``compression=``), and torch's DDP with
 its defaults and the matching compression hook. With ``--compression powersgd``: the optimal
-schedule and torch's DDP, each with torch's ``powerSGD_hook`` (rank 1, from iteration 2;
-ringtrain's through ``register_comm_hook`` over the wrapper's own ``process_group``).
+schedule with torch's ``powerSGD_hook`` (rank 1, from iteration 2, through ``register_comm_hook``
+over the wrapper's own ``process_group``); not torch's DDP with it (``POWER_SGD_NOTE``).
 
 Horovod (an interpreter that imports ``horovod.torch``: this one or --horovod-python's) cannot
 take turns in that launch: it runs under its own interpreter, and its background thread (a
@@ -74,8 +74,14 @@ NETS = ("none", "1gbit", "10gbit")
 COMPRESSED = "ringtrain-compressed"
 #: ``--compression``: a precision on the wire (``ringtrain train``'s), or torch's PowerSGD hook.
 BENCH_COMPRESSION = (*COMPRESSION, "powersgd")
-#: PowerSGD's settings in both of its rows: rank-1 approximations from its earliest iteration.
+#: PowerSGD's settings: rank-1 approximations from its earliest iteration.
 POWER_SGD = dict(matrix_approximation_rank=1, start_powerSGD_iter=2)
+#: Why torch's DDP with powerSGD_hook has no row (its reducer calls the hook of a bucket while
+#: the hooks of the buckets before it still send from their futures' callbacks).
+POWER_SGD_NOTE = ("torch's DDP with powerSGD_hook is not timed: its hook sends from its futures' callbacks while "
+                  "the next bucket's hook sends from backward, so with more than one bucket the ranks issue them "
+                  "in different orders and gloo aborts the process on the mismatch (a 12-layer MLP of 3 MB: "
+                  "2 runs in 3); ringtrain's wrapper runs the hook one bucket at a time")
 WRAPPERS = ("ringtrain", COMPRESSED)
 TORCH_DDP_RINGTRAIN = "torch-ddp-ringtrain"
 """torch's DDP over ringtrain.TorchProcessGroup: torch's buckets and reducer, ringtrain's collectives."""
@@ -106,8 +112,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "own after the ring job, Horovod and torch DDP taking turns")
     p.add_argument("--compression", default="none", choices=BENCH_COMPRESSION, help="also time the optimal "
                    "schedule with gradients in this half precision on the wire, and torch's DDP with the "
-                   "matching compression hook; powersgd: both with torch's powerSGD_hook, rank 1 "
-                   "(default %(default)s)")
+                   "matching compression hook; powersgd: the optimal schedule with torch's powerSGD_hook, "
+                   "rank 1 (default %(default)s)")
     p.add_argument("--world-size", type=int, default=2, help="ranks (default %(default)s)")
     p.add_argument("--net", default="none", choices=NETS, help="emulate a network: one namespace per rank, tc tbf "
                    "(default %(default)s)")
@@ -154,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     horovod, note = anchor_python(args.no_horovod, args.horovod_python)
     if note:
         notes.append(note)
+    if cfg["compression"] == "powersgd" and cfg["torch_ddp"]:
+        notes.append(POWER_SGD_NOTE)
     if cfg["transport"] != args.transport:
         notes.append(f"--transport shm: under --net {args.net} each rank is a host of its own and shared memory "
                      "cannot cross them; tcp timed instead")
@@ -545,8 +553,8 @@ def _configurations(cfg: dict, name: str, base, comm, cost) -> list[dict]:
 def _compressed_configurations(compression: str, base, comm, cost, algorithm: str, torch_ddp: bool) -> list[dict]:
     """The optimal schedule with gradients in half precision on the wire, and (``torch_ddp``)
     torch's DDP with its defaults and the matching compression hook (bf16: the hook's steps;
-    torch refuses its own off CUDA with NCCL); ``powersgd``: both with torch's ``powerSGD_hook``
-    (``POWER_SGD``), each with a state of its own."""
+    torch refuses its own off CUDA with NCCL); ``powersgd``: the optimal schedule with torch's
+    ``powerSGD_hook`` (``POWER_SGD``), alone (``POWER_SGD_NOTE``)."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
@@ -558,19 +566,15 @@ def _compressed_configurations(compression: str, base, comm, cost, algorithm: st
         ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost)
         ddp.register_comm_hook(power_sgd.PowerSGDState(process_group=ddp.process_group, **POWER_SGD),
                                power_sgd.powerSGD_hook)
-        hook, state = power_sgd.powerSGD_hook, power_sgd.PowerSGDState(process_group=None, **POWER_SGD)
-    else:
-        ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost,
-                                                compression=compression)
-        hook, state = default_hooks.fp16_compress_hook if compression == "fp16" else bf16_hook, None
+        return [_config(COMPRESSED, f"optimal+{compression}", model, ddp)]
+    ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost, compression=compression)
     configs = [_config(COMPRESSED, f"optimal+{compression}", model, ddp)]
     if not torch_ddp:
         return configs
     model = copy.deepcopy(base)
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    wrapped.register_comm_hook(state, hook)
-    name = "powerSGD_hook" if compression == "powersgd" else f"{compression}_compress_hook"
-    configs.append(_config("torch-ddp-compressed", f"torch defaults + {name}", model, wrapped))
+    wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook if compression == "fp16" else bf16_hook)
+    configs.append(_config("torch-ddp-compressed", f"torch defaults + {compression}_compress_hook", model, wrapped))
     return configs
 
 
