@@ -170,6 +170,13 @@ def _power_sgd(rank, world_size, port, gloo_port):
         out["uncompressed"] = train(ddp, batches, 8)
         ddp.close()
         out["torch"] = train(_torch_ddp(powerSGD_hook, _power_sgd_state(None)), batches, 8)
+        # Several buckets (torch's DDP with PowerSGD over gloo aborts there, its ranks' collectives
+        # coming in different orders: docs/comm.md): the hook runs one bucket at a time.
+        ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
+        ddp.register_comm_hook(_power_sgd_state(ddp.process_group), powerSGD_hook)
+        out["ours, several buckets"] = train(ddp, batches, 8)
+        assert len(ddp.buckets) > 1, ddp.buckets
+        ddp.close()
         # schedule="optimal" with PowerSGD from its earliest iteration (2): the buckets are laid out anew at
         # the first plan and for the trial's candidates, and the state by bucket index is emptied
         # each time (kept, one bucket's error feedback would be added to another's gradients).
