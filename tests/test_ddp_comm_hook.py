@@ -83,6 +83,12 @@ def _loaded(results) -> list:
     return [torch.load(io.BytesIO(r), weights_only=False) for r in results]
 
 
+def _bitwise(ours, theirs, *label) -> None:
+    """Two lists of parameters equal bit for bit (the label and the largest gap if not)."""
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(a, b), (*label, i, (a - b).abs().max())
+
+
 def _same_on_every_rank(results) -> None:
     for key in results[0]:
         for rank, res in enumerate(results):
@@ -203,8 +209,7 @@ def test_power_sgd_gives_torch_ddps_parameters():
     _same_on_every_rank(results)
     ours = results[0]["ours"]
     for other in ("torch", "torch over ringtrain"):
-        for i, (a, b) in enumerate(zip(ours, results[0][other])):
-            assert torch.equal(a, b), (other, i, (a - b).abs().max())  # (2 ranks: sums in any order, the same bits)
+        _bitwise(ours, results[0][other], other)  # (2 ranks: sums in any order, the same bits)
     # ... and PowerSGD did compress (rank-1 approximations of the weights' gradients from step 2 on).
     assert any(not torch.equal(a, b) for a, b in zip(ours, results[0]["uncompressed"]))
 
@@ -247,8 +252,7 @@ def test_join_runs_the_hook_on_zeros_as_torch_ddp():
     results = _loaded(run_ranks(_join_with_hook, 2, free_port(), timeout=110.0))
     _same_on_every_rank(results)
     for schedule in ("fixed", "optimal"):
-        for i, (a, b) in enumerate(zip(results[0][schedule], results[0]["torch"])):
-            assert torch.equal(a, b), (schedule, i, (a - b).abs().max())
+        _bitwise(results[0][schedule], results[0]["torch"], schedule)
 
 
 # --- what a hook gets, and when (threads) --------------------------------------------------------
