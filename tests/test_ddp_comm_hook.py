@@ -183,6 +183,20 @@ def _power_sgd(rank, world_size, port, gloo_port):
         out["ours, several buckets"] = train(ddp, batches, 8)
         assert len(ddp.buckets) > 1, ddp.buckets
         ddp.close()
+        # The same state on a new wrapper (a module wrapped again, or a state loaded): its buckets
+        # were the old layout's, forgotten at the first bucket (kept, bucket 0's error feedback
+        # is of another size: every rank's first backward failed). Calls made on the group
+        # between a backward and the next forward end before that forward's collectives.
+        state = ddp._comm_hook.state
+        again = DistributedDataParallel(_mlp(), comm, schedule="fixed", **{**FAST, "bucket_cap_mb": 25})
+        state.process_group = again.process_group
+        again.register_comm_hook(state, powerSGD_hook)
+        extra = torch.ones(1 << 16)
+        train(again, batches, 2)
+        work = dist.all_reduce(extra, group=again.process_group, async_op=True)
+        out["again"] = train(again, batches, 3)
+        assert work.wait() and torch.equal(extra, torch.full((1 << 16,), 2.0))
+        again.close()
         # schedule="optimal" with PowerSGD from its earliest iteration (2): the buckets are laid out anew at
         # the first plan and for the trial's candidates, and the state by bucket index is emptied
         # each time (kept, one bucket's error feedback would be added to another's gradients).

@@ -3,6 +3,8 @@ their errors. (torch's DDP over it, in real processes: test_torch_group_ddp.py.)
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,6 +155,24 @@ def test_a_callback_may_wait_for_the_collective_it_issues():
         assert torch.equal(first, sum(data(r, 4) for r in range(3)))
         assert torch.equal(queued, sum(data(r, 4, 1) for r in range(3)))
         assert torch.equal(value, 10 * sum(data(r, 4, 2) for r in range(3)))
+
+
+def test_a_callback_may_wait_for_a_call_made_before_it():
+    """A callback on the group's worker that waits for a call made before it, still queued behind
+    the callback, runs the queued calls there (waiting, the thread would wait for itself)."""
+    def fn(pg):
+        if pg.rank() == 0:  # (the others' first call waits for rank 0's: their callbacks attach first)
+            time.sleep(0.3)
+        first, second = data(pg.rank(), 4), data(pg.rank(), 4, 1)
+        work = dist.all_reduce(first, group=pg, async_op=True)
+        queued = dist.all_reduce(second, group=pg, async_op=True)
+        chained = work.get_future().then(lambda fut: (queued.wait(), second * 10)[1])
+        value = chained.wait()
+        assert pg.wait_idle(5.0)
+        return value
+
+    for value in on_group(3, fn):
+        assert torch.equal(value, 10 * sum(data(r, 4, 1) for r in range(3)))
 
 
 def test_mismatch_surfaces_at_wait_and_in_the_future():

@@ -49,10 +49,11 @@ class _Work(dist._Work):
     """One call's work. ``future`` is torch's own, for DDP and ``then`` chains; ``raw`` holds the
     job's result or its exception object, which ``wait()`` raises as it was."""
 
-    def __init__(self, result, worker: threading.Thread):
+    def __init__(self, result, worker: threading.Thread, drain: Callable[[], None]):
         super().__init__()
         self._result = result
         self._worker = worker
+        self._drain = drain  # runs the queued jobs, on the worker thread (see wait)
         self.done = threading.Event()  # set once raw is: a wait on it, unlike torch's, ends on Ctrl-C
         self.raw: torch.futures.Future = torch.futures.Future()
         # A callback that raises marks the future it returns as failed in torch's C++ sense, which
@@ -61,7 +62,12 @@ class _Work(dist._Work):
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Until the job has run (each job is bounded by the communicator's timeout, those queued
-        before it too), or torch's ``timeout`` (zero or None: no more bound than that) is up."""
+        before it too), or torch's ``timeout`` (zero or None: no more bound than that) is up.
+        Called on the worker thread (a future's callback) for a job still queued, it runs the
+        queued jobs there, up to and past this one, in their order: the thread would otherwise
+        wait for itself."""
+        if not self.done.is_set() and threading.current_thread() is self._worker:
+            self._drain()
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         deadline = time.monotonic() + seconds if seconds > 0 else None
         while not self.done.wait(0.5):
@@ -106,7 +112,7 @@ class _Worker:
         with self._lock:
             if self._stopped:
                 raise RuntimeError(closed)
-            work = _Work(result, self._thread)
+            work = _Work(result, self._thread, self._run_queued)
             self._pending += 1
             if threading.current_thread() is not self._thread:
                 self._jobs.put((job, work))

@@ -198,30 +198,34 @@ class CommHook:
     def run(self, bucket: GradBucket, layout: Any = None) -> None:
         """Reduce ``bucket`` with the hook: call it, wait for its future, write the result into
         the bucket's buffer. ``layout``: the wrapper's bucket layout in force (its list of
-        specs); under another one than the hook last reduced, the state's buckets are forgotten
-        first (:func:`forget_buckets`; every rank changes layout at the same iteration)."""
+        specs); under another one than the hook last reduced (or the first: a state used by an
+        earlier wrapper, or loaded, holds buckets of another layout), the state's buckets are
+        forgotten first (:func:`forget_buckets`; every rank changes layout at the same iteration)."""
         index = bucket.index()
         if layout is not self.layout:
-            if self.layout is not None:
-                forget_buckets(self.state)
+            forget_buckets(self.state)
             self.layout = layout
         if self.failed is not None:
             raise CommError(f"comm hook {self.name} was not called on bucket {index}: it failed on an earlier bucket "
                             f"({type(self.failed).__name__}: {self.failed})")
         target = bucket.buffer()
+        error: Optional[BaseException] = None
         try:
-            try:
-                future = self.hook(self.state, bucket)
-                if not isinstance(future, torch._C.Future):
-                    raise TypeError(f"it returned {type(future).__name__}, not a torch.futures.Future (torch's hooks "
-                                    "return dist.all_reduce(..., async_op=True).get_future().then(...))")
-                value = self._wait(future, index)
-                write_result(value, target, index)
-            finally:
-                self._settle(index)
+            future = self.hook(self.state, bucket)
+            if not isinstance(future, torch._C.Future):
+                raise TypeError(f"it returned {type(future).__name__}, not a torch.futures.Future (torch's hooks "
+                                "return dist.all_reduce(..., async_op=True).get_future().then(...))")
+            value = self._wait(future, index)
+            write_result(value, target, index)
         except BaseException as exc:
-            self.failed = exc
-            raise self._failure(exc, index) from exc
+            error = exc
+        try:
+            self._settle(index)  # (also after a failure: what the hook left running ends first)
+        except BaseException as exc:
+            error = error or exc  # (the hook's own error is the news, not the wait after it)
+        if error is not None:
+            self.failed = error
+            raise self._failure(error, index) from error
 
     def _wait(self, future: torch.futures.Future, index: int) -> Any:
         """The future's value, once it completed (raises its error), within the deadline."""

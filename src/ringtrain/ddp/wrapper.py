@@ -81,7 +81,7 @@ from torch import nn
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module, finish_mean, flat_view
 from ..comm import Communicator
-from ..errors import CommError, check_keywords
+from ..errors import CommError, CommTimeout, check_keywords
 from . import buckets as bucketing
 from . import calibration
 from . import comm_hook
@@ -283,13 +283,13 @@ class DistributedDataParallel(nn.Module):
         (``model.register_comm_hook(model.process_group, fp16_compress_hook)``,
         ``PowerSGDState(process_group=model.process_group, ...)``), with no
         ``torch.distributed.init_process_group``. It shares the communicator with the wrapper,
-        which waits for its calls to end after each hook: use it in hooks, or between backward
-        passes, not while one is in flight."""
+        which waits for its calls to end after each hook and at each forward: use it in hooks,
+        or between a backward and the next forward, not from another thread while they run."""
         with self._group_lock:
+            if self._closed:
+                raise RuntimeError("ringtrain.DistributedDataParallel: this wrapper was closed, and its "
+                                   "process_group with it.")
             if not self._groups:
-                if self._closed:
-                    raise RuntimeError("ringtrain.DistributedDataParallel: this wrapper was closed, and its "
-                                       "process_group with it.")
                 from ..torch_group import TorchProcessGroup
 
                 self._groups.append(TorchProcessGroup(self.comm, algorithm=self.options.algorithm))
@@ -355,6 +355,7 @@ class DistributedDataParallel(nn.Module):
         st.retired.clear()
         if st.failed is not None:
             raise self._failed_backward_error()
+        self._wait_for_group()
         if st.active:
             raise self._missing_gradients_error()
         if self._frozen and torch.is_grad_enabled():
@@ -646,6 +647,15 @@ class DistributedDataParallel(nn.Module):
                                       spec.numel * self._wire_dtype(spec.dtype).itemsize)
             st.jobs.append(job)
             st.launched += 1
+
+    def _wait_for_group(self) -> None:
+        """Until the calls made on :attr:`process_group` between two iterations have ended (the
+        wrapper's own collectives of this forward and backward share its communicator)."""
+        for group in self._groups:
+            if not group.wait_idle(self._timeout):
+                raise CommTimeout(f"ringtrain.DistributedDataParallel: the calls made on model.process_group did "
+                                  f"not end within {self._timeout:.1f} s of this forward, which needs its "
+                                  "communicator")
 
     def _reduction_label(self, k: int) -> str:
         """The job's label of bucket ``k``'s reduction (and its span's name in the timeline)."""
