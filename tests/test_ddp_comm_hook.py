@@ -9,6 +9,7 @@ hangs). The harnesses kill every rank or thread at their deadline.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
@@ -54,14 +55,20 @@ def _batches(world_size, rank):
     return lambda step: rank_batch("mlp", step, world_size, rank)
 
 
-def _init(rank, world_size, port, gloo_port):
-    """ringtrain's communicator and torch's default group (gloo), in one rank's process."""
+@contextlib.contextmanager
+def _session(rank, world_size, port, gloo_port):
+    """ringtrain's communicator and torch's default group (gloo), in one rank's process, both
+    ended when the block does."""
     import ringtrain
 
     torch.set_num_threads(1)
     comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=20.0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
-    return comm
+    try:
+        yield comm
+    finally:
+        dist.destroy_process_group()
+        comm.close()
 
 
 def _torch_ddp(hook, state=None, group=None):
@@ -106,10 +113,9 @@ SCHEDULES = ("fixed", "wfbp", "optimal")
 
 
 def _stock_hooks(rank, world_size, port, gloo_port):
-    comm = _init(rank, world_size, port, gloo_port)
     batches = _batches(world_size, rank)
     out = {}
-    try:
+    with _session(rank, world_size, port, gloo_port) as comm:
         for name in HOOKS:
             out[name, "torch"] = train(_torch_ddp(THEIRS[name]), batches, STEPS)
             for schedule in SCHEDULES:
@@ -118,9 +124,6 @@ def _stock_hooks(rank, world_size, port, gloo_port):
                 out[name, schedule] = train(ddp, batches, STEPS)
                 assert len(ddp.buckets) > 1 or schedule == "optimal", (schedule, ddp.buckets)
                 ddp.close()
-    finally:
-        dist.destroy_process_group()
-        comm.close()
     return _saved(out)
 
 
@@ -159,10 +162,9 @@ def _power_sgd_state(group):
 def _power_sgd(rank, world_size, port, gloo_port):
     import ringtrain
 
-    comm = _init(rank, world_size, port, gloo_port)
     batches = _batches(world_size, rank)
     out = {}
-    try:
+    with _session(rank, world_size, port, gloo_port) as comm:
         # schedule="fixed" at torch's bucket size, planned after one iteration: the buckets of
         # torch's DDP, which rebuilds its buckets after the first iteration in the order the
         # gradients came (this model's fit in one bucket). PowerSGD compresses each tensor of a
@@ -211,9 +213,6 @@ def _power_sgd(rank, world_size, port, gloo_port):
         pg = ringtrain.TorchProcessGroup(comm)
         out["torch over ringtrain"] = train(_torch_ddp(powerSGD_hook, _power_sgd_state(pg), pg), batches, 8)
         pg.close()
-    finally:
-        dist.destroy_process_group()
-        comm.close()
     return _saved(out)
 
 
@@ -234,7 +233,6 @@ COUNTS = [7, 3]  # batches per rank: rank 1 joins after 3 iterations, during the
 
 
 def _join_with_hook(rank, world_size, port, gloo_port):
-    comm = _init(rank, world_size, port, gloo_port)
     out = {}
 
     def run(ddp):
@@ -247,16 +245,13 @@ def _join_with_hook(rank, world_size, port, gloo_port):
                 opt.step()
         return [p.detach().clone() for p in ddp.parameters()]
 
-    try:
+    with _session(rank, world_size, port, gloo_port) as comm:
         out["torch"] = run(_torch_ddp(default_hooks.fp16_compress_hook))
         for schedule in ("fixed", "optimal"):
             ddp = DistributedDataParallel(_mlp(), comm, schedule=schedule, **FAST)
             ddp.register_comm_hook(ddp.process_group, default_hooks.fp16_compress_hook)
             out[schedule] = run(ddp)
             ddp.close()
-    finally:
-        dist.destroy_process_group()
-        comm.close()
     return _saved(out)
 
 
