@@ -35,14 +35,8 @@ FAST = dict(alpha=1e-7, beta=1e-10, warmup_iterations=0, profile_iterations=1, v
 STEPS = 6
 
 
-_SEEDING = threading.Lock()
-
-
 def _mlp():
-    """The test model: its seeding and drawing under a lock, as the ranks of the thread tests
-    share torch's global generator."""
-    with _SEEDING:
-        return make_model("mlp")
+    return make_model("mlp")  # (seeded and drawn under a lock: the thread tests' ranks share the generator)
 
 
 def bf16_compress(state, bucket):
@@ -289,8 +283,8 @@ class Recorder:
 @pytest.mark.parametrize("as_view", [False, True])
 def test_a_users_hook_is_called_once_per_bucket_and_not_under_no_sync(as_view, tmp_path):
     def body(comm):
-        # (no torch.manual_seed here: one rank's seeding, outside _mlp's lock, could land in the
-        # middle of the other rank drawing its model, and the two models it compares then differ)
+        # (no torch.manual_seed here: one rank's seeding, outside make_model's lock, could land in
+        # the middle of the other rank drawing its model, and the two models it compares then differ)
         plain = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
         want = train(plain, _batches(2, comm.rank), 4)
         plain.close()
@@ -340,8 +334,7 @@ def test_unused_parameters_contribute_zeros_to_the_hook():
     def body(comm):
         out = []
         for hooked in (False, True):
-            with _SEEDING:
-                module = make_model("unused")
+            module = make_model("unused")
             ddp = DistributedDataParallel(module, comm, schedule="fixed", find_unused_parameters=True, **FAST)
             if hooked:
                 ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)

@@ -9,6 +9,7 @@ batch in one process; in exact arithmetic the two give the same parameters after
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from torch import nn
@@ -63,9 +64,16 @@ MODELS = {"mlp": MLP, "conv": ConvNet, "unused": WithUnused}
 INPUT_SHAPES = {"mlp": (12,), "conv": (3, 8, 8), "unused": (12,)}
 
 
+_SEEDING = threading.Lock()
+
+
 def make_model(name: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return MODELS[name]()
+    """The model, seeded and drawn under a lock: the ranks of the thread tests share torch's
+    global generator, and one rank seeding in the middle of another's draw gives that rank other
+    initial values (a test comparing two of its models then fails now and then)."""
+    with _SEEDING:
+        torch.manual_seed(seed)
+        return MODELS[name]()
 
 
 def global_batch(name: str, step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
