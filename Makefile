@@ -21,7 +21,8 @@ mpi: $(STAMP)
 
 # Horovod 0.28.1, patched to build against this torch, in .venv-horovod/: the benchmarks' Horovod
 # anchor (--horovod-python .venv-horovod/bin/python). Slow (~10 min on 2 cores); never part of test.
-horovod:
+# After `mpi`: Horovod's build needs Open MPI's headers (libopenmpi-dev), and fails without them.
+horovod: mpi
 	PYTHON=$(PYTHON) bash scripts/horovod/install.sh
 
 demo: $(STAMP)
