@@ -29,6 +29,7 @@ class Disk:
 
     def __init__(self, monkeypatch):
         self.gate = threading.Event()
+        self.entered = threading.Event()  # (set by the first write to start: wait for it, never sleep)
         self.started: list[int] = []
         self.fail: set[int] = set()
         real = checkpoint.atomic_save
@@ -36,6 +37,7 @@ class Disk:
         def held(obj, path):
             step = obj["step"]
             self.started.append(step)
+            self.entered.set()
             assert self.gate.wait(10), "the test never opened the gate"
             if step in self.fail:
                 raise CheckpointWriteError(28, "No space left on device", str(path))
@@ -94,6 +96,7 @@ def test_one_write_at_a_time_a_save_waits_for_the_one_before(tmp_path, monkeypat
     writer.save(1, {"x": torch.ones(3)})
     second = threading.Thread(target=writer.save, args=(2, {"x": torch.zeros(3)}))
     second.start()
+    assert disk.entered.wait(5)
     second.join(0.5)
     assert second.is_alive() and disk.started == [1], "the second save did not wait for the first write"
     disk.open()
@@ -109,6 +112,7 @@ def test_a_queued_save_returns_at_once_and_is_written_after_the_one_in_flight(tm
     t0 = time.perf_counter()
     writer.save(2, {"x": torch.zeros(3)}, wait=False)
     assert time.perf_counter() - t0 < 1.0 and writer.writing == [1, 2]
+    assert disk.entered.wait(5)
     time.sleep(0.2)
     assert disk.started == [1]  # the queued one waits for the write in flight
     disk.open()

@@ -27,7 +27,11 @@ def _blocked_recv(sock: socket.socket, breaker: ctrl_c.Breaker, got: list) -> th
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    time.sleep(0.1)
+    end = time.monotonic() + 5  # (until it is in the wait: a fixed sleep may end before a starved thread gets there)
+    while not breaker._waits:
+        assert time.monotonic() < end, "the thread never began its wait"
+        time.sleep(0.001)
+    time.sleep(0.05)  # (and into recv: a break between the two still ends recv, with b"")
     return t
 
 

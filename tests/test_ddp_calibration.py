@@ -362,7 +362,7 @@ def test_fit_interference_never_negative():
 
 
 def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
-    """Each launch made during backward costs the main thread 8 ms here (a sleep in the hook):
+    """Each launch made during backward costs the main thread 20 ms here (a sleep in the hook):
     the trial's probes must attribute the slowdown mostly to launches, not bytes, every rank
     must end with the same interference and plan, and that plan must merge the 12 parameters
     into a few groups."""
@@ -375,7 +375,7 @@ def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
         before = self._s.launched
         real_mark(self, bucket)
         if self._s.launched > before and self._s.ready < self._s.expected:  # launched during backward
-            time.sleep(0.008 * (self._s.launched - before))
+            time.sleep(0.02 * (self._s.launched - before))  # (8 ms was near a loaded machine's noise)
 
     monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
 
@@ -392,7 +392,7 @@ def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
     settled, slow, groups = results[0]
     assert settled and len(groups) <= 3
     fine_bytes = 11 * (64 * 64 + 64) * 4 / 2  # roughly: 11 of 12 parameters, half of them weights
-    assert 0.004 < slow.per_message < 0.016, slow
+    assert 0.01 < slow.per_message < 0.04, slow
     assert slow.per_byte * fine_bytes < 0.5 * slow.per_message * 11, slow  # bytes explain less than launches
     assert any("interference measured by probes" in r.getMessage() for r in caplog.records)
 

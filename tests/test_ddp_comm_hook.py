@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from mp_harness import free_port, run_ranks
+from mp_harness import run_ranks
 from test_ddp_support import make_model, rank_batch, train
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
@@ -50,19 +50,20 @@ def _batches(world_size, rank):
 
 
 @contextlib.contextmanager
-def _session(rank, world_size, port, gloo_port):
+def _session(rank, world_size, port):
     """ringtrain's communicator and torch's default group (gloo), in one rank's process, both
     ended when the block does."""
     import ringtrain
 
     torch.set_num_threads(1)
+    # (one store for both, at one port: a second free port could be taken before its use)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=20.0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     try:
         yield comm
     finally:
+        comm.close()  # (before the store it reaches: rank 0's is the default group's)
         dist.destroy_process_group()
-        comm.close()
 
 
 def _torch_ddp(hook, state=None, group=None):
@@ -106,10 +107,10 @@ THEIRS = {"allreduce_hook": default_hooks.allreduce_hook, "fp16_compress_hook": 
 SCHEDULES = ("fixed", "wfbp", "optimal")
 
 
-def _stock_hooks(rank, world_size, port, gloo_port):
+def _stock_hooks(rank, world_size, port):
     batches = _batches(world_size, rank)
     out = {}
-    with _session(rank, world_size, port, gloo_port) as comm:
+    with _session(rank, world_size, port) as comm:
         for name in HOOKS:
             out[name, "torch"] = train(_torch_ddp(THEIRS[name]), batches, STEPS)
             for schedule in SCHEDULES:
@@ -124,7 +125,7 @@ def _stock_hooks(rank, world_size, port, gloo_port):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_stock_hooks_give_torch_ddps_parameters(world_size):
-    results = _loaded(run_ranks(_stock_hooks, world_size, free_port(), timeout=110.0))
+    results = _loaded(run_ranks(_stock_hooks, world_size, timeout=110.0))
     _same_on_every_rank(results)
     for name in HOOKS:
         theirs = results[0][name, "torch"]
@@ -153,12 +154,12 @@ def _power_sgd_state(group):
     return PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
 
 
-def _power_sgd(rank, world_size, port, gloo_port):
+def _power_sgd(rank, world_size, port):
     import ringtrain
 
     batches = _batches(world_size, rank)
     out = {}
-    with _session(rank, world_size, port, gloo_port) as comm:
+    with _session(rank, world_size, port) as comm:
         # schedule="fixed" at torch's bucket size, planned after one iteration: the buckets of
         # torch's DDP, which rebuilds its buckets after the first iteration in the order the
         # gradients came (this model's fit in one bucket). PowerSGD compresses each tensor of a
@@ -212,7 +213,7 @@ def _power_sgd(rank, world_size, port, gloo_port):
 
 @pytest.mark.multiprocess
 def test_power_sgd_gives_torch_ddps_parameters():
-    results = _loaded(run_ranks(_power_sgd, 2, free_port(), timeout=110.0))
+    results = _loaded(run_ranks(_power_sgd, 2, timeout=110.0))
     _same_on_every_rank(results)
     ours = results[0]["ours"]
     for other in ("torch", "torch over ringtrain"):
@@ -226,7 +227,7 @@ def test_power_sgd_gives_torch_ddps_parameters():
 COUNTS = [7, 3]  # batches per rank: rank 1 joins after 3 iterations, during the first plan
 
 
-def _join_with_hook(rank, world_size, port, gloo_port):
+def _join_with_hook(rank, world_size, port):
     out = {}
 
     def run(ddp):
@@ -239,7 +240,7 @@ def _join_with_hook(rank, world_size, port, gloo_port):
                 opt.step()
         return [p.detach().clone() for p in ddp.parameters()]
 
-    with _session(rank, world_size, port, gloo_port) as comm:
+    with _session(rank, world_size, port) as comm:
         out["torch"] = run(_torch_ddp(default_hooks.fp16_compress_hook))
         for schedule in ("fixed", "optimal"):
             ddp = DistributedDataParallel(_mlp(), comm, schedule=schedule, **FAST)
@@ -252,7 +253,7 @@ def _join_with_hook(rank, world_size, port, gloo_port):
 @pytest.mark.multiprocess
 def test_join_runs_the_hook_on_zeros_as_torch_ddp():
     """The joined rank runs the hook on buckets of zeros, as torch's DDP does."""
-    results = _loaded(run_ranks(_join_with_hook, 2, free_port(), timeout=110.0))
+    results = _loaded(run_ranks(_join_with_hook, 2, timeout=110.0))
     _same_on_every_rank(results)
     for schedule in ("fixed", "optimal"):
         _bitwise(results[0][schedule], results[0]["torch"], schedule)
@@ -436,11 +437,14 @@ def _step(ddp, rank, step=0):
     F.mse_loss(ddp(x), y).backward()
 
 
-def _failing(hook_for, steps: int = 3, timeout: float = 10.0):
+def _failing(hook_for, steps: int = 3, timeout: float = 10.0, deadline: float | None = None):
     """Train with ``hook_for(ddp)`` on 2 ranks; each rank's (step, error) where backward raised,
-    and the error of a forward after it."""
+    and the error of a forward after it. ``deadline``: the wrapper's own (else the communicator's
+    timeout + 10 s), set after construction, whose collectives keep ``timeout``."""
     def body(comm):
         ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
+        if deadline is not None:
+            ddp._timeout = deadline
         ddp.register_comm_hook(ddp.process_group, hook_for(ddp, comm.rank))
         try:
             for step in range(steps):
@@ -529,7 +533,8 @@ def test_a_future_that_never_completes_is_a_timeout_naming_the_hook():
             return torch.futures.Future()
         return never
 
-    # (the wrapper's deadline: the communicator's timeout, 0.5 s, plus 10 s)
-    for step, error, seconds, _ in _failing(hook_for, timeout=0.5):
+    # (the wrapper's deadline as a communicator's timeout of 0.5 s makes it, plus 10 s; not that
+    # timeout itself: the construction's collectives would then fail if a loaded rank came 0.5 s late)
+    for step, error, seconds, _ in _failing(hook_for, deadline=10.5):
         assert step == 0 and isinstance(error, CommTimeout) and "never" in str(error), error
         assert seconds < 20.0

@@ -45,7 +45,7 @@ def _train(ddp, m, rank) -> dict:
     return {k: v.clone() for k, v in m.state_dict().items()}
 
 
-def _ours_and_torchs(rank, world_size, port, gloo_port, configs):
+def _ours_and_torchs(rank, world_size, port, configs):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -53,8 +53,9 @@ def _ours_and_torchs(rank, world_size, port, gloo_port, configs):
     from ringtrain.bench.train import bf16_hook
 
     torch.set_num_threads(1)
+    # (one store for both, at one port: a second free port could be taken before its use)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=20.0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook}  # (the hook's steps: torch refuses its own)
     out = {}
     try:
@@ -72,8 +73,8 @@ def _ours_and_torchs(rank, world_size, port, gloo_port, configs):
             out[compression, schedule, "float32"] = _train(ddp, m, rank)
             ddp.close()
     finally:
+        comm.close()  # (before the store it reaches: rank 0's is the default group's)
         dist.destroy_process_group()
-        comm.close()
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -85,9 +86,8 @@ CONFIGS = [(c, s) for c in ("fp16", "bf16") for s in ("optimal", "fixed")]
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_compressed_gradients_as_torch_ddp_with_its_compression_hook(world_size):
-    from mp_harness import free_port
 
-    results = run_ranks(_ours_and_torchs, world_size, free_port(), CONFIGS, timeout=110)
+    results = run_ranks(_ours_and_torchs, world_size, CONFIGS, timeout=110)
     for r in results:
         if isinstance(r, BaseException):
             raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")

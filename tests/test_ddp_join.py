@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mp_harness import free_port, run_ranks
+from mp_harness import run_ranks
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 from ringtrain.errors import CommError
@@ -79,7 +79,7 @@ def _train(ddp, model, rank, count, find_unused):
         opt.step()
 
 
-def _both_joins(rank, world_size, port, gloo_port, names):
+def _both_joins(rank, world_size, port, names):
     """Each config of ``names`` under torch's DDP and join(), then under this one's; torch.save'd
     results: per config and kind the state after the block, and for ours what the planning did."""
     import torch.distributed as dist
@@ -87,8 +87,9 @@ def _both_joins(rank, world_size, port, gloo_port, names):
     import ringtrain
 
     torch.set_num_threads(1)
+    # (one store for both, at one port: a second free port could be taken before its use)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=20.0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     count = COUNTS[world_size][rank]
     out = {}
     try:
@@ -110,15 +111,15 @@ def _both_joins(rank, world_size, port, gloo_port, names):
                                              ddp.trial)
                     ddp.close()
     finally:
+        comm.close()  # (before the store it reaches: rank 0's is the default group's)
         dist.destroy_process_group()
-        comm.close()
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
 
 
 def _run_both(world_size, names):
-    results = run_ranks(_both_joins, world_size, free_port(), names, timeout=110)
+    results = run_ranks(_both_joins, world_size, names, timeout=110)
     for r in results:
         if isinstance(r, BaseException):
             raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mp_harness import free_port, run_ranks
+from mp_harness import run_ranks
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 
@@ -726,15 +726,16 @@ FAILING = {"part of the outputs", "reentrant checkpoint twice"}  # under torch's
 COMPILED = {"compiled module": "inner", "compiled wrapper": "outer"}
 
 
-def _both_ddps(rank, world_size, port, gloo_port, names):
+def _both_ddps(rank, world_size, port, names):
     """Each pattern of ``names`` under torch's DDP, then under this one; torch.save'd results."""
     import torch.distributed as dist
 
     import ringtrain
 
     torch.set_num_threads(1)
+    # (one store for both, at one port: a second free port could be taken before its use)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=20.0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size)
     out = {}
     try:
         for name in names:
@@ -760,15 +761,15 @@ def _both_ddps(rank, world_size, port, gloo_port, names):
                 if kind == "ours":
                     ddp.close() if isinstance(ddp, DistributedDataParallel) else ddp._orig_mod.close()
     finally:
+        comm.close()  # (before the store it reaches: rank 0's is the default group's)
         dist.destroy_process_group()
-        comm.close()
     buf = io.BytesIO()
     torch.save(out, buf)  # (tensors through the queue would need their sender alive)
     return buf.getvalue()
 
 
 def _run_both(names, world=2):
-    results = run_ranks(_both_ddps, world, free_port(), names, timeout=50)
+    results = run_ranks(_both_ddps, world, names, timeout=50)
     for r in results:
         if isinstance(r, BaseException):
             raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")

@@ -287,6 +287,7 @@ def test_a_node_whose_master_port_is_another_service_ends_within_the_join_timeou
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
     address = network_address()
+    start = _command_start(tmp_path)
     with socket.socket() as listener:
         listener.bind((address, 0))
         listener.listen(8)
@@ -303,10 +304,19 @@ def test_a_node_whose_master_port_is_another_service_ends_within_the_join_timeou
     assert len(lines) == 2 and lines[1].startswith("ringtrain launch: node 0's rendezvous store at "), proc.stderr
     if service == "silent":
         assert "does not answer as a store" in lines[1] and "--join-timeout 2 s" in lines[1], proc.stderr
-        assert 2.0 <= took < 2.0 + 1.5, took  # (1.5 s: this command's own start)
+        assert 2.0 <= took < 2.0 + start + 1.0, (took, start)
     else:
         assert "something else answers there (b'HTTP/1.1')" in lines[1] and "--master-port" in lines[1], proc.stderr
-        assert took < 1.5, took
+        assert took < start + 1.0, (took, start)
+
+
+def _command_start(cwd: Path) -> float:
+    """Seconds ``ringtrain launch --help`` takes here now: the command's own start (an interpreter,
+    its imports), which a loaded machine stretches past any fixed allowance (it was 1.5 s)."""
+    t0 = time.monotonic()
+    proc = run_cli(["launch", "--help"], cwd)
+    assert proc.returncode == 0, proc.stderr
+    return time.monotonic() - t0
 
 
 @pytest.mark.multiprocess

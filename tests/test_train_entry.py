@@ -45,9 +45,17 @@ def launches(monkeypatch):
     import torch.distributed.run as torchrun
 
     calls = []
-    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)  # `ringtrain train` sets it
+    _env_set_by_train_undone(monkeypatch)
     monkeypatch.setattr(torchrun, "main", lambda argv: calls.append(argv))
     return calls
+
+
+def _env_set_by_train_undone(monkeypatch) -> None:
+    """`ringtrain train` sets these in its own process (here, pytest's): unset now and as they
+    were after the test (delenv of an unset name records nothing to undo; setenv first does)."""
+    for name in ("RINGTRAIN_SECRET", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def refusal(argv: list[str], launches, capsys) -> str:
@@ -339,7 +347,7 @@ def test_a_failed_server_rank_is_reported_with_its_exception(tmp_path, monkeypat
     def fail(argv):
         raise ChildFailedError("ringtrain.cli", failures)
 
-    monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
+    _env_set_by_train_undone(monkeypatch)
     monkeypatch.setattr(torchrun, "main", fail)
     code = cli.main(train_argv(tmp_path / "ck", "--strategy", "ps-sync"))
     lines = capsys.readouterr().err.strip().splitlines()
