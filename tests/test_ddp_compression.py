@@ -86,7 +86,6 @@ CONFIGS = [(c, s) for c in ("fp16", "bf16") for s in ("optimal", "fixed")]
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_compressed_gradients_as_torch_ddp_with_its_compression_hook(world_size):
-
     results = run_ranks(_ours_and_torchs, world_size, CONFIGS, timeout=110)
     for r in results:
         if isinstance(r, BaseException):
