@@ -398,7 +398,7 @@ def test_one_node_takes_a_free_rendezvous_port_and_several_nodes_torchruns(tmp_p
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
     ports = []
-    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog: ports.append(
+    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog, **_: ports.append(
         next(int(a.split("=")[1]) for a in argv if a.startswith("--master-port="))) or 0)
     monkeypatch.setattr(launch, "reach_node_0", lambda args: args)
     for name in ("RINGTRAIN_SECRET", "OMP_NUM_THREADS"):  # (set by run(): restored after the test)
@@ -422,7 +422,7 @@ def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypa
     script.write_text("pass\n")
     secret = tmp_path / "secret"
     secret.write_text("s3cret\n")
-    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog: 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog, **_: 0)
     monkeypatch.setattr(launch, "reach_node_0", lambda args: args)  # (no node 0 at 192.0.2.1 to ask)
     monkeypatch.setenv("RINGTRAIN_SECRET", "")  # (set by run(): restored after the test)
     monkeypatch.delenv("RINGTRAIN_SECRET")

@@ -361,6 +361,47 @@ def test_a_failed_server_rank_is_reported_with_its_exception(tmp_path, monkeypat
                          "from step 0"), lines
 
 
+def _port_of(argv: list[str]) -> int:
+    return next(int(a.split("=")[1]) for a in argv if a.startswith("--master-port="))
+
+
+@pytest.mark.parametrize("taken", [1, "all", "given"])
+def test_a_free_port_taken_before_torchrun_listens_is_replaced_by_another(tmp_path, monkeypatch, capsys, taken):
+    """`ringtrain train` finds a free port a moment before torchrun's store listens there; a process
+    binding it in between failed the run with torch's EADDRINUSE. Now it launches again on another
+    port (PORT_TRIES launches at most); a port the user gave (--master-port) is not replaced."""
+    import torch.distributed.run as torchrun
+
+    from ringtrain import launch
+
+    ports = []
+    failing = {1: 1, "all": launch.PORT_TRIES, "given": 1}[taken]
+
+    def main(argv):
+        ports.append(_port_of(argv))
+        if len(ports) <= failing:  # (torch's DistNetworkError says it so)
+            raise RuntimeError(f"The server socket has failed to listen on any local network address. port: "
+                               f"{ports[-1]}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already "
+                               "in use")
+
+    _env_set_by_train_undone(monkeypatch)
+    monkeypatch.setattr(torchrun, "main", main)
+    given = ["--master-port", "29613"] if taken == "given" else []
+    code = cli.main(train_argv(tmp_path / "ck", *given))
+    lines = capsys.readouterr().err.strip().splitlines()
+    if taken == 1:
+        assert code == 0 and len(ports) == 2 and ports[0] != ports[1], ports
+        assert lines == [f"ringtrain train: port {ports[0]}, free a moment before, was taken before torchrun's store "
+                         "could listen there; launching on another"], lines
+        return
+    assert code == 1
+    assert len(ports) == (launch.PORT_TRIES if taken == "all" else 1), ports
+    assert lines[-1].startswith("ringtrain train: torchrun failed: RuntimeError: ") and "EADDRINUSE" in lines[-1]
+    assert lines[-1].endswith("choose another --master-port"), lines
+    if taken == "given":
+        assert ports == [29613] and len(lines) == 1, lines
+
+
 def test_a_worker_records_its_exception_for_the_parent(tmp_path):
     """The --worker entry point runs under torch's @record: its exception lands in the error file."""
     error_file = tmp_path / "error.json"

@@ -19,7 +19,9 @@ A rank that fails ends the command with its exit code and a one-line ``ringtrain
 failed (exit code N): ValueError: bad [train.py:12 in step]``, the rank that failed first before
 those torchrun stopped after it (the exception and the line that raised it are written by the rank
 once it has called ``ringtrain.init()``, see errorfile.py; the script needs no ``@record``);
-torchrun's own errors (a --master-port in use) are one line too, and so is Ctrl-C once the
+torchrun's own errors (a --master-port in use) are one line too (on one node without
+--master-port, a port found free that another process takes before torchrun's store listens
+there is replaced: the launch is made again on another), and so is Ctrl-C once the
 ranks have stopped (torchrun passes SIGINT on to every rank; exit status 130; what the ranks
 print on it is the script's own).
 For torchrun's other options (elastic rendezvous, restarts), call ``torchrun`` itself with
@@ -131,10 +133,9 @@ def run(args: argparse.Namespace) -> int:
         if args.script is None:
             raise ValueError("give the training script to start: ringtrain launch [options] SCRIPT [its arguments]")
         validate(args)
-        if args.master_port is None:
-            from .bench.procs import free_port
-
-            args.master_port = free_port() if args.nnodes == 1 else MULTI_NODE_PORT
+        free = args.master_port is None and args.nnodes == 1  # (a free port, chosen at the launch)
+        if args.master_port is None and not free:
+            args.master_port = MULTI_NODE_PORT
         secret = job_secret(args)
         if not Path(args.script).is_file():
             raise ValueError(f"{args.script}: no such file (the training script to start)")
@@ -157,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"ringtrain launch: {exc}", file=sys.stderr)
                 return 1
+    if free:
+        return run_torchrun_on_a_free_port(lambda port: torchrun_argv(argparse.Namespace(**{**vars(args),
+                                                                                          "master_port": port})),
+                                           "ringtrain launch")
     return run_torchrun(torchrun_argv(args), "ringtrain launch")
 
 
@@ -187,16 +192,41 @@ def reach_node_0(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "join_timeout": max(deadline - time.monotonic(), 1.0)})
 
 
+#: Launches tried on a port this process found free: another process may bind it in between.
+PORT_TRIES = 3
+
+
+class PortTaken(Exception):
+    """torchrun's store could not listen at the port given (EADDRINUSE), before any rank started."""
+
+
+def run_torchrun_on_a_free_port(argv_at: Callable[[int], list[str]], prog: str, **kwargs) -> int:
+    """``run_torchrun(argv_at(port), prog, **kwargs)`` with a port free a moment before; where
+    another process took it first (torchrun's store fails to listen, no rank has started), again
+    on another, up to PORT_TRIES launches (the last one's failure is then run_torchrun's line)."""
+    from .bench.procs import free_port
+
+    for tries_left in reversed(range(PORT_TRIES)):
+        port = free_port()
+        try:
+            return run_torchrun(argv_at(port), prog, port_taken_raises=tries_left > 0, **kwargs)
+        except PortTaken:
+            print(f"{prog}: port {port}, free a moment before, was taken before torchrun's store could listen "
+                  "there; launching on another", file=sys.stderr)
+    raise AssertionError("unreachable: the last launch reports its own failure")
+
+
 def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None = None,
                  interrupted: Callable[[signal.Signals], str] | None = None,
-                 failed: Callable[[], str] | None = None) -> int:
+                 failed: Callable[[], str] | None = None, port_taken_raises: bool = False) -> int:
     """``torchrun.main(argv)``; returns the exit status. A failure is reported on stderr as one line
     ``<prog>: ...`` per failed rank (first failure first; ``role(rank)`` names what the rank was),
     then ``failed()``'s line where given (what is left of the run), or, when torchrun itself
     failed (a port in use), one line with its own error. The status is
     the first failed rank's exit code (128 + N for signal N), 1 for torchrun's own errors.
     Ctrl-C (SIGINT) or SIGTERM of this process: torchrun passes the signal on to the ranks and
-    waits for them to end; then one line, ``interrupted(signal)`` or "interrupted", and 128 + N."""
+    waits for them to end; then one line, ``interrupted(signal)`` or "interrupted", and 128 + N.
+    ``port_taken_raises``: a port in use is PortTaken instead (run_torchrun_on_a_free_port)."""
     with _cpp_log_off_in_this_process():
         from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -236,6 +266,8 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
             signal.signal(signal.SIGINT, before)
         return 128 + sig
     except Exception as exc:  # the agent's own failure, before or between the workers
+        if port_taken_raises and "EADDRINUSE" in str(exc):
+            raise PortTaken(str(exc)) from None
         print(f"{prog}: {agent_error(exc)}", file=sys.stderr)
         return 1
     finally:

@@ -286,10 +286,8 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"\n{cfg.model} in {cfg.checkpoint_dir}:\n  nothing to do: the checkpoint is already at step {done} "
               f"(--steps {cfg.steps}); give more --steps to train on")
         return 0
-    from .bench.procs import free_port
-    from .launch import job_secret, run_torchrun
+    from .launch import job_secret, run_torchrun, run_torchrun_on_a_free_port
 
-    port = args.master_port or free_port()
     # Each worker runs torch on one thread (worker(), ps_worker()): say so, and torchrun's banner
     # about choosing that for us is not printed on every run.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -298,16 +296,18 @@ def _launch(args: argparse.Namespace) -> int:
     # exception for run_torchrun to print.
     # Made by rank 0 on Ctrl-C only (so a launcher killed outright leaves no file behind)
     interrupt_file = Path(tempfile.gettempdir()) / f"ringtrain-train-{os.getpid()}-{secrets.token_hex(8)}.step"
-    argv = [f"--nproc-per-node={args.workers + cfg.servers}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
-            "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker", json.dumps(asdict(cfg)),
-            "--interrupt-file", str(interrupt_file)]
-    if args.json:
-        argv.append("--json")
+
+    def argv_at(port: int) -> list[str]:
+        return [f"--nproc-per-node={args.workers + cfg.servers}", "--nnodes=1", "--master-addr=127.0.0.1",
+                f"--master-port={port}", "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker",
+                json.dumps(asdict(cfg)), "--interrupt-file", str(interrupt_file), *(["--json"] if args.json else [])]
+
+    reports = dict(role=lambda rank: "worker" if rank < args.workers else "parameter server",
+                   interrupted=lambda sig: _interrupted(cfg, sig, interrupt_file), failed=lambda: _where_it_resumes(cfg))
     try:
-        return run_torchrun(argv, "ringtrain train",
-                            role=lambda rank: "worker" if rank < args.workers else "parameter server",
-                            interrupted=lambda sig: _interrupted(cfg, sig, interrupt_file),
-                            failed=lambda: _where_it_resumes(cfg))
+        if args.master_port:
+            return run_torchrun(argv_at(args.master_port), "ringtrain train", **reports)
+        return run_torchrun_on_a_free_port(argv_at, "ringtrain train", **reports)  # (another one if it is taken)
     finally:
         interrupt_file.unlink(missing_ok=True)
 
