@@ -16,12 +16,12 @@ setup: $(STAMP)
 
 # Open MPI + mpi4py: the benchmarks' MPI anchor. Best effort (needs root and Debian's apt).
 mpi: $(STAMP)
-	-@command -v mpirun >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
+	-@{ command -v mpirun && command -v mpicc; } >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
 	-@$(BIN)/python -c 'import mpi4py' 2>/dev/null || $(BIN)/pip install --quiet mpi4py
 
 # Horovod 0.28.1, patched to build against this torch, in .venv-horovod/: the benchmarks' Horovod
 # anchor (--horovod-python .venv-horovod/bin/python). Slow (~10 min on 2 cores); never part of test.
-# After `mpi`: Horovod's build needs Open MPI's headers (libopenmpi-dev), and fails without them.
+# After `mpi`: Horovod's build needs Open MPI's headers (libopenmpi-dev, which has mpicc), and fails without them.
 horovod: mpi
 	PYTHON=$(PYTHON) bash scripts/horovod/install.sh
 

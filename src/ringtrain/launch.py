@@ -209,16 +209,23 @@ def run_torchrun_on_a_free_port(argv_at: Callable[[int], list[str]], prog: str, 
     for tries_left in reversed(range(PORT_TRIES)):
         port = free_port()
         try:
-            return run_torchrun(argv_at(port), prog, port_taken_raises=tries_left > 0, **kwargs)
+            return run_torchrun(argv_at(port), prog, port_taken_raises=port if tries_left else None, **kwargs)
         except PortTaken:
             print(f"{prog}: port {port}, free a moment before, was taken before torchrun's store could listen "
                   "there; launching on another", file=sys.stderr)
     raise AssertionError("unreachable: the last launch reports its own failure")
 
 
+def _port_in_use(exc: Exception, port: int) -> bool:
+    """torch's error for a store that cannot listen at ``port``: "... port: N, useIpv6: false,
+    code: -98, name: EADDRINUSE, ..." (torch.distributed.DistNetworkError)."""
+    text = str(exc)
+    return "EADDRINUSE" in text and f"port: {port}," in text
+
+
 def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None = None,
                  interrupted: Callable[[signal.Signals], str] | None = None,
-                 failed: Callable[[], str] | None = None, port_taken_raises: bool = False) -> int:
+                 failed: Callable[[], str] | None = None, port_taken_raises: int | None = None) -> int:
     """``torchrun.main(argv)``; returns the exit status. A failure is reported on stderr as one line
     ``<prog>: ...`` per failed rank (first failure first; ``role(rank)`` names what the rank was),
     then ``failed()``'s line where given (what is left of the run), or, when torchrun itself
@@ -226,7 +233,8 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     the first failed rank's exit code (128 + N for signal N), 1 for torchrun's own errors.
     Ctrl-C (SIGINT) or SIGTERM of this process: torchrun passes the signal on to the ranks and
     waits for them to end; then one line, ``interrupted(signal)`` or "interrupted", and 128 + N.
-    ``port_taken_raises``: a port in use is PortTaken instead (run_torchrun_on_a_free_port)."""
+    ``port_taken_raises``: that port in use (torch's error names it) is PortTaken instead
+    (run_torchrun_on_a_free_port); another in use (a health-check port the user set) is not."""
     with _cpp_log_off_in_this_process():
         from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -266,7 +274,7 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
             signal.signal(signal.SIGINT, before)
         return 128 + sig
     except Exception as exc:  # the agent's own failure, before or between the workers
-        if port_taken_raises and "EADDRINUSE" in str(exc):
+        if port_taken_raises is not None and _port_in_use(exc, port_taken_raises):
             raise PortTaken(str(exc)) from None
         print(f"{prog}: {agent_error(exc)}", file=sys.stderr)
         return 1
