@@ -133,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
         if args.script is None:
             raise ValueError("give the training script to start: ringtrain launch [options] SCRIPT [its arguments]")
         validate(args)
-        free = args.master_port is None and args.nnodes == 1  # (a free port, chosen at the launch)
-        if args.master_port is None and not free:
+        if args.master_port is None and args.nnodes > 1:  # (one node: a free port, chosen at the launch)
             args.master_port = MULTI_NODE_PORT
         secret = job_secret(args)
         if not Path(args.script).is_file():
@@ -158,11 +157,8 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"ringtrain launch: {exc}", file=sys.stderr)
                 return 1
-    if free:
-        return run_torchrun_on_a_free_port(lambda port: torchrun_argv(argparse.Namespace(**{**vars(args),
-                                                                                          "master_port": port})),
-                                           "ringtrain launch")
-    return run_torchrun(torchrun_argv(args), "ringtrain launch")
+    return run_torchrun_at(lambda port: torchrun_argv(argparse.Namespace(**{**vars(args), "master_port": port})),
+                           "ringtrain launch", args.master_port)
 
 
 def reach_node_0(args: argparse.Namespace) -> argparse.Namespace:
@@ -200,10 +196,13 @@ class PortTaken(Exception):
     """torchrun's store could not listen at the port given (EADDRINUSE), before any rank started."""
 
 
-def run_torchrun_on_a_free_port(argv_at: Callable[[int], list[str]], prog: str, **kwargs) -> int:
-    """``run_torchrun(argv_at(port), prog, **kwargs)`` with a port free a moment before; where
-    another process took it first (torchrun's store fails to listen, no rank has started), again
-    on another, up to PORT_TRIES launches (the last one's failure is then run_torchrun's line)."""
+def run_torchrun_at(argv_at: Callable[[int], list[str]], prog: str, port: int | None, **kwargs) -> int:
+    """``run_torchrun(argv_at(port), prog, **kwargs)``. ``port`` None (or 0): a port free a moment
+    before; where another process took it first (torchrun's store fails to listen, no rank has
+    started), again on another, up to PORT_TRIES launches (the last one's failure is then
+    run_torchrun's line). A port given is launched on once, never replaced."""
+    if port:
+        return run_torchrun(argv_at(port), prog, **kwargs)
     from .bench.procs import free_port
 
     for tries_left in reversed(range(PORT_TRIES)):
@@ -234,7 +233,7 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     Ctrl-C (SIGINT) or SIGTERM of this process: torchrun passes the signal on to the ranks and
     waits for them to end; then one line, ``interrupted(signal)`` or "interrupted", and 128 + N.
     ``port_taken_raises``: that port in use (torch's error names it) is PortTaken instead
-    (run_torchrun_on_a_free_port); another in use (a health-check port the user set) is not."""
+    (run_torchrun_at); another in use (a health-check port the user set) is not."""
     with _cpp_log_off_in_this_process():
         from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException

@@ -286,7 +286,7 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"\n{cfg.model} in {cfg.checkpoint_dir}:\n  nothing to do: the checkpoint is already at step {done} "
               f"(--steps {cfg.steps}); give more --steps to train on")
         return 0
-    from .launch import job_secret, run_torchrun, run_torchrun_on_a_free_port
+    from .launch import job_secret, run_torchrun_at
 
     # Each worker runs torch on one thread (worker(), ps_worker()): say so, and torchrun's banner
     # about choosing that for us is not printed on every run.
@@ -302,12 +302,11 @@ def _launch(args: argparse.Namespace) -> int:
                 f"--master-port={port}", "--local-ranks-filter=0", "-m", "ringtrain.cli", "train", "--worker",
                 json.dumps(asdict(cfg)), "--interrupt-file", str(interrupt_file), *(["--json"] if args.json else [])]
 
-    reports = dict(role=lambda rank: "worker" if rank < args.workers else "parameter server",
-                   interrupted=lambda sig: _interrupted(cfg, sig, interrupt_file), failed=lambda: _where_it_resumes(cfg))
-    try:
-        if args.master_port:
-            return run_torchrun(argv_at(args.master_port), "ringtrain train", **reports)
-        return run_torchrun_on_a_free_port(argv_at, "ringtrain train", **reports)  # (another one if it is taken)
+    try:  # (--master-port 0: a free port, another one if it is taken before torchrun listens there)
+        return run_torchrun_at(argv_at, "ringtrain train", args.master_port,
+                               role=lambda rank: "worker" if rank < args.workers else "parameter server",
+                               interrupted=lambda sig: _interrupted(cfg, sig, interrupt_file),
+                               failed=lambda: _where_it_resumes(cfg))
     finally:
         interrupt_file.unlink(missing_ok=True)
 
