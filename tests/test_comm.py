@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -150,6 +152,29 @@ def test_silent_peer_times_out_and_communicator_stays_broken():
     results = run_comms(3, fn, timeout=0.5)
     assert results[1] == "absent"
     assert all(isinstance(r, CommError) for i, r in enumerate(results) if i != 1), results
+
+
+def test_abort_breaks_the_communicator_and_ends_the_peers_calls_at_once():
+    """A failure of the caller's own (outside any call) told through abort(): the peers' calls
+    fail at once with its type and text, not at their deadline; later calls here are refused
+    naming it; a second abort changes nothing."""
+    def fn(comm):
+        start = time.monotonic()
+        if comm.rank == 1:
+            comm.abort(MismatchError("my batch had another shape"))
+            comm.abort(ValueError("later"))
+            assert isinstance(comm.broken, MismatchError)
+            with pytest.raises(CommError, match="broken by an earlier error .my batch had another shape"):
+                comm.allreduce(np.ones(3, dtype=np.float32))
+            return None
+        with pytest.raises(MismatchError, match="my batch had another shape"):
+            comm.allreduce(np.ones(3, dtype=np.float32))
+        assert isinstance(comm.broken, MismatchError)
+        return time.monotonic() - start
+
+    for p in (2, 3):
+        seconds = [s for s in raise_first(run_comms(p, fn, timeout=30.0)) if s is not None]
+        assert len(seconds) == p - 1 and max(seconds) < 10.0, seconds
 
 
 @pytest.mark.parametrize(

@@ -437,10 +437,12 @@ def _step(ddp, rank, step=0):
     F.mse_loss(ddp(x), y).backward()
 
 
-def _failing(hook_for, steps: int = 3, timeout: float = 10.0, deadline: float | None = None):
+def _failing(hook_for, steps: int = 3, timeout: float = 10.0, deadline: float | None = None, hold: float = 0.0):
     """Train with ``hook_for(ddp)`` on 2 ranks; each rank's (step, error) where backward raised,
     and the error of a forward after it. ``deadline``: the wrapper's own (else the communicator's
-    timeout + 10 s), set after construction, whose collectives keep ``timeout``."""
+    timeout + 10 s), set after construction, whose collectives keep ``timeout``. ``hold``: how
+    long a rank whose backward raised keeps its communicator open before closing it (a process
+    that goes on to save a checkpoint, say)."""
     def body(comm):
         ddp = DistributedDataParallel(_mlp(), comm, schedule="fixed", **FAST)
         if deadline is not None:
@@ -455,6 +457,7 @@ def _failing(hook_for, steps: int = 3, timeout: float = 10.0, deadline: float | 
                     seconds = time.monotonic() - start
                     with pytest.raises(CommError, match="previous backward pass's communication failed") as later:
                         _step(ddp, comm.rank, step + 1)
+                    time.sleep(hold)
                     return step, exc, seconds, later.value
             return None
         finally:
@@ -488,13 +491,31 @@ def test_a_hook_that_raises_on_one_rank_ends_the_others_backward_at_once():
             return default_hooks.allreduce_hook(state, bucket)
         return broken
 
-    (step0, error0, seconds0, _), (step1, error1, _, _) = _failing(hook_for, timeout=30.0)
+    # Rank 1 keeps its communicator open for 8 s after the failure: rank 0 learns of it from rank
+    # 1's abort at once, not from the communicator closing, nor at its 30 s deadline.
+    (step0, error0, seconds0, _), (step1, error1, _, _) = _failing(hook_for, timeout=30.0, hold=8.0)
     assert step1 == 1 and "failed: ValueError: rank 1 only" in str(error1)
-    # Rank 0's allreduce for bucket 0 waited for rank 1, whose communicator then closed: the
-    # failure reached rank 0's backward, naming its hook and what its collective met.
-    assert step0 == 1 and "comm hook" in str(error0) and "broken on bucket 0 failed" in str(error0)
-    assert "PeerLost" in str(error0) or "closed" in str(error0), error0
-    assert seconds0 < 15.0
+    # Rank 0's allreduce for bucket 0 waited for rank 1, which then broke its communicator: the
+    # failure reached rank 0's backward, naming its hook and rank 1's error, as a CommError of
+    # its own (not torch's RuntimeErrors around it, one per then()).
+    assert step0 == 1 and "comm hook" in str(error0) and "broken on bucket 0 failed: CommError" in str(error0)
+    assert "rank 1 only" in str(error0) and "Got the following error" not in str(error0), error0
+    assert seconds0 < 6.0
+
+
+def test_a_collective_that_fails_under_a_hook_keeps_its_error_type():
+    def hook_for(ddp, rank):
+        def late(state, bucket):
+            if rank == 1 and bucket.index() == 0 and bucket.is_last() is False:
+                time.sleep(6.0)  # past rank 0's 3 s deadline for the allreduce inside its hook
+            return default_hooks.allreduce_hook(state, bucket)
+        return late
+
+    (step0, error0, seconds0, _), _ = _failing(hook_for, timeout=3.0)
+    # (torch's futures hand the communicator's CommTimeout on inside RuntimeErrors of their own)
+    assert step0 == 1 and isinstance(error0, CommTimeout), repr(error0)
+    assert "late on bucket 0" in str(error0) and "Got the following error" not in str(error0), error0
+    assert seconds0 < 6.0
 
 
 def test_a_future_with_the_wrong_shape_or_no_future():

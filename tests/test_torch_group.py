@@ -4,6 +4,7 @@ their errors. (torch's DDP over it, in real processes: test_torch_group_ddp.py.)
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -173,6 +174,28 @@ def test_a_callback_may_wait_for_a_call_made_before_it():
 
     for value in on_group(3, fn):
         assert torch.equal(value, 10 * sum(data(r, 4, 1) for r in range(3)))
+
+
+def test_a_callback_may_wait_for_the_work_whose_future_called_it():
+    """A callback of a work's own future (or of collect_all over several) may wait for that work,
+    as with gloo: the job has run, though the worker is still in its callbacks; the group goes
+    on with the next call. wait() takes seconds as well as a timedelta, as torch's does."""
+    def fn(pg):
+        t, u = data(pg.rank(), 3), data(pg.rank(), 2, 1)
+        work = dist.all_reduce(t, group=pg, async_op=True)
+        own = work.get_future().then(lambda f: (work.wait(timedelta(seconds=3)), f.value()[0] * 10)[1]).wait()
+        works = [dist.all_reduce(u, group=pg, async_op=True), dist.all_reduce(torch.ones(1), group=pg, async_op=True)]
+        both = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: [w.wait(2.0) for w in works])
+        assert both.wait() == [True, True]
+        later = torch.ones(2)
+        dist.all_reduce(later, group=pg)
+        with pytest.raises(TypeError, match="timedelta or seconds"):
+            works[0].wait("3 s")
+        return t, own, u, later
+
+    for t, own, u, later in on_group(2, fn):
+        assert torch.equal(own, 10 * t) and torch.equal(t, data(0, 3) + data(1, 3))
+        assert torch.equal(u, data(0, 2, 1) + data(1, 2, 1)) and torch.equal(later, torch.full((2,), 2.0))
 
 
 def test_mismatch_surfaces_at_wait_and_in_the_future():

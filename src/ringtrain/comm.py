@@ -177,6 +177,25 @@ class Communicator:
         else:
             self._call(None, ("barrier",))
 
+    @property
+    def broken(self) -> Optional[BaseException]:
+        """The error that broke this communicator (a failed call, or :meth:`abort`), else None."""
+        return self._broken
+
+    def abort(self, error: BaseException) -> None:
+        """Break this communicator by ``error`` (a failure of the caller's, outside any call: a
+        communication hook that raised, say) and tell every peer, so that a peer's call in
+        progress or next fails at once with ``error``'s type and text instead of waiting out its
+        deadline. Later calls here are refused naming it. Safe from another thread than a call
+        in progress, which then fails. Nothing to do once broken (the peers were told) or closed."""
+        if self._broken is not None or self._closed:
+            return
+        self._broken = error
+        try:
+            self.transport.abort(error)
+        except Exception:  # noqa: BLE001 - best effort, as after a failed call; the error is kept
+            pass
+
     def close(self) -> None:
         """Release every socket, segment and thread. Idempotent."""
         if self._closed:

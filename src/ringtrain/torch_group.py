@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -60,17 +61,20 @@ class _Work(dist._Work):
         # DDP's reducer and then() chains see; raw.set_exception alone would read there as success.
         self.future = self.raw.then(lambda f: f.value())
 
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+    def wait(self, timeout: Optional[timedelta | float] = None) -> bool:
         """Until the job has run (each job is bounded by the communicator's timeout, those queued
-        before it too), or torch's ``timeout`` (zero or None: no more bound than that) is up.
-        Called on the worker thread (a future's callback) for a job still queued, it runs the
-        queued jobs there, up to and past this one, in their order: the thread would otherwise
-        wait for itself."""
-        if not self.done.is_set() and threading.current_thread() is self._worker:
+        before it too), or torch's ``timeout`` (a timedelta or seconds; zero or None: no more
+        bound than that) is up. Called on the worker thread (a future's callback) for a job
+        still queued, it runs the queued jobs there, up to and past this one, in their order: the
+        thread would otherwise wait for itself; there, a job whose future is complete has run,
+        also while that future's callbacks run (``done``, which other threads wait for, is set
+        after them: a callback waiting for it would wait for itself)."""
+        on_worker = threading.current_thread() is self._worker
+        if on_worker and not self.raw.done():
             self._drain()
-        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        seconds = _seconds(timeout)
         deadline = time.monotonic() + seconds if seconds > 0 else None
-        while not self.done.wait(0.5):
+        while not (on_worker and self.raw.done()) and not self.done.wait(0.5):
             if not self._worker.is_alive() and not self.done.is_set():
                 raise RuntimeError("ringtrain's process group was closed before this call ran")
             if deadline is not None and time.monotonic() > deadline:
@@ -88,6 +92,17 @@ class _Work(dist._Work):
     def result(self):
         self.wait()
         return self._result
+
+
+def _seconds(timeout: Optional[timedelta | float]) -> float:
+    """``Work.wait``'s timeout in seconds (torch takes a timedelta, and a float as seconds)."""
+    if timeout is None:
+        return 0.0
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
+        return float(timeout)
+    raise TypeError(f"Work.wait's timeout must be a datetime.timedelta or seconds, got {timeout!r}")
 
 
 class _Worker:

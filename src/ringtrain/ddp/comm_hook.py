@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm import Communicator
 from ..errors import CommError, CommTimeout
 
 
@@ -183,12 +184,13 @@ class CommHook:
     wrapper's communicator, which each run waits for until they have run every call made so far:
     the wrapper's list of its own ``process_group`` (empty until made; the hook may reach it
     through a state of the user's own), and the state's group where it is another one over that
-    communicator. ``timeout``: the wrapper's deadline for each wait."""
+    communicator. ``timeout``: the wrapper's deadline for each wait. ``comm``: the wrapper's
+    communicator, which a failed run breaks, telling the peers (their hooks' calls end at once)."""
 
-    __slots__ = ("hook", "state", "name", "own", "extra", "timeout", "failed", "layout")
+    __slots__ = ("hook", "state", "comm", "name", "own", "extra", "timeout", "failed", "layout")
 
-    def __init__(self, hook: Callable, state: Any, own: list, extra: Sequence, timeout: float):
-        self.hook, self.state = hook, state
+    def __init__(self, hook: Callable, state: Any, comm: Communicator, own: list, extra: Sequence, timeout: float):
+        self.hook, self.state, self.comm = hook, state, comm
         self.name = hook_name(hook)
         self.own, self.extra = own, tuple(extra)
         self.timeout = timeout
@@ -225,7 +227,9 @@ class CommHook:
             error = error or exc  # (the hook's own error is the news, not the wait after it)
         if error is not None:
             self.failed = error
-            raise self._failure(error, index) from error
+            failure = self._failure(error, index)
+            self.comm.abort(failure)  # (as a failed allreduce would: no peer waits out its deadline)
+            raise failure from error
 
     def _wait(self, future: torch.futures.Future, index: int) -> Any:
         """The future's value, once it completed (raises its error), within the deadline."""
@@ -244,8 +248,13 @@ class CommHook:
                                   f"{self.timeout:.1f} s")
 
     def _failure(self, exc: BaseException, index: int) -> CommError:
-        """The CommError a failed run raises: what failed, naming the hook and the bucket."""
+        """The CommError a failed run raises: what failed, naming the hook and the bucket. Where a
+        call over the communicator failed under the hook (a peer lost, a deadline, a mismatch),
+        that error is the news, with its type: torch's futures hand it on wrapped in RuntimeErrors
+        of their own, one per ``then``."""
         where = f"comm hook {self.name} on bucket {index}"
+        if not isinstance(exc, CommError) and isinstance(self.comm.broken, CommError):
+            exc = self.comm.broken
         if isinstance(exc, CommTimeout):
             return CommTimeout(f"{where}: {exc}")
         error = type(exc) if isinstance(exc, CommError) else CommError

@@ -343,7 +343,7 @@ class DistributedDataParallel(nn.Module):
         group = comm_hook.hook_group(state, self.world_size, self.rank)
         # (another TorchProcessGroup over this communicator than process_group: waited for as well)
         extra = [group] if getattr(group, "comm", None) is self.comm and group not in self._groups else []
-        self._comm_hook = comm_hook.CommHook(hook, state, self._groups, extra, self._timeout)
+        self._comm_hook = comm_hook.CommHook(hook, state, self.comm, self._groups, extra, self._timeout)
         self._planning.replans = False  # (a hook's state by bucket index stays valid once settled)
         self._log(f"comm hook {self._comm_hook.name} registered")
 
