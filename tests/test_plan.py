@@ -391,6 +391,13 @@ def test_plan_is_frozen_and_validated():
         plan.end_time = 0.0
     with pytest.raises(ValueError, match="end_time"):
         Plan("custom", [(0, 0)], [1.0], [2.0], [4.0], [1.0], end_time=3.0)
+    for tail in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="tail"):
+            Plan("custom", [(0, 0)], [1.0], [2.0], [4.0], [1.0], end_time=2.0, tail=tail)
+    # Backward's compute after the last gradient (tail) ends backward later, hiding more.
+    tailed = Plan("custom", [(0, 0)], [1.0], [3.0], [4.0], [1.0], end_time=3.0, tail=1.5)
+    assert (tailed.backward_time, tailed.exposed_time, tailed.hidden_fraction) == (2.5, 0.5, 0.75)
+    assert Plan("custom", [(0, 0)], [1.0], [3.0], [4.0], [1.0], end_time=3.0, tail=3.0).exposed_time == 0.0
 
 
 def test_describe_and_to_dict():

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -60,6 +64,11 @@ def test_simulate_plots(tmp_path, capsys):
     (["--cluster", "token-ring"], "--cluster"),
     (["--gpus", "4,x"], "--gpus"),
     (["--gpus", "0"], "--gpus"),
+    (["--gpus", "99999999999999999999"], "--gpus: GPU counts must be from 1 to 1048576"),  # (printed runaway rows)
+    # (numbers out of any real range: rows of inf, or a message naming no input)
+    (["--model", "resnet50", "--gpus", "4", "--cluster", "alpha=0,beta=1e300"], "the predicted iteration takes 1.53e+308 s"),
+    (["--model", "resnet50", "--gpus", "4", "--cluster", "alpha=1e308,beta=1e-9"],
+     "the cost of an allreduce of 102228128 bytes came out inf seconds"),
     (["--schedules", "greedy"], "--schedules"),
     (["--algorithms", "butterfly"], "--algorithms"),
     (["--device", "p100"], "--device"),
@@ -206,6 +215,7 @@ def test_a_sweep_without_zoo_models_names_no_gpu_profile(tmp_path, capsys):
     [
         (["--alpha", "nan", "--beta", "1e-9"], "ringtrain plan: --alpha: nan must be a finite number >= 0"),
         (["--alpha", "1e-5", "--beta", "-1"], "ringtrain plan: --beta: -1.0 must be a finite number >= 0"),
+        (["--alpha", "0", "--beta", "0"], "ringtrain plan: --alpha and --beta cannot both be 0"),
     ],
 )
 def test_plan_alpha_beta_errors_name_the_option_given(argv, message, capsys):
@@ -247,3 +257,18 @@ def test_an_unknown_profile_model_names_the_option(command, capsys):
     err = capsys.readouterr().err
     assert "--model profile:foo: unknown ringtrain.models model; choose profile: followed by one of" in err
     assert "resnet" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv", [["simulate", "--gpus", "4"], ["simulate", "--gpus", "4", "--json"],
+                                  ["plan", "--gpus", "4"], ["plan", "--gpus", "4", "--json"]])
+def test_output_that_cannot_be_written_is_one_line_not_a_traceback(argv):
+    # (a --json piped to a file on a full disk; a reader that stops early is no error: | head)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "ringtrain.cli", *argv, "--model", "resnet50"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr == f"ringtrain {argv[0]}: cannot write the output: No space left on device\n"
+    head = subprocess.run(f"{shlex.quote(sys.executable)} -m ringtrain.cli {' '.join(argv)} --model resnet50 | head -1",
+                          shell=True, capture_output=True, text=True, timeout=50)
+    assert head.stdout.strip() and head.stderr == ""

@@ -73,12 +73,16 @@ def test_backward_of_parameter_free_input_layers_overlaps_the_last_allreduce():
     quick = predict_with_cost(trace, lambda n: 0.0 * n + 0.25, 2, "wfbp")
     assert (quick.comm_end_s, quick.exposed_s) == (6.25, 0.0)  # hidden behind the input layer's 2 s
     assert quick.iteration_s == 9.0 + 8.0 + 0.5
+    # The prediction's plan says the same (ringtrain plan --json puts both in one document).
+    for pred, hidden in ((p, 1.0 - 2.0 / 9.0), (quick, 1.0)):
+        assert (pred.plan.tail, pred.plan.backward_time) == (2.0, 8.0)
+        assert pred.plan.exposed_time == pred.exposed_s and pred.plan.hidden_fraction == hidden
 
 
 def test_one_gpu_communicates_nothing():
     for schedule in SCHEDULES:
         p = predict_with_cost(toy(), cost, 1, schedule)
-        assert (p.comm_s, p.exposed_s, p.speedup, p.efficiency) == (0.0, 0.0, 1.0, 1.0)
+        assert (p.comm_s, p.exposed_s, p.speedup, p.efficiency, p.groups) == (0.0, 0.0, 1.0, 1.0, 0)
         assert p.comm_end_s == 6.0  # the (empty) last allreduce ends when its gradient is ready
         assert p.iteration_s == 14.5
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ringtrain.sim.devices import DEVICES, DeviceProfile, get_device
@@ -87,3 +88,16 @@ def test_bad_names_and_values_are_clear_errors():
         DeviceProfile("x", 1.0, 1.5, 1.0, 4, "fp32")
     with pytest.raises(ValueError, match="batch_size"):
         build_trace("resnet50", DEVICES["v100"], batch_size=0)
+
+
+def test_build_trace_takes_a_device_name_and_refuses_what_is_not_one():
+    # (the CLI takes --device v100: a name here raised AttributeError deep inside)
+    assert build_trace("vgg16", "V100") == build_trace("vgg16", DEVICES["v100"])
+    assert build_trace("vgg16", "v100", batch_size=np.int64(8)).batch_size == 8
+    with pytest.raises(ValueError, match="unknown device 'p100'"):
+        build_trace("vgg16", "p100")
+    with pytest.raises(ValueError, match="device must be a DeviceProfile or the name of one"):
+        build_trace("vgg16", 3)
+    for bad in (2.5, True, 0, "8"):
+        with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+            build_trace("vgg16", "v100", batch_size=bad)

@@ -196,6 +196,9 @@ class Plan:
     """Ready time of each layer's gradient, seconds (delayed by interference, if any)."""
     end_time: float
     """End of the last allreduce (0 for a model without layers), seconds."""
+    tail: float = 0.0
+    """Backward's compute after the last gradient is ready (layers without parameters nearest
+    the input, which the grouping never waits for), seconds: backward ends that much later."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS + ("custom",):
@@ -208,6 +211,8 @@ class Plan:
         expected = self.ends[-1] if self.ends else 0.0
         if self.end_time != expected:
             raise ValueError(f"end_time={self.end_time} is not the last group's end {expected}")
+        if not (math.isfinite(self.tail) and self.tail >= 0.0):
+            raise ValueError(f"tail={self.tail!r} must be a finite number of seconds >= 0")
 
     @property
     def num_layers(self) -> int:
@@ -215,8 +220,8 @@ class Plan:
 
     @property
     def backward_time(self) -> float:
-        """When backward ends: the ready time of the last layer (0 without layers)."""
-        return self.ready[-1] if self.ready else 0.0
+        """When backward ends: the ready time of the last layer (0 without layers), plus ``tail``."""
+        return (self.ready[-1] if self.ready else 0.0) + self.tail
 
     @property
     def comm_time(self) -> float:
@@ -225,8 +230,8 @@ class Plan:
 
     @property
     def exposed_time(self) -> float:
-        """Communication time left after backward ends (end_time - backward_time)."""
-        return self.end_time - self.backward_time
+        """Communication time left after backward ends (end_time - backward_time, or 0)."""
+        return max(0.0, self.end_time - self.backward_time)
 
     @property
     def hidden_fraction(self) -> float:
@@ -243,6 +248,7 @@ class Plan:
             "ends": list(self.ends),
             "group_bytes": list(self.group_bytes),
             "end_time": self.end_time,
+            "tail": self.tail,
             "backward_time": self.backward_time,
             "comm_time": self.comm_time,
             "exposed_time": self.exposed_time,
@@ -570,7 +576,9 @@ def _cost_array(cost: CostFn, nbytes: np.ndarray) -> np.ndarray:
         out = np.array([float(cost(float(b))) for b in nbytes], dtype=np.float64)
     if out.size and not (np.all(np.isfinite(out)) and np.all(out >= 0.0)):
         bad = int(np.flatnonzero(~(np.isfinite(out) & (out >= 0.0)))[0])
-        raise ValueError(f"cost({nbytes[bad]!r}) returned {out[bad]!r}; it must be finite and >= 0")
+        raise ValueError(f"the cost of an allreduce of {float(nbytes[bad]):.0f} bytes came out {float(out[bad])!r} "
+                         f"seconds ({cost!r}); it must be finite and >= 0: are the cost's numbers (alpha, beta, "
+                         "gamma) or the sizes out of any real range?")
     return out
 
 

@@ -100,6 +100,10 @@ def _refuse_repeats(items: Sequence[Any], option: str) -> None:
         seen.add(v)
 
 
+#: The most GPUs a prediction is made for (no cluster has more; beyond, the numbers mean nothing).
+MAX_GPUS = 1 << 20
+
+
 def parse_gpus(value: str) -> list[int]:
     out = []
     for v in split(value, "--gpus"):
@@ -107,8 +111,8 @@ def parse_gpus(value: str) -> list[int]:
             p = int(v)
         except ValueError:
             raise ValueError(f"--gpus: {v!r} is not an integer") from None
-        if p < 1:
-            raise ValueError(f"--gpus: GPU counts must be >= 1, got {p}")
+        if not 1 <= p <= MAX_GPUS:
+            raise ValueError(f"--gpus: GPU counts must be from 1 to {MAX_GPUS}, got {p}")
         out.append(p)
     _refuse_repeats(out, "--gpus")  # (each GPU count's rows would come twice)
     return out
@@ -204,20 +208,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"ringtrain simulate: cannot write {e.filename or 'the output'}: {e.strerror or e}", file=sys.stderr)
         return 2
     if args.json:
-        emit(json.dumps(document(predictions, traces, clusters, device), indent=1))
-    else:
-        emit(format_table(predictions, schedules, device))
-    return 0
+        return emit(json.dumps(document(predictions, traces, clusters, device), indent=1), "ringtrain simulate")
+    return emit(format_table(predictions, schedules, device), "ringtrain simulate")
 
 
-def emit(text: str) -> None:
-    """Print ``text``; a reader that stops early (``| head``) is not an error."""
+def emit(text: str, prog: str) -> int:
+    """Print ``text``; the exit status: 0, also where a reader stops early (``| head``), or 2 with
+    one line naming the cause where stdout cannot be written (a full disk)."""
     try:
         print(text, flush=True)
     except BrokenPipeError:
-        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        status = 0
+    except OSError as e:
+        print(f"{prog}: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        status = 2
+    else:
+        return 0
+    # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return status
 
 
 def document(predictions: list[Prediction], traces: list[Trace], clusters: list[Any],

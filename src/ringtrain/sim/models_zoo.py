@@ -21,10 +21,11 @@ the fast implementations, and they carry no gradient.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
-from .devices import DeviceProfile
+from .devices import DeviceProfile, get_device
 from .traces import Layer, Trace
 
 GRAD_BYTES_PER_PARAM = 4
@@ -347,12 +348,21 @@ def get_model(name: str) -> ModelSpec:
     return MODELS[key]
 
 
-def build_trace(name: str, device: DeviceProfile, batch_size: int | None = None) -> Trace:
-    """The trace of zoo model ``name`` on ``device`` at ``batch_size`` samples per GPU."""
+def build_trace(name: str, device: DeviceProfile | str, batch_size: int | None = None) -> Trace:
+    """The trace of zoo model ``name`` on ``device`` (a profile, or its name in ``DEVICES``) at
+    ``batch_size`` samples per GPU."""
     spec = get_model(name)
+    if isinstance(device, str):
+        device = get_device(device)
+    elif not isinstance(device, DeviceProfile):
+        raise ValueError(f"device must be a DeviceProfile or the name of one (sim.DEVICES), got {device!r}")
     b = spec.batch_size if batch_size is None else batch_size
-    if b < 1:
-        raise ValueError(f"batch_size must be >= 1, got {b}")
+    try:
+        b = operator.index(b) if not isinstance(b, bool) else None  # (numpy integers too; not 2.5)
+    except TypeError:
+        b = None
+    if b is None or b < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     layers = []
     total_params = 0
     for s in spec.shapes():

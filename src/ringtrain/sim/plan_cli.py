@@ -63,10 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"model": trace.model, "cluster": cluster.name, "world_size": args.gpus, "algorithm": args.algorithm,
                "layers": names, "methods": [dict(p.to_dict(), plan=p.plan.to_dict()) for p in preds]}
-        emit(json.dumps(doc, indent=1))
-    else:
-        emit(describe(trace, preds, names, args.max_groups))
-    return 0
+        return emit(json.dumps(doc, indent=1), "ringtrain plan")
+    return emit(describe(trace, preds, names, args.max_groups), "ringtrain plan")
 
 
 def _cluster(args: argparse.Namespace) -> clusters_mod.Cluster:
@@ -78,6 +76,8 @@ def _cluster(args: argparse.Namespace) -> clusters_mod.Cluster:
         for option, value in (("--alpha", args.alpha), ("--beta", args.beta)):
             if not (math.isfinite(value) and value >= 0):  # (the cluster's own check says --cluster)
                 raise ValueError(f"{option}: {value!r} must be a finite number >= 0")
+        if args.alpha == 0 and args.beta == 0:
+            raise ValueError("--alpha and --beta cannot both be 0 (communication would cost nothing)")
         return clusters_mod.custom(f"alpha={args.alpha},beta={args.beta},gpus_per_node={args.gpus_per_node}")
     found = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTER], args.gpus_per_node)
     if len(found) != 1:

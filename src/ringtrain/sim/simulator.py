@@ -35,7 +35,7 @@ cost formula charges, forward-pass prefetching of parameters, and data loading.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -72,7 +72,7 @@ class Prediction:
     speedup: float
     efficiency: float
     groups: int
-    """Number of allreduces per iteration."""
+    """Number of allreduces per iteration (0 on one GPU)."""
     plan: planner.Plan = field(repr=False, compare=False)
 
     @property
@@ -126,6 +126,11 @@ def _plan_layers(times: list[float], sizes: list[int], schedule: str, cost: Cost
                          planned_with=planned_with, drain=drain, first_bucket_mb=first_bucket_mb, **rate)
 
 
+#: The longest iteration predicted (30 years): beyond, the inputs are out of any real range (a
+#: beta of 1e300 s/byte) and the numbers would print as inf.
+MAX_ITERATION_S = 1e9
+
+
 def single_gpu_iteration(trace: Trace) -> float:
     return trace.forward_s + trace.backward_s + trace.optimizer_s
 
@@ -163,14 +168,22 @@ def predict_with_cost(
     # waited for (sim.costs, "ps"; the planner's drain).
     occupancy = getattr(cost, "occupancy", cost) if world_size > 1 else _free
     drain = getattr(cost, "drain", None) if servers else None
-    plan = _plan_layers(times, sizes, schedule, occupancy, bucket_cap_mb,
-                        interference if world_size > 1 else None, planned_with if world_size > 1 else None, drain,
-                        first_bucket_mb)
+    with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is refused below, in one line)
+        plan = _plan_layers(times, sizes, schedule, occupancy, bucket_cap_mb,
+                            interference if world_size > 1 else None, planned_with if world_size > 1 else None,
+                            drain, first_bucket_mb)
     # Backward slowed by the launches before its last group (0 without interference).
-    delay = plan.backward_time - float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
+    gradients_s = float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
+    delay = plan.ready[-1] - gradients_s if times else 0.0
     backward = trace.backward_s + delay
+    # (the plan's backward ends where the trace's does: after its parameter-free tail, if any)
+    plan = replace(plan, tail=max(0.0, trace.backward_s - gradients_s))
     optimizer = 0.0 if servers else trace.optimizer_s
     iteration = trace.forward_s + max(backward, plan.end_time) + optimizer
+    if not iteration <= MAX_ITERATION_S:
+        raise ValueError(f"{trace.model} at {world_size} GPUs: the predicted iteration takes {iteration:.3g} s, over "
+                         f"{MAX_ITERATION_S:.0e} s (30 years); are the cost's numbers ({cost!r}) or the trace's "
+                         "sizes out of any real range?")
     throughput = world_size * trace.batch_size / iteration
     speedup = base / iteration * world_size
     return Prediction(
@@ -189,7 +202,7 @@ def predict_with_cost(
         samples_per_s=throughput,
         speedup=speedup,
         efficiency=speedup / world_size,
-        groups=len(plan.groups),
+        groups=len(plan.groups) if world_size > 1 else 0,  # (one GPU sends nothing)
         plan=plan,
     )
 
