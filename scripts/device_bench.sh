@@ -2,8 +2,9 @@
 # The training benchmarks on a machine with cores to spare (a lent device machine: 16 cores).
 #
 # On the 2-core development machine the communication's CPU is the computation's (README,
-# "Reading it"); each rank trains on one torch thread, so on 16 cores the same job leaves the
-# transport, the kernel's network work and the parameter servers cores of their own. In order
+# "Where it stands against the issues' bars"); each rank trains on one torch thread, so on 16
+# cores the same job leaves the transport, the kernel's network work and the parameter servers
+# cores of their own. In order
 # of what the open issues still need, each under its own deadline so that a late one cannot cost
 # the earlier ones' results:
 #   1. 4 workers at 1 Gbit/s: the ring (one allreduce after backward, and torch DDP's overlap)

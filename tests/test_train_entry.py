@@ -661,6 +661,20 @@ def test_a_models_aliases_share_the_default_checkpoint_directory(tmp_path, monke
     assert train.TrainConfig(model="charlm-transformer").checkpoint_dir == str(Path("runs") / "charlm")
 
 
+def test_ps_sync_and_ps_sharded_share_the_default_checkpoint_directory(tmp_path, monkeypatch):
+    # The same synchronous servers: `--strategy ps-sharded --servers 4` after `--strategy ps-sync`
+    # resumes (docs/ps.md); it started afresh in a directory of its own.
+    monkeypatch.chdir(tmp_path)
+    dirs = {train.TrainConfig(model="mlp", strategy=s, servers=k).checkpoint_dir
+            for s, k in (("ps-sync", 0), ("ps-sync", 4), ("ps-sharded", 0), ("ps-sharded", 4))}
+    assert dirs == {"runs/mlp-ps-sync"}
+    assert train.TrainConfig(model="mlp", strategy="ps-async").checkpoint_dir == "runs/mlp-ps-async"
+    (tmp_path / "runs" / "mlp-ps-sharded").mkdir(parents=True)  # made by a version that kept them apart
+    assert train.TrainConfig(model="mlp", strategy="ps-sharded").checkpoint_dir == "runs/mlp-ps-sharded"
+    (tmp_path / "runs" / "mlp-ps-sync").mkdir()
+    assert train.TrainConfig(model="mlp", strategy="ps-sharded").checkpoint_dir == "runs/mlp-ps-sync"
+
+
 # --- Ctrl-C: what the parent says, and a save it does not cut short --------------------------------
 
 def interrupted_line(directory: Path, *flags: str, step: str = "") -> str:

@@ -85,9 +85,9 @@ class TrainConfig:
     """Gradients on the wire in half precision (the ring only): fp16 or bf16 halve the bytes of each allreduce
     at a rounding of every gradient, as torch's compression hooks (docs/ddp.md); none sends them as they are."""
     checkpoint_dir: str = ""
-    """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers: --model
-    charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync), or to runs/charlm where older runs
-    made that one and no runs/charlm-transformer exists."""
+    """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers (ps-sharded
+    shares ps-sync's): --model charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync), or to
+    runs/charlm where older runs made that one and no runs/charlm-transformer exists."""
     checkpoint_every: int = 20
     """Steps between checkpoints (0 = never)."""
     resume: bool = True
@@ -169,16 +169,21 @@ class TrainConfig:
 
 
 def _default_checkpoint_dir(model: str, strategy: str) -> Path:
-    """runs/<canonical model name>[-<strategy>], so a model's aliases share one directory; a
-    directory of an alias made before that (runs/charlm) is kept while the canonical one is absent."""
+    """runs/<canonical model name>[-<strategy>], so a model's aliases share one directory, and
+    ps-sharded shares ps-sync's (the same synchronous servers: a job moves between them, and so
+    between numbers of servers, by its flags alone). A directory made before either (an alias's,
+    runs/charlm; ps-sharded's own) is kept while the canonical one is absent."""
     from . import models
 
     canonical = models.spec(model).name
-    suffix = "" if strategy == "ring" else f"-{strategy}"
+    suffix = "" if strategy == "ring" else "-ps-sync" if strategy == "ps-sharded" else f"-{strategy}"
     aliases = [n for n in models.names() if n != canonical and models.spec(n).name == canonical]
-    for name in [canonical, *aliases]:
-        if (Path("runs") / f"{name}{suffix}").is_dir():
-            return Path("runs") / f"{name}{suffix}"
+    older = [f"{name}{suffix}" for name in aliases]
+    if strategy == "ps-sharded":
+        older += [f"{name}-ps-sharded" for name in [canonical, *aliases]]
+    for name in [f"{canonical}{suffix}", *older]:
+        if (Path("runs") / name).is_dir():
+            return Path("runs") / name
     return Path("runs") / f"{canonical}{suffix}"
 
 
