@@ -67,6 +67,12 @@ def test_a_rank_torchrun_stopped_is_named_after_the_one_that_failed_in_the_same_
     # A rank killed by SIGTERM that recorded an exception (its own handler raised) failed by itself.
     recorded = {0: Failure(-signal.SIGTERM, same, {"message": "CommError: x"}), 1: Failure(1, same + 1)}
     assert sorted(recorded.items(), key=lambda item: launch._failure_order(*item))[0][0] == 0
+    # A script's sys.exit(3), which records nothing, before the PeerLost its peer recorded on seeing
+    # it go (both in one second; the PeerLost's rank was then stopped by torchrun's SIGTERM).
+    lost = {"message": "PeerLost: rank 1: rank 0 (pid 9) died during call #1 barrier",
+            "extraInfo": {"ringtrain_time": str(same + 0.5)}}
+    exited = {0: Failure(3, same), 1: Failure(-signal.SIGTERM, same, lost)}
+    assert [r for r, _ in sorted(exited.items(), key=lambda item: launch._failure_order(*item))] == [0, 1]
     # Otherwise the earlier second first, then the lower rank.
     later = {0: Failure(1, same + 1), 1: Failure(2, same)}
     assert [r for r, _ in sorted(later.items(), key=lambda item: launch._failure_order(*item))] == [1, 0]
@@ -101,6 +107,31 @@ def test_the_rank_that_failed_is_named_first_and_its_exit_code_returned(tmp_path
                      "ringtrain launch: rank 0 failed (killed by SIGTERM)"], proc.stderr
     # Neither torchrun's banner nor its own log line of the failure: the lines above say it.
     assert "OMP_NUM_THREADS" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_job_torchrun_restarts_meets_afresh(tmp_path):
+    """torchrun --max-restarts (ringtrain launch --help's way to restart): the agent's store outlives
+    the first attempt, whose rank 0 exits 3; the second attempt's ranks read that attempt's job
+    identity and refused each other (AuthError, the same secret on both)."""
+    script = tmp_path / "flaky.py"
+    script.write_text("import os, sys, numpy as np, ringtrain\n"
+                      "comm = ringtrain.init(timeout=30, join_timeout=30)\n"
+                      "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and comm.rank == 0:\n"
+                      "    sys.exit(3)\n"
+                      "x = np.ones(2, dtype=np.float32)\n"
+                      "comm.allreduce(x)\n"
+                      "with open(f'rank{comm.rank}.txt', 'w') as f:\n"
+                      "    f.write(f\"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} sum {x[0]}\")\n")
+    env = dict(os.environ, RINGTRAIN_SECRET="a-secret-of-the-jobs")
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+                           "1", "--master-port", str(free_port()), str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "attempt 1 sum 2.0"
+    assert "AuthError" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -396,15 +396,17 @@ def _failure_order(rank: int, failure) -> tuple:
     """Who failed first: a rank that ended by itself before one torchrun stopped (SIGTERM, nothing
     recorded) after it; then by time (torch's are whole seconds); in the same second a rank killed by
     a signal torchrun does not send (kill -9, the OOM killer, a crash) before the ranks that saw it
-    go (their PeerLost, recorded before torchrun's SIGTERM); then, where ringtrain.init() wrote the
-    error files, by their time to the microsecond (a script's ValueError before the PeerLost of its
-    peers in the same second); then by rank."""
+    go (their PeerLost, recorded before torchrun's SIGTERM); in the same second a rank that lost a
+    peer (a recorded PeerLost) after one that did not (a script's ``sys.exit(3)`` records nothing);
+    then, where ringtrain.init() wrote the error files, by their time to the microsecond (a script's
+    ValueError before the PeerLost of its peers in the same second); then by rank."""
     from .errorfile import recorded_time
 
     stopped = failure.exitcode == -signal.SIGTERM and not isinstance(failure.message, dict)
     killed = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
+    lost_a_peer = isinstance(failure.message, dict) and str(failure.message.get("message", "")).startswith("PeerLost")
     fine = recorded_time(failure.message)
-    return stopped, failure.timestamp, not killed, math.inf if fine is None else fine, rank
+    return stopped, failure.timestamp, not killed, lost_a_peer, math.inf if fine is None else fine, rank
 
 
 def _exit_status(exitcode: int) -> int:

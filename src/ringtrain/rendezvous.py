@@ -118,7 +118,9 @@ def job_store(info: JobInfo, timeout: float) -> dist.Store:
     Rank 0 serves a TCPStore at MASTER_ADDR:MASTER_PORT unless someone already does: torchrun's
     agent (TORCHELASTIC_USE_AGENT_STORE) or the user's own init_process_group. Everyone else
     connects as a client. Roles that meet outside a communicator (parameter servers) use it
-    with keys of their own.
+    with keys of their own. Under a torchrun that restarts the job (``--max-restarts``), each
+    attempt's keys are its own, as torch's are (``attempt_<n>/``): the agent's store outlives an
+    attempt, and a restarted rank would read the last attempt's job identity (an AuthError).
     """
     key = (info.master_addr, info.master_port)
     if info.world_size == 1:
@@ -133,7 +135,8 @@ def job_store(info: JobInfo, timeout: float) -> dist.Store:
         )
         store = _stores[key] = _serve_store(info, timeout) if serve else _reach_store(info, timeout)
     store.set_timeout(timedelta(seconds=timeout))
-    return store
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return store if attempt == "0" else dist.PrefixStore(f"attempt_{attempt}/", store)
 
 
 def _serve_store(info: JobInfo, timeout: float) -> dist.Store:
