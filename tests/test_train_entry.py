@@ -213,6 +213,21 @@ def test_an_asynchronous_run_with_another_number_of_servers_refuses_before_launc
     assert len(launches) == 1
 
 
+@pytest.mark.parametrize("strategy", ["ps-sync", "ps-async"])
+def test_a_parameter_server_run_on_another_number_of_workers_refuses_before_launching(
+        tmp_path, strategy, launches, capsys):
+    # The same global batch on 2 workers: the ring resumes it, the servers refused it once every rank
+    # had started, and the parent then said to run the same command again.
+    save_run(tmp_path, steps=(1,), strategy=strategy)
+    save_servers(tmp_path, 1, strategy=strategy.removeprefix("ps-"))
+    argv = train_argv(tmp_path, "--strategy", strategy)
+    argv[argv.index("--workers") + 1], argv[argv.index("--batch-size") + 1] = "2", "2"
+    message = refusal(argv, launches, capsys)
+    assert "was made with 1 worker, this run has 2: resume with --workers 1, " in message, message
+    assert cli.main(train_argv(tmp_path, "--strategy", strategy)) == 0
+    assert len(launches) == 1
+
+
 def test_more_servers_than_the_model_has_partitions_is_refused_before_launching(tmp_path, launches, capsys):
     # The workers refused it, but only once all W + K ranks had started: two tracebacks and a line
     # per rank, and a large --servers (200 processes) ran the machine out of memory first.
@@ -583,6 +598,20 @@ def test_an_unwritable_timeline_is_refused_before_training(tmp_path, launches, c
     assert "--timeline" in message and "not a directory" in message, message
 
 
+def test_a_ranks_trace_file_that_cannot_be_written_is_refused_before_training(tmp_path, launches, capsys):
+    # A folder where worker 1's file goes, a name too long: a worker's traceback once it had started.
+    (tmp_path / "t.rank1.json").mkdir()
+    argv = train_argv(tmp_path / "ck", "--timeline", str(tmp_path / "t.json"))
+    argv[argv.index("--workers") + 1] = "2"
+    message = refusal(argv, launches, capsys)
+    assert f"--timeline {tmp_path / 't.json'}: cannot write the trace file {tmp_path / 't.rank1.json'}" in message
+    assert "is a directory" in message, message
+    message = refusal(train_argv(tmp_path / "ck", "--timeline", str(tmp_path / ("a" * 250 + ".json"))), launches,
+                      capsys)
+    assert "rank0.json: File name too long" in message, message
+    assert not launches
+
+
 def test_the_timelines_directory_is_made(tmp_path, launches):
     assert cli.main(train_argv(tmp_path / "ck", "--timeline", str(tmp_path / "traces" / "t.json"))) == 0
     assert (tmp_path / "traces").is_dir() and len(launches) == 1
@@ -676,6 +705,18 @@ def test_ps_sync_and_ps_sharded_share_the_default_checkpoint_directory(tmp_path,
 
 
 # --- Ctrl-C: what the parent says, and a save it does not cut short --------------------------------
+
+def test_ctrl_c_while_a_command_loads_torch_is_130_without_a_traceback(monkeypatch, capsys):
+    # A worker interrupted while it imported train.py (torch: a second or so) printed a 50-line
+    # KeyboardInterrupt traceback above the parent's one line.
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert cli.main(["train", "--worker", "{}"]) == 130
+    assert cli.main(["simulate"]) == 130
+    assert capsys.readouterr() == ("", "")
+
 
 def interrupted_line(directory: Path, *flags: str, step: str = "") -> str:
     """The parent's line for a run of ``train_argv(directory, *flags)`` stopped by Ctrl-C at ``step``."""
@@ -792,6 +833,10 @@ def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_pat
                       launches, capsys)
     assert message.endswith("--algorithm is for the ring's allreduce only; --strategy ps-sync sends gradients to "
                             "parameter servers and would ignore it"), message
+    message = refusal(["train", "--schedule", "wfbp", "--bucket-cap-mb", "0.001", "--checkpoint-dir", str(tmp_path)],
+                      launches, capsys)  # (was run without a word: wfbp sends each gradient alone)
+    assert message.endswith("--bucket-cap-mb sets the bucket (or push) size of --schedule fixed, and --schedule wfbp "
+                            "would ignore it: give --schedule fixed, or leave --bucket-cap-mb out"), message
     for argv, said in ((["--strategy", "ps-async", "--compression", "fp16"], "--compression is for the ring's "
                         "allreduce only"), (["--compression", "int8"], "--compression must be one of none, fp16, bf16, "
                                             "got 'int8'")):

@@ -88,6 +88,11 @@ def test_the_summary_says_what_the_trial_timed_and_where_the_checkpoints_are(cap
     train._print_summary(dict(summary, checkpoint_dir=None, communication=dict(comm, trial=[])))
     out = capsys.readouterr().out
     assert "trial of plans" not in out and "checkpoints" not in out, out
+    # Compression names the wire, which one worker has not (its loss is bitwise that of no compression).
+    train._print_summary(dict(summary, compression="fp16"))
+    assert "charlm on 2 workers (shm, schedule optimal, gradients in fp16 on the wire):" in capsys.readouterr().out
+    train._print_summary(dict(summary, compression="fp16", workers=1))
+    assert "charlm on 1 worker (shm, schedule optimal):" in capsys.readouterr().out
 
 
 def test_a_parameter_server_run_reports_its_bytes_and_where_asynchronous_its_staleness():
@@ -98,6 +103,9 @@ def test_a_parameter_server_run_reports_its_bytes_and_where_asynchronous_its_sta
         "757 MB pushed, 757 MB pulled by worker 0 in 8 steps; staleness bound 2, staleness seen (updates applied "
         "since a gradient's parameters: count) 0: 1, 1: 15")
     assert "staleness bound none" in train._servers_text(dict(stats, max_staleness=None), 8)
+    # Resumed: the servers' histogram is the job's (they checkpoint it), and says so.
+    assert "staleness seen since step 0 (this run resumed at step 100) (updates applied" in train._servers_text(
+        stats, 8, resumed_at=100)
     assert train._servers_text(dict(stats, strategy="sync"), 1) == "757 MB pushed, 757 MB pulled by worker 0 in 1 step"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 #: (words, module, one-line help)
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     # Find the chosen subcommand first, then let its module add its own options.
     # Leaf parsers have add_help=False so that "--help" reaches the module's own parser.
     known, _ = parser.parse_known_args(argv)
-    module = importlib.import_module(known._module)
+    try:
+        module = importlib.import_module(known._module)
+    except KeyboardInterrupt:  # Ctrl-C while torch loads (a second or so): the shell's 130, no traceback
+        return 128 + signal.SIGINT  # (a `train` worker's parent says what was interrupted, in one line)
     words = [w for w in (known.command, getattr(known, "subcommand", None)) if w]
     full = argparse.ArgumentParser(
         prog="ringtrain " + " ".join(words), description=module.__doc__,

@@ -86,7 +86,7 @@ def _saved_checkpoints(directory: Path) -> list[_Saved]:
 
 def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
     """Resuming: refuse checkpoints this run cannot continue (another strategy, model, global
-    batch, seed, or number of asynchronous servers), and return the step it resumes at (resume_step, from the
+    batch, seed, number of parameter-server workers or of asynchronous servers), and return the step it resumes at (resume_step, from the
     checkpoints read here: None, step 0). Starting afresh (--no-resume): move the old checkpoints
     aside; None."""
     directory = Path(cfg.checkpoint_dir)
@@ -109,7 +109,7 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
         _check_same_data(cfg, workers, saved[0])
     if cfg.strategy == "ring":
         return saved[0].step if saved else None  # (the newest whole one, as resume_step's checkpoint.latest)
-    found = _check_servers_hold_checkpoints(cfg, saved)
+    found = _check_servers_hold_checkpoints(cfg, workers, saved)
     return None if found is None else found.step
 
 
@@ -173,7 +173,7 @@ def _check_same_data(cfg: TrainConfig, workers: int, newest: _Saved) -> None:
                      f"{batch} = {workers * batch} would change it: {fix}, {_restart_hint()}")
 
 
-def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]):
+def _check_servers_hold_checkpoints(cfg: TrainConfig, workers: int, saved: list[_Saved]):
     """The servers' save the run resumes (ps.shard_resume.SavedStep; None: step 0), checked.
     Parameter-server workers resume at the servers' step; with worker checkpoints but none of
     the servers', the run would start at step 0 and overwrite the workers' checkpoints."""
@@ -183,7 +183,7 @@ def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]):
     if not saved:  # (the servers' files alone: the workers' first save was cut short, or removed)
         found = _servers_save(cfg)
         if found is not None:
-            _check_same_servers(cfg, found)
+            _check_same_servers(cfg, workers, found)
         return found
     steps = {f"server-{k}": set(held) for k, held in shard_resume.held_steps(servers).items()}
     if not any(steps.values()):
@@ -198,15 +198,15 @@ def _check_servers_hold_checkpoints(cfg: TrainConfig, saved: list[_Saved]):
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: no step is saved by every parameter server "
                          f"in {servers} ({held}), so there is nothing to resume: give this run "
                          f"another --checkpoint-dir, {_restart_hint()}")
-    _check_same_servers(cfg, found)
+    _check_same_servers(cfg, workers, found)
     return found
 
 
-def _check_same_servers(cfg: TrainConfig, found) -> None:
+def _check_same_servers(cfg: TrainConfig, workers: int, found) -> None:
     """The servers refuse a synchronous job's shards in an asynchronous job or the other way round,
-    another optimizer's, an asynchronous job's on another number of servers, and a save to be cut anew for another
-    number of servers whose files are not all here (ps.shard_resume), but only once every rank has
-    started: say it here, before."""
+    another optimizer's, another number of workers', an asynchronous job's on another number of
+    servers, and a save to be cut anew for another number of servers whose files are not all here
+    (ps.shard_resume), but only once every rank has started: say it here, before."""
     saved = found.payload
     where = f"--checkpoint-dir {cfg.checkpoint_dir}: the parameter servers' checkpoint of step {found.step}"
     made, flags = [], []  # (both said at once: resuming with one fixed was refused for the other)
@@ -220,6 +220,10 @@ def _check_same_servers(cfg: TrainConfig, found) -> None:
     if optimizer != cfg.optimizer:
         made.append(f"with --optimizer {optimizer}, not {cfg.optimizer}")
         flags.append(f"--optimizer {optimizer}")
+    made_for = len(saved.get("clocks", ()))  # (a step per worker)
+    if made_for and made_for != workers:
+        made.append(f"with {made_for} worker{'s' * (made_for != 1)}, this run has {workers}")  # (servers count them)
+        flags.append(f"--workers {made_for}")
     made_by = found.servers
     if made_by != cfg.servers and "async" in (strategy, cfg.strategy.removeprefix("ps-")):
         made.append(f"by {made_by} server{'s' * (made_by != 1)}, this run has {cfg.servers}")  # (async: as many)

@@ -145,6 +145,9 @@ class TrainConfig:
             check_number("--join-timeout", self.join_timeout, unit=" of seconds")
         if not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
             raise ValueError(f"--bucket-cap-mb must be a finite number > 0, got {self.bucket_cap_mb}")
+        if self.bucket_cap_mb != TrainConfig.__dataclass_fields__["bucket_cap_mb"].default and self.schedule != "fixed":
+            raise ValueError(f"--bucket-cap-mb sets the bucket (or push) size of --schedule fixed, and --schedule "
+                             f"{self.schedule} would ignore it: give --schedule fixed, or leave --bucket-cap-mb out")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"--seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.servers < 0:
@@ -283,6 +286,7 @@ def _launch(args: argparse.Namespace) -> int:
             _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
         if cfg.timeline:
             _check_writable(Path(cfg.timeline).parent, f"--timeline {cfg.timeline}: its directory")
+            _check_trace_files(cfg.timeline, args.workers)
         done = resume.prepare_checkpoint_dir(cfg, args.workers)  # (the step it resumes at)
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
@@ -345,6 +349,18 @@ def _check_writable(directory: Path, what: str) -> None:
     from .bench.machine import check_writable_dir
 
     check_writable_dir(directory, what)
+
+
+def _check_trace_files(timeline: str, workers: int) -> None:
+    """Each worker's trace file (``t.json`` -> ``t.rank0.json``, ...) can be written: a name too
+    long or a folder in its place was a worker's traceback after it had started."""
+    from .ddp.timeline import check_trace_file, trace_path
+
+    for rank in range(workers):
+        try:
+            check_trace_file(trace_path(timeline, rank))
+        except ValueError as exc:
+            raise ValueError(f"--timeline {timeline}: {str(exc).removeprefix('timeline: ')}") from None
 
 
 def _check_servers_fit(cfg: TrainConfig) -> None:
@@ -800,7 +816,9 @@ def _report(summary: dict, as_json: bool) -> None:
 
 
 def _print_summary(s: dict) -> None:
-    wire = "" if s.get("compression", "none") == "none" else f", gradients in {s['compression']} on the wire"
+    # (one worker sends nothing: no wire to speak of)
+    wire = "" if s.get("compression", "none") == "none" or s["workers"] == 1 else \
+        f", gradients in {s['compression']} on the wire"
     print(f"\n{s['model']} on {plural(s['workers'], 'worker')} ({s['transport']}, schedule {s['schedule']}{wire}):")
     if s["steps_run"] == 0:
         print(f"  nothing to do: the checkpoint is already at step {s['resumed_at']} (--steps {s['final_step']})")
@@ -818,7 +836,7 @@ def _print_summary(s: dict) -> None:
         if s["communication"].get("trial"):
             print(f"  trial of plans     {_trial_text(s['communication']['trial'])}")
     if s.get("parameter_servers"):
-        print(f"  parameter servers  {_servers_text(s['parameter_servers'], s['steps_run'])}")
+        print(f"  parameter servers  {_servers_text(s['parameter_servers'], s['steps_run'], s['resumed_at'])}")
     if s.get("checkpoint_dir"):
         how = "the same command" if s.get("resumes", True) else "the same command without --no-resume"
         print(f"  checkpoints        {s['checkpoint_dir']} ({how} with more --steps continues from "
@@ -844,16 +862,19 @@ def _communication_text(s: dict) -> str:
     return "not measured: no step ran under the plan in force (it was made after the last step)"
 
 
-def _servers_text(stats: dict, steps_run: int) -> str:
+def _servers_text(stats: dict, steps_run: int, resumed_at: int = 0) -> str:
     """Worker 0's account of the parameter servers over this run's ``steps_run`` steps: bytes each
-    way, and where asynchronous, the staleness bound and the histogram of the staleness the servers saw."""
+    way, and where asynchronous, the staleness bound and the histogram of the staleness the servers
+    saw (since step 0: the servers keep it in their checkpoints, so a run resumed at ``resumed_at``
+    reports the job's, not this run's alone)."""
     line = (f"{stats['bytes_sent'] / 1e6:.0f} MB pushed, {stats['bytes_received'] / 1e6:.0f} MB pulled by worker 0 "
             f"in {plural(steps_run, 'step')}")
     if stats.get("strategy") == "async":
         bound = stats.get("max_staleness", 0)
         seen = ", ".join(f"{k}: {v}" for k, v in stats.get("staleness_histogram", {}).items()) or "none"
-        line += (f"; staleness bound {'none' if bound is None else bound}, staleness seen (updates applied since "
-                 f"a gradient's parameters: count) {seen}")
+        since = f" since step 0 (this run resumed at step {resumed_at})" if resumed_at else ""
+        line += (f"; staleness bound {'none' if bound is None else bound}, staleness seen{since} (updates applied "
+                 f"since a gradient's parameters: count) {seen}")
     return line
 
 

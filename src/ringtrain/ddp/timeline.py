@@ -101,7 +101,7 @@ class TraceRecorder:
         if max_iterations < 1:
             raise ValueError(f"timeline_iterations must be >= 1, got {max_iterations}")
         self.path = trace_path(path, rank)
-        _check_writable(self.path)
+        check_trace_file(self.path)
         self.rank = rank
         self.max_iterations = max_iterations
         self.origin = time.perf_counter() if origin is None else origin
@@ -171,7 +171,7 @@ class TraceRecorder:
                       "this rank's timeline is no longer recorded (training goes on)", RuntimeWarning, stacklevel=3)
 
 
-def _check_writable(path: Path) -> None:
+def check_trace_file(path: Path) -> None:
     """Make ``path``'s folder and try a file in it: a trace that cannot be written fails now, not
     at its first flush from inside a backward pass."""
     try:
