@@ -86,9 +86,9 @@ def _saved_checkpoints(directory: Path) -> list[_Saved]:
 
 def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
     """Resuming: refuse checkpoints this run cannot continue (another strategy, model, global
-    batch, seed, number of parameter-server workers or of asynchronous servers), and return the step it resumes at (resume_step, from the
-    checkpoints read here: None, step 0). Starting afresh (--no-resume): move the old checkpoints
-    aside; None."""
+    batch, seed, number of parameter-server workers or of asynchronous servers), and return the
+    step it resumes at (resume_step, from the checkpoints read here: None, step 0). Starting
+    afresh (--no-resume): move the old checkpoints aside; None."""
     directory = Path(cfg.checkpoint_dir)
     if not cfg.resume:
         if cfg.checkpoint_every:
