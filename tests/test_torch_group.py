@@ -111,7 +111,7 @@ def test_async_work_and_future():
         work = dist.all_reduce(t, group=pg, async_op=True)
         chained = dist.all_reduce(torch.ones(2), group=pg, async_op=True).get_future().then(lambda f: f.value()[0] * 10)
         assert work.wait() is True
-        assert work.is_completed()
+        assert work.is_completed() and work.is_success() and work.exception() is None
         return t, chained.wait(), work.get_future().wait()
 
     for t, chained, value in on_group(2, fn):
@@ -209,6 +209,8 @@ def test_mismatch_surfaces_at_wait_and_in_the_future():
             work.wait()
         with pytest.raises(RuntimeError, match="MismatchError"):
             work.get_future().wait()
+        # torch's deprecated status calls say it too (they said success, no exception)
+        assert not work.is_success() and isinstance(work.exception(), MismatchError)
         with pytest.raises(CommError, match="broken"):
             dist.all_reduce(torch.zeros(3), group=pg)
         return True

@@ -89,6 +89,20 @@ class _Work(dist._Work):
     def is_completed(self) -> bool:
         return self.raw.done()
 
+    def exception(self) -> Optional[BaseException]:
+        """The job's error once it has run (None: none, or not run yet), as torch's deprecated call."""
+        if not self.raw.done():
+            return None
+        try:
+            self.raw.value()
+        except Exception as exc:  # noqa: BLE001 - handed back, not raised
+            return exc
+        return None
+
+    def is_success(self) -> bool:
+        """Whether the job has run without error (torch's deprecated call)."""
+        return self.raw.done() and self.exception() is None
+
     def result(self):
         self.wait()
         return self._result
