@@ -163,7 +163,7 @@ def hook_group(state: Any, world_size: int, rank: int) -> Optional[dist.ProcessG
 
 
 #: The attributes in which a hook's state keeps something per bucket index (PowerSGD's error
-#: feedback and warm-start vectors): emptied when the buckets are laid out anew.
+#: feedback and warm-start vectors): emptied when the buckets are laid out otherwise.
 BUCKET_STATE = ("error_dict", "p_memory_dict", "q_memory_dict")
 
 
@@ -187,7 +187,7 @@ class CommHook:
     communicator. ``timeout``: the wrapper's deadline for each wait. ``comm``: the wrapper's
     communicator, which a failed run breaks, telling the peers (their hooks' calls end at once)."""
 
-    __slots__ = ("hook", "state", "comm", "name", "own", "extra", "timeout", "failed", "layout")
+    __slots__ = ("hook", "state", "comm", "name", "own", "extra", "timeout", "failed", "layout", "seen")
 
     def __init__(self, hook: Callable, state: Any, comm: Communicator, own: list, extra: Sequence, timeout: float):
         self.hook, self.state, self.comm = hook, state, comm
@@ -195,18 +195,22 @@ class CommHook:
         self.own, self.extra = own, tuple(extra)
         self.timeout = timeout
         self.failed: Optional[BaseException] = None  # the error of the run that failed (none runs after it)
-        self.layout: Any = None  # the bucket layout the hook last reduced (held: compared by identity)
+        self.layout: Optional[tuple] = None  # the bucket layout the hook last reduced (its specs)
+        self.seen: Any = None  # the wrapper's list of them it came in (compared by identity first)
 
     def run(self, bucket: GradBucket, layout: Any = None) -> None:
         """Reduce ``bucket`` with the hook: call it, wait for its future, write the result into
         the bucket's buffer. ``layout``: the wrapper's bucket layout in force (its list of
         specs); under another one than the hook last reduced (or the first: a state used by an
         earlier wrapper, or loaded, holds buckets of another layout), the state's buckets are
-        forgotten first (:func:`forget_buckets`; every rank changes layout at the same iteration)."""
+        forgotten first (:func:`forget_buckets`; every rank changes layout at the same iteration).
+        A layout laid out anew alike (the first plan grouping as the buckets before it) is the same:
+        its buckets hold the same gradients, and PowerSGD's error feedback stays."""
         index = bucket.index()
-        if layout is not self.layout:
-            forget_buckets(self.state)
-            self.layout = layout
+        if layout is not self.seen:
+            if layout is None or tuple(layout) != self.layout:
+                forget_buckets(self.state)
+            self.seen, self.layout = layout, None if layout is None else tuple(layout)
         if self.failed is not None:
             raise CommError(f"comm hook {self.name} was not called on bucket {index}: it failed on an earlier bucket "
                             f"({type(self.failed).__name__}: {self.failed})")

@@ -313,7 +313,7 @@ class DistributedDataParallel(nn.Module):
         failed allreduce. Not called under ``no_sync()``, nor with one rank (nothing is
         communicated, as without a hook). What a hook's state keeps by bucket index (PowerSGD's
         error feedback and warm-start vectors, :data:`.comm_hook.BUCKET_STATE`) is emptied
-        whenever the buckets are laid out anew (the first plan, the trial's candidates), and
+        whenever the buckets are laid out otherwise (the first plan, the trial's candidates), and
         with a hook they are not re-planned once ``settled``, so from then on it stays.
 
         Refused, as by torch: a hook that is not callable (TypeError), a second hook. And here:
