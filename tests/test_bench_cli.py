@@ -3,6 +3,7 @@ what --json prints, what is refused before anything runs, what is said about wha
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -104,6 +105,27 @@ def test_quick_takes_an_explicit_repeats_as_given(extra, repeats, monkeypatch):
     (ALLREDUCE + ["--sizes", "4K,4096"], "--sizes: 4096 given twice"),
 ])
 def test_a_configuration_given_twice_is_refused(argv, message, no_ranks):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv + ["--out", ""])
+    assert str(info.value.code).startswith(f"ringtrain bench {argv[1]}: {message}"), info.value.code
+    assert no_ranks == []
+
+
+PS_ONLY = ["bench", "train", "--models", "mlp", "--strategies", "ps-sync", "--world-size", "2", "--steps", "1",
+           "--rounds", "1", "--no-horovod"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, message", [
+    # (each was found by a new user's walkthrough: a traceback from the ranks, or ignored without a word)
+    (TRAIN + ["--batch-size", "100000"], "--batch-size 100000 x --world-size 2 = 200000 samples per step, but the "
+                                         "vectors data set of mlp holds 50000: use --batch-size <= 25000"),
+    (PS_ONLY + ["--schedules", "single", "--compression", "fp16"], "--schedules, --compression are for the ring's "
+                                                                     "job, and --strategies ps-sync runs none"),
+    (PS_ONLY + ["--no-torch-ddp"], "--no-torch-ddp is for the ring's job"),
+    (ALLREDUCE[:6] + ALLREDUCE[8:] + ["--algorithms", ""], "--algorithms: '' not in"),
+])
+def test_what_no_job_would_take_is_refused_before_the_ranks_start(argv, message, no_ranks):
     with pytest.raises(SystemExit) as info:
         cli.main(argv + ["--out", ""])
     assert str(info.value.code).startswith(f"ringtrain bench {argv[1]}: {message}"), info.value.code
@@ -368,3 +390,45 @@ def test_the_open_mpi_anchor_is_skipped_with_how_to_install_it_when_mpi4py_is_mi
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real(name, *a))
     rows, note = bench_allreduce._launch_mpi(2, {}, timeout=5)
     assert rows == [] and "mpi4py is not installed" in note and "pip install mpi4py" in note
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stops", ["ctrl-c", "timeout"])
+def test_a_stopped_open_mpi_anchor_gets_sigterm_and_is_waited_for(stops, monkeypatch):
+    # mpirun was SIGKILLed (subprocess.run's way), leaving Open MPI's 4 MiB segment in /dev/shm.
+    import shutil
+    import signal
+    import subprocess
+
+    if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs mpirun and mpi4py (make mpi)")
+    seen = []
+
+    class Mpirun:
+        returncode = None
+
+        def __init__(self, cmd, **kwargs):
+            seen.append(("started", kwargs.get("start_new_session")))
+
+        def communicate(self, timeout=None):
+            if len(seen) == 1:
+                seen.append(("waited", timeout))
+                if stops == "ctrl-c":
+                    raise KeyboardInterrupt
+                raise subprocess.TimeoutExpired("mpirun", timeout)
+            seen.append(("waited", timeout))
+            return "", ""
+
+        def send_signal(self, sig):
+            seen.append(("signal", sig))
+
+        def kill(self):  # pragma: no cover - (only past the grace period)
+            seen.append(("killed", None))
+
+    monkeypatch.setattr(bench_allreduce.subprocess, "Popen", Mpirun)
+    if stops == "ctrl-c":
+        with pytest.raises(KeyboardInterrupt):
+            bench_allreduce._launch_mpi(2, {}, timeout=5)
+    else:
+        assert bench_allreduce._launch_mpi(2, {}, timeout=5) == ([], "Open MPI anchor timed out after 5s")
+    assert seen == [("started", True), ("waited", 5), ("signal", signal.SIGTERM), ("waited", 10.0)]

@@ -12,6 +12,7 @@ import os
 import signal
 import stat
 import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,19 @@ def test_an_interpreter_without_horovod_is_skipped_with_how_to_build_it(tmp_path
     assert note == (f"Horovod anchor skipped: horovod.torch is not importable from {python} "
                     "(scripts/horovod/install.sh builds Horovod into .venv-horovod/; then "
                     "--horovod-python .venv-horovod/bin/python)")
+
+
+@pytest.mark.parametrize("program", ["true", "echo"])
+def test_a_program_that_is_not_python_is_said_so(program):
+    # /bin/true exits 0 to anything: it was taken for a Python that imports horovod.torch, and the
+    # anchor then failed after the whole run ("the rendezvous server exited with status 0").
+    path = shutil.which(program)
+    if path is None:
+        pytest.skip(f"no {program} here")
+    assert bench_horovod.horovod_missing(path) == f"--horovod-python {path}: not a Python interpreter (it did not " \
+                                                  "run `python -c`)"
+    assert bench_horovod.horovod_missing(sys.executable.replace("python", "no-such-python")).endswith(
+        "no such interpreter")
 
 
 def test_this_interpreter_without_horovod_is_skipped(monkeypatch):

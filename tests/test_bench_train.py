@@ -262,8 +262,9 @@ def test_a_rank_failing_after_a_model_keeps_that_models_rows_and_names_the_failu
     doc = json.loads(out)
     assert rc == 1 and err.strip().endswith("ringtrain bench train: rank 1 exited with status 1:\nboom"), err
     assert [r["model"] for r in doc["rows"]] == ["charlm"]
-    assert doc["notes"] == ["Horovod anchor skipped: --no-horovod",
-                            "a rank failed before the run ended: the rows finished by then, of charlm"]
+    # (the note says what stopped it, as bench allreduce's: a rank's status, or the --timeout)
+    assert doc["notes"] == ["Horovod anchor skipped: --no-horovod", "stopped (rank 1 exited with status 1) before the "
+                            "run ended: the rows finished by then, of charlm"]
     assert json.loads(Path(doc["saved_to"]).read_text())["rows"] == doc["rows"]
 
 

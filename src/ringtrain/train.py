@@ -280,7 +280,7 @@ def _launch(args: argparse.Namespace) -> int:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         if not 0 <= args.master_port <= 65535:
             raise ValueError(f"--master-port must be in 1..65535 (0: a free one), got {args.master_port}")
-        _check_batch_fits(cfg, args.workers)
+        check_batch_fits(cfg.model, cfg.batch_size, args.workers, cfg.seed)
         _check_servers_fit(cfg)
         if cfg.checkpoint_every:
             _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
@@ -378,16 +378,17 @@ def _check_servers_fit(cfg: TrainConfig) -> None:
         raise ValueError(f"--servers {cfg.servers}: the {cfg.model} model has too few partitions: {exc}") from None
 
 
-def _check_batch_fits(cfg: TrainConfig, workers: int) -> None:
-    """One global batch (workers x batch size) must fit in the model's data set."""
+def check_batch_fits(model: str, batch_size: int, workers: int, seed: int = 0, workers_flag: str = "--workers") -> None:
+    """One global batch (workers x batch size; 0: the model's own) must fit in the model's data
+    set (ValueError naming the flags; ``ringtrain bench train`` names its --world-size)."""
     from . import data, models
 
-    spec = models.spec(cfg.model)
-    batch = cfg.batch_size or spec.batch_size
-    num_samples = len(data.dataset(spec.dataset, seed=cfg.seed, **spec.batch_kwargs))
+    spec = models.spec(model)
+    batch = batch_size or spec.batch_size
+    num_samples = len(data.dataset(spec.dataset, seed=seed, **spec.batch_kwargs))
     if workers * batch > num_samples:
-        raise ValueError(f"--batch-size {batch} x --workers {workers} = {workers * batch} samples per step, but the "
-                         f"{spec.dataset} data set of {spec.name} holds {num_samples}: use --batch-size <= "
+        raise ValueError(f"--batch-size {batch} x {workers_flag} {workers} = {workers * batch} samples per step, but "
+                         f"the {spec.dataset} data set of {spec.name} holds {num_samples}: use --batch-size <= "
                          f"{num_samples // workers}")
 
 

@@ -18,11 +18,13 @@ size is timed, so a run stopped early (Ctrl-C, a failed rank, --timeout) saves w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -137,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
     rows: list[dict] = []
     stopped, failure = None, None  # why the run ended before its last world size, if it did
+    # The result's machine names torch's version: loaded now, as a Ctrl-C when the run ends met its import.
+    importlib.import_module("torch")
+
     try:
         _measure(world_sizes, cfg, args, notes, rows, horovod)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
@@ -178,7 +183,11 @@ def _measure(world_sizes: list[int], cfg: dict, args: argparse.Namespace, notes:
               file=sys.stderr)
         _launch(p, cfg, args, rows)
         if not args.no_mpi and args.net == "none":
-            mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
+            try:
+                mpi_rows, note = _launch_mpi(p, cfg, args.timeout)
+            except KeyboardInterrupt:  # (its rows come when mpirun ends: none of this world size's)
+                notes.append(f"Open MPI anchor interrupted at world size {p}: none of its rows there")
+                raise
             rows += mpi_rows
             if note:
                 notes.append(note)
@@ -216,8 +225,8 @@ def _settings(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]
         raise ValueError(f"--sizes: give at least one size (e.g. 4K,1M), got {args.sizes!r}")
     sizes = unique([parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")
                     if s.strip()], "--sizes")
-    algorithms = csv_choices(args.algorithms or ("ring,auto" if args.quick else DEFAULT_ALGORITHMS), ALGORITHMS,
-                             "--algorithms")
+    given = args.algorithms if args.algorithms is not None else ("ring,auto" if args.quick else DEFAULT_ALGORITHMS)
+    algorithms = csv_choices(given, ALGORITHMS, "--algorithms")  # ('' given: refused, as --sizes '')
     transports = csv_choices(args.transports, TRANSPORTS, "--transports")
     repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     if repeats < 1:
@@ -308,14 +317,34 @@ def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | No
     cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(p), "--bind-to", "none",
            sys.executable, "-m", "ringtrain.cli", "bench", "allreduce", "--mpi-worker", json.dumps(cfg)]
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none", OMP_NUM_THREADS="1")
+    # (a session of its own: a Ctrl-C reaches mpirun from here alone, as a SIGTERM once this process
+    # has its KeyboardInterrupt, and mpirun's signals to its group never reach this process)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _stop_mpirun(proc)
         return [], f"Open MPI anchor timed out after {timeout:.0f}s"
-    docs = [json.loads(l[len(RESULT_PREFIX):]) for l in out.stdout.splitlines() if l.startswith(RESULT_PREFIX)]
-    if out.returncode or not docs:
-        return [], f"Open MPI anchor failed (status {out.returncode}): {out.stderr.strip()[-300:]}"
+    except KeyboardInterrupt:
+        _stop_mpirun(proc)
+        raise
+    docs = [json.loads(l[len(RESULT_PREFIX):]) for l in stdout.splitlines() if l.startswith(RESULT_PREFIX)]
+    if proc.returncode or not docs:
+        return [], f"Open MPI anchor failed (status {proc.returncode}): {stderr.strip()[-300:]}"
     return [r for d in docs for r in d["rows"]], None
+
+
+def _stop_mpirun(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop mpirun as a terminal's Ctrl-C would (SIGTERM: it stops its ranks and removes their shared
+    memory segment, which a SIGKILL left in /dev/shm), killing it only past ``grace`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def _launch_horovod(p: int, cfg: dict, args, python: str, rows: list[dict]) -> str | None:

@@ -64,12 +64,18 @@ def horovod_missing(python: str) -> str | None:
     else:
         if shutil.which(python) is None:  # (a path, or a name on PATH)
             return f"--horovod-python {python}: no such interpreter"
-        probe = ("import importlib.util as u, sys; "
-                 "sys.exit(u.find_spec('horovod') is None or u.find_spec('horovod.torch') is None)")
+        # (it must say so: /bin/true exits 0 to anything, and /bin/echo prints its arguments)
+        probe = ("import importlib.util as u; "
+                 "print('horovod.torch:', u.find_spec('horovod') is not None and u.find_spec('horovod.torch') is not None)")
         try:
-            found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+            said = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip()
         except subprocess.TimeoutExpired:
             return f"--horovod-python {python}: did not answer within 60 s whether it imports horovod.torch"
+        except OSError as exc:
+            return f"--horovod-python {python}: cannot run it ({exc.strerror or exc})"
+        if said not in ("horovod.torch: True", "horovod.torch: False"):
+            return f"--horovod-python {python}: not a Python interpreter (it did not run `python -c`)"
+        found = said == "horovod.torch: True"
     if found:
         return None
     return (f"horovod.torch is not importable from {python} (scripts/horovod/install.sh builds Horovod into "

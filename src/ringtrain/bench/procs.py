@@ -153,7 +153,7 @@ def _wait_all(procs, logs, timeout: float, poll=lambda: None) -> None:
             return
         if time.monotonic() > end:
             running = [r for r, c in enumerate(codes) if c is None]
-            raise RankFailed(f"ranks {running} still running after {timeout:.0f}s:\n{_tail(logs[running[0]])}")
+            raise RankFailed(f"ranks {running} still running after {timeout:g}s:\n{_tail(logs[running[0]])}")
         time.sleep(0.05)
 
 

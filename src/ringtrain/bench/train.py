@@ -52,7 +52,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..train import COMPRESSION
+from ..train import COMPRESSION, check_batch_fits
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import check_out_dir, check_ranks, plural, run_stamp
@@ -173,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
         _measure(cfg, names, strategies, args, rows, ps_runs, horovod, notes)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
         stopped = "interrupted (Ctrl-C)"
-    except RankFailed as exc:
-        stopped, failure = "a rank failed", exc
+    except RankFailed as exc:  # (a rank that failed, or --timeout: its first line says which)
+        stopped, failure = f"stopped ({str(exc).splitlines()[0].rstrip(':')})", exc  # (the log tail left out)
     finally:
         if timelines is not None:
             with contextlib.suppress(OSError):
@@ -269,13 +269,25 @@ def _settings(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
             raise ValueError(f"--{opt} must be >= 1")
     if args.batch_size < 0:
         raise ValueError("--batch-size must be >= 0")
+    for name in names:  # (too big: each rank's loader refused it, a traceback once they had started)
+        check_batch_fits(name, args.batch_size, args.world_size, workers_flag="--world-size")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout: seconds before the ranks are killed must be finite and > 0, got {args.timeout}")
     strategies = parse_strategies(args.strategies)
     if strategies.get("ring_schedules") and not strategies.get("ring") and args.schedules != ",".join(SCHEDULES):
         raise ValueError(f"--schedules {args.schedules} is for --strategies ring; the ring-SCHEDULE strategies "
                          "name the ring's schedules themselves (add ring, or name them as ring-SCHEDULE)")
-    return names, ring_schedules(strategies, schedules), strategies
+    ring = ring_schedules(strategies, schedules)
+    if not ring:  # (only parameter servers: no ring job, which alone reads these)
+        given = [flag for flag, changed in (
+            ("--schedules", args.schedules != ",".join(SCHEDULES)), ("--compression", args.compression != "none"),
+            ("--algorithm", args.algorithm != "auto"), ("--transport", args.transport != "auto"),
+            ("--no-torch-ddp", args.no_torch_ddp)) if changed]
+        if given:
+            verb = "is" if len(given) == 1 else "are"
+            raise ValueError(f"{', '.join(given)} {verb} for the ring's job, and --strategies {args.strategies} runs "
+                             "none (parameter servers only): add ring or ring-SCHEDULE, or leave them out")
+    return names, ring, strategies
 
 
 def parse_strategies(text: str) -> dict:
