@@ -109,6 +109,8 @@ def test_plan_json_with_alpha_beta(capsys):
     (["--model", "resnet50", "--cluster", "1GbE,10GbE"], "--cluster"),
     (["--model", "resnet50", "--algorithm", "tree"], "--algorithm: unknown algorithm 'tree'"),  # (named --algorithms)
     (["--model", "resnet50", "--gpus-per-node", "0"], "--gpus-per-node: must be"),
+    (["--model", "resnet50", "--gpus", "99999999999999999999"], "--gpus: the GPU count must be an integer from 1 to "
+                                                                "1048576"),  # (was a 30-years refusal naming no flag)
 ])
 def test_plan_bad_options(argv, match, capsys):
     assert main(["plan", *argv]) == 2

@@ -64,11 +64,15 @@ def add_common(parser: argparse.ArgumentParser, one_cluster: str | None = None) 
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of the fixed schedule, MiB (default 25)")
 
 
+#: The most GPUs a prediction is made for (no cluster has more; beyond, the numbers mean nothing).
+MAX_GPUS = 1 << 20
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     gpus = ",".join(map(str, DEFAULT_GPUS))
-    parser.add_argument("--gpus", default=gpus, help=f"comma-separated GPU counts (default {gpus})")
+    parser.add_argument("--gpus", default=gpus, help=f"comma-separated GPU counts, each 1 to {MAX_GPUS} (default {gpus})")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated: {', '.join(SCHEDULES)}")
     parser.add_argument("--algorithms", default="ring", help=f"comma-separated: {', '.join(costs.ALGORITHMS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -98,10 +102,6 @@ def _refuse_repeats(items: Sequence[Any], option: str) -> None:
         if v in seen:
             raise ValueError(f"{option}: {v} given twice")
         seen.add(v)
-
-
-#: The most GPUs a prediction is made for (no cluster has more; beyond, the numbers mean nothing).
-MAX_GPUS = 1 << 20
 
 
 def parse_gpus(value: str) -> list[int]:

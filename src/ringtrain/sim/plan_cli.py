@@ -17,7 +17,7 @@ import math
 import sys
 from . import clusters as clusters_mod
 from . import costs
-from .cli import add_common, check_bucket_mb, check_gpus_per_node, emit, load_traces, split
+from .cli import MAX_GPUS, add_common, check_bucket_mb, check_gpus_per_node, emit, load_traces, split
 from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
 
@@ -31,7 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--alpha", type=float, help="link start-up time, seconds (instead of --cluster)")
     parser.add_argument("--beta", type=float, help="link time per byte, seconds (with --alpha)")
-    parser.add_argument("--gpus", type=int, default=16, help="GPU count (default 16)")
+    parser.add_argument("--gpus", type=int, default=16, help=f"GPU count, 1 to {MAX_GPUS} (default 16)")
     parser.add_argument("--algorithm", default="ring", help=f"one of {', '.join(costs.ALGORITHMS)} (default ring)")
     parser.add_argument("--methods", default=",".join(SCHEDULES), help=f"comma-separated: {', '.join(SCHEDULES)}")
     parser.add_argument("--max-groups", type=int, default=20, help="groups listed per method (default 20)")
@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.model or args.model.strip().lower() == "all" or "," in args.model:  # (load_traces strips)
             raise ValueError("--model: give exactly one zoo model, trace file or profile:NAME")
-        if args.gpus < 1:
-            raise ValueError(f"--gpus: the GPU count must be an integer >= 1, got {args.gpus}")
+        if not 1 <= args.gpus <= MAX_GPUS:  # (as simulate's)
+            raise ValueError(f"--gpus: the GPU count must be an integer from 1 to {MAX_GPUS}, got {args.gpus}")
         if args.max_groups < 0:
             raise ValueError(f"--max-groups: the groups listed per method must be >= 0, got {args.max_groups}")
         check_bucket_mb(args.bucket_mb)
