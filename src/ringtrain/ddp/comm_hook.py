@@ -187,7 +187,7 @@ class CommHook:
     communicator. ``timeout``: the wrapper's deadline for each wait. ``comm``: the wrapper's
     communicator, which a failed run breaks, telling the peers (their hooks' calls end at once)."""
 
-    __slots__ = ("hook", "state", "comm", "name", "own", "extra", "timeout", "failed", "layout", "seen")
+    __slots__ = ("hook", "state", "comm", "name", "own", "extra", "timeout", "failed", "layout")
 
     def __init__(self, hook: Callable, state: Any, comm: Communicator, own: list, extra: Sequence, timeout: float):
         self.hook, self.state, self.comm = hook, state, comm
@@ -195,8 +195,8 @@ class CommHook:
         self.own, self.extra = own, tuple(extra)
         self.timeout = timeout
         self.failed: Optional[BaseException] = None  # the error of the run that failed (none runs after it)
-        self.layout: Optional[tuple] = None  # the bucket layout the hook last reduced (its specs)
-        self.seen: Any = None  # the wrapper's list of them it came in (compared by identity first)
+        # the bucket layout the hook last reduced: the wrapper's list of specs, which it replaces, never changes
+        self.layout: Any = None
 
     def run(self, bucket: GradBucket, layout: Any = None) -> None:
         """Reduce ``bucket`` with the hook: call it, wait for its future, write the result into
@@ -207,10 +207,10 @@ class CommHook:
         A layout laid out anew alike (the first plan grouping as the buckets before it) is the same:
         its buckets hold the same gradients, and PowerSGD's error feedback stays."""
         index = bucket.index()
-        if layout is not self.seen:
-            if layout is None or tuple(layout) != self.layout:
+        if layout is not self.layout:  # (the same list: the same layout; another: compared spec by spec)
+            if self.layout is None or layout != self.layout:
                 forget_buckets(self.state)
-            self.seen, self.layout = layout, None if layout is None else tuple(layout)
+            self.layout = layout
         if self.failed is not None:
             raise CommError(f"comm hook {self.name} was not called on bucket {index}: it failed on an earlier bucket "
                             f"({type(self.failed).__name__}: {self.failed})")
