@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -299,7 +299,7 @@ def evaluate(
     """
     times, sizes = _check_layers(backward_times, sizes_bytes)
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
-    pairs = [tuple(g) for g in groups]
+    pairs = _group_pairs(groups)
     _check_groups(pairs, len(times))
     return _evaluate(times, sizes, pairs, cost_fn, method, _check_interference(interference), drain)
 
@@ -665,6 +665,18 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not (math.isfinite(value) and value > 0):  # (a negative value was told ">= 0", then 0 "> 0")
         raise ValueError(f"{name}={value!r}; it must be finite and > 0")
+
+
+def _group_pairs(groups: object) -> list[tuple]:
+    """``groups`` as a list of tuples; anything but a sequence of (first, last) pairs is a ValueError."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+        raise ValueError(f"groups must be a sequence of (first, last) pairs of ints, got {groups!r}")
+    pairs = []
+    for g, pair in enumerate(groups):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable):
+            raise ValueError(f"groups[{g}] = {pair!r}; each group must be a (first, last) pair of ints")
+        pairs.append(tuple(pair))
+    return pairs
 
 
 def _check_groups(groups: Sequence[tuple[int, int]], n: int) -> None:
