@@ -152,6 +152,24 @@ def test_traces_of_the_same_model_stay_apart(models, names, tmp_path, capsys):
     assert len({r["model"] for r in doc["rows"]}) == len(names)
 
 
+def test_all_stands_for_the_zoo_beside_trace_files(tmp_path, capsys):
+    """'all' in a list (it was taken only alone, and refused as an unknown model beside a file)."""
+    from ringtrain.sim.models_zoo import MODELS
+
+    path = tmp_path / "mine.json"
+    save(build_trace("resnet50", DEVICES["h100"]), path)
+    rc = main(["simulate", "--model", f"{path},all", "--cluster", "10GbE", "--gpus", "8", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [m["model"] for m in doc["models"]]
+    assert names[0] == "resnet50" and len(names) == len(MODELS) + 1  # the file's trace, then the zoo (its
+    assert "resnet50@v100" in names                                  # resnet50 kept apart by its device)
+    rc = main(["simulate", "--model", "all,vgg16", "--cluster", "10GbE", "--gpus", "8", "--json"])
+    assert rc == 0
+    names = [m["model"] for m in json.loads(capsys.readouterr().out)["models"]]
+    assert sorted(names) == sorted(MODELS) and names[-1] == "vgg16"  # named once, where the user put it
+
+
 def test_a_trace_with_a_non_finite_time_is_refused(tmp_path, capsys):
     path = tmp_path / "t.json"
     save(build_trace("resnet50", DEVICES["h100"]), path)

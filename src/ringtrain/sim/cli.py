@@ -43,7 +43,7 @@ def add_common(parser: argparse.ArgumentParser, one_cluster: str | None = None) 
     """
     if one_cluster is None:
         parser.add_argument("--model", default="all",
-                            help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all', trace files "
+                            help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all' (every zoo model), trace files "
                                  "(.json/.csv), or profile:NAME to profile a ringtrain.models model on this CPU")
     else:
         parser.add_argument("--model", default=None,
@@ -169,8 +169,15 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
 
 
 def model_names(value: str) -> list[str]:
-    """``--model``'s items ('all': every zoo model)."""
-    return list(MODELS) if value.strip().lower() == "all" else split(value, "--model")
+    """``--model``'s items; 'all', alone or in the list, stands for every zoo model not named beside it."""
+    items = split(value, "--model")
+    if not any(v.lower() == "all" for v in items):
+        return items
+    named = {v for v in items if v.lower() != "all"}
+    out: list[str] = []
+    for v in items:
+        out.extend([m for m in MODELS if m not in named and m not in out] if v.lower() == "all" else [v])
+    return out
 
 
 def zoo_device(value: str, device: str) -> str | None:
