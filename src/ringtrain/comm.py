@@ -257,7 +257,10 @@ class Communicator:
         if self._closed:
             raise CommError(f"rank {self.rank}: communicator is closed")
         if self._broken is not None:
-            raise CommError(
+            # the breaking error's class where it is one of ours (a peer's timeout stays a CommTimeout
+            # for the call the user makes next, e.g. join()'s after a bucket's on the comm thread)
+            kind = type(self._broken) if isinstance(self._broken, CommError) else CommError
+            raise kind(
                 f"rank {self.rank}: communicator is broken by an earlier error ({self._broken}); "
                 "create a new one"
             )
