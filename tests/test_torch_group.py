@@ -3,6 +3,7 @@ their errors. (torch's DDP over it, in real processes: test_torch_group_ddp.py.)
 
 from __future__ import annotations
 
+import inspect
 import time
 from datetime import timedelta
 
@@ -22,6 +23,25 @@ SIZES = [1, 2, 3, 4]
 def data(rank: int, n: int, j: int = 0, dtype=torch.float32) -> torch.Tensor:
     """Distinct per (rank, element), integer valued so every sum is exact."""
     return (torch.arange(n) + rank * n + j * 1000).to(dtype)
+
+
+# group_src=/group_dst= (torch 2.6 on): a group passed as group= is not registered with torch, so its
+# functions cannot translate a global src=; before 2.6 the group's own call is the way (docs/comm.md).
+HAS_GROUP_SRC = "group_src" in inspect.signature(dist.broadcast).parameters
+
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn there).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def broadcast(t: torch.Tensor, root: int, pg) -> None:
+    if HAS_GROUP_SRC:
+        dist.broadcast(t, group_src=root, group=pg)
+    else:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        pg.broadcast([t], opts).wait()
 
 
 def on_group(p: int, fn, timeout: float = 10.0):
@@ -62,16 +82,16 @@ def test_broadcast_all_gather_reduce_scatter_barrier(p):
     def fn(pg):
         r = pg.rank()
         b = data(r, n)
-        dist.broadcast(b, group_src=p - 1, group=pg)  # (src= needs a registered group: see docs/comm.md)
+        broadcast(b, p - 1, pg)
         outs = [torch.empty(n) for _ in range(p)]
         dist.all_gather(outs, data(r, n), group=pg)
         into = torch.empty(p, n)
-        dist.all_gather_single(into, data(r, n), group=pg)
+        all_gather_single(into, data(r, n), group=pg)
         y = torch.empty(n, dtype=torch.int64)
         dist.reduce_scatter(y, [data(r, n, j, torch.int64) for j in range(p)], group=pg)
         z = torch.empty(n, dtype=torch.int64)
         whole = torch.cat([data(r, n, j, torch.int64) for j in range(p)])
-        dist.reduce_scatter_single(z, whole, group=pg)
+        reduce_scatter_single(z, whole, group=pg)
         dist.barrier(group=pg)
         return b, outs, into, y, z, whole
 
@@ -95,7 +115,7 @@ def test_all_reduce_coalesced_and_in_place_gather():
         pg.allreduce_coalesced(ts, dist.AllreduceCoalescedOptions()).wait()
         out = torch.zeros(p * n)
         out[r * n:(r + 1) * n] = data(r, n)
-        dist.all_gather_single(out, out[r * n:(r + 1) * n], group=pg)  # the input a chunk of the output
+        all_gather_single(out, out[r * n:(r + 1) * n], group=pg)  # the input a chunk of the output
         return ts, out
 
     for ts, out in on_group(p, fn):
@@ -227,17 +247,20 @@ def test_bad_calls_are_refused_at_once_naming_the_call():
         with pytest.raises(ValueError, match="not .*BAND"):
             dist.all_reduce(torch.ones(1, dtype=torch.int32), op=dist.ReduceOp.BAND, group=pg)
         with pytest.raises(ValueError, match="broadcast: .* CPU tensors, got one on meta"):
-            dist.broadcast(torch.empty(2, device="meta"), group_src=0, group=pg)
+            broadcast(torch.empty(2, device="meta"), 0, pg)
         with pytest.raises(ValueError, match="allreduce: op='mean' needs a floating dtype, got int32"):
             dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG, group=pg)
         with pytest.raises(ValueError, match="reduce_scatter_single: op='max' needs ordered values, got complex64"):
-            dist.reduce_scatter_tensor(torch.empty(1, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64),
-                                       op=dist.ReduceOp.MAX, group=pg)
+            reduce_scatter_single(torch.empty(1, dtype=torch.complex64), torch.ones(2, dtype=torch.complex64),
+                                  op=dist.ReduceOp.MAX, group=pg)
         with pytest.raises(ValueError, match="reduce_scatter: 1 input tensors for 2 ranks"):
             dist.reduce_scatter(torch.empty(1), [torch.ones(1)], group=pg)
         # Unsupported collectives: a NotImplementedError naming the call, before anything moves.
         with pytest.raises(NotImplementedError, match="does not implement gather"):
-            dist.gather(torch.ones(1), [torch.empty(1)] * 2 if pg.rank() == 0 else None, group_dst=0, group=pg)
+            if HAS_GROUP_SRC:
+                dist.gather(torch.ones(1), [torch.empty(1)] * 2 if pg.rank() == 0 else None, group_dst=0, group=pg)
+            else:
+                pg.gather([[torch.empty(1)] * 2] if pg.rank() == 0 else [], [torch.ones(1)], dist.GatherOptions())
         with pytest.raises(NotImplementedError, match="does not implement send"):
             pg.send([torch.ones(1)], 1 - pg.rank(), 0)
         with pytest.raises(NotImplementedError, match="does not implement all_to_all_single"):
