@@ -6,6 +6,7 @@ import json
 import math
 import os
 import threading
+import warnings
 
 import pytest
 import torch
@@ -40,6 +41,57 @@ def test_recorder_stops_after_its_iterations(tmp_path):
     assert [e["ts"] for e in spans] == [0.0, 1e6] and spans[0]["dur"] == 5e5
     with pytest.raises(ValueError):
         TraceRecorder(tmp_path / "t.json", 0, 0)
+
+
+def test_the_file_is_written_at_every_power_of_two_so_a_kill_keeps_half(tmp_path):
+    """Written only at the last recorded iteration or at close() before: a run SIGKILLed, or
+    SIGTERMed by torchrun after a peer died, had no trace at all."""
+    rec = TraceRecorder(tmp_path / "t.json", 0, 10, origin=0.0)
+    seen = []
+    for i in range(10):
+        rec.span("forward", "forward", "compute", i, i + 0.5, iteration=i)
+        rec.end_iteration()
+        path = tmp_path / "t.rank0.json"
+        doc = json.loads(path.read_text()) if path.exists() else {"traceEvents": []}
+        seen.append(sum(e["ph"] == "X" for e in doc["traceEvents"]))
+    assert seen == [1, 2, 2, 4, 4, 4, 4, 8, 8, 10]
+    rec.close()
+
+
+@pytest.mark.parametrize("name", ["folder", "folder/", "", "."])
+def test_a_folder_for_a_timeline_is_refused_naming_a_file_to_give(tmp_path, monkeypatch, name):
+    """It was taken for a file's stem: 'runs' wrote runs.rank0.json beside the folder, '' and '.'
+    raised pathlib's "PosixPath('.') has an empty name"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="is a folder, not a trace file name; give a file such as"):
+        trace_path(name, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_two_recorders_of_one_file_warn_and_a_closed_one_frees_it(tmp_path):
+    first = TraceRecorder(tmp_path / "t.json", 0, 3)
+    with pytest.warns(RuntimeWarning, match="already writes .*t.rank0.json; this one's trace will replace it"):
+        second = TraceRecorder(tmp_path / "t.json", 0, 3)
+    for rec in (first, second):
+        rec.span("forward", "forward", "compute", 0.0, 1.0)
+        rec.end_iteration()
+        rec.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        third = TraceRecorder(tmp_path / "t.json", 0, 3)  # free again: no warning
+    third.span("forward", "forward", "compute", 0.0, 1.0)
+    third.end_iteration()
+    third.close()
+
+
+def test_a_run_that_traced_no_iteration_says_so_at_close(tmp_path):
+    """The docs' example on a short run: no file (or calibration alone), then draw_timeline's
+    FileNotFoundError, with no word of why."""
+    rec = TraceRecorder(tmp_path / "t.json", 0, 3)
+    rec.span("profile exchange", "calibration", "communication", 0.0, 1.0)
+    with pytest.warns(RuntimeWarning, match="no iteration was traced into .*t.rank0.json: recording starts"):
+        rec.close()
 
 
 def _comm_threads() -> set:

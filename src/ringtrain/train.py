@@ -38,6 +38,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -718,7 +719,9 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         summary = _summary(cfg, p, comm.transport.name, batch_size, times, losses, float(rate_buf[0]), start)
         if p > 1 and ran:
             summary["communication"] = _communication(ddp, ran)
-        ddp.close()
+        with warnings.catch_warnings():  # (rank 0 said so above, naming --steps)
+            warnings.filterwarnings("ignore", message="timeline: no iteration was traced")
+            ddp.close()
         comm.close()
     if rank == 0:
         _report(summary, json_summary)

@@ -6,9 +6,13 @@ Words used here:
   parameter's backward, then per bucket the wait for its allreduce and its copy into ``.grad``) or
   ``communication`` (the wrapper's communication thread: each bucket's allreduce, and the
   calibration exchanges). Spans are Chrome trace "complete" events (``ph: "X"``, times in
-  microseconds from the wrapper's creation); ``pid`` is the rank, ``tid`` the lane.
+  microseconds of the host's monotonic clock, perf_counter's, so the ranks of one host line up;
+  ranks on different hosts have clocks of their own); ``pid`` is the rank, ``tid`` the lane.
 - *trace file*: one JSON file per rank, ``trace.json`` -> ``trace.rank0.json`` ...; it opens in
   Perfetto (ui.perfetto.dev) or chrome://tracing, and :func:`draw_timeline` draws it as a PNG.
+  It is written after the 1st, 2nd, 4th, 8th... recorded iteration and at the last, so a run
+  killed on the way (SIGKILL, or torchrun's SIGTERM after a peer died) keeps at least half of
+  what it recorded.
 - *hidden share*: the fraction of an iteration's communication time that overlaps its backward
   pass (from the backward start to the last gradient ready).
 """
@@ -84,8 +88,14 @@ def hidden_fraction(intervals: Sequence[tuple[float, float]], lo: float, hi: flo
 
 
 def trace_path(path: str | os.PathLike, rank: int) -> Path:
-    """``trace.json`` -> ``trace.rank{rank}.json`` (the suffix kept, ``.json`` if none)."""
+    """``trace.json`` -> ``trace.rank{rank}.json`` (the suffix kept, ``.json`` if none). A folder
+    (one that exists, a path ending in a separator, '' or '.') is a ValueError: it would be taken
+    for a file's stem and the files written beside it."""
+    text = os.fspath(path)
     p = Path(path)
+    if not str(text).strip() or str(text).endswith(("/", os.sep)) or p.name in ("", ".", "..") or p.is_dir():
+        raise ValueError(f"timeline: {text!r} is a folder, not a trace file name; give a file such as "
+                         f"{os.path.join(str(text) or '.', 'trace.json')!r} (each rank writes trace.rank<r>.json there)")
     suffix = p.suffix or ".json"
     stem = p.name[: -len(p.suffix)] if p.suffix else p.name
     return p.with_name(f"{stem}.rank{rank}{suffix}")
@@ -109,6 +119,13 @@ class TraceRecorder:
         self.events: list[dict[str, Any]] = []
         self._written = False
         self.failed = False  # a write failed: nothing more is recorded or written
+        key = str(self.path.resolve())
+        if key in _IN_USE:  # (os.replace would silently put this one's trace over the other's)
+            warnings.warn(f"timeline: another DistributedDataParallel in this process already writes {self.path}; "
+                          "this one's trace will replace it: give each wrapper a timeline path of its own "
+                          "(or close() the other first)", RuntimeWarning, stacklevel=3)
+        _IN_USE.add(key)
+        self._key = key
 
     @property
     def recording(self) -> bool:
@@ -135,8 +152,24 @@ class TraceRecorder:
         if not self.recording:
             return
         self.iterations += 1
-        if not self.recording:
+        n = self.iterations
+        if not self.recording or n & (n - 1) == 0:  # the last, and every power of two (a kill keeps half)
             self.flush()
+
+    def close(self) -> None:
+        """The last write (the wrapper's close, or its collection); warns where no iteration
+        was recorded, since then no file, or one of calibration alone, is all there is."""
+        try:
+            if self.iterations == 0 and not self.failed:
+                warnings.warn(f"timeline: no iteration was traced into {self.path}: recording starts with the "
+                              "first iteration under the settled plan (model.settled; the default schedule "
+                              "'optimal' first profiles and tries plans for some tens of iterations), and this "
+                              "run ended before it; train longer, or pass a schedule that needs no trial "
+                              "(schedule='mgwfbp', 'wfbp', 'fixed' or 'single': a few iterations)",
+                              RuntimeWarning, stacklevel=2)
+            self.flush()
+        finally:
+            _IN_USE.discard(self._key)
 
     def flush(self) -> Optional[Path]:
         """Write the trace file (atomically: a temporary file, then a rename). Idempotent
@@ -169,6 +202,9 @@ class TraceRecorder:
             tmp.unlink()
         warnings.warn(f"timeline: cannot write the trace file {self.path}: {exc.strerror or exc}; "
                       "this rank's timeline is no longer recorded (training goes on)", RuntimeWarning, stacklevel=3)
+
+
+_IN_USE: set[str] = set()  # the trace files of this process's open recorders
 
 
 def check_trace_file(path: Path) -> None:

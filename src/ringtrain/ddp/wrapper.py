@@ -1032,7 +1032,7 @@ def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list
     hooks.clear()
     try:
         if recorder is not None:
-            recorder.flush()
+            recorder.close()
     finally:
         try:
             thread.close()
