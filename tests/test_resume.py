@@ -226,6 +226,15 @@ def test_ps_resume_takes_the_servers_step_when_the_workers_checkpoint_of_it_is_m
 
 
 @pytest.mark.timeout(300)
+def test_ps_resume_with_another_lr_says_so_as_the_ring_does(tmp_path):
+    """The servers take the new --lr (docs/ps.md); the ring named the change, the servers' job did not."""
+    run_to_end(ps_command(tmp_path, 4))
+    out = run_to_end(ps_command(tmp_path, 8) + ["--lr", "0.01"])
+    assert "resumed at step 4 (parameter servers and" in out, out[-2000:]
+    assert "learning rate 0.01 (the checkpoint was made with 0.05)" in out, out[-2000:]
+
+
+@pytest.mark.timeout(300)
 def test_ps_resume_on_another_number_of_servers_ends_where_an_uninterrupted_run_does(tmp_path):
     """4 steps on one server (ps-sync), then the same directory on two (ps-sharded --servers 2) to
     step 8: the servers cut the saved shard in two, and their shards of step 8, values and momentum,

@@ -670,6 +670,64 @@ def test_a_global_batch_larger_than_the_data_set_is_refused(tmp_path, launches, 
     assert "--batch-size" in message and "200000" in message, message
 
 
+# --- 7b. one run at a time in a checkpoint directory; the servers' folders -----------------------
+
+def test_a_second_run_on_a_directory_in_use_is_refused_naming_the_first(tmp_path, launches, capsys):
+    """Two runs on one --checkpoint-dir each saved over and pruned the other's checkpoints, both
+    ended 'done' (or the second failed with a 'different checkpoints on the ranks' error)."""
+    held = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from ringtrain import dirlock\n"
+        "with dirlock.hold(Path(sys.argv[1]), '--checkpoint-dir'):\n"
+        "    print('held', flush=True); time.sleep(60)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        save_run(tmp_path)
+        before = fingerprint(tmp_path)
+        for more in ((), ("--no-resume",)):
+            message = refusal(train_argv(tmp_path, *more), launches, capsys)
+            assert f"--checkpoint-dir {tmp_path} is in use by another run (pid {held.pid} on " in message, message
+            assert fingerprint(tmp_path) == before  # (--no-resume moved nothing aside)
+    finally:
+        held.kill()
+        held.wait()
+    cli.main(train_argv(tmp_path))  # its lock went with its process (a SIGKILL leaves none behind)
+    assert len(launches) == 1
+    assert not (tmp_path / ".ringtrain.lock").exists()  # removed by the run that held it last
+
+
+def test_the_lock_is_taken_again_after_a_run_and_refused_while_held(tmp_path):
+    from ringtrain import dirlock
+
+    for _ in range(2):
+        with dirlock.hold(tmp_path, "--checkpoint-dir"):
+            assert "pid " in (tmp_path / ".ringtrain.lock").read_text()
+        assert list(tmp_path.iterdir()) == []
+    with dirlock.hold(tmp_path, "--checkpoint-dir"):  # (another descriptor: flock refuses it, same process too)
+        with pytest.raises(dirlock.DirectoryInUse, match="is in use by another run"):
+            with dirlock.hold(tmp_path, "--checkpoint-dir"):
+                pass
+
+
+def test_a_directory_of_damaged_checkpoints_alone_says_it_starts_at_step_0(tmp_path, launches, capsys):
+    save_run(tmp_path)
+    for _, path in checkpoint.list_checkpoints(tmp_path):
+        path.write_bytes(b"\0" * 64)
+    cli.main(train_argv(tmp_path))
+    err = capsys.readouterr().err
+    assert err.count("remove it") == 2 and f"no whole checkpoint in {tmp_path} to resume from: starting at step 0" in err
+
+
+@pytest.mark.parametrize("blocked", ["servers", "servers/server-1"])
+def test_a_file_where_the_servers_keep_their_checkpoints_is_refused_before_training(tmp_path, launches, capsys,
+                                                                                   blocked):
+    """Each server failed after training had started (rank 0 had saved), then the advice to run
+    the same command again was refused for the servers' missing checkpoints."""
+    (tmp_path / blocked).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / blocked).write_text("x")
+    message = refusal(train_argv(tmp_path, "--strategy", "ps-sharded", "--servers", "2"), launches, capsys)
+    assert f"{tmp_path / blocked} is a file, where the parameter servers keep their checkpoints" in message, message
+
+
 # --- 8. another model; one directory for a model's aliases ---------------------------------------
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["recorded", "older-checkpoints"])

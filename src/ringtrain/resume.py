@@ -102,6 +102,8 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
                       file=sys.stderr)
         return None
     saved = _saved_checkpoints(directory)
+    if not saved and cfg.strategy == "ring" and checkpoint.list_checkpoints(directory):
+        print(f"no whole checkpoint in {directory} to resume from: starting at step 0", file=sys.stderr)
     if saved:
         _check_same_strategy(cfg, saved)
         _check_same_model(cfg, saved[0])

@@ -6,7 +6,8 @@
 
 A resumed run keeps the global batch (workers x batch size), the seed, the model, the optimizer
 and the strategy of the checkpoints it continues; ``--no-resume`` starts afresh and first moves the
-directory's checkpoints into a ``superseded-<time>`` subdirectory.
+directory's checkpoints into a ``superseded-<time>`` subdirectory. One run at a time holds a
+checkpoint directory (``ringtrain.dirlock``: a second is refused, naming the first's pid).
 
 The parent starts the workers through torch's own launcher (torch.distributed.run). Each
 worker joins with ``ringtrain.init``, wraps the model in ``ringtrain.DistributedDataParallel``
@@ -43,7 +44,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-from . import resume
+from . import dirlock, resume
 from .bench.machine import plural
 from .checkpoint import CheckpointWriteError
 from .errors import CommError, check_join_timeout, check_number
@@ -285,12 +286,25 @@ def _launch(args: argparse.Namespace) -> int:
         _check_servers_fit(cfg)
         if cfg.checkpoint_every:
             _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
+            if cfg.strategy != "ring":
+                _check_server_folders(cfg)
         if cfg.timeline:
             _check_writable(Path(cfg.timeline).parent, f"--timeline {cfg.timeline}: its directory")
             _check_trace_files(cfg.timeline, args.workers)
-        done = resume.prepare_checkpoint_dir(cfg, args.workers)  # (the step it resumes at)
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
+    with contextlib.ExitStack() as held:
+        try:
+            if cfg.checkpoint_every or Path(cfg.checkpoint_dir).is_dir():  # (one run at a time saves or reads there)
+                held.enter_context(dirlock.hold(Path(cfg.checkpoint_dir), "--checkpoint-dir"))
+            done = resume.prepare_checkpoint_dir(cfg, args.workers)  # (the step it resumes at)
+        except ValueError as exc:
+            raise SystemExit(f"ringtrain train: {exc}")
+        return _run_workers(args, cfg, done)
+
+
+def _run_workers(args: argparse.Namespace, cfg: TrainConfig, done: int | None) -> int:
+    """The job's workers (and servers) under torchrun, from step ``done`` (None: 0)."""
     # Said without starting a rank (that took ~16 s to say the same); --json: the workers' whole summary.
     if done is not None and done >= cfg.steps and not args.json:
         print(f"\n{cfg.model} in {cfg.checkpoint_dir}:\n  nothing to do: the checkpoint is already at step {done} "
@@ -342,6 +356,20 @@ def _where_it_resumes(cfg: TrainConfig) -> str:
 
 def _run_worker(config_json: str, json_summary: bool) -> int:
     return worker(TrainConfig(**json.loads(config_json)), json_summary=json_summary)
+
+
+def _check_server_folders(cfg: TrainConfig) -> None:
+    """The parameter servers save under ``<checkpoint dir>/servers/server-<k>``: a file in the
+    place of one was each server's failure after training had started (rank 0 saved, they could
+    not). Checked, not made (the folders that exist tell resume how many servers saved)."""
+    servers = Path(cfg.checkpoint_dir) / "servers"
+    for folder in [servers] + [servers / f"server-{k}" for k in range(cfg.servers)]:
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: {folder} is a file, where the parameter "
+                             "servers keep their checkpoints (a folder); move it away")
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: {folder} is not writable, and the parameter "
+                             "servers keep their checkpoints there")
 
 
 def _check_writable(directory: Path, what: str) -> None:
@@ -484,7 +512,7 @@ def _training_state(cfg: TrainConfig, step: int, model, opt, loader) -> dict:
     from . import checkpoint, models
 
     return checkpoint.training_state(step, model, opt, loader, strategy=cfg.strategy, optimizer_name=cfg.optimizer,
-                                     model_name=models.spec(cfg.model).name,
+                                     model_name=models.spec(cfg.model).name, lr=cfg.lr,
                                      corpus=getattr(loader.dataset, "digest", None))
 
 
@@ -810,6 +838,9 @@ def _resume_ps_worker(cfg: TrainConfig, rank: int, model, loader, step: int) -> 
     _note_other_corpus(payload, loader, rank)
     if rank == 0:
         print(f"resumed at step {step} (parameter servers and {saved[step]})", file=sys.stderr)
+        saved_lr = (payload.get("extra") or {}).get("lr")  # (the servers take this run's --lr: docs/ps.md)
+        if saved_lr is not None and saved_lr != cfg.lr:
+            print(f"learning rate {cfg.lr} (the checkpoint was made with {saved_lr})", file=sys.stderr)
 
 
 def _report(summary: dict, as_json: bool) -> None:
