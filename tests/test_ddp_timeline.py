@@ -94,6 +94,25 @@ def test_a_run_that_traced_no_iteration_says_so_at_close(tmp_path):
         rec.close()
 
 
+def test_draw_timeline_draws_files_of_both_id_schemes(tmp_path):
+    """pid rank + 1 and tids 1, 2 now; files written before (pid rank, tids 0, 1, e.g. in
+    benchmarks/) draw as before, their lanes known by tid."""
+    pytest.importorskip("matplotlib")
+    old = {"traceEvents": [
+        {"name": "forward", "cat": "forward", "ph": "X", "ts": 0.0, "dur": 5.0, "pid": 0, "tid": 0,
+         "args": {"iteration": 1}},
+        {"name": "allreduce bucket 0", "cat": "allreduce", "ph": "X", "ts": 1.0, "dur": 5.0, "pid": 0, "tid": 1,
+         "args": {"iteration": 1}}]}
+    (tmp_path / "old.rank0.json").write_text(json.dumps(old))
+    rec = TraceRecorder(tmp_path / "new.json", 1, 1, origin=0.0)
+    rec.span("forward", "forward", "compute", 0.0, 1e-5, iteration=1)
+    rec.span("allreduce bucket 0", "allreduce", "communication", 0.0, 1e-5, iteration=1)
+    rec.end_iteration()
+    out = draw_timeline([tmp_path / "old.rank0.json", tmp_path / "new.rank1.json"], tmp_path / "t.png")
+    assert out.stat().st_size > 0
+    rec.close()
+
+
 def _comm_threads() -> set:
     return {t for t in threading.enumerate() if t.name.startswith("ringtrain-ddp-comm")}
 
@@ -161,15 +180,18 @@ def test_trace_files_per_rank_and_png(tmp_path, as_view):
     for rank, (path, stats) in enumerate(results):
         events = json.loads(path.read_text())["traceEvents"]
         spans = [e for e in events if e["ph"] == "X"]
-        assert {e["pid"] for e in spans} == {rank}
+        assert {e["pid"] for e in spans} == {rank + 1}  # (not 0: Perfetto's idle task)
+        names = {(e["name"], e.get("tid")): e["args"] for e in events if e["ph"] == "M"}
+        assert names[("process_name", None)] == {"name": f"rank {rank}"}
+        assert names[("thread_name", 1)] == {"name": "compute"} and names[("thread_name", 2)] == {"name": "communication"}
         iterations = sorted({e["args"]["iteration"] for e in spans if e["cat"] != "calibration"})
         assert iterations == [1, 2, 3]  # the first planned iteration and the two after it
         exchange = [e for e in spans if e["cat"] == "calibration"]
-        assert [e["args"]["iteration"] for e in exchange] == [0] and exchange[0]["tid"] == 1
+        assert [e["args"]["iteration"] for e in exchange] == [0] and exchange[0]["tid"] == 2
         cats = {e["cat"] for e in spans}
         assert {"forward", "backward", "allreduce", "wait"} <= cats
         comm_spans = [e for e in spans if e["cat"] == "allreduce"]
-        assert all(e["tid"] == 1 for e in comm_spans) and len(comm_spans) == 3 * 12  # wfbp: one per parameter
+        assert all(e["tid"] == 2 for e in comm_spans) and len(comm_spans) == 3 * 12  # wfbp: one per parameter
         # Gradients that are views of their buckets need no copy back: one wait for the last
         # allreduce per iteration; else a copy per bucket, each after its allreduce.
         copies = [e for e in spans if e["cat"] == "copy"]
@@ -186,7 +208,7 @@ def test_trace_files_per_rank_and_png(tmp_path, as_view):
                         assert c["ts"] >= done["ts"] + done["dur"]
         assert all(e["args"]["bytes"] > 0 for e in comm_spans)
         back = [e for e in spans if e["cat"] == "backward" and e["args"]["iteration"] == 2]
-        assert len(back) == 12 and all(e["tid"] == 0 for e in back)
+        assert len(back) == 12 and all(e["tid"] == 1 for e in back)
         assert len(stats) == 6
         for s in stats:
             assert 0.0 <= s.hidden_fraction <= 1.0 and s.comm_s > 0 and s.backward_s > 0

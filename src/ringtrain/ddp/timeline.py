@@ -7,7 +7,8 @@ Words used here:
   ``communication`` (the wrapper's communication thread: each bucket's allreduce, and the
   calibration exchanges). Spans are Chrome trace "complete" events (``ph: "X"``, times in
   microseconds of the host's monotonic clock, perf_counter's, so the ranks of one host line up;
-  ranks on different hosts have clocks of their own); ``pid`` is the rank, ``tid`` the lane.
+  ranks on different hosts have clocks of their own); ``pid`` is the rank + 1 (named "rank r"),
+  ``tid`` the lane (1 compute, 2 communication).
 - *trace file*: one JSON file per rank, ``trace.json`` -> ``trace.rank0.json`` ...; it opens in
   Perfetto (ui.perfetto.dev) or chrome://tracing, and :func:`draw_timeline` draws it as a PNG.
   It is written after the 1st, 2nd, 4th, 8th... recorded iteration and at the last, so a run
@@ -28,7 +29,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-LANES = {"compute": 0, "communication": 1}
+# Trace ids: pid rank + 1 and tids from 1 (Perfetto treats pid and tid 0 as the kernel's idle task;
+# its maintainers advise against them in a synthesized trace). Files written before used pid rank
+# and tids 0 and 1: draw_timeline reads the names of the metadata events, so it draws both.
+LANES = {"compute": 1, "communication": 2}
+_OLD_LANES = {0: "compute", 1: "communication"}
+
+
+def trace_pid(rank: int) -> int:
+    """The trace's process id of ``rank`` (named "rank <rank>" in the file's metadata)."""
+    return rank + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +151,7 @@ class TraceRecorder:
             "ph": "X",
             "ts": round((start - self.origin) * 1e6, 3),
             "dur": round(max(0.0, end - start) * 1e6, 3),
-            "pid": self.rank,
+            "pid": trace_pid(self.rank),
             "tid": LANES[lane],
         }
         if args:
@@ -176,9 +186,11 @@ class TraceRecorder:
         once all iterations are recorded; returns the path, or None when nothing was recorded."""
         if self._written or not self.events:
             return None
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+        pid = trace_pid(self.rank)
+        meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {self.rank}"}},
+                {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": self.rank}}]
         meta += [
-            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": lane}}
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": lane}}
             for lane, tid in LANES.items()
         ]
         doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms"}
@@ -246,9 +258,17 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
     if not files:
         raise ValueError("draw_timeline needs at least one trace file")
     spans = []
+    process: dict[int, str] = {}  # pid -> "rank r" (files before trace_pid: pid r, no sort index)
+    lane_of: dict[tuple[int, int], str] = {}  # (pid, tid) -> lane
     for f in files:
         doc = json.loads(Path(f).read_text())
-        spans += [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+        for e in doc["traceEvents"]:
+            if e.get("ph") == "X":
+                spans.append(e)
+            elif e.get("ph") == "M" and e.get("name") == "process_name":
+                process[e["pid"]] = e["args"]["name"]
+            elif e.get("ph") == "M" and e.get("name") == "thread_name":
+                lane_of[(e["pid"], e["tid"])] = e["args"]["name"]
     if iterations is not None:
         its = sorted({e.get("args", {}).get("iteration", -1) for e in spans})
         keep = set(its[-iterations:])
@@ -256,15 +276,15 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
     if not spans:
         raise ValueError(f"no spans to draw in {files}")
     t0 = min(e["ts"] for e in spans)
-    ranks = sorted({e["pid"] for e in spans})
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.9 * len(ranks) * len(LANES)))
+    pids = sorted({e["pid"] for e in spans})
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.9 * len(pids) * len(LANES)))
     labels = []
-    for r_i, rank in enumerate(ranks):
-        for lane, tid in LANES.items():
-            row = r_i * len(LANES) + tid
-            labels.append(f"rank {rank} {lane}")
+    for p_i, pid in enumerate(pids):
+        for l_i, lane in enumerate(LANES):
+            row = p_i * len(LANES) + l_i
+            labels.append(f"{process.get(pid, f'rank {pid}')} {lane}")
             for e in spans:
-                if e["pid"] == rank and e["tid"] == tid:
+                if e["pid"] == pid and lane_of.get((pid, e["tid"]), _OLD_LANES.get(e["tid"])) == lane:
                     ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (row - 0.4, 0.8),
                                    facecolors=_COLORS.get(e["cat"], "#333333"), edgecolor="none")
     ax.set_yticks(range(len(labels)), labels)
@@ -273,7 +293,7 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
     ax.set_title(f"{title + ': ' if title else ''}ringtrain DDP timeline, backward and allreduce overlap")
     # Below the axes, where it hides no span.
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.45 / (0.4 + 0.9 * len(ranks))), fontsize=8, ncol=len(_COLORS), frameon=False)
+              bbox_to_anchor=(0.5, -0.45 / (0.4 + 0.9 * len(pids))), fontsize=8, ncol=len(_COLORS), frameon=False)
     fig.tight_layout()
     out = Path(png_path)
     out.parent.mkdir(parents=True, exist_ok=True)
