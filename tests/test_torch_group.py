@@ -318,3 +318,25 @@ def test_closed_group_refuses_calls():
         return True
 
     assert on_group(2, fn) == [True, True]
+
+
+def test_the_group_holds_a_work_until_it_has_run_and_been_asked_for():
+    """torch before 2.5 reaches a Python work's get_future only while the Python object lives (C++'s
+    reference does not keep it): the group holds each work until it has run and been asked for
+    (get_future or wait), then lets it go, so that nothing accumulates over a run."""
+    def fn(pg):
+        live = pg._worker._live
+        works = [dist.all_reduce(torch.ones(3), group=pg, async_op=True) for _ in range(5)]
+        futures = [w.get_future() for w in works[:3]]
+        for f in futures:
+            f.wait()
+        for w in works[3:]:
+            w.wait()
+        assert pg.wait_idle(10.0)  # (the worker lets a work go just after completing its future)
+        held_after = len(live)
+        dist.all_reduce(torch.ones(3), group=pg)  # (a synchronous call: waited for inside)
+        assert pg.wait_idle(10.0)
+        return held_after, len(live)
+
+    for held_after, held_end in on_group(2, fn):
+        assert held_after == 0 and held_end == 0

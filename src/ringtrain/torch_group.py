@@ -50,7 +50,7 @@ class _Work(dist._Work):
     """One call's work. ``future`` is torch's own, for DDP and ``then`` chains; ``raw`` holds the
     job's result or its exception object, which ``wait()`` raises as it was."""
 
-    def __init__(self, result, worker: threading.Thread, drain: Callable[[], None]):
+    def __init__(self, result, worker: threading.Thread, drain: Callable[[], None], live: dict):
         super().__init__()
         self._result = result
         self._worker = worker
@@ -60,6 +60,19 @@ class _Work(dist._Work):
         # A callback that raises marks the future it returns as failed in torch's C++ sense, which
         # DDP's reducer and then() chains see; raw.set_exception alone would read there as success.
         self.future = self.raw.then(lambda f: f.value())
+        # torch before 2.5 (seen with 2.4.1): C++ (DDP's reducer) calls a Python work's get_future
+        # through pybind11's trampoline, which finds the method only while the Python object
+        # lives, and C++'s reference does not keep it alive: a job that had run by then had
+        # dropped its last Python reference, and torch raised "Work::getFuture not implemented".
+        # So the group's worker holds the work (``live``; not a cycle of its own, which the
+        # garbage collector would take) until it has run and been asked for (get_future, wait).
+        self._live = live
+        live[id(self)] = self
+        self._asked = False
+
+    def _release_if_done(self) -> None:
+        if self._asked and self.raw.done():
+            self._live.pop(id(self), None)
 
     def wait(self, timeout: Optional[timedelta | float] = None) -> bool:
         """Until the job has run (each job is bounded by the communicator's timeout, those queued
@@ -69,6 +82,7 @@ class _Work(dist._Work):
         thread would otherwise wait for itself; there, a job whose future is complete has run,
         also while that future's callbacks run (``done``, which other threads wait for, is set
         after them: a callback waiting for it would wait for itself)."""
+        self._asked = True
         on_worker = threading.current_thread() is self._worker
         if on_worker and not self.raw.done():
             self._drain()
@@ -80,10 +94,13 @@ class _Work(dist._Work):
             if deadline is not None and time.monotonic() > deadline:
                 raise CommTimeout(f"ringtrain's process group: the call did not finish within {seconds:g} s "
                                   "(work.wait's timeout)")
+        self._release_if_done()
         self.raw.wait()  # (raises the job's error)
         return True
 
     def get_future(self) -> torch.futures.Future:
+        self._asked = True
+        self._release_if_done()
         return self.future
 
     def is_completed(self) -> bool:
@@ -133,6 +150,7 @@ class _Worker:
         self._lock = threading.Lock()  # (no job goes in after the end marker: it would never run)
         self._idle = threading.Condition(self._lock)  # notified when `_pending` reaches 0
         self._pending = 0  # jobs submitted whose futures are not completed yet
+        self._live: dict[int, _Work] = {}  # works not yet run or asked for (_Work.__init__)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -141,7 +159,7 @@ class _Worker:
         with self._lock:
             if self._stopped:
                 raise RuntimeError(closed)
-            work = _Work(result, self._thread, self._run_queued)
+            work = _Work(result, self._thread, self._run_queued, self._live)
             self._pending += 1
             if threading.current_thread() is not self._thread:
                 self._jobs.put((job, work))
@@ -190,6 +208,7 @@ class _Worker:
         else:
             work.raw.set_result(work._result)
         work.done.set()
+        work._release_if_done()
         with self._idle:
             self._pending -= 1
             if not self._pending:
