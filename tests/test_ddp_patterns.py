@@ -723,6 +723,11 @@ TORCH_PATTERNS = {
     "reentrant checkpoint twice": (lambda: Checkpointed(True, twice=True).double(), ce, sgd, None, False),
 }
 FAILING = {"part of the outputs", "reentrant checkpoint twice"}  # under torch's DDP too
+# torch's own DDP of torch 2.4 (not of 2.13) bumps the buffers' version when it broadcasts them at
+# a forward: with a second forward before backward (or an evaluation between), "modified by an
+# inplace operation" in backward. Ours copies through .data (docs/ddp.md) and trains.
+FAILING_IN_OLDER_TORCH = {"batchnorm, siamese", "batchnorm, evaluated between"}
+OLDER_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
 COMPILED = {"compiled module": "inner", "compiled wrapper": "outer"}
 
 
@@ -780,6 +785,9 @@ def _as_torch(results, name) -> None:
     torch_side, ours = results[0][name, "torch"], results[0][name, "ours"]
     if name in FAILING:
         assert torch_side[0] == ours[0] == "RuntimeError", (name, torch_side, ours)
+        return
+    if name in FAILING_IN_OLDER_TORCH and torch_side[0] == "RuntimeError" and OLDER_TORCH:
+        assert isinstance(ours[0], dict), (name, ours)  # ours trains where that torch's DDP cannot
         return
     assert isinstance(torch_side[0], dict), (name, torch_side)
     assert isinstance(ours[0], dict), (name, ours)

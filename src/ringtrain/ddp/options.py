@@ -62,7 +62,7 @@ def take_torch_keywords(options: dict) -> dict:
     return options
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True)  # (no slots: torch.compile before 2.5 takes weak references to what forward reads)
 class DDPOptions:
     """The wrapper's settings (validated here; the constructor's keywords)."""
 
