@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mp_harness import run_ranks
+from torch_version import OLDER_TORCH
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 
@@ -727,7 +728,6 @@ FAILING = {"part of the outputs", "reentrant checkpoint twice"}  # under torch's
 # a forward: with a second forward before backward (or an evaluation between), "modified by an
 # inplace operation" in backward. Ours copies through .data (docs/ddp.md) and trains.
 FAILING_IN_OLDER_TORCH = {"batchnorm, siamese", "batchnorm, evaluated between"}
-OLDER_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
 COMPILED = {"compiled module": "inner", "compiled wrapper": "outer"}
 
 
