@@ -137,6 +137,28 @@ def test_a_scalar_against_one_element_names_the_shape_of_the_scalar():
     assert "different shape: rank 1's is (1,)" in str(results[1]), results
 
 
+def test_broken_by_an_error_class_of_the_callers_own_the_refusal_is_a_comm_error():
+    """The refusal keeps the breaking error's class where it can be made from a message alone."""
+    class Coded(CommError):
+        def __init__(self, code: int, where: str):
+            super().__init__(f"code {code} at {where}")
+
+    def fn(comm):
+        if comm.rank == 1:
+            comm.abort(Coded(3, "x"))
+            try:
+                comm.allreduce(np.ones(3, dtype=np.float32))
+            except CommError as exc:
+                return type(exc).__name__, str(exc)
+        else:
+            with pytest.raises(CommError):
+                comm.allreduce(np.ones(3, dtype=np.float32))
+        return None
+
+    results = run_comms(2, fn)
+    assert results[1][0] == "CommError" and "broken by an earlier error (code 3 at x)" in results[1][1], results
+
+
 def test_silent_peer_times_out_and_communicator_stays_broken():
     def fn(comm):
         if comm.rank == 1:

@@ -14,7 +14,7 @@ from torch import nn
 
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DDPOptions, DistributedDataParallel, draw_timeline, trace_path
-from ringtrain.ddp.timeline import TraceRecorder, hidden_fraction, overlap
+from ringtrain.ddp.timeline import TraceRecorder, hidden_fraction, overlap, timeline_rows
 from test_ddp_support import make_model, rank_batch
 
 
@@ -76,7 +76,10 @@ def test_two_recorders_of_one_file_warn_and_a_closed_one_frees_it(tmp_path):
     for rec in (first, second):
         rec.span("forward", "forward", "compute", 0.0, 1.0)
         rec.end_iteration()
-        rec.close()
+    first.close()
+    with pytest.warns(RuntimeWarning, match="already writes"):  # (the second still does)
+        TraceRecorder(tmp_path / "t.json", 0, 3).release()  # (release: what a failed wrapper does)
+    second.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         third = TraceRecorder(tmp_path / "t.json", 0, 3)  # free again: no warning
@@ -108,8 +111,12 @@ def test_draw_timeline_draws_files_of_both_id_schemes(tmp_path):
     rec.span("forward", "forward", "compute", 0.0, 1e-5, iteration=1)
     rec.span("allreduce bucket 0", "allreduce", "communication", 0.0, 1e-5, iteration=1)
     rec.end_iteration()
-    out = draw_timeline([tmp_path / "old.rank0.json", tmp_path / "new.rank1.json"], tmp_path / "t.png")
-    assert out.stat().st_size > 0
+    files = [tmp_path / "old.rank0.json", tmp_path / "new.rank1.json"]
+    rows = timeline_rows(files)
+    assert [label for label, _ in rows] == ["rank 0 compute", "rank 0 communication",
+                                            "rank 1 compute", "rank 1 communication"]
+    assert [[e["name"] for e in spans] for _, spans in rows] == [["forward"], ["allreduce bucket 0"]] * 2
+    assert draw_timeline(files, tmp_path / "t.png").stat().st_size > 0
     rec.close()
 
 

@@ -378,7 +378,7 @@ def test_invalid_options():
 
 @pytest.mark.parametrize(
     "groups",
-    [[(0, 1)], [(1, 2)], [(0, 0), (2, 2)], [(0, 1), (1, 2)], [(0, 3)], [(0, 2), (3, 3)], [(0, 1.0), (2, 2)], None, [0, 1, 2], "012", ["01", (2, 2)], 3],
+    [[(0, 1)], [(1, 2)], [(0, 0), (2, 2)], [(0, 1), (1, 2)], [(0, 3)], [(0, 2), (3, 3)], [(0, 1.0), (2, 2)], None, [0, 1, 2], "012", ["01", (2, 2)], 3, np.array(3)],
 )
 def test_invalid_groups(groups):
     with pytest.raises(ValueError, match="groups"):

@@ -168,6 +168,9 @@ def test_all_stands_for_the_zoo_beside_trace_files(tmp_path, capsys):
     assert rc == 0
     names = [m["model"] for m in json.loads(capsys.readouterr().out)["models"]]
     assert sorted(names) == sorted(MODELS) and names[-1] == "vgg16"  # named once, where the user put it
+    from ringtrain.sim.cli import model_names
+
+    assert model_names("all,VGG16") == [m for m in MODELS if m != "vgg16"] + ["VGG16"]  # (any case)
 
 
 def test_a_trace_with_a_non_finite_time_is_refused(tmp_path, capsys):

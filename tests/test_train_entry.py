@@ -517,8 +517,9 @@ def test_train_on_a_busy_port_says_so_in_one_line(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    error = "RuntimeError" if OLDER_TORCH else "DistNetworkError"  # (torch 2.4's store raised a RuntimeError)
-    assert last.startswith(f"ringtrain train: torchrun failed: {error}: ") and "EADDRINUSE" in last, last
+    errors = ("DistNetworkError", "RuntimeError") if OLDER_TORCH else ("DistNetworkError",)  # (torch 2.4's: RuntimeError)
+    assert last.startswith(tuple(f"ringtrain train: torchrun failed: {e}: " for e in errors)), last
+    assert "EADDRINUSE" in last, last
     assert "--master-port" in last, last
 
 
@@ -717,6 +718,38 @@ def test_a_directory_of_damaged_checkpoints_alone_says_it_starts_at_step_0(tmp_p
     cli.main(train_argv(tmp_path))
     err = capsys.readouterr().err
     assert err.count("remove it") == 2 and f"no whole checkpoint in {tmp_path} to resume from: starting at step 0" in err
+
+
+def test_a_link_in_the_place_of_the_lock_file_is_refused_and_its_target_untouched(tmp_path, launches, capsys):
+    """The lock file was opened through a symbolic link put there, truncating what it points to."""
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / ".ringtrain.lock").symlink_to(target)
+    message = refusal(train_argv(tmp_path / "ck"), launches, capsys)
+    assert "is a symbolic link, not ringtrain's lock file; remove it" in message, message
+    assert target.read_text() == "keep me"
+
+
+def test_a_lock_file_of_another_user_is_still_locked_read_only(tmp_path):
+    """A file this user cannot open for writing (another user's run made it) locked nothing."""
+    from ringtrain import dirlock
+
+    lock = tmp_path / ".ringtrain.lock"
+    lock.write_text("pid 1 on elsewhere")
+    real_open = os.open
+
+    def open_as_another_user(path, flags, *mode):
+        if str(path) == str(lock) and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *mode)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "open", open_as_another_user)
+        with dirlock.hold(tmp_path, "--checkpoint-dir"):
+            with pytest.raises(dirlock.DirectoryInUse, match=r"in use by another run \(pid 1 on elsewhere\)"):
+                with dirlock.hold(tmp_path, "--checkpoint-dir"):
+                    pass
 
 
 @pytest.mark.parametrize("blocked", ["servers", "servers/server-1"])

@@ -259,11 +259,12 @@ class Communicator:
         if self._broken is not None:
             # the breaking error's class where it is one of ours (a peer's timeout stays a CommTimeout
             # for the call the user makes next, e.g. join()'s after a bucket's on the comm thread)
-            kind = type(self._broken) if isinstance(self._broken, CommError) else CommError
-            raise kind(
-                f"rank {self.rank}: communicator is broken by an earlier error ({self._broken}); "
-                "create a new one"
-            )
+            message = f"rank {self.rank}: communicator is broken by an earlier error ({self._broken}); create a new one"
+            try:
+                refusal = type(self._broken)(message) if isinstance(self._broken, CommError) else CommError(message)
+            except Exception:  # noqa: BLE001 - a subclass of the caller's that takes other arguments
+                refusal = CommError(message)
+            raise refusal
         if fn is None:
             return
         if not self._lock.acquire(blocking=False):

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -36,8 +37,9 @@ def hold(directory: Path, what: str) -> Iterator[None]:
         yield
         return
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        with contextlib.suppress(OSError):  # (read-only descriptor, a full disk: the text is only for the refusal)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -48,10 +50,25 @@ def hold(directory: Path, what: str) -> Iterator[None]:
 def _lock(path: Path, directory: Path, what: str) -> int | None:
     """The locked file's descriptor; None where locking is not possible."""
     while True:
+        # Never through a link put there (it would truncate what it points to); a file another
+        # user made is locked read-only (flock takes any descriptor); a FIFO does not block the open.
+        # Not inherited by the workers: O_CLOEXEC.
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by the workers: O_CLOEXEC)
-        except OSError:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except PermissionError:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                return None  # (a folder this user cannot write: nobody saves there through it)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise DirectoryInUse(f"{what} {directory}: {path} is a symbolic link, not ringtrain's lock file; "
+                                     "remove it") from None
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DirectoryInUse(f"{what} {directory}: {path} is not a regular file, not ringtrain's lock file; "
+                                 "remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

@@ -672,10 +672,13 @@ def _group_pairs(groups: object) -> list[tuple]:
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
         raise ValueError(f"groups must be a sequence of (first, last) pairs of ints, got {groups!r}")
     pairs = []
-    for g, pair in enumerate(groups):
-        if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable):
-            raise ValueError(f"groups[{g}] = {pair!r}; each group must be a (first, last) pair of ints")
-        pairs.append(tuple(pair))
+    try:
+        for g, pair in enumerate(groups):
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable):
+                raise ValueError(f"groups[{g}] = {pair!r}; each group must be a (first, last) pair of ints")
+            pairs.append(tuple(pair))
+    except TypeError:  # (a 0-d numpy array is Iterable, and iterating it raises)
+        raise ValueError(f"groups must be a sequence of (first, last) pairs of ints, got {groups!r}") from None
     return pairs
 
 

@@ -46,6 +46,11 @@ BACKEND = "ringtrain"
 """The name under which torch.distributed knows this group (``init_process_group(BACKEND)``)."""
 
 
+#: Whether works are held until run and asked for (see _Work): torch older than 2.13, the oldest
+#: checked without it (2.4.1 needs it; releases between were not checked).
+HOLD_WORKS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
 class _Work(dist._Work):
     """One call's work. ``future`` is torch's own, for DDP and ``then`` chains; ``raw`` holds the
     job's result or its exception object, which ``wait()`` raises as it was."""
@@ -64,10 +69,12 @@ class _Work(dist._Work):
         # through pybind11's trampoline, which finds the method only while the Python object
         # lives, and C++'s reference does not keep it alive: a job that had run by then had
         # dropped its last Python reference, and torch raised "Work::getFuture not implemented".
-        # So the group's worker holds the work (``live``; not a cycle of its own, which the
+        # So there the group's worker holds the work (``live``; not a cycle of its own, which the
         # garbage collector would take) until it has run and been asked for (get_future, wait).
+        # (Not under the torch versions checked to need none: a work dropped unasked is freed.)
         self._live = live
-        live[id(self)] = self
+        if HOLD_WORKS:
+            live[id(self)] = self
         self._asked = False
 
     def _release_if_done(self) -> None:
@@ -150,7 +157,7 @@ class _Worker:
         self._lock = threading.Lock()  # (no job goes in after the end marker: it would never run)
         self._idle = threading.Condition(self._lock)  # notified when `_pending` reaches 0
         self._pending = 0  # jobs submitted whose futures are not completed yet
-        self._live: dict[int, _Work] = {}  # works not yet run or asked for (_Work.__init__)
+        self._live: dict[int, _Work] = {}  # works not yet both run and asked for (_Work.__init__, HOLD_WORKS)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

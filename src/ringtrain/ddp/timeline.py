@@ -130,12 +130,12 @@ class TraceRecorder:
         self._written = False
         self.failed = False  # a write failed: nothing more is recorded or written
         key = str(self.path.resolve())
-        if key in _IN_USE:  # (os.replace would silently put this one's trace over the other's)
+        if _IN_USE.get(key):  # (os.replace would silently put this one's trace over the other's)
             warnings.warn(f"timeline: another DistributedDataParallel in this process already writes {self.path}; "
                           "this one's trace will replace it: give each wrapper a timeline path of its own "
                           "(or close() the other first)", RuntimeWarning, stacklevel=3)
-        _IN_USE.add(key)
-        self._key = key
+        _IN_USE[key] = _IN_USE.get(key, 0) + 1
+        self._key: Optional[str] = key
 
     @property
     def recording(self) -> bool:
@@ -179,7 +179,16 @@ class TraceRecorder:
                               RuntimeWarning, stacklevel=2)
             self.flush()
         finally:
-            _IN_USE.discard(self._key)
+            self.release()
+
+    def release(self) -> None:
+        """Let another recorder of the process take this file without a warning (close does;
+        also a wrapper whose construction failed). Idempotent."""
+        if self._key is not None:
+            _IN_USE[self._key] -= 1
+            if not _IN_USE[self._key]:
+                del _IN_USE[self._key]
+            self._key = None
 
     def flush(self) -> Optional[Path]:
         """Write the trace file (atomically: a temporary file, then a rename). Idempotent
@@ -216,7 +225,7 @@ class TraceRecorder:
                       "this rank's timeline is no longer recorded (training goes on)", RuntimeWarning, stacklevel=3)
 
 
-_IN_USE: set[str] = set()  # the trace files of this process's open recorders
+_IN_USE: dict[str, int] = {}  # the trace files of this process's open recorders: how many write each
 
 
 def check_trace_file(path: Path) -> None:
@@ -241,6 +250,32 @@ _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "wait": "#999999", "copy
            "allreduce": "#dd8452", "calibration": "#c44e52"}
 
 
+def timeline_rows(files: Sequence[str | os.PathLike], iterations: Optional[int] = None) -> list[tuple[str, list[dict]]]:
+    """The rows draw_timeline draws: per process of each file, in file order, a ``(label, spans)``
+    row for each lane (compute, communication); ``iterations``: only the last that many. The
+    names come from each file's metadata; files written before trace_pid (pid = rank, tids 0
+    and 1) by the old lane numbers. Each file is read apart, so old and new ones mix."""
+    rows: list[tuple[str, list[dict]]] = []
+    for f in files:
+        events = json.loads(Path(f).read_text())["traceEvents"]
+        process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+        lane_of = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+                   if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        spans = [e for e in events if e.get("ph") == "X"]
+        for pid in sorted({e["pid"] for e in spans}):
+            for lane in LANES:
+                rows.append((f"{process.get(pid, f'rank {pid}')} {lane}",
+                             [e for e in spans if e["pid"] == pid
+                              and lane_of.get((pid, e["tid"]), _OLD_LANES.get(e["tid"])) == lane]))
+    if iterations is not None:
+        its = sorted({e.get("args", {}).get("iteration", -1) for _, spans in rows for e in spans})
+        keep = set(its[-iterations:])
+        rows = [(label, [e for e in spans if e.get("args", {}).get("iteration", -1) in keep]) for label, spans in rows]
+    if not any(spans for _, spans in rows):
+        raise ValueError(f"no spans to draw in {[str(f) for f in files]}")
+    return rows
+
+
 def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], png_path: str | os.PathLike,
                   iterations: Optional[int] = 3, title: str = "") -> Path:
     """Draw trace file(s) as a PNG: per rank a compute lane and a communication lane.
@@ -257,43 +292,21 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
     files = [trace_files] if isinstance(trace_files, (str, os.PathLike)) else list(trace_files)
     if not files:
         raise ValueError("draw_timeline needs at least one trace file")
-    spans = []
-    process: dict[int, str] = {}  # pid -> "rank r" (files before trace_pid: pid r, no sort index)
-    lane_of: dict[tuple[int, int], str] = {}  # (pid, tid) -> lane
-    for f in files:
-        doc = json.loads(Path(f).read_text())
-        for e in doc["traceEvents"]:
-            if e.get("ph") == "X":
-                spans.append(e)
-            elif e.get("ph") == "M" and e.get("name") == "process_name":
-                process[e["pid"]] = e["args"]["name"]
-            elif e.get("ph") == "M" and e.get("name") == "thread_name":
-                lane_of[(e["pid"], e["tid"])] = e["args"]["name"]
-    if iterations is not None:
-        its = sorted({e.get("args", {}).get("iteration", -1) for e in spans})
-        keep = set(its[-iterations:])
-        spans = [e for e in spans if e.get("args", {}).get("iteration", -1) in keep]
-    if not spans:
-        raise ValueError(f"no spans to draw in {files}")
-    t0 = min(e["ts"] for e in spans)
-    pids = sorted({e["pid"] for e in spans})
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.9 * len(pids) * len(LANES)))
-    labels = []
-    for p_i, pid in enumerate(pids):
-        for l_i, lane in enumerate(LANES):
-            row = p_i * len(LANES) + l_i
-            labels.append(f"{process.get(pid, f'rank {pid}')} {lane}")
-            for e in spans:
-                if e["pid"] == pid and lane_of.get((pid, e["tid"]), _OLD_LANES.get(e["tid"])) == lane:
-                    ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (row - 0.4, 0.8),
-                                   facecolors=_COLORS.get(e["cat"], "#333333"), edgecolor="none")
+    rows = timeline_rows(files, iterations)
+    t0 = min(e["ts"] for _, spans in rows for e in spans)
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.9 * len(rows)))
+    labels = [label for label, _ in rows]
+    for row, (_, spans) in enumerate(rows):
+        for e in spans:
+            ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (row - 0.4, 0.8),
+                           facecolors=_COLORS.get(e["cat"], "#333333"), edgecolor="none")
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(f"{title + ': ' if title else ''}ringtrain DDP timeline, backward and allreduce overlap")
     # Below the axes, where it hides no span.
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.45 / (0.4 + 0.9 * len(pids))), fontsize=8, ncol=len(_COLORS), frameon=False)
+              bbox_to_anchor=(0.5, -0.45 / (0.4 + 0.45 * len(rows))), fontsize=8, ncol=len(_COLORS), frameon=False)
     fig.tight_layout()
     out = Path(png_path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -203,6 +203,8 @@ class DistributedDataParallel(nn.Module):
             for h in self._hooks:
                 h.remove()
             self._thread.close()
+            if self._recorder is not None:  # (a retry with the same timeline= is not another writer)
+                self._recorder.release()
             raise
         self._finalizer = weakref.finalize(self, _shutdown, self._thread, self._recorder, self._hooks, self._groups)
 

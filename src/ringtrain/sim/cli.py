@@ -173,7 +173,7 @@ def model_names(value: str) -> list[str]:
     items = split(value, "--model")
     if not any(v.lower() == "all" for v in items):
         return items
-    named = {v for v in items if v.lower() != "all"}
+    named = {v.lower() for v in items if v.lower() != "all"}  # (zoo names are taken in any case)
     out: list[str] = []
     for v in items:
         out.extend([m for m in MODELS if m not in named and m not in out] if v.lower() == "all" else [v])
