@@ -310,11 +310,12 @@ def test_the_help_names_the_checkpoint_directory_a_run_uses(tmp_path, monkeypatc
     assert "runs/<model>" not in text
 
 
-def test_checkpoints_record_strategy_canonical_model_and_optimizer(tmp_path):
+def test_checkpoints_record_strategy_canonical_model_optimizer_and_lr(tmp_path):
     save_run(tmp_path, model="charlm", strategy="ps-sharded", optimizer="adam")
     extra = checkpoint.latest(tmp_path).payload["extra"]
     corpus = extra.pop("corpus")  # the text's sha256: a resume on other text says so
-    assert extra == {"strategy": "ps-sharded", "model_name": "charlm-transformer", "optimizer_name": "adam"}
+    assert extra == {"strategy": "ps-sharded", "model_name": "charlm-transformer", "optimizer_name": "adam",
+                     "lr": train.USUAL_LR["adam"]}  # (--lr: a resume with another says so)
     assert isinstance(corpus, str) and len(corpus) == 64
 
 
