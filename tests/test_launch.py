@@ -505,6 +505,34 @@ def test_nodes_started_with_different_nnodes_end_with_a_mismatch_naming_the_opti
         kill_nodes(procs)
 
 
+def test_an_error_file_is_whole_or_absent_and_recorded_writes_it(tmp_path, monkeypatch):
+    """torch's @record writes the file in place: a rank stopped by torchrun mid-write (its peer had
+    failed) left an empty file, and the launcher's parse of it failed ("torchrun failed:
+    JSONDecodeError", seen once under Python 3.13) in place of the ranks' errors."""
+    from ringtrain import errorfile
+
+    path = tmp_path / "error.json"
+
+    def cut_short(data, f):  # the write stopped part way (SIGTERM)
+        f.write('{"message": ')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(errorfile.json, "dump", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        errorfile.write(str(path), ValueError("bad"))
+    assert list(tmp_path.iterdir()) == []  # no file at all: torchrun then reports the exit code alone
+    monkeypatch.undo()
+    monkeypatch.setenv(errorfile.ERROR_FILE_ENV, str(path))
+
+    def fails():
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError, match="bad"):
+        errorfile.recorded(fails)()
+    assert json.loads(path.read_text())["message"]["message"] == "ValueError: bad"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"]
+
+
 def test_init_records_an_uncaught_exception_once_and_prints_it_as_before(tmp_path, monkeypatch):
     from ringtrain import errorfile
 

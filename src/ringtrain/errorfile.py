@@ -16,11 +16,14 @@ second and the lower rank was named first (``launch._failure_order`` reads it).
 
 from __future__ import annotations
 
+import faulthandler
+import functools
 import json
 import os
 import sys
 import time
 import traceback
+from typing import Any, Callable
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 """Where torchrun tells each rank to write its exception (set by torchrun for every worker)."""
@@ -51,13 +54,46 @@ def record_uncaught() -> bool:
 
 
 def write(path: str, error: BaseException, tb=None) -> None:
-    """``error`` in the file at ``path``, as torch's ErrorHandler.record_exception writes it."""
+    """``error`` in the file at ``path``, as torch's ErrorHandler.record_exception writes it, but
+    whole or not at all (a temporary file, then a rename): torchrun stops the other ranks once one
+    failed, and a rank stopped while torch's own write was under way left an empty file, whose
+    parse then failed in the launcher ("torchrun failed: JSONDecodeError" in place of the ranks'
+    errors; seen once under Python 3.13)."""
     now = time.time()
     data = {"message": {"message": f"{type(error).__name__}: {error}",
                         "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(error), error, tb)),
                                       "timestamp": str(int(now)), "ringtrain_time": repr(now)}}}
-    with open(path, "w") as f:
-        json.dump(data, f)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose exception is written to this rank's error file (under torchrun) and raised
+    again: torch's ``@record``, with :func:`write`'s whole-or-nothing file."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            faulthandler.enable(all_threads=True)  # (as @record: a crash's stacks on stderr)
+        except Exception:  # noqa: BLE001 - (no usable stderr): not worth failing the rank for
+            pass
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            path = os.environ.get(ERROR_FILE_ENV)
+            if path:
+                try:
+                    write(path, exc, exc.__traceback__)
+                except Exception:  # noqa: BLE001 - (a full disk): the exception itself still goes up
+                    pass
+            raise
+
+    return call
 
 
 def recorded_time(message) -> float | None:

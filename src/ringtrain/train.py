@@ -253,10 +253,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _worker_entry(args: argparse.Namespace) -> int:
     try:
-        from torch.distributed.elastic.multiprocessing.errors import record  # (imports torch: a second or so)
+        from .errorfile import recorded
 
-        # record: an exception of any rank goes to torchrun's error file, which the parent reports
-        return record(_run_worker)(args.worker, args.json)
+        # an exception of any rank goes to torchrun's error file, which the parent reports
+        return recorded(_run_worker)(args.worker, args.json)
     except (CheckpointWriteError, CommError):  # (a full disk; a lost or silent peer): recorded, and the
         return 1  # parent's line says it all: no traceback (rank 0's would be shown, some 60 lines)
     except KeyboardInterrupt as exc:  # no traceback: the parent says it in one line (_interrupted)
