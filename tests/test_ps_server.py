@@ -813,6 +813,12 @@ def test_async_applies_each_gradient_over_the_worker_count_and_holds_a_pull_past
     assert step == 1 and np.array_equal(params_of(got), start - 0.5)  # 0.5 * 2 / 2 workers
     a.send(P.PUSH, worker=0, step=1, version=1, ids=ids, values=grads)
     a.send(P.PULL, worker=0, step=2)  # 2 steps ahead: waits for worker 1
+    # (worker 0's second push applied first: waiting for its pull alone let worker 1's push go
+    # first once, in the suite under torch 2.4 on a loaded machine: staleness {0: 1, 1: 2})
+    end = time.monotonic() + 10
+    while server.version < 2:
+        assert time.monotonic() < end, "worker 0's second push was never applied"
+        time.sleep(0.01)
     wait_serving(server, 0)
     b.send(P.PUSH, worker=1, step=0, version=0, ids=ids, values=grads)
     step, got = recv_params(a, layout)
