@@ -6,6 +6,5 @@ from __future__ import annotations
 
 import torch
 
-VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-#: Older than the pinned 2.13 (checked against 2.4.1).
-OLDER_TORCH = VERSION < (2, 13)
+#: Older than the pinned 2.13 (checked against 2.4.1; torch's TorchVersion compares with a tuple).
+OLDER_TORCH = torch.__version__ < (2, 13)

@@ -42,10 +42,7 @@ def record_uncaught() -> bool:
 
     def hook(kind, value, tb):
         if isinstance(value, Exception):
-            try:
-                write(path, value, tb)
-            except Exception:  # (a full disk, a removed directory): the traceback below still says it
-                pass
+            _write_quietly(path, value, tb)
         previous(kind, value, tb)
 
     hook._ringtrain_error_file = path  # type: ignore[attr-defined]
@@ -73,6 +70,15 @@ def write(path: str, error: BaseException, tb=None) -> None:
             os.unlink(tmp)
 
 
+def _write_quietly(path: str, error: Exception, tb) -> None:
+    """:func:`write`, whose own failure (a full disk, a removed directory) is not the rank's error:
+    the exception itself still goes up and is printed."""
+    try:
+        write(path, error, tb)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` whose exception is written to this rank's error file (under torchrun) and raised
     again: torch's ``@record``, with :func:`write`'s whole-or-nothing file."""
@@ -85,12 +91,8 @@ def recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            path = os.environ.get(ERROR_FILE_ENV)
-            if path:
-                try:
-                    write(path, exc, exc.__traceback__)
-                except Exception:  # noqa: BLE001 - (a full disk): the exception itself still goes up
-                    pass
+            if path := os.environ.get(ERROR_FILE_ENV):
+                _write_quietly(path, exc, exc.__traceback__)
             raise
 
     return call

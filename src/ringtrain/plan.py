@@ -669,15 +669,15 @@ def _check_positive(name: str, value: float) -> None:
 
 def _group_pairs(groups: object) -> list[tuple]:
     """``groups`` as a list of tuples; anything but a sequence of (first, last) pairs is a ValueError."""
-    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
-        raise ValueError(f"groups must be a sequence of (first, last) pairs of ints, got {groups!r}")
     pairs = []
     try:
-        for g, pair in enumerate(groups):
+        if isinstance(groups, (str, bytes)):
+            raise TypeError
+        for g, pair in enumerate(groups):  # (TypeError where groups is no sequence: None, 3, a 0-d array)
             if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable):
                 raise ValueError(f"groups[{g}] = {pair!r}; each group must be a (first, last) pair of ints")
             pairs.append(tuple(pair))
-    except TypeError:  # (a 0-d numpy array is Iterable, and iterating it raises)
+    except TypeError:
         raise ValueError(f"groups must be a sequence of (first, last) pairs of ints, got {groups!r}") from None
     return pairs
 

@@ -48,7 +48,7 @@ BACKEND = "ringtrain"
 
 #: Whether works are held until run and asked for (see _Work): torch older than 2.13, the oldest
 #: checked without it (2.4.1 needs it; releases between were not checked).
-HOLD_WORKS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+HOLD_WORKS = torch.__version__ < (2, 13)  # (torch's TorchVersion compares with a tuple)
 
 
 class _Work(dist._Work):
@@ -65,7 +65,7 @@ class _Work(dist._Work):
         # A callback that raises marks the future it returns as failed in torch's C++ sense, which
         # DDP's reducer and then() chains see; raw.set_exception alone would read there as success.
         self.future = self.raw.then(lambda f: f.value())
-        # torch before 2.5 (seen with 2.4.1): C++ (DDP's reducer) calls a Python work's get_future
+        # Older torch (seen with 2.4.1; HOLD_WORKS): C++ (DDP's reducer) calls a Python work's get_future
         # through pybind11's trampoline, which finds the method only while the Python object
         # lives, and C++'s reference does not keep it alive: a job that had run by then had
         # dropped its last Python reference, and torch raised "Work::getFuture not implemented".

@@ -101,11 +101,11 @@ def trace_path(path: str | os.PathLike, rank: int) -> Path:
     """``trace.json`` -> ``trace.rank{rank}.json`` (the suffix kept, ``.json`` if none). A folder
     (one that exists, a path ending in a separator, '' or '.') is a ValueError: it would be taken
     for a file's stem and the files written beside it."""
-    text = os.fspath(path)
+    text = str(os.fspath(path))
     p = Path(path)
-    if not str(text).strip() or str(text).endswith(("/", os.sep)) or p.name in ("", ".", "..") or p.is_dir():
+    if not text.strip() or text.endswith(("/", os.sep)) or p.name in ("", ".", "..") or p.is_dir():
         raise ValueError(f"timeline: {text!r} is a folder, not a trace file name; give a file such as "
-                         f"{os.path.join(str(text) or '.', 'trace.json')!r} (each rank writes trace.rank<r>.json there)")
+                         f"{os.path.join(text or '.', 'trace.json')!r} (each rank writes trace.rank<r>.json there)")
     suffix = p.suffix or ".json"
     stem = p.name[: -len(p.suffix)] if p.suffix else p.name
     return p.with_name(f"{stem}.rank{rank}{suffix}")
