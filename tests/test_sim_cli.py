@@ -295,3 +295,19 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback(argv):
     head = subprocess.run(f"{shlex.quote(sys.executable)} -m ringtrain.cli {' '.join(argv)} --model resnet50 | head -1",
                           shell=True, capture_output=True, text=True, timeout=50)
     assert head.stdout.strip() and head.stderr == ""
+
+
+def test_table_cells_stay_apart_however_long_the_times(capsys):
+    # gpt2-xl on 1GbE with one parameter server at 2048 GPUs: iterations of 1e8 ms ran into the
+    # GPU count and into each other ("2048102149794.4 (  0%)102178687.8").
+    rc = main(["simulate", "--model", "gpt2-xl", "--gpus", "2048", "--cluster", "1GbE", "--algorithms", "ps"])
+    assert rc == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert re.fullmatch(r"gpt2-xl +1GbE +ps +2048( +\d+\.\d \( *\d+%\)){5} +optimal +\d+", row), row
+
+
+def test_plan_on_one_gpu_lists_no_groups(capsys):
+    assert main(["plan", "--model", "resnet50", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing is communicated on 1 GPU" in out
+    assert "groups in backward order" not in out

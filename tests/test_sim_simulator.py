@@ -134,17 +134,17 @@ def test_predict_uses_the_cost_models():
         costs.allreduce_time(n, 32, "hierarchical", 2e-5, 1e-9, gpus_per_node=8, intra_beta=1e-11), rel=1e-12)
 
 
-def test_parameter_servers_queue_pushes_then_drain_the_last_pull_and_step_on_the_servers():
+def test_parameter_servers_queue_pushes_then_drain_each_pull_and_step_on_the_servers():
     # toy() with 2 workers and one server, partitions of 16 bytes, alpha 1/4 s, beta 1/64 s/B:
     # D(n) = 2(1/4 + n/64). wfbp pushes C (64 B) from 1 to 1 + 2.5 = 3.5, B (128 B) from 3.5 to
-    # 3.5 + 4.5 = 8, A (192 B) from 8 to 8 + 6.5 = 14.5; then the pull of A's last partition,
-    # D(16) = 1 (in the last group's end). The workers take no optimizer step: iteration =
-    # 8 + max(6, 15.5) = 23.5.
+    # 3.5 + 4.5 = 8, A (192 B) from 8 to 8 + 6.5 = 14.5; after each push the pull of its last
+    # partition, D(16) = 1, on the links back: C's ends at 4.5, B's at 9, A's at 15.5 (a group's
+    # end is its pull's). The workers take no optimizer step: iteration = 8 + max(6, 15.5) = 23.5.
     cost = costs.allreduce_cost(2, "ps", alpha=0.25, beta=1 / 64, partition_bytes=16)
     p = predict_with_cost(toy(), cost, 2, "wfbp", algorithm="ps")
-    assert p.plan.ends == [3.5, 8.0, 15.5]
+    assert p.plan.ends == [4.5, 9.0, 15.5]
     assert (p.comm_end_s, p.optimizer_s, p.iteration_s) == (15.5, 0.0, 23.5)
-    assert p.comm_s == 2.5 + 4.5 + 6.5 + 1.0
+    assert p.comm_s == (2.5 + 1.0) + (4.5 + 1.0) + (6.5 + 1.0)
     # Each push alone: push then pull of its last partition, as allreduce_time says.
     assert cost(64) == 2.5 + 1.0
     # One worker has no server to talk to: its own optimizer step, as for every algorithm.

@@ -272,7 +272,10 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
     mw = max([12] + [len(p.model) for p in predictions])
     cw = max([16] + [len(p.cluster) for p in predictions])
     aw = max([10] + [len(p.algorithm) for p in predictions])  # (hierarchical, halving_doubling...)
-    head = f"{'model':<{mw}} {'cluster':<{cw}} {'algorithm':<{aw}} {'gpus':>5}" + "".join(f"{s:>17}" for s in schedules)
+    # (a cell keeps a space before it however long its number: 2048 GPUs on 1GbE run to 1e8 ms)
+    nw = max([10] + [len(f"{p.iteration_s * 1e3:.1f}") + 1 for p in predictions])
+    head = (f"{'model':<{mw}} {'cluster':<{cw}} {'algorithm':<{aw}} {'gpus':>5}"
+            + "".join(f"{s:>{nw + 7}}" for s in schedules))
     lines = [
         "iteration time in ms (scaling efficiency) per schedule" + (f"; zoo models timed on {device}" if device else ""),
         head + f"  {'best':<8} {'samples/s':>10}",
@@ -281,7 +284,7 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
         row = f"{model:<{mw}} {cluster:<{cw}} {algorithm:<{aw}} {p:>5}"
         for s in schedules:
             pr = by_schedule[s]
-            row += f"{pr.iteration_s * 1e3:>10.1f} ({pr.efficiency:>4.0%})"
+            row += f"{pr.iteration_s * 1e3:>{nw}.1f} ({pr.efficiency:>4.0%})"
         fastest = min(pr.iteration_s for pr in by_schedule.values())
         tied = [pr for pr in by_schedule.values() if pr.iteration_s <= fastest * (1 + 1e-9)]
         # (an exact tie, e.g. every schedule one group at few GPUs, names the default planner)

@@ -57,7 +57,8 @@ Formulas, with their sources:
   partition is summed, stepped and pulled once every worker's push of it is in, while later
   partitions are still being pushed. So the pushes hold the links for D(n) + (p-1)·nγ/K
   (``AllreduceCost.occupancy``: consecutive exchanges queue behind it) and the pull of the last
-  partitions, one per server, follows: D(min(n, Ks)) (``AllreduceCost.drain``). One exchange:
+  partitions, one per server, follows: D(min(n, Ks)) (``AllreduceCost.drain``; consecutive
+  exchanges' drains queue on the links back, ``ringtrain.plan``). One exchange:
   D(n) + D(min(n, Ks)) + (p-1)·nγ/K; for n <= Ks that is push then pull, 2·D(n) + (p-1)·nγ/K
   (one server: 2p(α + nβ) + (p-1)nγ).
 

@@ -99,6 +99,9 @@ def describe(trace: Trace, preds: list[Prediction], names: list[str], max_groups
     for p in preds:
         lines.append(f"{p.schedule:<8} {p.groups:>6} {p.iteration_s * 1e3:>13.2f} {p.comm_s * 1e3:>9.2f} "
                      f"{p.exposed_s * 1e3:>11.2f} {p.samples_per_s:>10.1f} {p.efficiency:>10.1%}")
+    if first.world_size == 1:
+        lines += ["", "nothing is communicated on 1 GPU: every method's iteration is compute alone"]
+        return "\n".join(lines)
     for p in preds:
         lines += ["", f"{p.schedule}: groups in backward order (layer 0 is ready first)"]
         lines.append(f"  {'group':>5} {'layers':>9} {'MB':>9} {'start ms':>9} {'end ms':>9}  first .. last layer")

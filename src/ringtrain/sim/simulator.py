@@ -12,10 +12,10 @@ Words used here:
   ``iteration = forward + max(backward, end of the last allreduce) + optimizer``
   (the allreduce end is counted from the start of backward). On one GPU nothing is
   communicated: ``forward + backward + optimizer``. With parameter servers (algorithm
-  ``ps``) the groups are pushes: each holds the network for the cost's ``occupancy``, the
-  last one's ``drain`` (the pull of the last partitions) follows, and the workers take no
-  optimizer step (the servers step each partition as its last push arrives):
-  ``iteration = forward + max(backward, end of the last push + drain)``.
+  ``ps``) the groups are pushes: each holds the network for the cost's ``occupancy``, its
+  ``drain`` (the pull of its last partitions) follows on the links back, after the drain
+  before it, and the workers take no optimizer step (the servers step each partition as its
+  last push arrives): ``iteration = forward + max(backward, end of the last drain)``.
 * **interference** (optional, ``ringtrain.plan.Interference``): backward time lost to each
   allreduce launched while backward runs, as the planner charges it; ``backward`` above is
   then the slowed backward. Measured on the live job by ``ringtrain.DistributedDataParallel``
@@ -164,8 +164,8 @@ def predict_with_cost(
         )
     _, times, sizes = trace.gradient_layers()
     servers = world_size > 1 and getattr(cost, "algorithm", None) == "ps"
-    # A parameter server's exchanges queue behind the pushes only, the last one's pull then
-    # waited for (sim.costs, "ps"; the planner's drain).
+    # A parameter server's pushes queue on the way out, their last pulls on the way back
+    # (sim.costs, "ps"; the planner's drain).
     occupancy = getattr(cost, "occupancy", cost) if world_size > 1 else _free
     drain = getattr(cost, "drain", None) if servers else None
     with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is refused below, in one line)
