@@ -933,7 +933,7 @@ def test_the_help_lists_the_choices_and_a_single_ring_option_reads_right(tmp_pat
                             "would ignore it: give --schedule fixed, or leave --bucket-cap-mb out"), message
     for argv, said in ((["--strategy", "ps-async", "--compression", "fp16"], "--compression is for the ring's "
                         "allreduce only"), (["--compression", "int8"], "--compression must be one of none, fp16, bf16, "
-                                            "got 'int8'")):
+                                            "powersgd, got 'int8'")):
         message = refusal(["train", *argv, "--checkpoint-dir", str(tmp_path)], launches, capsys)
         assert said in message, message
 
@@ -944,7 +944,7 @@ def test_compression_reaches_the_workers(tmp_path, launches, capsys):
 
     cli.main(["train", "--compression", "bf16", "--checkpoint-dir", str(tmp_path)])
     assert launched_config(launches)["compression"] == "bf16"
-    assert COMPRESSION == ("none", *COMPRESSIONS)  # (the command line's list, kept without importing torch)
+    assert COMPRESSION == ("none", *COMPRESSIONS, "powersgd")  # (the command line's list, kept without importing torch)
 
 
 # --- --join-timeout: from the command line to the calls where the ranks meet ------------------------

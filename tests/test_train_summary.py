@@ -14,6 +14,7 @@ The formatting tests feed the summary functions a stand-in wrapper; the two end-
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -93,6 +94,8 @@ def test_the_summary_says_what_the_trial_timed_and_where_the_checkpoints_are(cap
     assert "charlm on 2 workers (shm, schedule optimal, gradients in fp16 on the wire):" in capsys.readouterr().out
     train._print_summary(dict(summary, compression="fp16", workers=1))
     assert "charlm on 1 worker (shm, schedule optimal):" in capsys.readouterr().out
+    train._print_summary(dict(summary, compression="powersgd"))
+    assert "charlm on 2 workers (shm, schedule optimal, gradients by PowerSGD (rank 1)):" in capsys.readouterr().out
 
 
 def test_a_parameter_server_run_reports_its_bytes_and_where_asynchronous_its_staleness():
@@ -180,6 +183,22 @@ def test_a_wfbp_run_that_ended_while_profiling_reports_no_allreduce_count(tmp_pa
     comm = json.loads(proc.stdout)["communication"]
     assert comm["plan_in_force"] == "wfbp" and comm["steps_measured"] == 0, comm
     assert "hidden_fraction" not in comm and "buckets" not in comm, comm
+
+
+@pytest.mark.multiprocess
+def test_powersgd_trains_resumes_and_reduces_otherwise_than_the_plain_allreduce(tmp_path):
+    # The same run without compression and with torch's powerSGD_hook: both train, and the hook's
+    # rank-1 approximations change the loss (the hook is really what reduces). A resume takes the
+    # checkpoint and starts the hook's state anew.
+    for name in ("plain", "psgd"):
+        (tmp_path / name).mkdir()
+    plain = json.loads(run_train(tmp_path / "plain", "--model", "mlp", "--steps", "4", "--json").stdout)
+    argv = ("--model", "mlp", "--compression", "powersgd", "--checkpoint-every", "2", "--json")
+    first = json.loads(run_train(tmp_path / "psgd", *argv, "--steps", "4").stdout)
+    assert first["compression"] == "powersgd" and first["steps_run"] == 4
+    assert math.isfinite(first["last_loss"]) and first["last_loss"] != plain["last_loss"], (first, plain)
+    again = json.loads(run_train(tmp_path / "psgd", *argv, "--steps", "6").stdout)
+    assert again["resumed_at"] == 4 and again["steps_run"] == 2 and math.isfinite(again["last_loss"]), again
 
 
 def test_the_one_worker_rate_times_whole_training_steps_on_copies():

@@ -50,7 +50,10 @@ from .checkpoint import CheckpointWriteError
 from .errors import CommError, check_join_timeout, check_number
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
-COMPRESSION = ("none", "fp16", "bf16")  # (ddp.options.COMPRESSIONS and none: its import would load torch)
+#: --compression: none, ddp.options.COMPRESSIONS (its import would load torch), torch's PowerSGD hook.
+COMPRESSION = ("none", "fp16", "bf16", "powersgd")
+#: --compression powersgd: torch's powerSGD_hook with rank-1 approximations from its earliest iteration.
+POWER_SGD = dict(matrix_approximation_rank=1, start_powerSGD_iter=2)
 OPTIMIZERS = ("sgd", "adam", "adamw")  # (ps.server_optimizer.OPTIMIZERS, which a test keeps equal: torch again)
 #: --lr 0's learning rate for each optimizer.
 USUAL_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
@@ -84,8 +87,10 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0
     """Bucket (ring) or push (parameter servers) size for schedule='fixed'."""
     compression: str = "none"
-    """Gradients on the wire in half precision (the ring only): fp16 or bf16 halve the bytes of each allreduce
-    at a rounding of every gradient, as torch's compression hooks (docs/ddp.md); none sends them as they are."""
+    """Gradients on the wire compressed (the ring only): fp16 or bf16 halve the bytes of each allreduce at a
+    rounding of every gradient, as torch's compression hooks (docs/ddp.md); powersgd sends rank-1 approximations
+    of each bucket's matrices with torch's powerSGD_hook (error feedback kept by each worker and begun anew on a
+    resume; fewer bytes by far, a slower loss per step); none sends them as they are."""
     checkpoint_dir: str = ""
     """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers (ps-sharded
     shares ps-sync's): --model charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync), or to
@@ -717,9 +722,11 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     ddp = ringtrain.DistributedDataParallel(
         model, comm=comm, schedule=cfg.schedule, bucket_cap_mb=cfg.bucket_cap_mb, algorithm=cfg.algorithm,
-        timeline=cfg.timeline or None, compression=None if cfg.compression == "none" else cfg.compression,
+        timeline=cfg.timeline or None, compression=None if cfg.compression in ("none", "powersgd") else cfg.compression,
         gradient_as_bucket_view=True,  # (this loop keeps no .grad across steps: no copy back)
     )
+    if cfg.compression == "powersgd":
+        use_power_sgd(ddp)
 
     ran = []  # per step: the plan in force, whether it had settled, the step's IterationStats
 
@@ -754,6 +761,14 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     if rank == 0:
         _report(summary, json_summary)
     return 0
+
+
+def use_power_sgd(ddp) -> None:
+    """Reduce ``ddp``'s buckets with torch's powerSGD_hook (``POWER_SGD``) over its own process group."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
+
+    ddp.register_comm_hook(power_sgd.PowerSGDState(process_group=ddp.process_group, **POWER_SGD),
+                           power_sgd.powerSGD_hook)
 
 
 def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
@@ -852,8 +867,9 @@ def _report(summary: dict, as_json: bool) -> None:
 
 def _print_summary(s: dict) -> None:
     # (one worker sends nothing: no wire to speak of)
-    wire = "" if s.get("compression", "none") == "none" or s["workers"] == 1 else \
-        f", gradients in {s['compression']} on the wire"
+    compression = s.get("compression", "none")
+    wire = "" if compression == "none" or s["workers"] == 1 else \
+        ", gradients by PowerSGD (rank 1)" if compression == "powersgd" else f", gradients in {compression} on the wire"
     print(f"\n{s['model']} on {plural(s['workers'], 'worker')} ({s['transport']}, schedule {s['schedule']}{wire}):")
     if s["steps_run"] == 0:
         print(f"  nothing to do: the checkpoint is already at step {s['resumed_at']} (--steps {s['final_step']})")

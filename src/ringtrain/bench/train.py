@@ -52,7 +52,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..train import COMPRESSION, check_batch_fits
+from ..train import COMPRESSION, check_batch_fits, use_power_sgd
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import check_out_dir, check_ranks, plural, run_stamp
@@ -72,10 +72,8 @@ PS_WARMUP_STEPS = 2
 NETS = ("none", "1gbit", "10gbit")
 #: The rows of the optimal schedule with ``--compression``, and every ringtrain wrapper's.
 COMPRESSED = "ringtrain-compressed"
-#: ``--compression``: a precision on the wire (``ringtrain train``'s), or torch's PowerSGD hook.
-BENCH_COMPRESSION = (*COMPRESSION, "powersgd")
-#: PowerSGD's settings: rank-1 approximations from its earliest iteration.
-POWER_SGD = dict(matrix_approximation_rank=1, start_powerSGD_iter=2)
+#: ``--compression``: ``ringtrain train``'s (a precision on the wire, or torch's PowerSGD hook).
+BENCH_COMPRESSION = COMPRESSION
 #: Why torch's DDP with powerSGD_hook has no row (its reducer calls the hook of a bucket while
 #: the hooks of the buckets before it still send from their futures' callbacks).
 POWER_SGD_NOTE = ("torch's DDP with powerSGD_hook is not timed: its hook sends from its futures' callbacks while "
@@ -566,18 +564,16 @@ def _compressed_configurations(compression: str, base, comm, cost, algorithm: st
     """The optimal schedule with gradients in half precision on the wire, and (``torch_ddp``)
     torch's DDP with its defaults and the matching compression hook (bf16: the hook's steps;
     torch refuses its own off CUDA with NCCL); ``powersgd``: the optimal schedule with torch's
-    ``powerSGD_hook`` (``POWER_SGD``), alone (``POWER_SGD_NOTE``)."""
+    ``powerSGD_hook`` (``ringtrain.train.POWER_SGD``), alone (``POWER_SGD_NOTE``)."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
 
     import ringtrain
 
     model = copy.deepcopy(base)
     if compression == "powersgd":
         ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost)
-        ddp.register_comm_hook(power_sgd.PowerSGDState(process_group=ddp.process_group, **POWER_SGD),
-                               power_sgd.powerSGD_hook)
+        use_power_sgd(ddp)
         return [_config(COMPRESSED, f"optimal+{compression}", model, ddp)]
     ddp = ringtrain.DistributedDataParallel(model, comm=comm, algorithm=algorithm, cost=cost, compression=compression)
     configs = [_config(COMPRESSED, f"optimal+{compression}", model, ddp)]
