@@ -185,8 +185,9 @@ class Communicator:
     def abort(self, error: BaseException) -> None:
         """Break this communicator by ``error`` (a failure of the caller's, outside any call: a
         communication hook that raised, say) and tell every peer, so that a peer's call in
-        progress or next fails at once with ``error``'s type and text instead of waiting out its
-        deadline. Later calls here are refused naming it. Safe from another thread than a call
+        progress or next fails at once instead of waiting out its deadline: with ``error``'s type
+        where it is a CommError (CommTimeout, PeerLost, ...), else a CommError, and its text
+        ("rank 1 aborted: ValueError: bad"). Later calls here are refused naming it. Safe from another thread than a call
         in progress, which then fails. Nothing to do once broken (the peers were told) or closed."""
         if self._broken is not None or self._closed:
             return
