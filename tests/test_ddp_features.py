@@ -109,6 +109,58 @@ def test_no_sync_sends_nothing():
     assert results[0][1] == results[1][1]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", ["backward without a step", "second backward"])
+def test_a_rank_that_steps_otherwise_fails_with_the_others_at_the_next_check(fault):
+    """Rank 1 runs a backward without an optimizer step (or a second backward of one forward) at
+    step 1: its allreduces pair with rank 0's next iteration's, nothing mismatches, and its
+    parameters would stay apart for the rest of the run. The check every 4 iterations is a
+    MismatchError on both ranks, naming rank 1; before the fault the checks pass."""
+    from ringtrain import MismatchError
+
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("mlp"), comm, schedule="wfbp", parameter_check_interval=4, **FAST)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        done = 0
+        try:
+            for step in range(12):
+                x, y = rank_batch("mlp", step, 2, comm.rank)
+                loss = nn.functional.mse_loss(ddp(x), y)
+                loss.backward(retain_graph=True)
+                done += 1
+                if comm.rank == 1 and step == 5:
+                    if fault == "second backward":
+                        loss.backward()
+                        done += 1
+                    else:
+                        continue  # no step
+                opt.step()
+                opt.zero_grad()
+        except MismatchError as exc:
+            return done, str(exc)
+        finally:
+            ddp.close()
+        return done, None
+
+    (done0, message0), (done1, message1) = raise_first(run_comms(2, body, timeout=10.0, thread_timeout=50.0))
+    for message in (message0, message1):
+        assert message is not None and "the parameters differ between the ranks at iteration 8" in message, message
+        assert "(rank 1 against rank 0's)" in message and "parameter_check_interval=0" in message, message
+    assert done0 == 7  # the check at 4 passed; the one at 8 failed: the 8th backward raised
+
+
+def test_equal_parameters_digest_alike_and_swapped_ones_do_not():
+    from ringtrain.ddp import consistency
+
+    a, b = torch.randn(3, 4), torch.randn(5, dtype=torch.float64)
+    half = torch.randn(7).to(torch.bfloat16)
+    assert consistency.digest([a, b, half]) == consistency.digest([a.clone(), b.clone(), half.clone()])
+    assert consistency.digest([a, b]) != consistency.digest([b, a])
+    nudged = a.clone()
+    nudged[1, 2] = torch.nextafter(nudged[1, 2], torch.tensor(1e9))
+    assert consistency.digest([nudged, b]) != consistency.digest([a, b])
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_unused_parameter_error_names_it(world_size):

@@ -24,6 +24,11 @@ class PeerLost(CommError):
     """A peer closed its connection or its process died."""
 
 
+#: Why a peer closes with no error while this rank still calls (the PeerLost messages' words).
+CLOSED_EARLY = ("it had no call left to make (the ranks made different numbers of calls: one ran more iterations "
+                "or steps than another) or it closed its communicator while this rank still used it")
+
+
 class MismatchError(CommError):
     """Ranks called different collectives (kind, op, dtype, shape, algorithm or root)."""
 

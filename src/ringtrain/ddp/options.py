@@ -96,6 +96,12 @@ class DDPOptions:
     """Re-check the profile every so many iterations after the first plan (0: never)."""
     drift_threshold: float = 0.2
     """Re-plan when the ready curve moved by more than this share of the backward time."""
+    parameter_check_interval: int = 50
+    """Every so many synchronizing iterations, check that the ranks' parameters are equal (a sum
+    of their bits, one allreduce of world_size numbers): a rank that stepped its optimizer
+    otherwise than the others (:mod:`.consistency`) is a MismatchError on every rank instead of
+    training on apart. 0: never (not inside ``join()``, where the ranks that ran out of data
+    take no steps)."""
     verify_iterations: int = 5
     """schedule="optimal" only: iterations per phase of the trial (:mod:`.planning`, item 2):
     the probe plans and one allreduce after backward measure the interference, then the plan
@@ -142,7 +148,7 @@ class DDPOptions:
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (cap > 0 and math.isfinite(cap)):
             raise ValueError(f"bucket_cap_mb={cap!r}: it must be a finite number of MiB > 0 (e.g. 25)")
         for name, low in (("timeline_iterations", 1), ("warmup_iterations", 0), ("profile_iterations", 1),
-                          ("replan_interval", 0), ("verify_iterations", 0)):
+                          ("replan_interval", 0), ("verify_iterations", 0), ("parameter_check_interval", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r}: it must be an integer >= {low}")

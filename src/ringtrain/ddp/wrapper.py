@@ -85,6 +85,7 @@ from ..errors import CommError, CommTimeout, check_keywords
 from . import buckets as bucketing
 from . import calibration
 from . import comm_hook
+from . import consistency
 from .comm_thread import CommThread, settle_all
 from .join import Join
 from .options import COMPRESSIONS, DDPOptions, take_torch_keywords
@@ -740,6 +741,10 @@ class DistributedDataParallel(nn.Module):
         t_done = time.perf_counter()
         traced = self._record(t_last, copies, t_done)
         self._profile()
+        every = self.options.parameter_check_interval
+        if self.world_size > 1 and every and self._join is None and (st.iteration + 1) % every == 0:
+            consistency.check_equal(self._run_collective, self.comm.allreduce, self._params, self.rank,
+                                    self.world_size, st.iteration + 1)
         st.iteration += 1
         self._reset_iteration()
         if traced:  # last, once the iteration is accounted for: this may write the trace file

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, abort_reason
+from ..errors import CLOSED_EARLY, ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, abort_reason
 from .base import CallHeader, Recv, Send, Transport
 
 _ABORT = "abort"
@@ -67,7 +67,8 @@ class LocalTransport(Transport):
             code, text = theirs
             raise ERROR_TYPES[code](f"rank {r.peer} aborted: {text}")
         if kind == _CLOSED:
-            raise PeerLost(f"rank {self.rank}: rank {r.peer} closed its transport during {header.describe()}")
+            raise PeerLost(f"rank {self.rank}: rank {r.peer} closed its transport during {header.describe()}: "
+                           f"{CLOSED_EARLY}")
         header.check(theirs, self.rank, r.peer)
         if payload.nbytes != r.buf.nbytes:
             raise MismatchError(

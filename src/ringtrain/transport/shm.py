@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError, abort_reason
+from ..errors import CLOSED_EARLY, ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError, abort_reason
 from .base import CallHeader, Recv, Send, Transport
 from .shm_sync import (
     ORDERING_OK,
@@ -390,7 +390,8 @@ class ShmTransport(Transport):
                 code, text = info
                 raise ERROR_TYPES.get(code, CommError)(f"rank {peer} aborted: {text}")
             if closed:
-                raise PeerLost(f"rank {self.rank}: rank {peer} closed its transport during {header.describe()}")
+                raise PeerLost(f"rank {self.rank}: rank {peer} closed its transport during {header.describe()}: "
+                               f"{CLOSED_EARLY}")
             raise PeerLost(
                 f"rank {self.rank}: rank {peer} (pid {self._procs[peer].pid}) died during {header.describe()}"
             )

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
+from ..errors import CLOSED_EARLY, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
 from . import wire
 from .base import CallHeader, Recv, Send, Transport, usable_cpus
 from .tcp_setup import build_mesh, remaining
@@ -542,7 +542,8 @@ class TcpTransport(Transport):
             if head == b"":
                 if not wait:
                     conn.kill("closed by the peer")
-                    raise PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection during {header.describe()}")
+                    raise PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection during {header.describe()}: "
+                                   f"its process ended, or, if it ended without an error, {CLOSED_EARLY}")
                 return
             if head is not None and len(head) == wire.FRAME_HEADER_SIZE:
                 break
@@ -642,7 +643,8 @@ class TcpTransport(Transport):
         conn = st.conn
         where = "mid-frame" if st.got_head or st.off else "before sending"
         conn.kill("closed by the peer")
-        return PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection ({where}) during {header.describe()}")
+        return PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection ({where}) during {header.describe()}: "
+                        f"its process ended, or, if it ended without an error, {CLOSED_EARLY}")
 
     # ---- abort / close ------------------------------------------------------------------------
 
