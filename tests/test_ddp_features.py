@@ -359,6 +359,20 @@ def test_a_closed_wrapper_refuses_forward_and_a_failed_one_leaves_nothing_behind
     assert not [t for t in threading.enumerate() if t.name.startswith("ringtrain-ddp-comm") and t.is_alive()]
 
 
+@pytest.mark.timeout(30)
+def test_an_option_that_differs_between_ranks_is_named_at_construction():
+    # It failed later, as a MismatchError of two allreduces' sizes naming no option.
+    def body(comm):
+        options = dict(FAST, schedule="single") if comm.rank == 1 else dict(FAST)
+        with pytest.raises(RuntimeError, match="with the same options") as caught:
+            DistributedDataParallel(make_model("mlp"), comm, **options)
+        return str(caught.value)
+
+    mine, theirs = raise_first(run_comms(2, body, timeout=5.0))
+    assert "ranks [1] have a module or options that differ from rank 0's" in mine, mine
+    assert "rank 0 has schedule='optimal' where rank 1 has schedule='single'" in theirs, theirs
+
+
 def test_tensors_of_mixed_sizes_broadcast_whatever_their_offsets():
     """Byte offsets that are not a multiple of the next tensor's element size (an int64 after 3
     float32s, a float64 after a bool) still come back as that dtype."""

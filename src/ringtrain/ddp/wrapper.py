@@ -100,6 +100,20 @@ _NOT_COPIED = ("a ringtrain.DistributedDataParallel cannot be copied or pickled:
                "and its communicator's connections. Copy or save the module it wraps: copy.deepcopy(model.module) "
                "(an EMA or teacher copy), torch.save(model.module) or torch.save(model.state_dict()).")
 
+#: The options every rank must give alike: they decide the collectives each iteration makes.
+_SAME_OPTIONS = ("schedule", "bucket_cap_mb", "algorithm", "find_unused_parameters", "broadcast_buffers",
+                 "warmup_iterations", "profile_iterations", "replan_interval", "drift_threshold",
+                 "verify_iterations", "parameter_check_interval", "compression", "interference", "alpha", "beta",
+                 "cost")
+
+
+def _option_text(value: Any) -> str:
+    """An option's value as the ranks compare it: its repr, a function's name (its repr holds an
+    address that differs between processes)."""
+    if callable(value) and not dataclasses.is_dataclass(value):
+        return f"<{getattr(value, '__qualname__', type(value).__qualname__)}>"
+    return repr(value)
+
 
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper: ``ddp(x)`` runs ``module(x)``; after ``loss.backward()`` every
@@ -927,11 +941,15 @@ class DistributedDataParallel(nn.Module):
         """A RuntimeError on every rank, naming the first difference, where some rank's parameters
         and buffers differ from rank 0's in name, shape, dtype or requires_grad (torch's DDP checks
         shapes so): the broadcast that follows copies bytes, so models of the same total size
-        would take rank 0's values in other shapes, silently, and their buckets would not match."""
+        would take rank 0's values in other shapes, silently, and their buckets would not match.
+        The options that decide the ranks' collectives (``_SAME_OPTIONS``) are compared too: one
+        rank's other schedule or compression failed later as a MismatchError of two allreduces'
+        sizes, which named no option."""
         if self.world_size == 1:
             return
         mine = [["parameter", n, list(t.shape), str(t.dtype), t.requires_grad] for n, t in module.named_parameters()]
         mine += [["buffer", n, list(t.shape), str(t.dtype), False] for n, t in module.named_buffers()]
+        mine += [["option", name, _option_text(getattr(self.options, name)), "", False] for name in _SAME_OPTIONS]
         text = json.dumps(mine).encode()
         digest = np.frombuffer(hashlib.sha256(text).digest(), dtype=np.uint8).copy()
         rank0 = digest.copy()
@@ -946,19 +964,22 @@ class DistributedDataParallel(nn.Module):
         theirs = np.frombuffer(text, dtype=np.uint8).copy() if self.rank == 0 else np.zeros(int(size[0]), np.uint8)
         self._thread.run("compare models", partial(self.comm.broadcast, theirs, 0), self._timeout)
         ranks = [int(r) for r in np.flatnonzero(differs)]
-        detail = f"ranks {ranks} have a module that differs from rank 0's (their errors name the difference)"
+        detail = f"ranks {ranks} have a module or options that differ from rank 0's (their errors name the difference)"
         if differs[self.rank]:
             theirs = json.loads(theirs.tobytes())
 
             def what(entry) -> str:
                 kind, name, shape, dtype, grad = entry
+                if kind == "option":
+                    return f"{name}={shape}"
                 return f"{kind} {name!r} of shape {tuple(shape)}, {dtype}" + (", requires_grad" if grad else "")
 
             first = next((k for k, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
             detail = (f"rank 0 has {what(theirs[first]) if first < len(theirs) else 'nothing more'} where rank "
                       f"{self.rank} has {what(mine[first]) if first < len(mine) else 'nothing more'} "
-                      f"(entry {first} of the parameters then buffers)")
-        raise RuntimeError(f"ringtrain.DistributedDataParallel: every rank must wrap the same module, but {detail}.")
+                      f"(entry {first} of the parameters, buffers, then options)")
+        raise RuntimeError("ringtrain.DistributedDataParallel: every rank must wrap the same module with the same "
+                           f"options, but {detail}.")
 
     def _broadcast_tensors(self, tensors: list[torch.Tensor], label: str, root: int = 0) -> None:
         """Copy rank ``root``'s values of ``tensors`` to every rank: one broadcast of their bytes."""
