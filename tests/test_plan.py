@@ -698,6 +698,32 @@ def test_a_drain_queues_behind_the_pull_before_it():
     assert best.end_time == min(wfbp.end_time, single.end_time)
 
 
+def test_communication_time_counts_overlapping_exchanges_once():
+    # Pushes of 0.1 s, pulls of 2 s queued behind each other: four exchanges from 1 to 9.1 s
+    # with gaps between the first pushes; summed span by span they came to 14.4 s.
+    plan = evaluate([1.0] * 4, [1.0] * 4, [(k, k) for k in range(4)], cost=LinearCost(0.0, 0.1),
+                    drain=LinearCost(0.0, 2.0))
+    assert plan.ends == pytest.approx([3.1, 5.1, 7.1, 9.1])
+    assert plan.comm_time == pytest.approx(9.1 - 1.0)
+    assert plan.comm_time <= plan.end_time
+
+
+def test_a_per_message_cost_with_a_drain_is_planned_around_up_to_a_limit(monkeypatch):
+    from ringtrain import plan as planner
+    from ringtrain.sim import costs
+
+    rng = np.random.default_rng(37)
+    times, sizes = rng.uniform(1e-5, 3e-4, 40), rng.uniform(1e3, 2e6, 40)
+    ps = costs.allreduce_cost(4, "ps", alpha=5e-5, beta=8e-10)
+    slow = Interference(1e-4, 1e-12, 0.5)
+    exact = merge(times, sizes, cost=ps.occupancy, drain=ps.drain, interference=slow)
+    monkeypatch.setattr(planner, "_DRAINED_COUNT_LIMIT", 30)  # 40 layers: one pass, the count charged only
+    fallback = merge(times, sizes, cost=ps.occupancy, drain=ps.drain, interference=slow)
+    assert fallback.end_time >= exact.end_time
+    assert fallback.end_time == evaluate(times, sizes, fallback.groups, cost=ps.occupancy, drain=ps.drain,
+                                         interference=slow).end_time
+
+
 @pytest.mark.timeout(60)
 def test_a_thousand_layers_with_a_drain_planned_quickly():
     from ringtrain.sim import costs

@@ -26,7 +26,9 @@ Words used here:
   once its push has ended and group g-1's drain is done, and ``ends`` holds each group's drain
   end, so the plan ends when the last drain does. A plan of a prefix then has two ends, its
   stream's and its drains'; the prefix program keeps, per prefix, every plan that no other
-  beats in both (the whole plan's end is non-decreasing in each) and stays exact. Charging the
+  beats in both (the whole plan's end is non-decreasing in each) and stays exact (with a
+  per-message interference up to ``_DRAINED_COUNT_LIMIT`` layers; beyond, it plans without that
+  term, which the timing still charges). ``comm_time`` counts overlapping exchanges once. Charging the
   last drain alone let a tiny last group hide a big one's pull: ``ringtrain simulate``'s
   servers came out up to 16% too fast with one server, 61% with four.
 - *interference* (optional, :class:`Interference`): compute time that each allreduce launched
@@ -93,6 +95,9 @@ METHODS = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 MIB = 1024 * 1024
 _COST_TABLE_LIMIT = 1 << 21  # candidate groups costed in one call (up to ~2,000 layers)
 _COST_TABLE_LIMIT_LINEAR = 1 << 17  # the same for the linear cost (up to ~500 layers)
+#: Layers up to which the program with a drain plans around a per-message cost (one pass per
+#: group count, each a loop over the layers: 0.7 s at 200 layers, 37 s at 700).
+_DRAINED_COUNT_LIMIT = 200
 
 #: ``cost(nbytes) -> seconds``. Called with a float64 numpy array where it can take one
 #: (the element-wise result is used), else once per element with a Python float.
@@ -218,6 +223,7 @@ class Plan:
         if not (math.isfinite(self.tail) and self.tail >= 0.0):
             raise ValueError(f"tail={self.tail!r} must be a finite number of seconds >= 0")
 
+
     @property
     def num_layers(self) -> int:
         return len(self.ready)
@@ -229,8 +235,13 @@ class Plan:
 
     @property
     def comm_time(self) -> float:
-        """Sum of the groups' allreduce times."""
-        return float(sum(e - s for s, e in zip(self.starts, self.ends)))
+        """How long some group's allreduce is in progress: the sum of their times on one stream;
+        with a drain, where a group's push overlaps the drains before it, that time once."""
+        total, covered = 0.0, -math.inf
+        for s, e in zip(self.starts, self.ends):
+            total += max(0.0, e - max(s, covered))
+            covered = max(covered, e)
+        return float(total)
 
     @property
     def exposed_time(self) -> float:
@@ -346,7 +357,8 @@ def merge(
     if method == "optimal":
         counted = planning.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
         if drain is not None:
-            groups = _optimal_groups_drained(ready, sizes, cost_fn, planning, drain)
+            counted = planning.per_message > 0.0 and n <= _DRAINED_COUNT_LIMIT
+            groups = _optimal_groups_drained(ready, sizes, cost_fn, planning, drain, counted)
         elif counted:
             groups = _optimal_groups_counted(ready, sizes, cost_fn, planning)
         else:
@@ -465,20 +477,29 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
 
 
 def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, slow: Interference,
-                            drain: CostFn) -> list[tuple[int, int]]:
+                            drain: CostFn, counted: bool) -> list[tuple[int, int]]:
     """The prefix program with a drain (module docstring): a plan of a prefix has two ends, its
     last push's and its last pull's, and the whole plan's end is non-decreasing in both, so a
-    prefix keeps every plan that no other of it beats in both (a Pareto front, a few plans in
-    practice): exact. Interference as in the other programs: with a per-message cost, one pass
-    per group count (a plan of g groups extends the fronts of g - 1), until the lower bounds of
-    :func:`_optimal_groups_counted` with the last group's drain added cannot beat the best."""
+    prefix keeps every plan that no other of it beats in both (a Pareto front): exact. The front
+    holds one plan per prefix or a few with the simulator's server costs (10-20 where pulls are
+    slower than pushes), but can grow with the layers where a drain's start-up dominates (290
+    per prefix at 300 equal layers, the program then about cubic). Interference as in the other
+    programs: ``counted`` (a per-message cost, up to ``_DRAINED_COUNT_LIMIT`` layers), one pass per group
+    count (a plan of g groups extends the fronts of g - 1) until the lower bounds of
+    :func:`_optimal_groups_counted`, the last group's drain added, cannot beat the best; else one
+    pass that plans without the per-message cost (charged by the timing)."""
     n = len(sizes)
     if n == 0:
         return []
     prefix = _prefix(sizes)
     bytes_delay = slow.per_byte * prefix  # the same expressions as _evaluate's
     end0 = float(ready[-1])
-    counted = slow.per_message > 0.0
+    table = drain_table = None
+    if counted:  # every candidate group's cost and drain, once for every pass (row j: the groups i..j-1)
+        rows, cols = np.tril_indices(n + 1, -1)
+        nbytes = prefix[rows] - prefix[cols]
+        table, drain_table = _cost_array(cost, nbytes), _cost_array(drain, nbytes)
+        cheapest = float(table.min())
     # The plans kept by one pass, all prefixes together in order of prefix: push end, pull end,
     # the prefix covered, the first layer of the last group, the plan extended (an index into
     # the pass before; a pass without counts extends its own plans).
@@ -499,8 +520,12 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
                 e_before, q_before, i = (np.concatenate(made[key]) for key in ("push", "pull", "covers"))
             if not len(i):
                 continue
-            nbytes = prefix[j] - prefix[:j]
-            costs, drains = _cost_array(cost, nbytes)[i], _cost_array(drain, nbytes)[i]
+            if table is None:
+                nbytes = prefix[j] - prefix[:j]
+                costs, drains = _cost_array(cost, nbytes)[i], _cost_array(drain, nbytes)[i]
+            else:
+                row = slice(j * (j - 1) // 2, j * (j + 1) // 2)
+                costs, drains = table[row][i], drain_table[row][i]
             delay = delay_messages + bytes_delay[i]
             # Slowed until backward's end as known at the launch (_evaluate's expressions).
             until = end0 + (slow.per_message * g + bytes_delay[j]) if j < n else end0 + delay
@@ -525,10 +550,9 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
         # Lower bounds on the end of any plan of g or more groups (they grow with g): its last
         # group's push and pull, after backward's end delayed by g - 1 launches and the bytes
         # before it; the g pushes on their stream (a margin of 1e-9 for the rounding of the sum).
-        tail = prefix[n] - prefix[:n]
-        last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[:n]) + _cost_array(cost, tail)
-                      + _cost_array(drain, tail))
-        chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else 0.0
+        row = slice(n * (n - 1) // 2, n * (n + 1) // 2)  # the groups i..n-1
+        last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[:n]) + table[row] + drain_table[row])
+        chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
         if max(last, chain * (1.0 - 1e-9)) >= best_end:
             break
     # Back from the best plan of the whole, pass by pass (or within the one pass).
