@@ -149,6 +149,79 @@ def test_a_rank_that_steps_otherwise_fails_with_the_others_at_the_next_check(fau
     assert done0 == 7  # the check at 4 passed; the one at 8 failed: the 8th backward raised
 
 
+@pytest.mark.timeout(60)
+def test_after_an_uneven_join_the_check_names_the_optimizer_state():
+    """Epoch 0 inside join() with 2 and 3 batches, epoch 1 outside it: join() leaves the
+    parameters equal, but rank 0 took one SGD step fewer, so its momentum differs and the
+    parameters part again. The check says so, naming join() before the other causes."""
+    import contextlib
+
+    from ringtrain import MismatchError
+
+    def body(comm):
+        ddp = DistributedDataParallel(make_model("mlp"), comm, parameter_check_interval=4, verify_iterations=0,
+                                      **FAST)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        try:
+            for epoch in range(2):
+                with ddp.join() if epoch == 0 else contextlib.nullcontext():
+                    for step in range((2 + comm.rank) if epoch == 0 else 8):
+                        x, y = rank_batch("mlp", step, 2, comm.rank)
+                        opt.zero_grad()
+                        nn.functional.mse_loss(ddp(x), y).backward()
+                        opt.step()
+        except MismatchError as exc:
+            return str(exc)
+        finally:
+            ddp.close()
+        return None
+
+    for message in raise_first(run_comms(2, body, timeout=10.0, thread_timeout=50.0)):
+        assert message is not None and "after a join() with uneven inputs" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_with_a_comm_hook_the_check_runs_only_when_asked():
+    """torch's noop_hook leaves each rank its own gradient, by design: the ranks train apart. By
+    default a wrapper with a comm hook does not check (51 iterations pass); asked to, it raises."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    from ringtrain import MismatchError
+
+    def body(comm, every, steps):
+        ddp = DistributedDataParallel(make_model("mlp"), comm, schedule="single", parameter_check_interval=every,
+                                      **FAST)
+        ddp.register_comm_hook(ddp.process_group, noop_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        try:
+            for step in range(steps):
+                x, y = rank_batch("mlp", step, 2, comm.rank)
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+        except MismatchError as exc:
+            return str(exc)
+        finally:
+            ddp.close()
+        return None
+
+    assert raise_first(run_comms(2, lambda comm: body(comm, None, 51), timeout=10.0, thread_timeout=100.0)) == [None] * 2
+    for message in raise_first(run_comms(2, lambda comm: body(comm, 4, 8), timeout=10.0, thread_timeout=50.0)):
+        assert message is not None and "at iteration 4" in message, message
+
+
+def test_options_compare_by_value_not_by_spelling():
+    import numpy as np
+
+    from ringtrain.ddp.wrapper import _option_text
+    from ringtrain.plan import LinearCost
+
+    assert _option_text(25) == _option_text(25.0) and _option_text(np.float64(1e-5)) == _option_text(1e-5)
+    assert _option_text(LinearCost(1e-5, 1e-9)) == _option_text(LinearCost(np.float64(1e-5), 1e-9))
+    assert _option_text(lambda b: b) == _option_text(lambda b: 2 * b)  # (a function: by its name only)
+    assert _option_text("optimal") != _option_text("single") and _option_text(True) != _option_text(1)
+
+
 def test_equal_parameters_digest_alike_and_swapped_ones_do_not():
     from ringtrain.ddp import consistency
 

@@ -35,19 +35,25 @@ def digest(params: Sequence[torch.Tensor]) -> int:
 
 
 def check_equal(run: Callable[[str, Callable[[], object]], object], allreduce, params: Sequence[torch.Tensor],
-                rank: int, world_size: int, iteration: int) -> None:
+                rank: int, world_size: int, iteration: int, after_uneven_join: bool = False) -> None:
     """Compare ``params`` across the ranks (``run(label, call)`` runs ``call`` on the
     communication thread; ``allreduce(array, op)`` is the communicator's); a MismatchError on
-    every rank where some rank's differ from rank 0's."""
+    every rank where some rank's differ from rank 0's. ``after_uneven_join``: a ``join()`` block
+    saw ranks out of data (they took fewer steps: the message names that cause first)."""
     sums = np.zeros(world_size, dtype=np.int64)
     sums[rank] = digest(params)
     run("check parameters", lambda: allreduce(sums, "sum"))  # (zeros elsewhere: each rank's own, exactly)
     apart = [r for r in range(world_size) if sums[r] != sums[0]]
-    if apart:
-        raise MismatchError(
-            f"ringtrain.DistributedDataParallel: rank {rank}: the parameters differ between the ranks at iteration "
-            f"{iteration} (rank{'s' if len(apart) > 1 else ''} {', '.join(map(str, apart))} against rank 0's), so "
-            "they no longer train one model: a rank stepped its optimizer otherwise than the others (a backward "
-            "without an optimizer step, or a second backward of one forward, on one rank; a step skipped or made "
-            "twice) or changed its parameters alone. parameter_check_interval=0 turns this check off (ranks whose "
-            "CPUs round the optimizer's arithmetic differently drift apart in the last bits)")
+    if not apart:
+        return
+    join = ("after a join() with uneven inputs the ranks that ran out of data took fewer optimizer steps, so "
+            "their optimizer state (momentum, Adam's moments) differs although join() made the parameters equal: "
+            "copy one rank's optimizer state to every rank after join() (or reset it on every rank); else "
+            if after_uneven_join else "")
+    raise MismatchError(
+        f"ringtrain.DistributedDataParallel: rank {rank}: the parameters differ between the ranks at iteration "
+        f"{iteration} (rank{'s' if len(apart) > 1 else ''} {', '.join(map(str, apart))} against rank 0's), so "
+        f"they no longer train one model: {join}a rank stepped its optimizer otherwise than the others (a backward "
+        "without an optimizer step, or a second backward of one forward, on one rank; a step skipped or made "
+        "twice) or changed its parameters alone. parameter_check_interval=0 turns this check off (ranks whose "
+        "CPUs round the optimizer's arithmetic differently drift apart in the last bits)")

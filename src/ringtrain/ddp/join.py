@@ -59,7 +59,7 @@ class Join:
     :meth:`before_forward` and :meth:`before_backward` while its rank is active, divides its
     buckets' sums by :attr:`divisor`, and calls :meth:`shadow` once its rank has joined."""
 
-    __slots__ = ("ddp", "comm", "per_rank", "throw", "divisor", "last_active")
+    __slots__ = ("ddp", "comm", "per_rank", "throw", "divisor", "last_active", "uneven")
 
     def __init__(self, ddp, divide_by_initial_world_size: bool, throw_on_early_termination: bool):
         self.ddp = ddp
@@ -70,6 +70,7 @@ class Join:
         # The ranks active at the last announcement that had any (all, before the first): the
         # highest of them holds the final model.
         self.last_active = list(range(ddp.world_size))
+        self.uneven = False  # some rank joined while others trained (their optimizers stepped more)
 
     # --- an active rank --------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class Join:
         if not active:
             return active
         self.last_active = active
+        self.uneven = self.uneven or len(active) < self.comm.world_size
         if self.per_rank:
             self.divisor = len(active)
         if self.throw and len(active) < self.comm.world_size:

@@ -27,6 +27,8 @@ TORCH_DEFAULTS = {"device_ids": None, "output_device": None, "dim": 0, "process_
                   "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None, "mixed_precision": None,
                   "device_mesh": None, "skip_all_reduce_unused_params": False, "bucket_cap_mb_list": None,
                   "batched_grad_copy": False}
+#: How often the ranks compare their parameters by default (``parameter_check_interval``).
+PARAMETER_CHECK_INTERVAL = 50
 #: torch's hints, taken at any True/False: ``static_graph`` (the wrapper handles a graph that
 #: changes or not) and ``check_reduction`` (ignored by torch too).
 TORCH_HINTS = ("static_graph", "check_reduction")
@@ -96,12 +98,13 @@ class DDPOptions:
     """Re-check the profile every so many iterations after the first plan (0: never)."""
     drift_threshold: float = 0.2
     """Re-plan when the ready curve moved by more than this share of the backward time."""
-    parameter_check_interval: int = 50
+    parameter_check_interval: Optional[int] = None
     """Every so many synchronizing iterations, check that the ranks' parameters are equal (a sum
     of their bits, one allreduce of world_size numbers): a rank that stepped its optimizer
     otherwise than the others (:mod:`.consistency`) is a MismatchError on every rank instead of
-    training on apart. 0: never (not inside ``join()``, where the ranks that ran out of data
-    take no steps)."""
+    training on apart. None: every ``PARAMETER_CHECK_INTERVAL`` (50) iterations, never with a
+    comm hook (one may leave the ranks apart by design: local SGD, ``noop_hook``); 0: never.
+    Not inside ``join()``, where the ranks that ran out of data take no steps."""
     verify_iterations: int = 5
     """schedule="optimal" only: iterations per phase of the trial (:mod:`.planning`, item 2):
     the probe plans and one allreduce after backward measure the interference, then the plan
@@ -150,6 +153,8 @@ class DDPOptions:
         for name, low in (("timeline_iterations", 1), ("warmup_iterations", 0), ("profile_iterations", 1),
                           ("replan_interval", 0), ("verify_iterations", 0), ("parameter_check_interval", 0)):
             value = getattr(self, name)
+            if name == "parameter_check_interval" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r}: it must be an integer >= {low}")
         if not isinstance(self.drift_threshold, (int, float)) or not self.drift_threshold > 0:

@@ -67,6 +67,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import numbers
 import threading
 import time
 import weakref
@@ -88,7 +89,7 @@ from . import comm_hook
 from . import consistency
 from .comm_thread import CommThread, settle_all
 from .join import Join
-from .options import COMPRESSIONS, DDPOptions, take_torch_keywords
+from .options import COMPRESSIONS, PARAMETER_CHECK_INTERVAL, DDPOptions, take_torch_keywords
 from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
 from .unused import (OutputSink, earlier_forward_error, missing_gradients_error, output_tensors, reachable_params,
@@ -108,9 +109,17 @@ _SAME_OPTIONS = ("schedule", "bucket_cap_mb", "algorithm", "find_unused_paramete
 
 
 def _option_text(value: Any) -> str:
-    """An option's value as the ranks compare it: its repr, a function's name (its repr holds an
-    address that differs between processes)."""
-    if callable(value) and not dataclasses.is_dataclass(value):
+    """An option's value as the ranks compare it: numbers as floats (25 and 25.0, a numpy float
+    and a float, are one value), a dataclass (a cost, the interference) field by field, a function
+    by its name (its repr holds an address that differs between processes)."""
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, numbers.Real):
+        return repr(float(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{f.name}={_option_text(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__qualname__}({fields})"
+    if callable(value):
         return f"<{getattr(value, '__qualname__', type(value).__qualname__)}>"
     return repr(value)
 
@@ -157,6 +166,7 @@ class DistributedDataParallel(nn.Module):
             self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
         self._thread = CommThread(f"ringtrain-ddp-comm-{comm.rank}")
         self._join: Optional[Join] = None  # inside join(): the uneven-inputs block
+        self._joined_unevenly = False  # a join() block saw some rank out of data while others trained
         self._hooks: list = []
         self._closed = False
         self._comm_hook: Optional[comm_hook.CommHook] = None  # register_comm_hook's
@@ -486,6 +496,7 @@ class DistributedDataParallel(nn.Module):
                 raise self._failed_backward_error()
             self._join.shadow()
         finally:
+            self._joined_unevenly = self._joined_unevenly or self._join.uneven
             self._join = None
 
     @property
@@ -756,9 +767,11 @@ class DistributedDataParallel(nn.Module):
         traced = self._record(t_last, copies, t_done)
         self._profile()
         every = self.options.parameter_check_interval
+        if every is None:  # (a comm hook may leave the ranks apart by design: local SGD, noop_hook)
+            every = PARAMETER_CHECK_INTERVAL if self._comm_hook is None else 0
         if self.world_size > 1 and every and self._join is None and (st.iteration + 1) % every == 0:
             consistency.check_equal(self._run_collective, self.comm.allreduce, self._params, self.rank,
-                                    self.world_size, st.iteration + 1)
+                                    self.world_size, st.iteration + 1, after_uneven_join=self._joined_unevenly)
         st.iteration += 1
         self._reset_iteration()
         if traced:  # last, once the iteration is accounted for: this may write the trace file
