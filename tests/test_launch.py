@@ -249,7 +249,10 @@ def kill_nodes(procs: list[subprocess.Popen]) -> None:
 def test_a_node_whose_ranks_finished_does_not_wait_for_a_node_whose_ranks_failed(tmp_path):
     """torchrun's agent whose ranks succeeded waits at exit for every other node's agent (300 s); one
     whose ranks failed used not to check in, so node 0 sat there 5 minutes after node 1 had failed."""
-    script = after_a_barrier(tmp_path, "node1_fails.py", "sys.exit(3 if os.environ['GROUP_RANK'] == '1' else 0)\n")
+    script = after_a_barrier(tmp_path, "node1_fails.py",
+                             "if os.environ['GROUP_RANK'] == '1':\n"
+                             "    time.sleep(2)  # (node 0 is at the exit barrier by now, not stopped by node 1's failure)\n"
+                             "    sys.exit(3)\n")
     procs = start_nodes(tmp_path, script)
     try:
         _, err1 = procs[1].communicate(timeout=90)
@@ -277,6 +280,83 @@ def test_a_node_whose_ranks_finished_is_not_a_traceback_when_node_0_failed(tmp_p
         _, err1 = procs[1].communicate(timeout=60)
         assert procs[1].returncode == 0, err1
         assert "Traceback" not in err1 and "exit barrier" not in err1, err1
+    finally:
+        kill_nodes(procs)
+
+
+def failure_line(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.endswith("; stopping this node's ranks")]
+
+
+@pytest.mark.multiprocess
+def test_a_node_whose_rank_is_stuck_ends_once_node_0s_ranks_failed(tmp_path):
+    """Node 1's rank stopped (SIGSTOP: as one stuck in the script) mid-run: node 0's rank timed out
+    waiting for it and node 0's command ended, while node 1's waited forever (torchrun's agent watches
+    its own node's ranks only, and node 1's rank was alive)."""
+    script = tmp_path / "stuck.py"
+    script.write_text("import os, signal\n"
+                      "import ringtrain\n"
+                      "comm = ringtrain.init(timeout=3)\n"
+                      "comm.barrier()\n"
+                      "if os.environ['GROUP_RANK'] == '1':\n"
+                      "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                      "comm.barrier()\n")
+    procs = start_nodes(tmp_path, script)
+    try:
+        _, err0 = procs[0].communicate(timeout=90)
+        assert procs[0].returncode == 1, err0
+        assert "ringtrain launch: rank 0 failed (exit code 1): CommTimeout: " in err0, err0
+        t0 = time.monotonic()
+        _, err1 = procs[1].communicate(timeout=30)
+        took = time.monotonic() - t0
+        assert procs[1].returncode == 1, err1
+        assert failure_line(err1) and failure_line(err1)[0].startswith(
+            "ringtrain launch: node 0 failed: rank 0 failed (exit code 1): CommTimeout: "), err1
+        assert "Traceback" not in err1 and took < 10, (took, err1)  # (the stopped rank ends at the SIGTERM)
+    finally:
+        kill_nodes(procs)
+
+
+@pytest.mark.multiprocess
+def test_node_0_ends_once_another_nodes_ranks_failed(tmp_path):
+    """The other way round: node 0's rank busy in the script (not talking to its peers, so no timeout of
+    its own), node 1's rank exits 3. Node 1's launcher leaves its line in node 0's store; node 0 reads it."""
+    script = after_a_barrier(tmp_path, "node1_fails_node0_busy.py",
+                             "if os.environ['GROUP_RANK'] == '1':\n"
+                             "    sys.exit(3)\n"
+                             "time.sleep(120)\n")
+    procs = start_nodes(tmp_path, script)
+    try:
+        _, err1 = procs[1].communicate(timeout=90)
+        assert procs[1].returncode == 3, err1
+        t0 = time.monotonic()
+        _, err0 = procs[0].communicate(timeout=30)
+        assert procs[0].returncode == 1, err0
+        assert failure_line(err0) == ["ringtrain launch: node 1 failed: rank 1 failed (exit code 3); stopping this "
+                                      "node's ranks"], err0
+        assert "Traceback" not in err0 and time.monotonic() - t0 < 10, err0
+    finally:
+        kill_nodes(procs)
+
+
+@pytest.mark.multiprocess
+def test_a_node_ends_when_node_0s_launcher_is_killed(tmp_path):
+    """kill -9 of node 0's launcher (its ranks go with it, lifecycle.py): no node writes a line, but the
+    store node 0 served closes, and node 1, whose rank is busy in the script, ends."""
+    script = after_a_barrier(tmp_path, "busy.py", "open(f'ran-{os.environ[\"GROUP_RANK\"]}', 'w').close()\n"
+                                                  "time.sleep(120)\n")
+    procs = start_nodes(tmp_path, script)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ran-{node}").exists() for node in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.1)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        _, err1 = procs[1].communicate(timeout=30)
+        assert procs[1].returncode == 1, err1
+        assert len(failure_line(err1)) == 1 and failure_line(err1)[0].startswith(
+            "ringtrain launch: node 0's launcher ended (its rendezvous store at "), err1
+        assert "Traceback" not in err1, err1
     finally:
         kill_nodes(procs)
 
@@ -484,7 +564,7 @@ def test_a_torch_whose_agent_has_no_invoke_run_launches_as_before(monkeypatch):
 
     monkeypatch.delattr(api.SimpleElasticAgent, "_invoke_run")
     ran = []
-    with launch._failed_agent_checks_out():
+    with launch._nodes_end_together("ringtrain launch"):
         ran.append(True)
     assert ran == [True]
     assert not hasattr(api.SimpleElasticAgent, "_invoke_run")

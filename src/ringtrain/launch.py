@@ -23,7 +23,9 @@ torchrun's own errors (a --master-port in use) are one line too (on one node wit
 --master-port, a port found free that another process takes before torchrun's store listens
 there is replaced: the launch is made again on another), and so is Ctrl-C once the
 ranks have stopped (torchrun passes SIGINT on to every rank; exit status 130; what the ranks
-print on it is the script's own).
+print on it is the script's own). With several nodes, once one node's ranks have failed the other
+nodes stop theirs and end too (exit status 1, one line naming the node and its failure): a rank
+stuck on another node does not hold that node's command.
 For torchrun's other options (elastic rendezvous, restarts), call ``torchrun`` itself with
 RINGTRAIN_SECRET set in the environment (without it the ranks do not authenticate each other).
 """
@@ -42,6 +44,7 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -250,7 +253,7 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     try:
         try:
-            with _failed_agent_checks_out(), _stopped_ranks_hear_the_signal():
+            with _nodes_end_together(prog), _stopped_ranks_hear_the_signal():
                 torchrun.main(argv)
         finally:
             for s, handler in handlers.items():
@@ -263,6 +266,8 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
             with contextlib.suppress(Exception):  # (what is left of the run is a hint: never a traceback instead)
                 print(f"{prog}: {failed()}", file=sys.stderr)
         return _exit_status(failures[0][1].exitcode)
+    except _NodeFailed:  # (its line is printed: this node's ranks have been stopped since)
+        return 1
     except (SignalException, KeyboardInterrupt) as exc:  # (KeyboardInterrupt: before torchrun's handler)
         sig = signal.Signals(exc.sigval if isinstance(exc, SignalException) else signal.SIGINT)
         # The ranks have stopped: a second Ctrl-C waits for the line (it reads the checkpoints).
@@ -306,16 +311,44 @@ def _cpp_log_off_in_this_process():
 #: milliseconds; one cut off from this node, never: the kernel retransmits for some 15 minutes).
 _CHECK_OUT_TIMEOUT = 2.0
 
+#: The key in node 0's store (outside torchrun's own prefix) where the first node whose ranks failed
+#: leaves its line, "node N failed: rank R failed (...)", for the other nodes' launchers.
+_FAILED_KEY = "ringtrain/launch/failed"
+
+
+#: Seconds between two looks of a node's launcher at node 0's store for another node's failure.
+_WATCH_PERIOD = 0.5
+
+
+def _read_key(node: int) -> str:
+    """Set by node ``node``'s watch once it has read ``_FAILED_KEY``."""
+    return f"{_FAILED_KEY}/read/{node}"
+
+
+class _NodeFailed(Exception):
+    """Another node's ranks failed, or node 0's store closed, while this node's ranks still ran."""
+
 
 @contextlib.contextmanager
-def _failed_agent_checks_out():
-    """With several nodes, an agent whose ranks failed enters torchrun's exit barrier on its way out.
+def _nodes_end_together(prog: str):
+    """With several nodes, every node's launcher ends once one node's ranks have failed.
 
-    torchrun's agent whose ranks all succeeded waits at exit until every node's agent is there
-    (``SimpleElasticAgent._exit_barrier``, up to 300 s: node 0 serves the store the others still use).
-    An agent whose ranks failed returns without checking in, so a node that had finished sat 5
-    minutes after another node failed (or, when the failed one was node 0, logged a traceback from
-    its closed store). Here the failed agent adds itself to that barrier's count and leaves (the
+    torchrun's agent watches only its own node's ranks. Node 0's rank that timed out waiting for a
+    rank stuck on node 1 (stopped, or looping in the script) ended node 0's command, while node 1's
+    waited forever: its rank was alive. Here, while its ranks run, each agent also watches node 0's
+    store (the one torchrun's agents already share) from a thread of its own (:class:`_StoreWatch`):
+    when another node's failure line appears there, or the store closes (node 0's launcher ended
+    before this node's ranks did), it prints one line and stops its ranks with torchrun's own
+    shutdown (SIGTERM to each rank's process group, SIGKILL 30 s later), exit status 1. A node
+    whose ranks have ended (failed or succeeded) is not stopped: its own result stands.
+
+    An agent whose ranks failed leaves that line in the store (node 0's then waits, up to
+    ``_CHECK_OUT_TIMEOUT``, until the other nodes have read it: its store ends with it) and enters
+    torchrun's exit barrier on its way out. torchrun's agent whose ranks all succeeded waits at exit until every node's agent
+    is there (``SimpleElasticAgent._exit_barrier``, up to 300 s: node 0 serves the store the others
+    still use); one whose ranks failed returned without checking in, so a node that had finished sat
+    5 minutes after another node failed (or, when the failed one was node 0, logged a traceback from
+    its closed store). The failed agent adds itself to that barrier's count and leaves (the
     barrier's own non-blocking half: it does not wait for the others)."""
     from torch.distributed.elastic.agent.server import api
     from torch.distributed.elastic.utils import store as store_util
@@ -326,10 +359,37 @@ def _failed_agent_checks_out():
         return
 
     def invoke_run(self, role: str = api.DEFAULT_ROLE):
-        result = original(self, role)
+        watch = _StoreWatch()
+        monitor = self._monitor_workers
+
+        def monitor_and_watch(group):
+            result = monitor(group)
+            if result.state == api.WorkerState.HEALTHY and (group.group_world_size or 1) > 1:
+                watch.start(self._store, group.group_rank)
+                if watch.failure is not None:
+                    print(f"{prog}: {watch.failure}; stopping this node's ranks", file=sys.stderr, flush=True)
+                    raise _NodeFailed(watch.failure)  # (torchrun's run() then stops the ranks)
+            return result
+
+        self._monitor_workers = monitor_and_watch  # (torchrun's loop calls it every --monitor-interval)
+        try:
+            result = original(self, role)
+        finally:
+            del self._monitor_workers
+            watch.stop()
         group = self._worker_group
         if result.is_failed() and (group.group_world_size or 1) > 1 and self._store is not None:
+            rank, failure = min(result.failures.items(), key=lambda item: _failure_order(*item))
+            line = f"node {group.group_rank} failed: {describe_failure(rank, failure)}"
+
             def check_out() -> None:
+                store = _unprefixed(self._store)
+                with contextlib.suppress(Exception):  # (first failure kept: compare_set sets a missing key only)
+                    store.compare_set(_FAILED_KEY, "", line)
+                if group.group_rank == 0:  # its store ends with it: the others' watches read the line first
+                    others = [_read_key(node) for node in range(1, group.group_world_size)]
+                    with contextlib.suppress(Exception):  # (a node already gone never reads it; within the join)
+                        store.wait(others, timedelta(seconds=_CHECK_OUT_TIMEOUT / 2))
                 with contextlib.suppress(Exception):  # (node 0 gone: the others see its store closed, as before)
                     store_util._barrier_nonblocking(self._store, group.group_world_size, api._TERMINAL_STATE_SYNC_ID)
 
@@ -345,6 +405,60 @@ def _failed_agent_checks_out():
         yield
     finally:
         api.SimpleElasticAgent._invoke_run = original
+
+
+def _unprefixed(store):
+    """The store under ``store``'s PrefixStores (torchrun's agent prefixes its keys with the run id)."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class _StoreWatch:
+    """A thread that asks node 0's store, every ``_WATCH_PERIOD`` seconds over a connection of its
+    own (an agent's store client runs one request at a time), for a node's failure line
+    (``_FAILED_KEY``); ``failure``: None until it is there or the store has closed, then the line to
+    print. It asks with ``check`` between sleeps of its own rather than in one long ``wait``: a
+    thread left in a call into torch when the process exits aborts it ("terminate called without
+    an active exception"), so :meth:`stop` ends it before the agent returns."""
+
+    def __init__(self) -> None:
+        self.failure: str | None = None
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, store, node: int) -> None:
+        """Watch ``store`` (the agent's) from now on, as node ``node`` (its --node-rank); once."""
+        import torch.distributed as dist
+
+        store = _unprefixed(store)
+        if self._thread is not None or not isinstance(store, dist.TCPStore):  # (another rendezvous: not watched)
+            return
+        where = f"{store.host}:{store.port}"
+
+        def watch() -> None:
+            try:
+                client = dist.TCPStore(store.host, store.port, None, False, timeout=timedelta(seconds=30),
+                                       wait_for_workers=False)
+                while not client.check([_FAILED_KEY]):
+                    if self._stopped.wait(_WATCH_PERIOD):
+                        return
+                line = client.get(_FAILED_KEY).decode(errors="replace")
+                client.set(_read_key(node), "")  # (node 0, if it failed, waits for this before it ends)
+                self.failure = line
+            except Exception:  # noqa: BLE001 - the store closed: node 0's launcher ended
+                self.failure = f"node 0's launcher ended (its rendezvous store at {where} closed) while this node's ranks ran"
+
+        self._thread = threading.Thread(target=watch, name="ringtrain-store-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (at once, unless it is in a call to a store that does not answer)."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(_CHECK_OUT_TIMEOUT)
 
 
 #: The signals torch's launcher handles (it passes them on to the ranks, then raises SignalException).
