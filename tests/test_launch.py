@@ -18,6 +18,7 @@ import pytest
 from mp_harness import answer_like_http
 from torch_version import OLDER_TORCH
 from ringtrain import cli, launch
+from ringtrain import errors as ringtrain_errors
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,6 +159,51 @@ def test_a_scripts_exception_is_named_in_its_line_without_record(tmp_path):
     assert (len(lines) == 2 and lines[1].startswith("ringtrain launch: rank 0 failed (")) or (
         OLDER_TORCH and len(lines) == 1), proc.stderr
     assert "ValueError: bad" in proc.stderr.split("ringtrain launch: ")[0], proc.stderr  # its traceback as before
+
+
+@pytest.mark.multiprocess
+def test_a_scripts_exception_before_init_is_named_and_the_script_runs_as_python_runs_it(tmp_path):
+    """An exception raised before ringtrain.init() was only "rank 1 failed (exit code 1)": init() installs
+    the recorder. The launcher now starts the script through errorfile.run_script, which installs it first."""
+    (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")  # (found beside the script, as python finds it)
+    script = tmp_path / "early.py"
+    script.write_text("import json, os, sys\n"
+                      "import helper_mod\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    raise ValueError(f'early {sys.argv[1:]}')\n"
+                      "json.dump([__name__, __file__, sys.argv, sys.path[0], helper_mod.VALUE], open('seen.json', 'w'))\n")
+    proc = run_cli(["launch", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), "--lr", "1"],
+                   tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ringtrain launch: ")]
+    assert proc.returncode == 1, proc.stderr
+    assert lines == ["ringtrain launch: rank 1 failed (exit code 1): ValueError: early ['--lr', '1'] [early.py:4 in "
+                     "<module>]"], proc.stderr
+    traceback = proc.stderr.split("ringtrain launch: ")[0]
+    assert 'early.py", line 4, in <module>' in traceback and "runpy" not in traceback, traceback
+    assert "errorfile" not in traceback, traceback
+    assert json.loads((tmp_path / "seen.json").read_text()) == [
+        "__main__", str(script), [str(script), "--lr", "1"], str(tmp_path), 7]
+
+
+@pytest.mark.timeout(30)
+def test_ranks_that_never_arrived_are_named_with_a_hint_across_nodes():
+    """Node 1 died before its rank registered: node 0's rank waited its join timeout and said
+    "CommTimeout ... keys: /ringtrain/1//host/1", torch's name of the key it waited for."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ringtrain import rendezvous, session
+
+    for nnodes, hint in [(2, " (its node's launcher may have failed: see its output)"), (0, "")]:
+        store = dist.PrefixStore("ringtrain/1/", dist.HashStore())
+        store.set_timeout(timedelta(seconds=0.3))
+        store.set("host/2", "other")  # (rank 2 arrived; 1 and 3 did not)
+        info = rendezvous.JobInfo(0, 4, "10.0.0.1", 29811, "here", b"s", nnodes)
+        with pytest.raises(ringtrain_errors.CommTimeout) as caught:
+            session.communicator_on_store(store, info, "tcp", 1.0, 0.3)
+        assert str(caught.value) == ("rank 0: ranks 1, 3 of 4 never arrived at the rendezvous at 10.0.0.1:29811 within "
+                                     f"0.3s (join_timeout){hint}")
 
 
 def test_error_files_written_by_init_order_ranks_within_a_second():

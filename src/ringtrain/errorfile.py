@@ -12,6 +12,11 @@ rank's error.
 The file also holds the time to the microsecond (``ringtrain_time``): torch's own timestamp is in
 whole seconds, so a rank's ValueError and the PeerLost its peers raise a moment later fell in one
 second and the lower rank was named first (``launch._failure_order`` reads it).
+
+``ringtrain launch`` starts the script through this file (``python .../errorfile.py SCRIPT ARGS``,
+:func:`run_script`): the recorder is installed before the script's first line, so an exception
+raised before ``ringtrain.init()`` (a bad argument, a missing file) is named too. The file imports
+the standard library only, so the script starts no later than it did.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import faulthandler
 import functools
 import json
 import os
+import runpy
 import sys
 import time
 import traceback
@@ -107,3 +113,30 @@ def recorded_time(message) -> float | None:
         return float(message["extraInfo"]["ringtrain_time"])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def run_script(argv: list[str]) -> None:
+    """Run ``argv[0]`` (a script's path) with arguments ``argv[1:]`` as ``python SCRIPT ARGS`` does:
+    as ``__main__``, with that ``sys.argv`` and the script's folder first on ``sys.path``; but with
+    :func:`record_uncaught` installed first. Its uncaught exception is printed without this file's
+    and runpy's frames (as Python would print it), and the exit status is 1, as Python's."""
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # (this file's folder, ringtrain's, otherwise)
+    record_uncaught()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as exc:  # (SystemExit, KeyboardInterrupt: as Python handles them)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in _SHIM_FILES:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # (Python prints the exception's own)
+        sys.exit(1)
+
+
+#: The files of the frames between Python and the script under :func:`run_script`.
+_SHIM_FILES = (run_script.__code__.co_filename, runpy.run_path.__code__.co_filename)
+
+
+if __name__ == "__main__":
+    run_script(sys.argv[1:])

@@ -17,8 +17,8 @@ share a hostname are still told apart.
 
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
 failed (exit code N): ValueError: bad [train.py:12 in step]``, the rank that failed first before
-those torchrun stopped after it (the exception and the line that raised it are written by the rank
-once it has called ``ringtrain.init()``, see errorfile.py; the script needs no ``@record``);
+those torchrun stopped after it (the script is started through errorfile.py, which writes the
+exception and the line that raised it from the script's first line on; it needs no ``@record``);
 torchrun's own errors (a --master-port in use) are one line too (on one node without
 --master-port, a port found free that another process takes before torchrun's store listens
 there is replaced: the launch is made again on another), and so is Ctrl-C once the
@@ -128,7 +128,9 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
         f"--master-port={MULTI_NODE_PORT if args.master_port is None else args.master_port}",
         f"--rdzv-conf=timeout={math.ceil(args.join_timeout)}",
     ]
-    return argv + [args.script, *args.script_args]
+    from . import errorfile  # (its file is run as the ranks' first script: errorfile.run_script)
+
+    return argv + [errorfile.__file__, args.script, *args.script_args]
 
 
 def run(args: argparse.Namespace) -> int:

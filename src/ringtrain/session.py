@@ -115,10 +115,15 @@ def communicator_on_store(store, info: rendezvous.JobInfo, transport: str, timeo
     except CommError:
         raise
     except RuntimeError as exc:  # torch's store wait ran out: some rank never arrived
-        raise CommTimeout(
-            f"rank {info.rank}: not every one of the {info.world_size} ranks reached the rendezvous at "
-            f"{info.master_addr}:{info.master_port} within {join_timeout:g}s (join_timeout): {exc}"
-        ) from exc
+        where = f"{info.master_addr}:{info.master_port} within {join_timeout:g}s (join_timeout)"
+        missing = _missing_ranks(store, info.world_size)
+        if not missing:  # (not known: torch's text, which names the key it waited for)
+            raise CommTimeout(f"rank {info.rank}: not every one of the {info.world_size} ranks reached the "
+                              f"rendezvous at {where}: {exc}") from exc
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
+        why = " (its node's launcher may have failed: see its output)" if info.nnodes > 1 else ""
+        raise CommTimeout(f"rank {info.rank}: {who} of {info.world_size} never arrived at the rendezvous at "
+                          f"{where}{why}") from exc
     store.set_timeout(timedelta(seconds=timeout))  # (all met: the store's waits are the job's again)
 
     native_group = _GlooGroup(store, info.rank, info.world_size, timeout)
@@ -145,6 +150,19 @@ def communicator_on_store(store, info: rendezvous.JobInfo, transport: str, timeo
         except RuntimeError as exc:  # a store wait that ran out: torch's own error type
             raise CommError(f"rank {info.rank}: could not set up transport {transport!r}: {exc}") from exc
     return Communicator(t, timeout=timeout, host_ids=host_ids, store=store, native_group_factory=native_group)
+
+
+def _missing_ranks(store, world_size: int) -> list[int]:
+    """The ranks whose keys of the rendezvous (``communicator_on_store``'s, in the order written)
+    are not all in ``store``; [] where all are, or the store does not answer."""
+    try:
+        for name in ("host", "member", "setup"):
+            missing = [r for r in range(world_size) if not store.check([f"{name}/{r}"])]
+            if missing:
+                return missing
+    except Exception:  # noqa: BLE001 - the store gone too: torch's own text then
+        pass
+    return []
 
 
 class _GlooGroup:
