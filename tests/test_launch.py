@@ -578,6 +578,33 @@ def test_one_node_takes_a_free_rendezvous_port_and_several_nodes_torchruns(tmp_p
     assert ports[2:] == [launch.MULTI_NODE_PORT, 29611]
 
 
+def test_launcher_options_after_the_script_are_warned_of_in_one_line(tmp_path, monkeypatch, capsys):
+    """`ringtrain launch train.py --nproc-per-node 2` passed --nproc-per-node 2 to the script and ran 1 rank
+    without a word."""
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog, **_: 0)
+    for name in ("RINGTRAIN_SECRET", "OMP_NUM_THREADS"):  # (set by run(): restored after the test)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert cli.main(["launch", str(script), "--nproc-per-node", "2", "--lr", "1", "--master-port=29811"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"ringtrain launch: warning: --nproc-per-node --master-port after {script} went to the script, not to the "
+        "launcher: give the launcher's options before the script"]
+    assert cli.main(["launch", "--nproc-per-node", "2", str(script), "--lr", "1"]) == 0
+    assert capsys.readouterr().err == ""
+    p = argparse.ArgumentParser()
+    launch.configure(p)  # (the list names every option the launcher has)
+    assert sorted(launch.OPTIONS) == sorted(o for a in p._actions for o in a.option_strings if o not in ("-h", "--help"))
+
+
+def test_loopback_with_several_nodes_says_how_to_try_them_on_one_machine(tmp_path):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["launch", "--nnodes", "2", str(tmp_path / "x.py")])
+    assert "(to try several nodes on one machine, give each this machine's own address: `hostname -I`)" in str(
+        info.value.code) and "\n" not in str(info.value.code)
+
+
 def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypatch, capsys):
     """Node 0 serves the rendezvous store and its own agent and ranks reach it at --master-addr: given
     another machine's address it waited out --join-timeout, told to 'start node 0 (--node-rank 0)'."""

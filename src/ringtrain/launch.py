@@ -82,7 +82,18 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--master-port must be in 1..65535, got {args.master_port}")
     if args.nnodes > 1 and (args.master_addr in ("localhost", "::1") or args.master_addr.startswith("127.")):
         raise ValueError(f"--master-addr {args.master_addr} is this machine's loopback: with --nnodes "
-                         f"{args.nnodes} every node must be given node 0's address on the network")
+                         f"{args.nnodes} every node must be given node 0's address on the network (to try "
+                         "several nodes on one machine, give each this machine's own address: `hostname -I`)")
+
+
+#: The launcher's own options (configure's): given after the script, they are the script's arguments.
+OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--secret-file",
+           "--join-timeout")
+
+
+def options_after_the_script(script_args: list[str]) -> list[str]:
+    """The launcher's options among the script's arguments (``--nnodes 2`` or ``--nnodes=2``)."""
+    return [arg.split("=", 1)[0] for arg in script_args if arg.split("=", 1)[0] in OPTIONS]
 
 
 def job_secret(args: argparse.Namespace) -> str:
@@ -145,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.script}: no such file (the training script to start)")
     except ValueError as exc:
         raise SystemExit(f"ringtrain launch: {exc}")
+    if misplaced := options_after_the_script(args.script_args):
+        print(f"ringtrain launch: warning: {' '.join(misplaced)} after {args.script} went to the script, not to the "
+              f"launcher: give the launcher's options before the script", file=sys.stderr)
     os.environ["RINGTRAIN_SECRET"] = secret  # inherited by the workers, never printed
     if args.nproc_per_node > 1:  # torchrun's default then, set here so that its banner saying so is not printed
         os.environ.setdefault("OMP_NUM_THREADS", "1")
