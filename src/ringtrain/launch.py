@@ -447,10 +447,13 @@ class _StoreWatch:
 
     def start(self, store, node: int) -> None:
         """Watch ``store`` (the agent's) from now on, as node ``node`` (its --node-rank); once."""
+        if self._thread is not None:
+            return
         import torch.distributed as dist
 
         store = _unprefixed(store)
-        if self._thread is not None or not isinstance(store, dist.TCPStore):  # (another rendezvous: not watched)
+        if not isinstance(store, dist.TCPStore):  # (another rendezvous: not watched)
+            self._thread = threading.Thread()  # (never started: stop() has nothing to end)
             return
         where = f"{store.host}:{store.port}"
 
@@ -473,7 +476,7 @@ class _StoreWatch:
     def stop(self) -> None:
         """End the thread (at once, unless it is in a call to a store that does not answer)."""
         self._stopped.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(_CHECK_OUT_TIMEOUT)
 
 
