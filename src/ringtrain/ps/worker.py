@@ -62,6 +62,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -82,6 +83,10 @@ from .sharding import make_layout
 
 log = logging.getLogger(__name__)
 
+
+#: Seconds that close(), and the interpreter's exit for a worker never closed, wait for the link
+#: threads to end (all of them together; a shut-down channel ends each at once).
+JOIN_S = 5.0
 
 #: The end of every refusal of step() after this step's pushes went out: what else there is.
 RETRY_NOTE = (" (synchronous servers wait for it up to their timeout, then lose this worker and end the job; or "
@@ -189,6 +194,36 @@ class _Link:
         self.threads: list[threading.Thread] = []
 
 
+def _stop_links(links: list[_Link], *, close: bool = True) -> None:
+    """End the links' threads: a sentinel wakes each sender (what it has not sent yet is dropped),
+    shutting its channel down wakes the receiver (and a sender blocked on a full socket); then
+    wait, up to ``JOIN_S`` in all.
+
+    ``close=False``: the interpreter's exit for a worker never closed (a script that raised; the
+    finalizer made in __init__). The threads are daemons, and one still inside torch when Python
+    finalizes is cut off there, which aborts the process ("terminate called without an active
+    exception", SIGABRT, after the script's own traceback) instead of letting it exit with its
+    status; atexit callbacks, weakref.finalize's among them, run before that. Only reading is shut
+    down: the servers hear of this worker when the process has ended, as before, not while it
+    still finalizes (then another worker, told by a synchronous server, could fail first and a
+    launcher report that failure and stop this process)."""
+    for link in links:
+        try:
+            while True:
+                link.jobs.get_nowait()
+        except queue.Empty:
+            pass
+        link.jobs.put(None)
+        if close:
+            link.ch.close()
+        else:
+            link.ch.shut_reading()
+    deadline = time.monotonic() + JOIN_S
+    for link in links:
+        for t in link.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 class ParameterServerTraining:
     """Train ``module`` against parameter servers; see the module docstring for the loop."""
 
@@ -246,6 +281,8 @@ class ParameterServerTraining:
                                          weight_decay=opts.weight_decay)
         self._step_lr: Optional[float] = None  # the learning rate this step's pushes carry (from its forward)
         self._links = self._connect(servers)
+        # Stops the link threads at exit where close() never came (_stop_links).
+        self._at_exit = weakref.finalize(self, _stop_links, self._links, close=False)
         # (until then a wait may be on a worker still connecting: _deadline)
         self._joining_until = time.monotonic() + self.opts.join_s + 2 * self.opts.timeout
         try:
@@ -704,12 +741,8 @@ class ParameterServerTraining:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for link in self._links:
-            link.jobs.put(None)
-            link.ch.close()
-        for link in self._links:
-            for t in link.threads:
-                t.join(1.0)
+        self._at_exit.detach()
+        _stop_links(self._links)
 
     def __enter__(self) -> "ParameterServerTraining":
         return self

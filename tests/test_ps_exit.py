@@ -1,0 +1,75 @@
+"""A worker's process that ends without close() (its script raised) exits with the script's
+status: its link threads are stopped before Python finalizes.
+
+Before, the daemon sender and receiver threads were still running then, and one inside torch
+(the receiver writing pulled values into a parameter) was cut off there by the interpreter: the
+process aborted after printing the script's traceback ("terminate called without an active
+exception", SIGABRT; under ``ringtrain launch`` "rank 1 failed (killed by SIGABRT)", exit 134).
+The server runs on a thread of this process; each worker is a process of its own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ps_harness import start_server
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
+SECRET = "exit-secret"
+RUNS = 6
+
+# Asynchronous: the server answers the pull with the whole shard in one message, so the receiver
+# writes a thousand partitions already in its socket, each through torch, while the script raises
+# (it waits for the first one only). Before the fix about half of such runs aborted. A finalizer
+# made before the worker runs after the worker's at exit (weakref.finalize: newest first; atexit
+# callbacks: last registered first) and says which link threads are still alive by then: none.
+SCRIPT = textwrap.dedent("""
+    import sys
+    import threading
+    import time
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from ringtrain.ps import ParameterServerTraining
+
+    class Probe:
+        pass
+
+    def report():
+        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("ps-w"))
+        print(f"link threads alive at exit: {alive}", file=sys.stderr, flush=True)
+
+    probe = Probe()
+    weakref.finalize(probe, report)
+    host, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+    model = nn.ParameterList([nn.Parameter(torch.randn(256)) for _ in range(1000)])
+    pst = ParameterServerTraining(model, servers=[(host, port)], worker=0, workers=1, secret=secret,
+                                  strategy="async", lr=0.01, timeout=10.0)
+    sum(p.sum() for p in model).backward()
+    pst.step()
+    while max(pst._arrived) < pst.step_count:  # (until the answer is coming in)
+        time.sleep(0.0005)
+    raise ValueError("the worker gives up")
+""")
+
+
+def test_a_worker_that_raises_without_close_exits_1_not_aborted(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    for run in range(RUNS):
+        server, thread, _ = start_server(SECRET.encode(), strategy="async", timeout=10.0)
+        host, port = server.endpoint
+        done = subprocess.run([sys.executable, str(script), host, str(port), SECRET], capture_output=True, text=True,
+                              timeout=60)
+        thread.join(15)
+        assert not thread.is_alive(), "the server did not finish"
+        err = done.stderr
+        assert "terminate called" not in err and done.returncode == 1, f"run {run}: exit {done.returncode}\n{err[-3000:]}"
+        assert "ValueError: the worker gives up" in err, err[-3000:]
+        assert "link threads alive at exit: []" in err, f"run {run}:\n{err[-3000:]}"
