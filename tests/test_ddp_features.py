@@ -165,11 +165,7 @@ def test_after_an_uneven_join_the_check_names_the_optimizer_state():
         try:
             for epoch in range(2):
                 with ddp.join() if epoch == 0 else contextlib.nullcontext():
-                    for step in range((2 + comm.rank) if epoch == 0 else 8):
-                        x, y = rank_batch("mlp", step, 2, comm.rank)
-                        opt.zero_grad()
-                        nn.functional.mse_loss(ddp(x), y).backward()
-                        opt.step()
+                    _sgd_steps(ddp, opt, comm, (2 + comm.rank) if epoch == 0 else 8)
         except MismatchError as exc:
             return str(exc)
         finally:
@@ -192,13 +188,8 @@ def test_with_a_comm_hook_the_check_runs_only_when_asked():
         ddp = DistributedDataParallel(make_model("mlp"), comm, schedule="single", parameter_check_interval=every,
                                       **FAST)
         ddp.register_comm_hook(ddp.process_group, noop_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         try:
-            for step in range(steps):
-                x, y = rank_batch("mlp", step, 2, comm.rank)
-                opt.zero_grad()
-                nn.functional.mse_loss(ddp(x), y).backward()
-                opt.step()
+            _sgd_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), comm, steps)
         except MismatchError as exc:
             return str(exc)
         finally:
@@ -208,6 +199,15 @@ def test_with_a_comm_hook_the_check_runs_only_when_asked():
     assert raise_first(run_comms(2, lambda comm: body(comm, None, 51), timeout=10.0, thread_timeout=100.0)) == [None] * 2
     for message in raise_first(run_comms(2, lambda comm: body(comm, 4, 8), timeout=10.0, thread_timeout=50.0)):
         assert message is not None and "at iteration 4" in message, message
+
+
+def _sgd_steps(ddp, opt, comm, steps: int) -> None:
+    """``steps`` training steps of ``ddp`` with ``opt`` on this rank's MLP batches."""
+    for step in range(steps):
+        x, y = rank_batch("mlp", step, 2, comm.rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
 
 
 def test_options_compare_by_value_not_by_spelling():
