@@ -80,6 +80,14 @@ def test_a_rank_torchrun_stopped_is_named_after_the_one_that_failed_in_the_same_
     assert [r for r, _ in sorted(later.items(), key=lambda item: launch._failure_order(*item))] == [1, 0]
 
 
+def test_a_rank_stopped_while_raising_exits_1_not_143():
+    """A rank that recorded its exception and was then ended by torchrun's SIGTERM (another rank
+    failed in the same moment) made the command exit 143, which reads as the job's preemption."""
+    assert launch._exit_status(-signal.SIGTERM, recorded=True) == 1
+    assert launch._exit_status(-signal.SIGTERM) == 143 and launch._exit_status(-signal.SIGKILL, recorded=True) == 137
+    assert launch._exit_status(3) == 3 and launch._exit_status(0) == 1
+
+
 def test_a_rank_killed_from_outside_is_named_before_the_ranks_that_lost_it_in_the_same_second():
     """kill -9 of rank 2 (a parameter server) of `ringtrain train`: ranks 0 and 1 recorded PeerLost
     before torchrun stopped them, all in one second; rank 0 was named first and the status was 143."""

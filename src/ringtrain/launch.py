@@ -281,7 +281,7 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
         if failed is not None:
             with contextlib.suppress(Exception):  # (what is left of the run is a hint: never a traceback instead)
                 print(f"{prog}: {failed()}", file=sys.stderr)
-        return _exit_status(failures[0][1].exitcode)
+        return _exit_status(failures[0][1].exitcode, recorded=isinstance(failures[0][1].message, dict))
     except _NodeFailed:  # (its line is printed: this node's ranks have been stopped since)
         return 1
     except (SignalException, KeyboardInterrupt) as exc:  # (KeyboardInterrupt: before torchrun's handler)
@@ -542,8 +542,12 @@ def _failure_order(rank: int, failure) -> tuple:
     return stopped, failure.timestamp, not killed, lost_a_peer, math.inf if fine is None else fine, rank
 
 
-def _exit_status(exitcode: int) -> int:
-    """A failed child's exit code as a shell reports it: 128 + N for signal N, never 0."""
+def _exit_status(exitcode: int, recorded: bool = False) -> int:
+    """A failed child's exit code as a shell reports it: 128 + N for signal N, never 0; 1 for a
+    rank that had recorded an exception (it was raising) when torchrun's SIGTERM, sent once
+    another rank failed, ended it: 143 reads as the job's preemption."""
+    if exitcode == -signal.SIGTERM and recorded:
+        return 1
     if exitcode < 0:
         return 128 - exitcode
     return exitcode or 1
