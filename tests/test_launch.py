@@ -214,6 +214,52 @@ def test_ranks_that_never_arrived_are_named_with_a_hint_across_nodes():
                                      f"0.3s (join_timeout){hint}")
 
 
+def test_the_missing_ranks_are_those_of_the_stage_this_rank_waited_at():
+    """A rank that timed out at the "host" stage, after a late rank wrote its host key: the "member"
+    stage, which this rank never reached, named this rank itself as never arrived."""
+    import torch.distributed as dist
+
+    from ringtrain import session
+
+    store = dist.HashStore()
+    for r in range(3):
+        store.set(f"host/{r}", "h")  # (rank 2's came after rank 0's timeout)
+    store.set("member/1", "p")
+    assert session._missing_ranks(store, 3, 0) == []  # (torch's own text then)
+    store.set("member/0", "p")
+    assert session._missing_ranks(store, 3, 0) == [2]
+
+
+def test_the_shim_runs_a_script_as_python_does(tmp_path):
+    """errorfile.run_script (how ringtrain launch starts a script): runpy put the shim back as
+    __main__ once the script's body ended, so a class pickled at exit was not found; __file__ was
+    the path as typed; a symlinked script did not find the files beside the real one."""
+    import subprocess
+    import sys
+
+    from ringtrain import errorfile
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "beside.py").write_text("VALUE = 7\n")
+    (real / "job.py").write_text(
+        "import atexit, json, os, pickle, sys\n"
+        "import beside\n"
+        "class Point:\n"
+        "    pass\n"
+        "here = os.getcwd()\n"
+        "def at_exit():\n"
+        "    seen = [len(pickle.dumps(Point())) > 0, os.path.isabs(__file__), __name__, beside.VALUE, sys.argv]\n"
+        "    json.dump(seen, open(os.path.join(here, 'seen.json'), 'w'))\n"
+        "atexit.register(at_exit)\n"
+        "os.chdir('/')\n")
+    (tmp_path / "job.py").symlink_to(real / "job.py")
+    proc = subprocess.run([sys.executable, errorfile.__file__, "job.py", "--x", "1"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "seen.json").read_text()) == [True, True, "__main__", 7, ["job.py", "--x", "1"]]
+
+
 def test_error_files_written_by_init_order_ranks_within_a_second():
     same = 1_700_000_000
     first = {"message": "ValueError: bad", "extraInfo": {"timestamp": str(same), "ringtrain_time": f"{same}.25"}}

@@ -15,17 +15,19 @@ second and the lower rank was named first (``launch._failure_order`` reads it).
 
 ``ringtrain launch`` starts the script through this file (``python .../errorfile.py SCRIPT ARGS``,
 :func:`run_script`): the recorder is installed before the script's first line, so an exception
-raised before ``ringtrain.init()`` (a bad argument, a missing file) is named too. The file imports
-the standard library only, so the script starts no later than it did.
+raised before ``ringtrain.init()`` (a missing file, a bad value) is named too; argparse's refusal
+of an argument is a SystemExit(2), not an exception: the launcher says "exit code 2" and the
+script's own usage line says why. The file imports the standard library only, so the script starts
+no later than it did.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import functools
+import importlib.machinery
 import json
 import os
-import runpy
 import sys
 import time
 import traceback
@@ -116,26 +118,30 @@ def recorded_time(message) -> float | None:
 
 
 def run_script(argv: list[str]) -> None:
-    """Run ``argv[0]`` (a script's path) with arguments ``argv[1:]`` as ``python SCRIPT ARGS`` does:
-    as ``__main__``, with that ``sys.argv`` and the script's folder first on ``sys.path``; but with
-    :func:`record_uncaught` installed first. Its uncaught exception is printed without this file's
-    and runpy's frames (as Python would print it), and the exit status is 1, as Python's."""
-    script = argv[0]
+    """Run ``argv[0]`` (a script's path) with arguments ``argv[1:]`` as ``python SCRIPT ARGS`` does,
+    but with :func:`record_uncaught` installed first: as a module ``__main__`` that stays in
+    ``sys.modules`` (what the script's atexit handlers and threads pickle is found there), whose
+    ``__file__`` is the absolute path, with that ``sys.argv`` and the folder of the script's real
+    path (symlinks resolved) first on ``sys.path``. Its uncaught exception is printed without this
+    file's frame, as Python would print it, and the exit status is 1, as Python's."""
+    path = os.path.abspath(argv[0])
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # (this file's folder, ringtrain's, otherwise)
+    sys.path[0] = os.path.dirname(os.path.realpath(path))  # (this file's folder, ringtrain's, otherwise)
+    main = type(sys)("__main__")
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    sys.modules["__main__"] = main
     record_uncaught()
     try:
-        runpy.run_path(script, run_name="__main__")
+        with open(path, "rb") as f:
+            code = compile(f.read(), path, "exec")  # (a SyntaxError is printed as Python prints it)
+        exec(code, main.__dict__)
     except Exception as exc:  # (SystemExit, KeyboardInterrupt: as Python handles them)
         tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in _SHIM_FILES:
+        while tb is not None and tb.tb_frame.f_code is run_script.__code__:
             tb = tb.tb_next
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # (Python prints the exception's own)
         sys.exit(1)
-
-
-#: The files of the frames between Python and the script under :func:`run_script`.
-_SHIM_FILES = (run_script.__code__.co_filename, runpy.run_path.__code__.co_filename)
 
 
 if __name__ == "__main__":

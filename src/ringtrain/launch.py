@@ -332,6 +332,10 @@ _CHECK_OUT_TIMEOUT = 2.0
 _FAILED_KEY = "ringtrain/launch/failed"
 
 
+#: Set in node 0's store once node 0's own ranks succeeded: its store closing later (torchrun's exit
+#: barrier timed out while this node's ranks ran on) is then no failure of this job.
+_DONE_KEY = "ringtrain/launch/node0-done"
+
 #: Seconds between two looks of a node's launcher at node 0's store for another node's failure.
 _WATCH_PERIOD = 0.5
 
@@ -380,16 +384,26 @@ def _nodes_end_together(prog: str):
 
         def monitor_and_watch(group):
             result = monitor(group)
-            if result.state == api.WorkerState.HEALTHY and (group.group_world_size or 1) > 1:
+            several = (group.group_world_size or 1) > 1
+            if result.state == api.WorkerState.HEALTHY and several:
                 watch.start(self._store, group.group_rank)
                 if watch.failure is not None:
                     print(f"{prog}: {watch.failure}; stopping this node's ranks", file=sys.stderr, flush=True)
                     raise _NodeFailed(watch.failure)  # (torchrun's run() then stops the ranks)
+            elif result.state == api.WorkerState.SUCCEEDED and several and group.group_rank == 0:
+                # (before torchrun's exit barrier, after which node 0's store may close under a node still running)
+                _bounded(lambda: _unprefixed(self._store).set(_DONE_KEY, ""))
             return result
 
         self._monitor_workers = monitor_and_watch  # (torchrun's loop calls it every --monitor-interval)
         try:
             result = original(self, role)
+        except _NodeFailed:  # (stopped for another node's failure: checks in at the exit barrier too, below)
+            group = self._worker_group
+            if self._store is not None:
+                _bounded(lambda: store_util._barrier_nonblocking(self._store, group.group_world_size,
+                                                                 api._TERMINAL_STATE_SYNC_ID))
+            raise
         finally:
             del self._monitor_workers
             watch.stop()
@@ -409,11 +423,7 @@ def _nodes_end_together(prog: str):
                 with contextlib.suppress(Exception):  # (node 0 gone: the others see its store closed, as before)
                     store_util._barrier_nonblocking(self._store, group.group_world_size, api._TERMINAL_STATE_SYNC_ID)
 
-            # In a thread of its own: a store cut off from this node never answers (the store's
-            # timeout does not bound an add), and this node is not to wait for it.
-            checking_out = threading.Thread(target=check_out, name="ringtrain-check-out", daemon=True)
-            checking_out.start()
-            checking_out.join(_CHECK_OUT_TIMEOUT)
+            _bounded(check_out)
         return result
 
     api.SimpleElasticAgent._invoke_run = invoke_run
@@ -421,6 +431,20 @@ def _nodes_end_together(prog: str):
         yield
     finally:
         api.SimpleElasticAgent._invoke_run = original
+
+
+def _bounded(call: Callable[[], object]) -> None:
+    """``call()`` (a call to node 0's store) in a thread of its own, waited for at most
+    ``_CHECK_OUT_TIMEOUT``: a store cut off from this node never answers (the store's timeout does
+    not bound an add), and this node is not to wait for it. Its errors are dropped: node 0 gone,
+    the other nodes see its store closed."""
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    thread = threading.Thread(target=run, name="ringtrain-check-out", daemon=True)
+    thread.start()
+    thread.join(_CHECK_OUT_TIMEOUT)
 
 
 def _unprefixed(store):
@@ -458,17 +482,27 @@ class _StoreWatch:
         where = f"{store.host}:{store.port}"
 
         def watch() -> None:
-            try:
-                client = dist.TCPStore(store.host, store.port, None, False, timeout=timedelta(seconds=30),
-                                       wait_for_workers=False)
-                while not client.check([_FAILED_KEY]):
-                    if self._stopped.wait(_WATCH_PERIOD):
+            client, misses, node_0_done = None, 0, False
+            while not self._stopped.is_set():
+                try:  # (each call within a second: stop() joins for _CHECK_OUT_TIMEOUT)
+                    if client is None:
+                        client = dist.TCPStore(store.host, store.port, None, False, timeout=timedelta(seconds=1),
+                                               wait_for_workers=False)
+                    if client.check([_FAILED_KEY]):
+                        line = client.get(_FAILED_KEY).decode(errors="replace")
+                        client.set(_read_key(node), "")  # (node 0, if it failed, waits for this before it ends)
+                        self.failure = line
                         return
-                line = client.get(_FAILED_KEY).decode(errors="replace")
-                client.set(_read_key(node), "")  # (node 0, if it failed, waits for this before it ends)
-                self.failure = line
-            except Exception:  # noqa: BLE001 - the store closed: node 0's launcher ended
-                self.failure = f"node 0's launcher ended (its rendezvous store at {where} closed) while this node's ranks ran"
+                    node_0_done = node_0_done or client.check([_DONE_KEY])
+                    misses = 0
+                except Exception:  # noqa: BLE001 - twice in a row: the store closed, node 0's launcher ended
+                    client, misses = None, misses + 1
+                    if misses >= 2:
+                        if not node_0_done:  # (node 0's ranks succeeded: it left after torchrun's exit barrier)
+                            self.failure = (f"node 0's launcher ended (its rendezvous store at {where} closed) "
+                                            "while this node's ranks ran")
+                        return
+                self._stopped.wait(_WATCH_PERIOD)
 
         self._thread = threading.Thread(target=watch, name="ringtrain-store-watch", daemon=True)
         self._thread.start()

@@ -116,7 +116,7 @@ def communicator_on_store(store, info: rendezvous.JobInfo, transport: str, timeo
         raise
     except RuntimeError as exc:  # torch's store wait ran out: some rank never arrived
         where = f"{info.master_addr}:{info.master_port} within {join_timeout:g}s (join_timeout)"
-        missing = _missing_ranks(store, info.world_size)
+        missing = _missing_ranks(store, info.world_size, info.rank)
         if not missing:  # (not known: torch's text, which names the key it waited for)
             raise CommTimeout(f"rank {info.rank}: not every one of the {info.world_size} ranks reached the "
                               f"rendezvous at {where}: {exc}") from exc
@@ -152,11 +152,15 @@ def communicator_on_store(store, info: rendezvous.JobInfo, transport: str, timeo
     return Communicator(t, timeout=timeout, host_ids=host_ids, store=store, native_group_factory=native_group)
 
 
-def _missing_ranks(store, world_size: int) -> list[int]:
+def _missing_ranks(store, world_size: int, me: int) -> list[int]:
     """The ranks whose keys of the rendezvous (``communicator_on_store``'s, in the order written)
-    are not all in ``store``; [] where all are, or the store does not answer."""
+    are not all in ``store``, at the stages rank ``me`` had written its own (the stage it waited
+    at, not a later one that a rank arriving after the timeout has made look complete); [] where
+    all are, or the store does not answer."""
     try:
         for name in ("host", "member", "setup"):
+            if not store.check([f"{name}/{me}"]):
+                break
             missing = [r for r in range(world_size) if not store.check([f"{name}/{r}"])]
             if missing:
                 return missing
