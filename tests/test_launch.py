@@ -384,6 +384,31 @@ def test_a_node_whose_ranks_finished_is_not_a_traceback_when_node_0_failed(tmp_p
         kill_nodes(procs)
 
 
+@pytest.mark.multiprocess
+def test_with_three_nodes_a_node_stopped_for_another_checks_in_at_the_exit_barrier(tmp_path):
+    """Node 0's ranks finish and its launcher waits at torchrun's exit barrier; node 1's rank fails;
+    node 2's, still running, is stopped for it. Node 2 left without checking in at that barrier, so
+    node 0 waited its 300 s there (and logged an error)."""
+    script = after_a_barrier(tmp_path, "three.py",
+                             "node = os.environ['GROUP_RANK']\n"
+                             "if node == '1':\n"
+                             "    time.sleep(3)\n"
+                             "    sys.exit(3)\n"
+                             "if node == '2':\n"
+                             "    time.sleep(120)\n")
+    procs = start_nodes(tmp_path, script, nnodes=3)
+    try:
+        _, err1 = procs[1].communicate(timeout=90)
+        assert procs[1].returncode == 3, err1
+        _, err2 = procs[2].communicate(timeout=30)
+        assert procs[2].returncode == 1 and "node 1 failed: rank 1 failed (exit code 3)" in err2, err2
+        _, err0 = procs[0].communicate(timeout=30)  # (torchrun's exit barrier would hold it 300 s)
+        assert procs[0].returncode == 0, err0
+        assert "exit barrier" not in err0, err0
+    finally:
+        kill_nodes(procs)
+
+
 def failure_line(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.endswith("; stopping this node's ranks")]
 
