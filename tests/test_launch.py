@@ -230,6 +230,21 @@ def test_the_missing_ranks_are_those_of_the_stage_this_rank_waited_at():
     assert session._missing_ranks(store, 3, 0) == [2]
 
 
+def test_nodes_with_different_numbers_of_ranks_are_said_once_on_rank_0(caplog):
+    """Two launch commands given --nproc-per-node 2 and 1 formed one job of 3 ranks without a word."""
+    from ringtrain import rendezvous, session
+
+    uneven = ["a/0", "a/0", "b/1"]
+    with caplog.at_level("WARNING", logger="ringtrain"):
+        session.warn_if_uneven_nodes(rendezvous.JobInfo(1, 3, "10.0.0.1", 29811, "a/0", b"s", 2), uneven)
+        session.warn_if_uneven_nodes(rendezvous.JobInfo(0, 4, "10.0.0.1", 29811, "a/0", b"s", 2), uneven + ["b/1"])
+        assert not caplog.records  # (rank 1 says nothing; even nodes are fine)
+        session.warn_if_uneven_nodes(rendezvous.JobInfo(0, 3, "10.0.0.1", 29811, "a/0", b"s", 2), uneven)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the nodes run different numbers of ranks (2 on a/0, 1 on b/1; 3 in all): is --nproc-per-node the same in "
+        "every node's launch command?"]
+
+
 def test_the_shim_runs_a_script_as_python_does(tmp_path):
     """errorfile.run_script (how ringtrain launch starts a script): runpy put the shim back as
     __main__ once the script's body ended, so a class pickled at exit was not found; __file__ was

@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+from collections import Counter
 from datetime import timedelta
 from functools import partial
 from typing import Optional
@@ -79,6 +80,19 @@ def warn_if_unauthenticated(info: rendezvous.JobInfo) -> None:
                     info.world_size, info.master_addr, info.master_port)
 
 
+def warn_if_uneven_nodes(info: rendezvous.JobInfo, host_ids: list[str]) -> None:
+    """On rank 0, one warning where the nodes run different numbers of ranks: torchrun forms one
+    job of them all, so two launch commands given different --nproc-per-node train on, in a job
+    of another size than either command says (a mistake more often than a wish)."""
+    if info.rank != 0:
+        return
+    counts = Counter(host_ids)
+    if len(set(counts.values())) > 1:
+        per_node = ", ".join(f"{n} on {host}" for host, n in counts.items())
+        log.warning("the nodes run different numbers of ranks (%s; %d in all): is --nproc-per-node the same in every "
+                    "node's launch command?", per_node, info.world_size)
+
+
 def create_communicator(
     rank: Optional[int],
     world_size: Optional[int],
@@ -107,6 +121,7 @@ def communicator_on_store(store, info: rendezvous.JobInfo, transport: str, timeo
     this communicator): ``create_communicator``'s, or the one torch hands a process-group backend."""
     try:
         host_ids = rendezvous.exchange_host_ids(store, info)
+        warn_if_uneven_nodes(info, host_ids)
         if info.rank == 0:  # a random job identity, published through this communicator's keys
             store.set("job", secrets.token_hex(8))
         job = store.get("job").decode()
