@@ -124,3 +124,68 @@ def test_ctrl_c_on_bench_allreduce_keeps_the_sizes_it_finished(tmp_path):
     assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi", "Horovod anchor skipped: --no-horovod",
                             "interrupted (Ctrl-C) before the run ended: the rows finished by then, for world size 2 "
                             "at 4K (1 of 2 sizes)"]
+
+
+# --- signals around the clean-up and the save (a helper's review: Ctrl-C under `timeout`) ------------
+
+
+def test_a_signal_during_a_networks_clean_up_does_not_cut_it_short(monkeypatch):
+    """`timeout` passes the terminal's Ctrl-C on: the benchmark got two or three SIGINTs, and one
+    that came before close() masked them raised inside it, leaving the namespaces in 5 runs of 6."""
+    from ringtrain.bench import netem
+
+    calls = []
+    monkeypatch.setattr(netem, "_PREVIOUS_HANDLERS", {signal.SIGINT: lambda *a: calls.append(a)})
+    monkeypatch.setattr(netem, "_OPEN_NETWORKS", [])
+    monkeypatch.setattr(netem, "_CLOSING", [object()])  # a close() running
+    netem._on_signal(signal.SIGINT, None)
+    assert calls == []  # (the signal that began the clean-up acts once it is done)
+    monkeypatch.setattr(netem, "_CLOSING", [])
+    netem._on_signal(signal.SIGINT, None)
+    assert calls == [(signal.SIGINT, None)]
+
+
+def test_signals_held_while_results_are_saved():
+    from ringtrain.bench.procs import signals_held
+
+    before = signal.getsignal(signal.SIGINT)
+    with signals_held() as came:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # (delivered to the main thread at its next bytecodes)
+    assert came == [signal.SIGINT, signal.SIGTERM]
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_two_runs_in_one_second_keep_both_results_whole(tmp_path):
+    from ringtrain.bench.machine import save_result
+
+    first = save_result("x", {"rows": [1]}, tmp_path, stamp="20261207T010326Z")
+    second = save_result("x", {"rows": [2]}, tmp_path, stamp="20261207T010326Z")
+    assert first != second and json.loads(first.read_text())["rows"] == [1]
+    assert json.loads(second.read_text())["rows"] == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])  # (no temporary left)
+
+
+def test_an_out_folder_root_cannot_write_is_refused_before_the_run():
+    from ringtrain.bench.machine import check_writable_dir
+
+    if os.geteuid() != 0 or not os.path.isdir("/sys/kernel"):
+        pytest.skip("needs root and /sys (os.access says yes to root there)")
+    with pytest.raises(ValueError, match="--out /sys/kernel: not writable"):
+        check_writable_dir(Path("/sys/kernel"), "--out")
+
+
+def test_a_ctrl_c_before_the_benchmarks_own_handling_is_one_line(monkeypatch, capsys):
+    from ringtrain import cli
+    from ringtrain.bench import allreduce
+
+    def stopped(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(allreduce, "run", stopped)
+    assert cli.main(["bench", "allreduce", "--quick"]) == 130
+    assert capsys.readouterr().err.strip() == "ringtrain bench allreduce: interrupted"
+    from ringtrain.bench.procs import as_interrupt
+
+    assert signal.getsignal(signal.SIGTERM) is not as_interrupt  # (restored after the command)

@@ -57,15 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     module.configure(full)
     args = full.parse_args(argv[len(words):])
     from .bench.netem import NetemUnavailable
-    from .bench.procs import RankFailed
+    from .bench.procs import RankFailed, as_interrupt
 
+    # SIGTERM, SIGHUP (`timeout` ran out, say): a benchmark keeps the rows it finished, as on Ctrl-C.
+    stops = (signal.SIGTERM, signal.SIGHUP) if known.command == "bench" else ()
+    before = {sig: signal.signal(sig, as_interrupt) for sig in stops}
     try:
         return int(module.run(args) or 0)
+    except KeyboardInterrupt:  # (one that came before the command's own handling began: no traceback)
+        print(f"{full.prog}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except NetemUnavailable as exc:  # not a bug: say why in one line (e.g. --net without root)
         raise SystemExit(f"{full.prog}: {exc}") from None
     except RankFailed as exc:  # a benchmark's rank failed or ran out of time: its own log tail, not ours
         print(f"{full.prog}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

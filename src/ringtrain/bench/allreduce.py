@@ -34,7 +34,7 @@ import numpy as np
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import plural
-from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, progress, run_ranks
+from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, progress, run_ranks, signals_held
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
@@ -89,7 +89,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", default=None,
                    help=f"ringtrain algorithms to time (default {DEFAULT_ALGORITHMS}; ring,auto with --quick)")
     p.add_argument("--transports", default="shm,tcp",
-                   help="ringtrain transports to time: shm, tcp, torch (default %(default)s; under --net shm cannot "
+                   help="ringtrain transports to time: shm, tcp, torch, auto (default %(default)s; under --net shm cannot "
                         "cross the hosts, tcp is timed instead)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration, median reported "
                    f"(default {DEFAULT_REPEATS}; {QUICK_REPEATS} with --quick)")
@@ -136,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     horovod, note = anchor_python(args.no_horovod, args.horovod_python)
     if note:
         notes.append(note)
+        if args.horovod_python:  # (asked for by name: said now, while the run can still be stopped, and in the notes)
+            print(f"ringtrain bench allreduce: {note}", file=sys.stderr)
     cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
     rows: list[dict] = []
     stopped, failure = None, None  # why the run ended before its last world size, if it did
@@ -152,19 +154,22 @@ def run(args: argparse.Namespace) -> int:
         if failure is not None:
             raise failure  # the one-line error the command line makes of it
         return interrupted("ringtrain bench allreduce")
-    notes += above_line_rate(rows, args.net)
-    if stopped:
-        notes.append(f"{stopped} before the run ended: the rows finished by then, for {finished(rows, sizes)}")
     from .machine import print_result, result_document, save_result
 
-    # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
-    doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net, "rows": rows,
-                                                    "notes": notes})
-    kept = "the rows finished so far printed"
-    if args.out:
-        doc["saved_to"] = str(save_result(doc["benchmark"], doc, args.out))
-        kept = f"the rows finished so far saved to {doc['saved_to']}"
+    with signals_held() as came:  # (a Ctrl-C now waits until the rows are saved)
+        notes += above_line_rate(rows, args.net)
+        if stopped:
+            notes.append(f"{stopped} before the run ended: the rows finished by then, for {finished(rows, sizes)}")
+        # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
+        doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net, "rows": rows,
+                                                        "notes": notes})
+        kept = "the rows finished so far printed"
+        if args.out:
+            doc["saved_to"] = str(save_result(doc["benchmark"], doc, args.out))
+            kept = f"the rows finished so far saved to {doc['saved_to']}"
     print_result(doc, format_table(rows), args.json)
+    if came and not stopped:
+        return interrupted("ringtrain bench allreduce", f"after the run; {kept}")
     if failure is not None:
         print(f"ringtrain bench allreduce: {failure}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -85,11 +86,15 @@ def describe_machine() -> dict:
 
 
 def git_commit() -> str | None:
+    """The short commit the code runs from, ``-dirty`` added where tracked files differ from it."""
+    where = Path(__file__).resolve().parent
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip() or None
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=where).stdout.strip() or None
+        if commit is not None and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                                 capture_output=True, text=True, timeout=5, cwd=where).stdout.strip():
+            commit += "-dirty"
+        return commit
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -114,8 +119,11 @@ def check_writable_dir(directory: Path, what: str) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"{what} {directory}: cannot make it ({exc.strerror or exc})") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {directory}: not writable")
+    try:  # (a file made and removed: os.access says yes to root where writes fail, /sys say)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what} {directory}: not writable ({exc.strerror or exc})") from None
     return directory
 
 
@@ -154,5 +162,9 @@ def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks", stamp:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{kind}-{stamp or run_stamp()}.json"
-    path.write_text(json.dumps(full, indent=1) + "\n")
+    if path.exists():  # (another run started in the same second: both kept)
+        path = path.with_name(f"{path.stem}-{os.getpid()}.json")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(full, indent=1) + "\n")  # (then renamed: never a half-written result)
+    os.replace(tmp, path)
     return path

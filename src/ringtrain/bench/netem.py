@@ -131,6 +131,8 @@ _CLEANUP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Networks open in this process; one process-wide handler cleans them all up on a signal. It is
 #: installed when the first opens and the handlers it replaced come back when the last closes.
 _OPEN_NETWORKS: list[EmulatedNetwork] = []
+#: The networks whose close() is running (a signal then waits: _on_signal).
+_CLOSING: list = []
 _PREVIOUS_HANDLERS: dict[int, object] = {}
 
 
@@ -525,6 +527,7 @@ class EmulatedNetwork:
         masked = threading.current_thread() is threading.main_thread()
         if masked:  # a second Ctrl-C must not cut the clean-up short; it is delivered afterwards
             old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS)
+        _CLOSING.append(self)  # (one that came before the mask: _on_signal lets it pass, below)
         try:
             self._open = False
             self._stop(self._processes)
@@ -544,6 +547,7 @@ class EmulatedNetwork:
             atexit.unregister(self.close)
             self._restore_signal_handlers()
         finally:
+            _CLOSING.remove(self)
             if masked:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
@@ -657,7 +661,13 @@ class EmulatedNetwork:
 
 
 def _on_signal(signum: int, frame) -> None:
-    """Clean up every open network, then do what the signal did before: raise KeyboardInterrupt, die, or chain on."""
+    """Clean up every open network, then do what the signal did before: raise KeyboardInterrupt, die, or chain on.
+
+    Not while a clean-up runs: a second signal that came before close() masked them (``timeout``
+    passes the terminal's Ctrl-C on, so the process gets two or three) raised inside it and cut
+    it short, leaving the namespaces; the signal that started the clean-up acts once it is done."""
+    if _CLOSING:
+        return
     previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)
     if previous == signal.SIG_IGN:
         return

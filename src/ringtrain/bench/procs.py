@@ -11,13 +11,16 @@ and the error names the rank and shows the tail of its output.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Callable, Mapping, Optional, Sequence
@@ -165,6 +168,30 @@ def emit(doc: dict) -> None:
 def progress(text: str) -> None:
     """Tell the user, from rank 0, how far the run is (one short line on the parent's stderr)."""
     print(PROGRESS_PREFIX + text, flush=True)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Until the block ends, Ctrl-C (and SIGTERM, SIGHUP) is noted instead of acted on, so that a
+    run's results are saved whole: a Ctrl-C just after the ranks ended lost every row (and the
+    file could be left half-written). Yields the list of the signals that came; on the main thread
+    only (elsewhere the block runs as it is)."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
+    try:
+        yield came
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def as_interrupt(signum: int, frame) -> None:
+    """A SIGTERM or SIGHUP handler: stop as Ctrl-C does (a benchmark keeps the rows it finished)."""
+    raise KeyboardInterrupt
 
 
 def interrupted(prog: str, kept: str = "nothing saved") -> int:

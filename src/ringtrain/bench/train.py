@@ -56,7 +56,7 @@ from ..train import COMPRESSION, check_batch_fits, use_power_sgd
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import check_out_dir, check_ranks, plural, run_stamp
-from .procs import RankFailed, emit, emulated, interrupted, progress, run_ranks
+from .procs import RankFailed, emit, emulated, interrupted, progress, run_ranks, signals_held
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
@@ -158,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     horovod, note = anchor_python(args.no_horovod, args.horovod_python)
     if note:
         notes.append(note)
+        if args.horovod_python:  # (asked for by name: said now, while the run can still be stopped, and in the notes)
+            print(f"ringtrain bench train: {note}", file=sys.stderr)
     if cfg["compression"] == "powersgd" and cfg["torch_ddp"]:
         notes.append(POWER_SGD_NOTE)
     if cfg["transport"] != args.transport:
@@ -177,27 +179,32 @@ def run(args: argparse.Namespace) -> int:
         if timelines is not None:
             with contextlib.suppress(OSError):
                 timelines.rmdir()  # only when empty: the wrappers make it before any timeline is written
-    rows += [_ps_row(docs, args) for docs in ps_runs.values()]
-    _predict_ps(rows)
-    if stopped and not rows:
-        if failure is not None:
-            raise failure
-        kept = "nothing saved"
-        if timelines is not None and any(timelines.glob(f"{cfg['timeline_stem']}-*")):
-            kept += f" but the timelines in {timelines}"
-        return interrupted("ringtrain bench train", kept)
-    if stopped:
-        notes.append(f"{stopped} before the run ended: the rows finished by then, of "
-                     f"{', '.join(dict.fromkeys(r['model'] for r in rows))}")
     from .machine import print_result, result_document, save_result
 
-    # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
-    doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows, "notes": notes})
-    kept = "the rows finished so far printed"
+    with signals_held() as came:  # (a Ctrl-C now waits until the rows are saved)
+        rows += [_ps_row(docs, args) for docs in ps_runs.values()]
+        _predict_ps(rows)
+        if stopped and not rows:
+            if failure is not None:
+                raise failure
+            kept = "nothing saved"
+            if timelines is not None and any(timelines.glob(f"{cfg['timeline_stem']}-*")):
+                kept += f" but the timelines in {timelines}"
+            return interrupted("ringtrain bench train", kept)
+        if stopped:
+            notes.append(f"{stopped} before the run ended: the rows finished by then, of "
+                         f"{', '.join(dict.fromkeys(r['model'] for r in rows))}")
+        # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
+        doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows, "notes": notes})
+        kept = "the rows finished so far printed"
+        if out_dir:
+            path = save_result(kind, doc, out_dir, stamp=stamp)
+            doc["saved_to"] = str(path)
+            kept = f"the rows finished so far saved to {path}"
+    if came and not stopped:
+        print_result(doc, format_table(rows), args.json)
+        return interrupted("ringtrain bench train", f"after the run; {kept}")
     if out_dir:
-        path = save_result(kind, doc, out_dir, stamp=stamp)
-        doc["saved_to"] = str(path)
-        kept = f"the rows finished so far saved to {path}"
         try:
             doc["charts"] = _charts(rows, path.with_suffix(""))
         except KeyboardInterrupt:
