@@ -120,6 +120,9 @@ PS_ONLY = ["bench", "train", "--models", "mlp", "--strategies", "ps-sync", "--wo
     # (each was found by a new user's walkthrough: a traceback from the ranks, or ignored without a word)
     (TRAIN + ["--batch-size", "100000"], "--batch-size 100000 x --world-size 2 = 200000 samples per step, but the "
                                          "vectors data set of mlp holds 50000: use --batch-size <= 25000"),
+    (TRAIN[:TRAIN.index("--world-size") + 1] + ["60000"] + TRAIN[TRAIN.index("--world-size") + 2:],
+     "--batch-size 32 x --world-size 60000 = 1920000 samples per step, but the vectors data set of mlp holds 50000: "
+     "not one sample for each of the 60000 ranks: give --world-size <= 50000"),  # (it said "--batch-size <= 0")
     (PS_ONLY + ["--schedules", "single", "--compression", "fp16"], "--schedules, --compression are for the ring's "
                                                                      "job, and --strategies ps-sync runs none"),
     (PS_ONLY + ["--no-torch-ddp"], "--no-torch-ddp is for the ring's job"),

@@ -421,9 +421,10 @@ def check_batch_fits(model: str, batch_size: int, workers: int, seed: int = 0, w
     batch = batch_size or spec.batch_size
     num_samples = len(data.dataset(spec.dataset, seed=seed, **spec.batch_kwargs))
     if workers * batch > num_samples:
+        fix = (f"use --batch-size <= {num_samples // workers}" if workers <= num_samples else
+               f"not one sample for each of the {workers} ranks: give {workers_flag} <= {num_samples}")
         raise ValueError(f"--batch-size {batch} x {workers_flag} {workers} = {workers * batch} samples per step, but "
-                         f"the {spec.dataset} data set of {spec.name} holds {num_samples}: use --batch-size <= "
-                         f"{num_samples // workers}")
+                         f"the {spec.dataset} data set of {spec.name} holds {num_samples}: {fix}")
 
 
 def _one_worker_rate(model, loss_fn, batch, make_optimizer, steps: int = 5) -> float:
