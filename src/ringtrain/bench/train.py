@@ -72,8 +72,6 @@ PS_WARMUP_STEPS = 2
 NETS = ("none", "1gbit", "10gbit")
 #: The rows of the optimal schedule with ``--compression``, and every ringtrain wrapper's.
 COMPRESSED = "ringtrain-compressed"
-#: ``--compression``: ``ringtrain train``'s (a precision on the wire, or torch's PowerSGD hook).
-BENCH_COMPRESSION = COMPRESSION
 #: Why torch's DDP with powerSGD_hook has no row (its reducer calls the hook of a bucket while
 #: the hooks of the buckets before it still send from their futures' callbacks).
 POWER_SGD_NOTE = ("torch's DDP with powerSGD_hook is not timed: its hook sends from its futures' callbacks while "
@@ -108,7 +106,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="the interpreter that runs the Horovod anchor, one that imports horovod.torch (default: "
                         "this one; scripts/horovod/install.sh builds Horovod into .venv-horovod/): a launch of its "
                         "own after the ring job, Horovod and torch DDP taking turns")
-    p.add_argument("--compression", default="none", choices=BENCH_COMPRESSION, help="also time the optimal "
+    p.add_argument("--compression", default="none", choices=COMPRESSION, help="also time the optimal "
                    "schedule with gradients in this half precision on the wire, and torch's DDP with the "
                    "matching compression hook; powersgd: the optimal schedule with torch's powerSGD_hook, "
                    "rank 1 (default %(default)s)")
