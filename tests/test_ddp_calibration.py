@@ -282,12 +282,14 @@ def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
         assert planned_with == Interference() and groups > 1
     else:
         assert planned_with == given and groups == 1
-    # The trial's record: both candidates as timed (the slowest rank's medians, so equal on
-    # every rank), the kept one the fastest, and its group count the plan's after the trial.
-    assert [c["label"] for c in trial] == ["plan", "free"] and trial[0]["groups"] == 1 < trial[1]["groups"]
+    # The trial's record: the candidates as timed (the slowest rank's medians, so equal on every
+    # rank; WFBP's 12 groups too), the kept one the fastest, and its group count the plan's after
+    # the trial.
+    assert [c["label"] for c in trial] == ["plan", "free", "wfbp"], trial
+    assert trial[0]["groups"] == 1 < trial[1]["groups"] < trial[2]["groups"] == 12, trial
     kept, = [c for c in trial if c["kept"]]
     assert kept["median_s"] == min(c["median_s"] for c in trial) > 0
-    assert ("free" if planned_with == Interference() else "plan") == kept["label"]
+    assert kept["label"] == "wfbp" or ("free" if planned_with == Interference() else "plan") == kept["label"]
 
 
 @pytest.mark.timeout(60)
@@ -315,10 +317,11 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
         model.register_forward_pre_hook(lambda *_: time.sleep(0.2))
-        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=3,
+        # (medians of 5: with three candidates, of 3 put two of them 3% apart once in a full run)
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=5,
                                       interference=Interference(0.05, 0.0))
-        # warm-up, profile, single, then two candidates for up to three rounds
-        train_until_settled(ddp, torch.randn(8, 64), 30)
+        # warm-up, profile, single, then three candidates for up to three rounds
+        train_until_settled(ddp, torch.randn(8, 64), 60)
         out = ddp.settled, ddp.trial
         ddp.close()
         return out
@@ -326,9 +329,9 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
     results = raise_first(run_comms(2, body))
     assert results[0] == results[1], results
     settled, trial = results[0]
-    assert settled and [c["label"] for c in trial] == ["plan", "free"]
+    assert settled and [c["label"] for c in trial] == ["plan", "free", "wfbp"]
     if slow_buckets:
-        assert [c["rounds"] for c in trial] == [1, 1] and trial[0]["kept"], trial
+        assert [c["rounds"] for c in trial] == [1, 1, 1] and trial[0]["kept"], trial
     else:
         assert all(c["rounds"] == VERIFY_ROUNDS for c in trial), trial
 
@@ -548,3 +551,44 @@ def test_mgwfbps_merge_is_a_candidate_and_kept_when_fastest_and_replans_keep_its
     assert messages and "keeping the MG-WFBP merge" in messages[0], messages
     replans = [r.getMessage() for r in caplog.records if "plan (" in r.getMessage()]
     assert len(replans) >= 2 and "plan (mgwfbp" in replans[-1], replans
+
+
+def test_wfbp_is_a_candidate_and_kept_when_fastest_and_replans_keep_its_rule(monkeypatch, caplog):
+    """One allreduce per layer beside the trial's other candidates (whose start-up cost, 1 ms
+    here, makes them merge); every other layout made slow: the trial keeps WFBP on every rank,
+    and re-plans after a drift plan by WFBP's rule again."""
+    from ringtrain.ddp import wrapper
+
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    per_layer = [(i, i) for i in range(8)]  # 4 layers, weight and bias each
+    real_mark = wrapper.DistributedDataParallel._mark_ready
+
+    def mark_ready(self, bucket):
+        if self._planning.trial is not None and self.plan.groups != per_layer:
+            time.sleep(0.01)  # per ready bucket of any other plan, in the trial (not in the profile)
+        return real_mark(self, bucket)
+
+    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-3, beta=1e-9, verify_iterations=2,
+                                      replan_interval=1, drift_threshold=1e-9)
+        x = torch.randn(8, 64)
+        train_until_settled(ddp, x, 80)
+        for _ in range(3):  # re-plans (any drift re-plans)
+            ddp(x).sum().backward()
+        out = ddp.settled, ddp.kept, ddp.plan.method, ddp.plan.groups, ddp.trial
+        ddp.close()
+        return out
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1], results
+    settled, kept, method, groups, trial = results[0]
+    assert settled and "wfbp" in [c["label"] for c in trial], trial
+    assert kept == "wfbp" and method == "wfbp" and groups == per_layer, (kept, method, groups, trial)
+    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
+    assert messages and "keeping one allreduce per layer (WFBP)" in messages[0], messages
+    replans = [r.getMessage() for r in caplog.records if "plan (" in r.getMessage()]
+    assert len(replans) >= 2 and "plan (wfbp" in replans[-1], replans

@@ -42,9 +42,9 @@ class FakeWrapper:
         self.agreements.append((label, op))
         self.agreed(label, values)
 
-    def trial(self, times, probe=True, iterations=3, interference=planner.NO_INTERFERENCE):
+    def trial(self, times, probe=True, iterations=3, interference=planner.NO_INTERFERENCE, **options):
         return PlanTrial(np.asarray(times, dtype=np.float64), self.sizes, COST, interference, iterations, probe,
-                         install=self.install, use=self.use, agree=self.agree, log=self.logged.append)
+                         install=self.install, use=self.use, agree=self.agree, log=self.logged.append, **options)
 
 
 def run_trial(trial: PlanTrial, fake: FakeWrapper, forward_backward: dict, limit: int = 200) -> int:
@@ -135,7 +135,7 @@ def test_it_decides_on_the_medians_the_ranks_agreed_not_its_own():
 
     fake = FakeWrapper(sizes, agreed)
     trial = fake.trial(times)
-    run_trial(trial, fake, {"plan": 0.05, "free": 0.1, "mgwfbp": 0.1, "single": 0.1, "buckets": 0.1})
+    run_trial(trial, fake, {label: 0.1 for label in CANDIDATES} | {"plan": 0.05})
     assert trial.kept != "plan"
     assert ("verify plan", "max") in fake.agreements
 
@@ -177,3 +177,23 @@ def test_one_candidate_left_ends_the_trial_at_once():
     iterations = run_trial(trial, fake, {})
     assert trial.kept == "plan" and trial.record == [] and iterations == 3
     assert "alike; keeping it" in fake.logged[-1]
+
+
+def test_every_other_schedule_is_a_candidate_and_wins_where_it_is_fastest():
+    """WFBP and buckets of bucket_cap_mb are timed too (every schedule bench train compares), so
+    the plan kept is never slower than another schedule beyond the trial's noise."""
+    times, sizes = many_layers()  # 30 layers of 0.4 MB: WFBP's 30 groups, 2 MiB buckets' 5
+    fake = FakeWrapper(sizes)
+    trial = fake.trial(times, probe=False, interference=planner.Interference(1e-3, 0.0), bucket_cap_mb=2.0)
+    trial.start()
+    while trial.phases[trial.k] != "verify":  # the single allreduce's phase
+        trial.step((0.06, 0.1, 0.07))
+    by_label = {c["label"]: c["plan"].groups for c in trial.candidates}
+    assert by_label["wfbp"] == [(i, i) for i in range(30)], by_label
+    assert by_label["fixed"] == planner.merge(times, sizes, cost=COST, method="fixed", bucket_cap_mb=2.0).groups
+    assert len(by_label["fixed"]) == 5, by_label
+    for winner in ("wfbp", "fixed"):
+        fake = FakeWrapper(sizes)
+        trial = fake.trial(times, probe=False, interference=planner.Interference(1e-3, 0.0), bucket_cap_mb=2.0)
+        run_trial(trial, fake, {label: 0.2 for label in CANDIDATES} | {winner: 0.1})
+        assert trial.kept == winner and len(fake.installed[-1]) == len(by_label[winner]), (trial.kept, fake.installed[-1])

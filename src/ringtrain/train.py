@@ -65,9 +65,10 @@ class TrainConfig:
     model: str = "charlm"
     """Reference model."""
     steps: int = 100
-    """Optimizer steps in total (a resumed run continues to this count). 100: enough for the
-    optimal schedule's trial of plans to finish on 2 workers (18 to 93 steps; 38 in a run here)
-    and the summary to measure the plan it kept, in about 25 s."""
+    """Optimizer steps in total (a resumed run continues to this count). 100: enough, in the runs
+    here, for the optimal schedule's trial of plans to finish on 2 workers (18 to 128 steps: up to
+    three rounds of its seven candidates where they are close; 53 in a run here) and the summary
+    to measure the plan it kept, in about 30 s."""
     batch_size: int = 0
     """Per-worker batch; 0 = the model's default."""
     lr: float = 0.0
@@ -103,7 +104,7 @@ class TrainConfig:
     timeline: str = ""
     """Write a Chrome trace of compute and communication to this path (one file per rank, <stem>.rank<r><suffix>).
     It holds the first 10 steps run under the settled plan: after 3 steps that time backward and, with --schedule
-    optimal on several workers, the trial of plans (up to 93 steps); a run that ends sooner writes no step and
+    optimal on several workers, the trial of plans (up to 128 steps); a run that ends sooner writes no step and
     says so."""
     timeout: float = 120.0
     """Seconds any communication may wait before it fails, once the ranks have met (their first meeting is
@@ -896,14 +897,14 @@ def _print_summary(s: dict) -> None:
 
 
 def _communication_text(s: dict) -> str:
-    from .ddp.trial import CANDIDATES, FIXED_CANDIDATES
+    from .ddp.trial import CANDIDATES, FIXED_CANDIDATES, METHOD_CANDIDATES
 
     comm, n = s["communication"], s["communication"]["steps_measured"]
     if n:
         k = comm["buckets"]
         kept = comm["kept"]
         plan = (f"{CANDIDATES[kept]}, which the trial timed faster than the optimal plan"
-                if kept in FIXED_CANDIDATES + ("mgwfbp",) else f"the {comm['plan_in_force']} plan")
+                if kept in FIXED_CANDIDATES + METHOD_CANDIDATES else f"the {comm['plan_in_force']} plan")
         return (f"{100 * comm['hidden_fraction']:.0f}% hidden behind backward, {k} allreduce{'s' * (k != 1)} per "
                 f"step (median of the last {n} step{'s' * (n != 1)}, those run under the plan in force: {plan})")
     if s["steps_run"] <= comm["profiling_steps"]:

@@ -61,9 +61,9 @@ from .procs import RankFailed, emit, emulated, interrupted, progress, run_ranks,
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
 #: Enough for the optimal wrapper's whole trial: warm-up and profile (3), three probes and one
-#: allreduce of 5 iterations each, then up to VERIFY_ROUNDS rounds of 5 per candidate (98 with
-#: all five candidates).
-MAX_WARMUP_STEPS = 120
+#: allreduce of 5 iterations each, then up to VERIFY_ROUNDS rounds of 5 per candidate (128 with
+#: all seven candidates).
+MAX_WARMUP_STEPS = 140
 SWEEP_REPEATS = 7
 TIMELINE_STEPS = 3
 #: Steps each parameter-server job takes before its timed ones (the first pushes every

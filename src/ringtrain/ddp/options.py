@@ -107,10 +107,10 @@ class DDPOptions:
     Not inside ``join()``, where the ranks that ran out of data take no steps."""
     verify_iterations: int = 5
     """schedule="optimal" only: iterations per phase of the trial (:mod:`.planning`, item 2):
-    the probe plans and one allreduce after backward measure the interference, then the plan
-    made with it, the plan made without it and the single allreduce alternate, as many
-    iterations each, and the fastest median forward+backward stays (0: no trial; trust the
-    model)."""
+    the probe plans and one allreduce after backward measure the interference, then the
+    candidates (the plan made with it, the plan made without it, every other schedule's plan
+    and torch DDP's buckets: :mod:`.trial`) alternate, as many iterations each, and the fastest
+    median forward+backward stays (0: no trial; trust the model)."""
     gradient_as_bucket_view: bool = False
     """False (torch's default): every ``.grad`` keeps its own tensor and gets the mean copied
     back from its bucket. True (torch's option of the same name): after backward each ``.grad``

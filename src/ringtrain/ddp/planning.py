@@ -23,16 +23,18 @@ callables and calls :meth:`Planning.after_iteration` once per synchronizing back
    that plan, the optimal plan of free overlap (as on a GPU: where the fitted interference
    over-charges overlap it merges less), the MG-WFBP authors' greedy merge (on 4 ranks sharing
    2 cores it was measured faster than both in some runs: the model's interference is a fit
-   of three probes), the single allreduce, and torch DDP's default buckets
-   (so that the schedule kept is never slower than DDP's own grouping beyond the trial's
-   noise). The fastest median forward+backward (the slowest rank's) stays, with more rounds
+   of three probes), the single allreduce, torch DDP's default buckets, one allreduce per
+   layer (WFBP) and buckets of ``bucket_cap_mb``: every other schedule's plan, so that the one
+   kept is never slower than another schedule or DDP's own grouping beyond the trial's noise
+   (at 10 Gbit/s on 2 cores WFBP once ran an MLP 7.8% faster than the plan kept among the
+   others). The fastest median forward+backward (the slowest rank's) stays, with more rounds
    where the two fastest are close; the earlier of equals (a margin towards fewer allreduces
    was tried in two benchmark sets and dropped: among near-equals it keeps the plan that hides
    less, down to one allreduce after backward). ``planned_with`` is the interference it was
    planned with, ``kept`` which candidate stays (``fell_back``, the wrapper's property: the
    single allreduce), ``record`` what was timed. The one kept is laid out afresh and re-plans
-   keep its way of planning (``method``; the single allreduce and DDP's buckets, which the
-   profile does not change, are not re-planned).
+   keep its way of planning (``method``; the single allreduce and the buckets by size, which
+   the profile does not change, are not re-planned).
 
 Every collective here (the profile exchange, the trial's agreements) runs on the wrapper's
 communication thread, between iterations, in the same order on every rank.
@@ -53,7 +55,7 @@ from . import buckets as bucketing
 from . import calibration
 from .options import DDPOptions
 from .timeline import IterationStats, TraceRecorder
-from .trial import FIXED_CANDIDATES, PlanTrial
+from .trial import FIXED_CANDIDATES, METHOD_CANDIDATES, PlanTrial
 
 _NAN = float("nan")
 
@@ -100,8 +102,9 @@ class Planning:
     @property
     def method(self) -> str:
         """The planner's method the plan in force was made by and re-plans use: the schedule
-        asked for, or ``mgwfbp`` where the trial measured the MG-WFBP merge to be the fastest."""
-        return "mgwfbp" if self.kept == "mgwfbp" else self.options.schedule
+        asked for, or ``mgwfbp`` / ``wfbp`` where the trial measured that schedule's plan to be the
+        fastest."""
+        return self.kept if self.kept in METHOD_CANDIDATES else self.options.schedule
 
     def start(self) -> None:
         """Put the first layout in force: one bucket, in reverse registration order, as torch's
@@ -136,7 +139,7 @@ class Planning:
         self.trial = trial = PlanTrial(
             self.plan_times, self.sizes[order], self.cost, self.interference, self.options.verify_iterations,
             probe=self.options.interference is None, install=weakly(self._install_in_order),
-            use=self._use, agree=weakly(self._agree), log=self._log)
+            use=self._use, agree=weakly(self._agree), log=self._log, bucket_cap_mb=self.options.bucket_cap_mb)
         trial.start()
         self._trial_over_if(trial.over)
 

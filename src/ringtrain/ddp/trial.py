@@ -11,7 +11,9 @@ After its first plan, a ``DistributedDataParallel`` with ``schedule="optimal"`` 
   With the interference given (``DDPOptions.interference``) or one layer, there are no probes.
 - *candidate*: a plan the ``verify`` phase times: the plan made with the interference
   (``plan``), the optimal plan of free overlap (``free``), the MG-WFBP authors' greedy merge
-  (``mgwfbp``), the single allreduce (``single``) and torch DDP's default buckets (``buckets``),
+  (``mgwfbp``), the single allreduce (``single``), torch DDP's default buckets (``buckets``),
+  every layer alone (``wfbp``) and buckets of ``bucket_cap_mb`` (``fixed``): every other schedule's
+  plan, so that the one kept is never slower than another schedule beyond the trial's noise;
   each only if its grouping differs from those before it. Every candidate's buckets are laid out once and kept, so that switching costs nothing.
 - *round*: the candidates take turns, one iteration each, until each has run
   ``verify_iterations`` more; all meet the same machine load. Where the two fastest medians
@@ -41,10 +43,13 @@ VERIFY_ROUNDS = 3
 DDP_BUCKETS = (1.0, 25.0)
 #: What the log and the summary call each candidate.
 CANDIDATES = {"plan": "the plan", "free": "the plan of free overlap", "mgwfbp": "the MG-WFBP merge",
-              "single": "one allreduce after backward", "buckets": "torch DDP's default buckets"}
+              "single": "one allreduce after backward", "buckets": "torch DDP's default buckets",
+              "wfbp": "one allreduce per layer (WFBP)", "fixed": "buckets of bucket_cap_mb"}
 #: The candidates that are no plan of the planner's: the backward profile does not change them,
 #: so once kept they are not re-planned.
-FIXED_CANDIDATES = ("single", "buckets")
+FIXED_CANDIDATES = ("single", "buckets", "fixed")
+#: The candidates kept by the planner's method of their name: re-plans use that method.
+METHOD_CANDIDATES = ("mgwfbp", "wfbp")
 
 #: A phase's row per iteration: (backward_s, forward_backward_s, measured_end_s) of this rank.
 Row = tuple[float, float, float]
@@ -60,21 +65,23 @@ class PlanTrial:
     reduces ``array`` in place over the ranks (``op`` "max") or copies rank 0's to all
     (``op`` "broadcast"); ``log(message)`` writes the wrapper's log.
 
-    ``times`` and ``sizes`` are the planner's inputs in the profiled order. :meth:`step` is
+    ``times`` and ``sizes`` are the planner's inputs in the profiled order; ``bucket_cap_mb`` the
+    wrapper's option (the ``fixed`` candidate's buckets). :meth:`step` is
     called after every iteration with its row until it returns True; then ``kept`` names the
     candidate in force (a key of CANDIDATES), ``record`` what was timed and ``interference``
     the interference measured (or the one given).
     """
 
-    __slots__ = ("times", "sizes", "cost", "interference", "iterations", "phases", "k", "rows", "plans",
+    __slots__ = ("times", "sizes", "cost", "interference", "iterations", "bucket_cap_mb", "phases", "k", "rows", "plans",
                  "layouts", "launches", "bytes", "candidates", "turn", "rounds", "kept", "record",
                  "_install", "_use", "_agree", "_log")
 
     def __init__(self, times: np.ndarray, sizes: np.ndarray, cost: planner.CostFn,
                  interference: planner.Interference, iterations: int, probe: bool,
-                 install: Callable, use: Callable, agree: Callable, log: Callable[[str], None]):
+                 install: Callable, use: Callable, agree: Callable, log: Callable[[str], None],
+                 bucket_cap_mb: float = 25.0):
         self.times, self.sizes, self.cost, self.interference = times, sizes, cost, interference
-        self.iterations = iterations
+        self.iterations, self.bucket_cap_mb = iterations, bucket_cap_mb
         self._install, self._use, self._agree, self._log = install, use, agree, log
         self.phases: list[str] = []
         if probe and len(times) > 1:
@@ -153,9 +160,13 @@ class PlanTrial:
         first_mb, cap_mb = DDP_BUCKETS
         buckets = planner.merge(times, sizes, cost=self.cost, method="fixed", bucket_cap_mb=cap_mb,
                                 first_bucket_mb=first_mb, interference=self.interference)
+        wfbp = planner.merge(times, sizes, cost=self.cost, method="wfbp", interference=self.interference)
+        fixed = planner.merge(times, sizes, cost=self.cost, method="fixed", bucket_cap_mb=self.bucket_cap_mb,
+                              interference=self.interference)
         candidates: list[dict] = []
         for label, plan in (("plan", self.plan_for("verify")), ("free", free), ("mgwfbp", mgwfbp),
-                            ("single", self.plans["single"]), ("buckets", buckets)):
+                            ("single", self.plans["single"]), ("buckets", buckets), ("wfbp", wfbp),
+                            ("fixed", fixed)):
             if all(plan.groups != c["plan"].groups for c in candidates):
                 candidates.append({"label": label, "plan": plan, "rows": []})
         if len(candidates) == 1:
