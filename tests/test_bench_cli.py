@@ -435,3 +435,60 @@ def test_a_stopped_open_mpi_anchor_gets_sigterm_and_is_waited_for(stops, monkeyp
     else:
         assert bench_allreduce._launch_mpi(2, {}, timeout=5) == ([], "Open MPI anchor timed out after 5s")
     assert seen == [("started", True), ("waited", 5), ("signal", signal.SIGTERM), ("waited", 10.0)]
+
+
+# --- what a result records to be reproduced (a reviewer's list: the shaping, the MPI library) ------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv", [ALLREDUCE, TRAIN], ids=["allreduce", "train"])
+@pytest.mark.parametrize("net, tc", [("1gbit", "tbf rate 1000000000bit burst 131072b latency 5ms"),
+                                     ("10gbit", "tbf rate 10000000000bit burst 1310720b latency 5ms"),
+                                     ("none", None)])
+def test_the_result_records_the_emulated_links_shaping(argv, net, tc, no_ranks, capsys):
+    # The result said "net": "1gbit" and nothing of the tbf burst and queue that decide what small
+    # messages cost: a reader could not shape a link as the run did.
+    from ringtrain.bench.netem import EmulatedNetwork
+
+    assert cli.main(argv + ["--net", net, "--out", "", "--json"]) == 0
+    shaping = json.loads(capsys.readouterr().out)["network"]
+    if tc is None:
+        assert shaping is None
+        return
+    assert shaping["tc"] == tc and shaping["qdisc"] == "tbf" and shaping["latency_ms"] == 5.0
+    assert shaping == EmulatedNetwork(2, rate=net).shape.to_dict()  # (what the launches' networks apply)
+    assert EmulatedNetwork(2, rate=net).shape.tbf_command("eth0") == f"qdisc replace dev eth0 root {tc}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anchor", ["ran", "skipped"])
+def test_the_allreduce_result_names_the_mpi_library_its_anchor_ran_on(anchor, no_ranks, monkeypatch, capsys):
+    # Open MPI's rows were recorded without its version (Horovod's rows have theirs).
+    mpi_row = {"impl": "mpi", "transport": "openmpi", "algorithm": "MPI_Allreduce", "world_size": 2,
+               "nbytes": 4096, "median_s": 1e-4, "busbw_GBps": 0.04, "times_s": [1e-4],
+               "version": "Open MPI v4.1.4, package: Debian OpenMPI", "mpi4py": "4.1.2"}
+    answer = ([mpi_row], None) if anchor == "ran" else ([], "Open MPI anchor skipped: mpi4py is not installed")
+    monkeypatch.setattr(bench_allreduce, "_launch_mpi", lambda p, cfg, timeout: answer)
+    argv = [a for a in ALLREDUCE if a != "--no-mpi"]
+    assert cli.main(argv + ["--out", "", "--json"]) == 0
+    machine = json.loads(capsys.readouterr().out)["machine"]
+    if anchor == "ran":
+        assert machine["mpi"] == "Open MPI v4.1.4, package: Debian OpenMPI" and machine["mpi4py"] == "4.1.2"
+    else:  # (no MPI: nothing said of it, and nothing failed)
+        assert "mpi" not in machine and "mpi4py" not in machine
+
+
+@pytest.mark.timeout(120)
+def test_the_open_mpi_anchors_rows_carry_the_librarys_version():
+    import shutil
+
+    if importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None:
+        pytest.skip("needs mpi4py and Open MPI's mpirun")
+    import mpi4py
+
+    rows, note = bench_allreduce._launch_mpi(2, {"sizes": [4096], "repeats": 1}, timeout=100)
+    assert note is None and rows, note
+    version = rows[0]["version"]
+    assert version.startswith("Open MPI v") and "\x00" not in version and "\n" not in version, version
+    assert rows[0]["mpi4py"] == mpi4py.__version__
+    assert bench_allreduce.mpi_library(rows) == {"mpi": version, "mpi4py": mpi4py.__version__}

@@ -34,7 +34,7 @@ import numpy as np
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import plural
-from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, progress, run_ranks, signals_held
+from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, network, progress, run_ranks, signals_held
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
@@ -161,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
         if stopped:
             notes.append(f"{stopped} before the run ended: the rows finished by then, for {finished(rows, sizes)}")
         # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
-        doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net, "rows": rows,
-                                                        "notes": notes})
+        doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net,
+                                                        "network": network(args.net), "rows": rows, "notes": notes})
+        doc["machine"].update(mpi_library(rows))
         kept = "the rows finished so far printed"
         if args.out:
             doc["saved_to"] = str(save_result(doc["benchmark"], doc, args.out))
@@ -340,6 +341,14 @@ def _launch_mpi(p: int, cfg: dict, timeout: float) -> tuple[list[dict], str | No
     return [r for d in docs for r in d["rows"]], None
 
 
+def mpi_library(rows: list[dict]) -> dict:
+    """The MPI library the Open MPI anchor's ranks ran on (``MPI.Get_library_version()``'s first
+    line) and mpi4py's version, for the result's machine description; empty where the anchor did
+    not run (--no-mpi, --net, no mpi4py, a failed launch)."""
+    mpi = next((r for r in rows if r["impl"] == "mpi" and r.get("version")), None)
+    return {} if mpi is None else {"mpi": mpi["version"], "mpi4py": mpi.get("mpi4py")}
+
+
 def _stop_mpirun(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """Stop mpirun as a terminal's Ctrl-C would (SIGTERM: it stops its ranks and removes their shared
     memory segment, which a SIGKILL left in /dev/shm), killing it only past ``grace`` seconds."""
@@ -449,6 +458,7 @@ def _worker(cfg: dict) -> int:
 
 
 def _mpi_worker(cfg: dict) -> int:
+    import mpi4py
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -457,7 +467,10 @@ def _mpi_worker(cfg: dict) -> int:
     def allreduce(buf):
         world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
-    configs = [({"impl": "mpi", "transport": "openmpi", "algorithm": "MPI_Allreduce"}, allreduce)]
+    # (Open MPI's string ends in a NUL; MPICH's runs over several lines: the first names the version)
+    library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
+    configs = [({"impl": "mpi", "transport": "openmpi", "algorithm": "MPI_Allreduce", "version": library,
+                 "mpi4py": mpi4py.__version__}, allreduce)]
 
     def done(nbytes: int, rows: list[dict]) -> None:
         if rank == 0:  # (_launch_mpi reads every document when mpirun has ended)

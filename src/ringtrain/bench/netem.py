@@ -194,10 +194,19 @@ class LinkShape:
         burst = default_burst_bytes(rate_bps) if burst_bytes is None else burst_bytes
         return cls(rate_bps=rate_bps, burst_bytes=burst, queue_ms=queue_ms)
 
+    def tbf(self) -> str:
+        """The qdisc and its settings as tc takes them: 'tbf rate 1000000000bit burst 131072b latency 5ms'."""
+        return f"tbf rate {self.rate_bps}bit burst {self.burst_bytes}b latency {self.queue_ms:g}ms"
+
     def tbf_command(self, dev: str) -> str:
         """The tc batch line that puts this shape on the egress of ``dev``."""
-        return (f"qdisc replace dev {dev} root tbf rate {self.rate_bps}bit "
-                f"burst {self.burst_bytes}b latency {self.queue_ms:g}ms")
+        return f"qdisc replace dev {dev} root {self.tbf()}"
+
+    def to_dict(self) -> dict:
+        """What a result file records of the shaping, enough to apply it again by hand."""
+        return {"qdisc": "tbf", "rate_bps": self.rate_bps, "burst_bytes": self.burst_bytes,
+                "latency_ms": self.queue_ms, "tc": self.tbf(),
+                "applied_to": "the egress of both ends of every host's link (its eth0 and its switch port)"}
 
 
 def namespace_names(tag: str, n_hosts: int) -> tuple[str, list[str]]:

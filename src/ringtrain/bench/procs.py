@@ -55,6 +55,16 @@ def emulated(rate: str, hosts: int) -> AbstractContextManager:
     return EmulatedNetwork(hosts, rate=rate)
 
 
+def network(rate: str) -> dict | None:
+    """What a result file records of the network :func:`emulated` makes at ``rate``: each link's
+    shaping (``netem.LinkShape.to_dict``, the defaults EmulatedNetwork takes), so that the run can be
+    reproduced; None for "none" (the ranks share this host's loopback)."""
+    from .netem import LinkShape
+
+    shape = LinkShape.for_rate(rate)
+    return None if shape is None else shape.to_dict()
+
+
 def run_ranks(
     module: str,
     args: Sequence[str],

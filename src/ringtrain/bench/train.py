@@ -56,7 +56,7 @@ from ..train import COMPRESSION, check_batch_fits, use_power_sgd
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import check_out_dir, check_ranks, plural, run_stamp
-from .procs import RankFailed, emit, emulated, interrupted, progress, run_ranks, signals_held
+from .procs import RankFailed, emit, emulated, interrupted, network, progress, run_ranks, signals_held
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
             notes.append(f"{stopped} before the run ended: the rows finished by then, of "
                          f"{', '.join(dict.fromkeys(r['model'] for r in rows))}")
         # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
-        doc = result_document(kind, {"net": args.net, "world_size": args.world_size, "rows": rows, "notes": notes})
+        doc = result_document(kind, {"net": args.net, "network": network(args.net), "world_size": args.world_size,
+                                     "rows": rows, "notes": notes})
         kept = "the rows finished so far printed"
         if out_dir:
             path = save_result(kind, doc, out_dir, stamp=stamp)
