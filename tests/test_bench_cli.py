@@ -492,3 +492,81 @@ def test_the_open_mpi_anchors_rows_carry_the_librarys_version():
     assert version.startswith("Open MPI v") and "\x00" not in version and "\n" not in version, version
     assert rows[0]["mpi4py"] == mpi4py.__version__
     assert bench_allreduce.mpi_library(rows) == {"mpi": version, "mpi4py": mpi4py.__version__}
+
+
+# --- the names of a run's files (a reviewer's list) -------------------------------------------------------
+
+
+def ranks_that_write_timelines(monkeypatch, launches: list):
+    """The ring job's launch as its ranks make it: ranks 0 and 1 write mlp's timeline where the
+    configuration says (the n-th launch's spans last n ms), and rank 0 sends the optimal row naming it."""
+    from pathlib import Path
+
+    from ringtrain.ddp.timeline import TraceRecorder
+
+    def launch(module, module_args, nprocs, args, on_result=None):
+        cfg = json.loads(module_args[module_args.index("--worker") + 1])
+        launches.append(cfg)
+        path = Path(cfg["timeline_dir"]) / f"{cfg['timeline_stem']}-mlp.json"
+        for rank in range(2):
+            recorder = TraceRecorder(path, rank, 1, origin=0.0)
+            recorder.span("backward", "backward", "compute", 0.0, 1e-3 * len(launches), iteration=0)
+            recorder.end_iteration()  # (the last recorded iteration: written)
+            recorder.release()
+        row = dict(ALONE_ROW, impl="ringtrain", schedule="optimal", overlap_bound_s=0.09,
+                   timeline=str(recorder.path.with_name(recorder.path.name.replace("rank1", "rank0"))))
+        for doc in [{"rows": [row]}] if on_result else ():
+            on_result(doc)
+        return [{"rows": [row]}]
+
+    monkeypatch.setattr(bench_train, "_launch", launch)
+
+
+@pytest.mark.timeout(60)
+def test_train_runs_started_in_one_second_name_their_charts_and_timelines_after_their_own_results(
+        monkeypatch, tmp_path, capsys):
+    # The second run's result got a name of its own (…Z-<pid>.json) but its timelines took the
+    # first run's names, written over them (and its timeline picture drawn from whichever came last).
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(bench_train, "run_stamp", lambda: "20261207T010326Z")
+    launches = []
+    ranks_that_write_timelines(monkeypatch, launches)
+    argv = [a if a != "single" else "optimal" for a in TRAIN] + ["--out", str(tmp_path), "--json"]
+    docs = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    stems = [Path(d["saved_to"]).stem for d in docs]
+    assert stems[0] == "train-none-2r-20261207T010326Z" and stems[1] != stems[0], stems
+    for n, (doc, stem) in enumerate(zip(docs, stems), 1):
+        assert launches[n - 1]["timeline_stem"] == stem
+        timeline = Path(doc["rows"][0]["timeline"])
+        assert timeline.name == f"{stem}-mlp.rank0.json", timeline
+        assert [Path(c).name for c in doc["charts"]] == [f"{stem}-iterations.png", f"{stem}-mlp-timeline.png"]
+        for rank in range(2):  # each run's own timelines, whole
+            events = json.loads(timeline.with_name(f"{stem}-mlp.rank{rank}.json").read_text())["traceEvents"]
+            assert [e["dur"] for e in events if e["ph"] == "X"] == [1000.0 * n]
+    assert not list(tmp_path.glob(".*"))  # (the names held while the runs ran are let go)
+
+
+def test_a_stamp_held_by_a_running_run_or_taken_by_a_finished_one_is_not_given_again(tmp_path):
+    import os
+
+    from ringtrain.bench.machine import reserve_stamp
+
+    stamp = "20261207T010326Z"
+    with reserve_stamp(tmp_path, "train-none-2r", stamp) as first:
+        assert first == stamp and (tmp_path / f".train-none-2r-{stamp}.running").exists()
+        with reserve_stamp(tmp_path, "train-none-2r", stamp) as second:  # (another run, the same second)
+            assert second == f"{stamp}-{os.getpid()}"
+        with reserve_stamp(tmp_path, "allreduce-none", stamp) as other:  # (another benchmark: its own names)
+            assert other == stamp
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "timelines").mkdir()
+    (tmp_path / "timelines" / f"train-none-2r-{stamp}-mlp.rank0.json").write_text("{}")  # (a run that saved no result)
+    with reserve_stamp(tmp_path, "train-none-2r", stamp) as third:
+        assert third == f"{stamp}-{os.getpid()}"
+    with reserve_stamp(None, "train-none-2r", stamp) as unsaved:
+        assert unsaved == stamp

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import itertools
 import json
 import os
 import platform
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 #: What one rank of a benchmark holds before its messages or models: python, torch, numpy, a
@@ -102,6 +105,38 @@ def git_commit() -> str | None:
 def run_stamp() -> str:
     """The UTC time that names a run's files (its result and its timelines)."""
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+@contextlib.contextmanager
+def reserve_stamp(out_dir: Path | None, kind: str, stamp: str) -> Iterator[str]:
+    """``stamp``, or ``<stamp>-<pid>`` where another run of ``kind`` has it (one started in the same
+    second), for the names of this run's files in ``out_dir``: ``<kind>-<stamp>.json``, the charts
+    and timelines ``<kind>-<stamp>-*``. Held until the block ends by an empty file
+    ``.<kind>-<stamp>.running`` in ``out_dir``, made exclusively (a run killed outright leaves it:
+    a name of a past second, never wanted again). Without ``out_dir``: ``stamp``, nothing held."""
+    if out_dir is None:
+        yield stamp
+        return
+    out_dir = Path(out_dir)
+    # (after the pid, a count: several runs of one process in one second, as tests make)
+    pid = os.getpid()
+    for mine in itertools.chain([stamp, f"{stamp}-{pid}"], (f"{stamp}-{pid}-{k}" for k in itertools.count(2))):
+        stem = f"{kind}-{mine}"
+        try:
+            held = out_dir / f".{stem}.running"
+            os.close(os.open(held, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:  # (another run holds it now)
+            continue
+        # a run that ended holds nothing: its files say the name is taken
+        if not ((out_dir / f"{stem}.json").exists() or any(out_dir.glob(f"{stem}-*"))
+                or any(out_dir.glob(f"timelines/{stem}-*"))):
+            break
+        held.unlink()
+    try:
+        yield mine
+    finally:
+        with contextlib.suppress(OSError):
+            held.unlink()
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
