@@ -530,7 +530,7 @@ def test_train_runs_started_in_one_second_name_their_charts_and_timelines_after_
     from pathlib import Path
 
     pytest.importorskip("matplotlib")
-    monkeypatch.setattr(bench_train, "run_stamp", lambda: "20261207T010326Z")
+    monkeypatch.setattr(bench_train, "run_stamp", lambda started=None: "20261207T010326Z")
     launches = []
     ranks_that_write_timelines(monkeypatch, launches)
     argv = [a if a != "single" else "optimal" for a in TRAIN] + ["--out", str(tmp_path), "--json"]
@@ -570,3 +570,37 @@ def test_a_stamp_held_by_a_running_run_or_taken_by_a_finished_one_is_not_given_a
         assert third == f"{stamp}-{os.getpid()}"
     with reserve_stamp(None, "train-none-2r", stamp) as unsaved:
         assert unsaved == stamp
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv", [ALLREDUCE, TRAIN], ids=["allreduce", "train"])
+def test_a_results_name_when_and_started_are_its_start_and_ended_its_end(argv, no_ranks, monkeypatch, tmp_path,
+                                                                         capsys):
+    # A train result was named by its start but its "when" was its end (minutes to hours later).
+    import datetime as dt
+    import itertools
+    import types
+    from pathlib import Path
+
+    from ringtrain.bench import machine
+
+    start = dt.datetime(2026, 12, 7, 1, 3, 26, tzinfo=dt.timezone.utc)
+    ticks = (start + dt.timedelta(seconds=90 * k) for k in itertools.count())  # (each reading 90 s on)
+
+    class Clock(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return next(ticks)
+
+    monkeypatch.setattr(machine, "_dt", types.SimpleNamespace(datetime=Clock, timezone=dt.timezone))
+    assert cli.main(argv + ["--out", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert Path(doc["saved_to"]).name == f"{doc['benchmark']}-20261207T010326Z.json"
+    assert doc["when"] == doc["started"] == "2026-12-07T01:03:26+00:00"
+    assert dt.datetime.fromisoformat(doc["ended"]) > start
+    # scripts/bench_summary.py reads it, as it reads the files saved before (tests/test_bench_summary.py)
+    spec = importlib.util.spec_from_file_location("bench_summary", Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "bench_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    assert summary.main([doc["saved_to"]]) == 0

@@ -33,7 +33,7 @@ import numpy as np
 
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
-from .machine import plural
+from .machine import plural, utc_now
 from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, network, progress, run_ranks, signals_held
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ringtrain bench allreduce: {note}", file=sys.stderr)
     cfg = {"sizes": sizes, "algorithms": algorithms, "transports": transports, "repeats": repeats}
     rows: list[dict] = []
+    started = utc_now()  # (the result's name, "started" and "when")
     stopped, failure = None, None  # why the run ended before its last world size, if it did
     # The result's machine names torch's version: loaded now, as a Ctrl-C when the run ends met its import.
     importlib.import_module("torch")
@@ -162,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
             notes.append(f"{stopped} before the run ended: the rows finished by then, for {finished(rows, sizes)}")
         # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
         doc = result_document(f"allreduce-{args.net}", {"world_sizes": world_sizes, "net": args.net,
-                                                        "network": network(args.net), "rows": rows, "notes": notes})
+                                                        "network": network(args.net), "rows": rows, "notes": notes},
+                              started=started)
         doc["machine"].update(mpi_library(rows))
         kept = "the rows finished so far printed"
         if args.out:

@@ -102,9 +102,15 @@ def git_commit() -> str | None:
         return None
 
 
-def run_stamp() -> str:
-    """The UTC time that names a run's files (its result and its timelines)."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+def utc_now() -> _dt.datetime:
+    """Now in UTC, to the second (the resolution of a result's name and its times)."""
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0)
+
+
+def run_stamp(started: _dt.datetime | None = None) -> str:
+    """The UTC time that names a run's files (its result and its timelines): its start, ``started``
+    (by default now)."""
+    return (started or utc_now()).strftime("%Y%m%dT%H%M%SZ")
 
 
 @contextlib.contextmanager
@@ -162,12 +168,21 @@ def check_writable_dir(directory: Path, what: str) -> Path:
     return directory
 
 
-def result_document(kind: str, doc: dict) -> dict:
-    """``doc`` headed by what was run, where and when: benchmark, when, command, commit, machine.
-    The one document a benchmark both saves and prints with --json."""
+def result_document(kind: str, doc: dict, started: _dt.datetime | None = None) -> dict:
+    """``doc`` headed by what was run, where and when: benchmark, when, started, ended, command,
+    commit, machine. The one document a benchmark both saves and prints with --json.
+
+    ``started``: when the run began (by default now), the time its file is named by
+    (:func:`run_stamp`); ``ended``: now. ``when`` is ``started``, the name's time. (Files saved
+    before these two fields: ``when`` is the time the result was saved; a train result's name
+    its start, an allreduce or overhead result's name that same time.)"""
+    ended = utc_now()
+    started = started or ended
     return {
         "benchmark": kind,
-        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "when": started.isoformat(),
+        "started": started.isoformat(),
+        "ended": ended.isoformat(),
         "command": "ringtrain " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "commit": git_commit(),
         "machine": describe_machine(),
@@ -191,12 +206,14 @@ def print_result(doc: dict, table: str, as_json: bool) -> None:
 
 def save_result(kind: str, doc: dict, out_dir: str | Path = "benchmarks", stamp: str | None = None) -> Path:
     """Write ``doc`` (plus machine, command, commit, time) to out_dir/<kind>-<stamp>.json, the
-    stamp by default the UTC time now (:func:`run_stamp`). A ``doc`` that already has them
-    (from :func:`result_document`) is written as it is."""
+    stamp by default the run's start (``started`` of a ``doc`` from :func:`result_document`,
+    which is written as it is), else now (:func:`run_stamp`)."""
     full = doc if "benchmark" in doc else result_document(kind, doc)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{kind}-{stamp or run_stamp()}.json"
+    if stamp is None:
+        stamp = run_stamp(_dt.datetime.fromisoformat(full["started"]) if "started" in full else None)
+    path = out / f"{kind}-{stamp}.json"
     if path.exists():  # (another run started in the same second: both kept)
         path = path.with_name(f"{path.stem}-{os.getpid()}.json")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -55,7 +55,7 @@ import numpy as np
 from ..train import COMPRESSION, check_batch_fits, use_power_sgd
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
-from .machine import check_out_dir, check_ranks, plural, reserve_stamp, run_stamp
+from .machine import check_out_dir, check_ranks, plural, reserve_stamp, run_stamp, utc_now
 from .procs import RankFailed, emit, emulated, interrupted, network, progress, run_ranks, signals_held
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
@@ -145,14 +145,15 @@ def run(args: argparse.Namespace) -> int:
     kind = f"train-{args.net}-{args.world_size}r"
     # The stamp names the result, its charts and its timelines; held until the run ends, so that a
     # run started in the same second takes another (the timelines are written long before the result).
-    with reserve_stamp(out_dir, kind, run_stamp()) as stamp:
-        return _run(args, names, schedules, strategies, out_dir, kind, stamp)
+    started = utc_now()  # (the result's "started" and "when")
+    with reserve_stamp(out_dir, kind, run_stamp(started)) as stamp:
+        return _run(args, names, schedules, strategies, out_dir, kind, started, stamp)
 
 
 def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strategies: dict, out_dir: Path | None,
-         kind: str, stamp: str) -> int:
-    """The run (``run``'s checked settings): its jobs, then its result saved as ``<kind>-<stamp>.json``
-    and printed; the exit status."""
+         kind: str, started, stamp: str) -> int:
+    """The run (``run``'s checked settings) begun at ``started``: its jobs, then its result saved
+    as ``<kind>-<stamp>.json`` and printed; the exit status."""
     cfg = {
         "models": names, "schedules": schedules, "torch_ddp": not args.no_torch_ddp,
         "compression": None if args.compression == "none" else args.compression,
@@ -203,7 +204,7 @@ def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strat
                          f"{', '.join(dict.fromkeys(r['model'] for r in rows))}")
         # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
         doc = result_document(kind, {"net": args.net, "network": network(args.net), "world_size": args.world_size,
-                                     "rows": rows, "notes": notes})
+                                     "rows": rows, "notes": notes}, started=started)
         kept = "the rows finished so far printed"
         if out_dir:
             path = save_result(kind, doc, out_dir, stamp=stamp)
