@@ -604,3 +604,31 @@ def test_a_results_name_when_and_started_are_its_start_and_ended_its_end(argv, n
     summary = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summary)
     assert summary.main([doc["saved_to"]]) == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how, status", [("sys.exit(3)", 3), ("os.kill(os.getpid(), 9)", -9)])
+def test_a_failed_rank_0s_log_tail_shows_what_it_said_not_the_protocol(how, status, tmp_path, capsys):
+    # The tail shown of a failed rank 0 was mostly its RESULT documents (a row list per line, kilobytes
+    # each) and PROGRESS lines already shown: the traceback before them scrolled away.
+    import os
+
+    from ringtrain.bench.procs import RankFailed, run_ranks
+
+    (tmp_path / "dier.py").write_text(
+        "import os, sys, time\n"
+        "from ringtrain.bench.procs import emit, progress\n"
+        "if os.environ['RANK'] != '0':\n"
+        "    time.sleep(30)\n"
+        "progress('# mlp: warming up')\n"
+        "print('real output', flush=True)\n"
+        "emit({'rows': [{'model': 'mlp'}]})\n"
+        "print('the last words', flush=True)\n"
+        f"{how}\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    kept = []
+    with pytest.raises(RankFailed) as info:
+        run_ranks("dier", [], 2, timeout=30, extra_env=env, on_result=kept.append)
+    assert str(info.value) == f"rank 0 exited with status {status}:\nreal output\nthe last words\n"
+    assert kept == [{"rows": [{"model": "mlp"}]}]  # (the protocol still reached this process)
+    assert capsys.readouterr().err.splitlines() == ["# mlp: warming up"]

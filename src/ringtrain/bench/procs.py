@@ -6,7 +6,8 @@ MASTER_ADDR, MASTER_PORT) in its environment, so the worker is an ordinary ringt
 interpreter of their own, with the variables of ``bench.horovod`` on top).
 Rank 0 prints its result as one JSON line prefixed by ``RESULT ``; the other ranks' output
 is kept for the error report. If any rank fails or the deadline passes, every rank is killed
-and the error names the rank and shows the tail of its output.
+and the error names the rank and shows the tail of its output (without rank 0's RESULT and
+PROGRESS lines, which were meant for this process).
 """
 
 from __future__ import annotations
@@ -126,8 +127,11 @@ def run_ranks(
 
 
 def _tail(log, n: int = 30) -> str:
+    """The last ``n`` lines a rank wrote, without those it wrote for this process (RESULT documents,
+    PROGRESS lines already shown): what the rank itself said, for the error report."""
     log.seek(0)
-    return "".join(log.readlines()[-n:])
+    said = [line for line in log.readlines() if not line.startswith((RESULT_PREFIX, PROGRESS_PREFIX))]
+    return "".join(said[-n:])
 
 
 class _Progress:
@@ -160,6 +164,7 @@ def _wait_all(procs, logs, timeout: float, poll=lambda: None) -> None:
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
             if code not in (None, 0):
+                poll()  # (what rank 0 sent between the last poll and this status)
                 raise RankFailed(f"rank {rank} exited with status {code}:\n{_tail(logs[rank])}")
         if all(c == 0 for c in codes):
             poll()  # (what rank 0 said before it left)
