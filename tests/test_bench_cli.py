@@ -497,27 +497,38 @@ def test_the_open_mpi_anchors_rows_carry_the_librarys_version():
 # --- the names of a run's files (a reviewer's list) -------------------------------------------------------
 
 
-def ranks_that_write_timelines(monkeypatch, launches: list):
-    """The ring job's launch as its ranks make it: ranks 0 and 1 write mlp's timeline where the
-    configuration says (the n-th launch's spans last n ms), and rank 0 sends the optimal row naming it."""
+def write_timeline(cfg: dict, model: str, ranks: range, ms: float) -> dict:
+    """``model``'s timeline as ``ranks`` write it where the ring job's configuration ``cfg`` says
+    (one span of ``ms``); the optimal row that names it (rank 0's file)."""
     from pathlib import Path
 
-    from ringtrain.ddp.timeline import TraceRecorder
+    from ringtrain.ddp.timeline import TraceRecorder, trace_path
 
+    path = Path(cfg["timeline_dir"]) / f"{cfg['timeline_stem']}-{model}.json"
+    for rank in ranks:
+        recorder = TraceRecorder(path, rank, 1, origin=0.0)
+        recorder.span("backward", "backward", "compute", 0.0, 1e-3 * ms, iteration=0)
+        recorder.end_iteration()  # (the last recorded iteration: written)
+        recorder.release()
+    return dict(ALONE_ROW, model=model, impl="ringtrain", schedule="optimal", overlap_bound_s=0.09,
+                timeline=str(trace_path(path, 0)))
+
+
+def ranks_that_write_timelines(monkeypatch, launches: list, finished=("mlp",), partial=(), failure=None):
+    """The ring job's launch as its ranks make it: ranks 0 and 1 write each ``finished`` model's
+    timeline (the n-th launch's spans last n ms) and rank 0 sends its optimal row naming it; then
+    rank 0 alone writes each ``partial`` model's and the launch ends in ``failure`` (if any)."""
     def launch(module, module_args, nprocs, args, on_result=None):
         cfg = json.loads(module_args[module_args.index("--worker") + 1])
         launches.append(cfg)
-        path = Path(cfg["timeline_dir"]) / f"{cfg['timeline_stem']}-mlp.json"
-        for rank in range(2):
-            recorder = TraceRecorder(path, rank, 1, origin=0.0)
-            recorder.span("backward", "backward", "compute", 0.0, 1e-3 * len(launches), iteration=0)
-            recorder.end_iteration()  # (the last recorded iteration: written)
-            recorder.release()
-        row = dict(ALONE_ROW, impl="ringtrain", schedule="optimal", overlap_bound_s=0.09,
-                   timeline=str(recorder.path.with_name(recorder.path.name.replace("rank1", "rank0"))))
-        for doc in [{"rows": [row]}] if on_result else ():
+        docs = [{"rows": [write_timeline(cfg, model, range(2), len(launches))]} for model in finished]
+        for doc in docs if on_result else ():
             on_result(doc)
-        return [{"rows": [row]}]
+        for model in partial:
+            write_timeline(cfg, model, range(1), len(launches))
+        if failure is not None:
+            raise failure
+        return docs
 
     monkeypatch.setattr(bench_train, "_launch", launch)
 
@@ -632,3 +643,51 @@ def test_a_failed_rank_0s_log_tail_shows_what_it_said_not_the_protocol(how, stat
     assert str(info.value) == f"rank 0 exited with status {status}:\nreal output\nthe last words\n"
     assert kept == [{"rows": [{"model": "mlp"}]}]  # (the protocol still reached this process)
     assert capsys.readouterr().err.splitlines() == ["# mlp: warming up"]
+
+
+PARTIAL_NOTE = "partial timelines (written by ranks the run stopped) kept in {dir}: {files}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failure", ["rank", "ctrl-c"])
+def test_a_run_stopped_in_a_model_names_its_partial_timelines(failure, monkeypatch, tmp_path, capsys):
+    # A rank failed in mlp after charlm's rows: mlp's timeline (rank 0's file alone) was left beside
+    # charlm's whole ones without a word.
+    from pathlib import Path
+
+    from ringtrain.bench.procs import RankFailed
+
+    pytest.importorskip("matplotlib")
+    stop = RankFailed("rank 1 exited with status -9:\nboom") if failure == "rank" else KeyboardInterrupt()
+    ranks_that_write_timelines(monkeypatch, [], finished=["charlm"], partial=["mlp"], failure=stop)
+    argv = TRAIN[:3] + ["charlm,mlp"] + TRAIN[4:] + ["--schedules", "optimal", "--out", str(tmp_path), "--json"]
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    stem = Path(doc["saved_to"]).stem
+    assert rc == (1 if failure == "rank" else 130)
+    assert doc["notes"][-1] == PARTIAL_NOTE.format(dir=tmp_path / "timelines", files=f"{stem}-mlp.rank0.json")
+    assert (tmp_path / "timelines" / f"{stem}-mlp.rank0.json").exists()  # (kept, as said)
+    assert [Path(c).name for c in doc["charts"]] == [f"{stem}-iterations.png", f"{stem}-charlm-timeline.png"]
+    assert json.loads(Path(doc["saved_to"]).read_text())["notes"] == doc["notes"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failure", ["rank", "ctrl-c"])
+def test_a_run_stopped_before_any_row_names_its_partial_timelines(failure, monkeypatch, tmp_path, capsys):
+    from ringtrain.bench.procs import RankFailed
+
+    stop = RankFailed("rank 1 exited with status -9:\nboom") if failure == "rank" else KeyboardInterrupt()
+    ranks_that_write_timelines(monkeypatch, [], finished=[], partial=["mlp"], failure=stop)
+    monkeypatch.setattr(bench_train, "run_stamp", lambda started=None: "20261207T010326Z")
+    argv = [a if a != "single" else "optimal" for a in TRAIN] + ["--out", str(tmp_path)]
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    kept = "nothing saved but " + PARTIAL_NOTE.format(dir=tmp_path / "timelines",
+                                                      files="train-none-2r-20261207T010326Z-mlp.rank0.json")
+    if failure == "rank":  # what was kept, then the error (as a run with rows: its notes, then the error)
+        assert rc == 1 and err.splitlines() == [f"ringtrain bench train: {kept}",
+                                                "ringtrain bench train: rank 1 exited with status -9:", "boom"], err
+    else:  # (it said "nothing saved but the timelines in <folder>", every one of them partial)
+        assert rc == 130 and err.splitlines() == [f"ringtrain bench train: interrupted; {kept}"], err
+    assert out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["timelines"]

@@ -192,16 +192,20 @@ def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strat
     with signals_held() as came:  # (a Ctrl-C now waits until the rows are saved)
         rows += [_ps_row(docs, args) for docs in ps_runs.values()]
         _predict_ps(rows)
+        # the timelines of the models the run stopped in: kept, as said (the error comes last)
+        partial = partial_timelines(timelines, cfg["timeline_stem"], rows) if stopped else []
         if stopped and not rows:
+            kept = "nothing saved" + (f" but {_partial_note(partial)}" if partial else "")
             if failure is not None:
+                if partial:
+                    print(f"ringtrain bench train: {kept}", file=sys.stderr)
                 raise failure
-            kept = "nothing saved"
-            if timelines is not None and any(timelines.glob(f"{cfg['timeline_stem']}-*")):
-                kept += f" but the timelines in {timelines}"
             return interrupted("ringtrain bench train", kept)
         if stopped:
             notes.append(f"{stopped} before the run ended: the rows finished by then, of "
                          f"{', '.join(dict.fromkeys(r['model'] for r in rows))}")
+        if partial:
+            notes.append(_partial_note(partial))
         # One document, saved and printed: --json's stdout records the machine too (with --out '' only it does).
         doc = result_document(kind, {"net": args.net, "network": network(args.net), "world_size": args.world_size,
                                      "rows": rows, "notes": notes}, started=started)
@@ -224,6 +228,23 @@ def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strat
         print(f"ringtrain bench train: {failure}", file=sys.stderr)
         return 1
     return interrupted("ringtrain bench train", kept) if stopped else 0
+
+
+def partial_timelines(timelines: Path | None, stem: str, rows: list[dict]) -> list[Path]:
+    """The run's timeline files (``<stem>-<model>.rank<r>.json`` in ``timelines``) of the models it
+    stopped in: those with no row naming their timeline, whose ranks were stopped while they
+    wrote them (some iterations, or some ranks, missing). A finished model's are whole: written
+    in its warm-up, before its timed steps."""
+    if timelines is None:
+        return []
+    whole = {Path(r["timeline"]).name.partition(".rank")[0] for r in rows if r.get("timeline")}
+    return sorted(f for f in timelines.glob(f"{stem}-*") if f.name.partition(".rank")[0] not in whole)
+
+
+def _partial_note(files: list[Path]) -> str:
+    """What is said of ``files`` (:func:`partial_timelines`), kept where they are."""
+    return (f"partial timelines (written by ranks the run stopped) kept in {files[0].parent}: "
+            f"{', '.join(f.name for f in files)}")
 
 
 def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Namespace, rows: list[dict],
