@@ -42,6 +42,18 @@ def test_optimal_below_ddp_and_far_from_the_fastest_is_counted():
     stats = _script().ring_stats(rows)
     assert stats["near_fastest"] == 0
     assert stats["below_ddp"] == [("lm", pytest.approx(0.1))]
+    assert stats["misses"] == [("lm", "fixed", pytest.approx(0.1), False)]  # 2 groups against 1: not the same plan
+
+
+def test_a_faster_schedule_of_the_same_one_allreduce_is_named_as_noise(tmp_path, capsys):
+    rows = [_row("lm", "torch-ddp", "torch defaults", 100),
+            _row("lm", "ringtrain", "optimal", 99, groups=1),
+            _row("lm", "ringtrain", "single", 95, groups=1)]
+    assert _script().ring_stats(rows)["misses"] == [("lm", "single", pytest.approx(99 / 95 - 1), True)]
+    path = tmp_path / "train-10gbit-2r-x.json"
+    path.write_text(json.dumps({"benchmark": "train-10gbit-2r", "net": "10gbit", "world_size": 2, "rows": rows}))
+    assert _script().main([str(path)]) == 0
+    assert "in 0/1 (lm: single 4.2% faster with the same one allreduce: noise)" in capsys.readouterr().out
 
 
 def test_compressed_rows_against_torchs_ddp_with_and_without_its_hook():
