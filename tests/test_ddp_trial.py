@@ -87,6 +87,7 @@ def test_the_clearly_fastest_candidate_stays_after_one_round():
         trial.step((0.06, 0.1, 0.07))
     labels = [c["label"] for c in trial.candidates]
     assert labels[0] == "plan" and set(labels) <= set(CANDIDATES) and len(labels) >= 2, labels
+    assert list(trial.layouts) == ["single"], "the probes' buckets are still held (a copy of the gradients each)"
     assert labels == [label for label in CANDIDATES if label in labels], "not in CANDIDATES' order (the earlier of equals stays)"
     groupings = [tuple(c["plan"].groups) for c in trial.candidates]
     assert len(set(groupings)) == len(groupings), "two candidates grouped alike"

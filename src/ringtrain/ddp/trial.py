@@ -14,7 +14,8 @@ After its first plan, a ``DistributedDataParallel`` with ``schedule="optimal"`` 
   (``mgwfbp``), the single allreduce (``single``), torch DDP's default buckets (``buckets``),
   every layer alone (``wfbp``) and buckets of ``bucket_cap_mb`` (``fixed``): every other schedule's
   plan, so that the one kept is never slower than another schedule beyond the trial's noise;
-  each only if its grouping differs from those before it. Every candidate's buckets are laid out once and kept, so that switching costs nothing.
+  each only if its grouping differs from those before it. Every candidate's buckets are laid out
+  once and kept, so that switching costs nothing (a probe's are let go when its phase ends).
 - *round*: the candidates take turns, one iteration each, until each has run
   ``verify_iterations`` more; all meet the same machine load. Where the two fastest medians
   (the slowest rank's forward+backward over every round so far) are within ``VERIFY_MARGIN`` of
@@ -121,6 +122,8 @@ class PlanTrial:
             return False
         if name == "single" and "fine" in self.phases:
             self._fit_interference()
+        if name != "single":  # a probe's buckets are not used again (the single allreduce's are: a candidate)
+            self.layouts.pop(name, None)
         self.k += 1
         self._enter_phase()
         return self.over
