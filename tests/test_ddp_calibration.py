@@ -280,16 +280,19 @@ def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
     groups, planned_with, _, trial = results[0]
     if "keeping the plan of free overlap" in messages[0]:
         assert planned_with == Interference() and groups > 1
-    else:
+    elif "keeping the plan" in messages[0]:
         assert planned_with == given and groups == 1
+    else:  # another schedule's grouping, measured faster (on a loaded machine, now and then)
+        assert planned_with == given
     # The trial's record: the candidates as timed (the slowest rank's medians, so equal on every
-    # rank; WFBP's 12 groups too), the kept one the fastest, and its group count the plan's after
-    # the trial.
-    assert [c["label"] for c in trial] == ["plan", "free", "wfbp"], trial
-    assert trial[0]["groups"] == 1 < trial[1]["groups"] < trial[2]["groups"] == 12, trial
+    # rank; the other schedules' groupings where they differ, as the measured backward times
+    # make them), the kept one the fastest, and its group count the plan's after the trial.
+    labels = [c["label"] for c in trial]
+    assert labels[:2] == ["plan", "free"] and set(labels) <= {"plan", "free", "mgwfbp", "wfbp"}, trial
+    assert trial[0]["groups"] == 1 < trial[1]["groups"] <= 12, trial
     kept, = [c for c in trial if c["kept"]]
     assert kept["median_s"] == min(c["median_s"] for c in trial) > 0
-    assert kept["label"] == "wfbp" or ("free" if planned_with == Interference() else "plan") == kept["label"]
+    assert kept["label"] not in ("plan", "free") or ("free" if planned_with == Interference() else "plan") == kept["label"]
 
 
 @pytest.mark.timeout(60)
@@ -320,8 +323,8 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
         # (medians of 5: with three candidates, of 3 put two of them 3% apart once in a full run)
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=5,
                                       interference=Interference(0.05, 0.0))
-        # warm-up, profile, single, then three candidates for up to three rounds
-        train_until_settled(ddp, torch.randn(8, 64), 60)
+        # warm-up, profile, single, then two to four candidates for up to three rounds
+        train_until_settled(ddp, torch.randn(8, 64), 80)
         out = ddp.settled, ddp.trial
         ddp.close()
         return out
@@ -329,9 +332,10 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
     results = raise_first(run_comms(2, body))
     assert results[0] == results[1], results
     settled, trial = results[0]
-    assert settled and [c["label"] for c in trial] == ["plan", "free", "wfbp"]
+    labels = [c["label"] for c in trial]
+    assert settled and labels[:2] == ["plan", "free"] and set(labels) <= {"plan", "free", "mgwfbp", "wfbp"}, trial
     if slow_buckets:
-        assert [c["rounds"] for c in trial] == [1, 1, 1] and trial[0]["kept"], trial
+        assert all(c["rounds"] == 1 for c in trial) and trial[0]["kept"], trial
     else:
         assert all(c["rounds"] == VERIFY_ROUNDS for c in trial), trial
 
