@@ -1088,3 +1088,18 @@ def test_a_channel_receives_idle_for_ever_while_it_sends_with_deadlines():
     assert b.gettimeout() is None and a.gettimeout() is None  # deadlines are poll()'s, not the socket's
     for ch in (ca, cb):
         ch.close()
+
+
+def test_a_second_worker_with_an_index_already_connected_hears_why():
+    # Was: "connection reset by peer" during the handshake (two processes given worker=0), the
+    # reason ("not expected to connect") only in the server's log.
+    server, thread, out = start_server(workers=2, timeout=5.0)
+    first = ParameterServerTraining(tiny(), servers=[server.endpoint], worker=0, workers=2, secret=SECRET, timeout=5.0)
+    try:
+        with pytest.raises(CommError, match="worker 0 is connected already.*own worker index in .0, 2."):
+            ParameterServerTraining(tiny(), servers=[server.endpoint], worker=0, workers=2, secret=SECRET,
+                                    timeout=5.0)
+        assert server._status[0] == "connected" and server.refused == 1  # the first one is left alone
+    finally:
+        first._release()
+        thread.join(10)

@@ -375,8 +375,8 @@ class ParameterServer:
     def _connection(self, sock: socket.socket, addr) -> None:
         """Handshake, HELLO, then this worker's messages in order, until BYE or loss."""
         K = self.cfg.servers
-        with self._cond:  # (a lost worker too: it is told why it is not taken back, below)
-            expected = {K + w for w, s in enumerate(self._status) if s in ("waiting", "lost")}
+        with self._cond:  # (a lost or connected one too: it is told why it is not taken, below)
+            expected = {K + w for w, s in enumerate(self._status) if s in ("waiting", "lost", "connected")}
         try:
             rank = tcp_setup.accept_handshake(sock, self._me, expected, self._seen_nonces,
                                               time.monotonic() + min(self.cfg.timeout, tcp_setup.HANDSHAKE_TIMEOUT),
@@ -405,6 +405,11 @@ class ParameterServer:
         if status != "waiting":
             if status == "lost":  # (authenticated: it may hear why)
                 ch.send_abort(self._dropped_error(w))
+            elif status == "connected":  # (a second process given the same worker index, most often)
+                ch.send_abort(MismatchError(
+                    f"{self.name}: worker {w} is connected already, so this second connection as worker {w} is "
+                    f"refused: give each worker process its own worker index in [0, {self.cfg.workers}) "
+                    "(ParameterServerTraining's worker=)"))
             ch.close()
             return
         sender = threading.Thread(target=self._send_loop, args=(w, ch, outbox), daemon=True,
