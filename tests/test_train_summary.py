@@ -110,6 +110,9 @@ def test_a_parameter_server_run_reports_its_bytes_and_where_asynchronous_its_sta
     assert "staleness seen since step 0 (this run resumed at step 100) (updates applied" in train._servers_text(
         stats, 8, resumed_at=100)
     assert train._servers_text(dict(stats, strategy="sync"), 1) == "757 MB pushed, 757 MB pulled by worker 0 in 1 step"
+    # Two servers: each counts its shard of a gradient, so every gradient twice (a reviewer misread it).
+    assert "(updates applied since a gradient's parameters: count, over the 2 servers: each counts its shard of " \
+           "every gradient) 0: 1, 1: 15" in train._servers_text(dict(stats, servers=2), 8)
 
 
 def test_the_staleness_bound_of_ringtrain_train_reaches_the_servers(monkeypatch):

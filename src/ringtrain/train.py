@@ -926,8 +926,10 @@ def _servers_text(stats: dict, steps_run: int, resumed_at: int = 0) -> str:
         bound = stats.get("max_staleness", 0)
         seen = ", ".join(f"{k}: {v}" for k, v in stats.get("staleness_histogram", {}).items()) or "none"
         since = f" since step 0 (this run resumed at step {resumed_at})" if resumed_at else ""
+        servers = stats.get("servers", 1)
+        each = f", over the {servers} servers: each counts its shard of every gradient" if servers > 1 else ""
         line += (f"; staleness bound {'none' if bound is None else bound}, staleness seen{since} (updates applied "
-                 f"since a gradient's parameters: count) {seen}")
+                 f"since a gradient's parameters: count{each}) {seen}")
     return line
 
 
