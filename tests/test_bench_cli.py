@@ -645,7 +645,8 @@ def test_a_failed_rank_0s_log_tail_shows_what_it_said_not_the_protocol(how, stat
     assert capsys.readouterr().err.splitlines() == ["# mlp: warming up"]
 
 
-PARTIAL_NOTE = "partial timelines (written by ranks the run stopped) kept in {dir}: {files}"
+PARTIAL_NOTE = ("timelines of the models the run stopped in (partial where it stopped while they were written) "
+                "kept in {dir}: {files}")
 
 
 @pytest.mark.timeout(60)
@@ -660,6 +661,16 @@ def test_a_run_stopped_in_a_model_names_its_partial_timelines(failure, monkeypat
     pytest.importorskip("matplotlib")
     stop = RankFailed("rank 1 exited with status -9:\nboom") if failure == "rank" else KeyboardInterrupt()
     ranks_that_write_timelines(monkeypatch, [], finished=["charlm"], partial=["mlp"], failure=stop)
+    ours = bench_train._launch
+
+    def launch_beside_another_run(module, module_args, *args, **kwargs):
+        # A run started in the same second, after this one took the stamp: its files are <stem>-<pid>-...
+        cfg = json.loads(module_args[module_args.index("--worker") + 1])
+        Path(cfg["timeline_dir"]).mkdir(parents=True, exist_ok=True)
+        Path(cfg["timeline_dir"], f"{cfg['timeline_stem']}-999-mlp.rank0.json").write_text("{}")
+        return ours(module, module_args, *args, **kwargs)
+
+    monkeypatch.setattr(bench_train, "_launch", launch_beside_another_run)
     argv = TRAIN[:3] + ["charlm,mlp"] + TRAIN[4:] + ["--schedules", "optimal", "--out", str(tmp_path), "--json"]
     rc = cli.main(argv)
     out, err = capsys.readouterr()

@@ -193,7 +193,7 @@ def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strat
         rows += [_ps_row(docs, args) for docs in ps_runs.values()]
         _predict_ps(rows)
         # the timelines of the models the run stopped in: kept, as said (the error comes last)
-        partial = partial_timelines(timelines, cfg["timeline_stem"], rows) if stopped else []
+        partial = partial_timelines(timelines, cfg["timeline_stem"], names, rows) if stopped else []
         if stopped and not rows:
             kept = "nothing saved" + (f" but {_partial_note(partial)}" if partial else "")
             if failure is not None:
@@ -230,21 +230,22 @@ def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strat
     return interrupted("ringtrain bench train", kept) if stopped else 0
 
 
-def partial_timelines(timelines: Path | None, stem: str, rows: list[dict]) -> list[Path]:
-    """The run's timeline files (``<stem>-<model>.rank<r>.json`` in ``timelines``) of the models it
-    stopped in: those with no row naming their timeline, whose ranks were stopped while they
-    wrote them (some iterations, or some ranks, missing). A finished model's are whole: written
-    in its warm-up, before its timed steps."""
+def partial_timelines(timelines: Path | None, stem: str, models: list[str], rows: list[dict]) -> list[Path]:
+    """The run's timeline files (``<stem>-<model>.rank<r>.json`` in ``timelines``, for each of its
+    ``models``: not those of a run started in the same second, ``<stem>-<pid>-...``) of the models
+    it stopped in, those with no row naming their timeline: partial where the ranks were stopped
+    while they wrote them (some iterations, or some ranks, missing), in the model's warm-up. A
+    finished model's are whole."""
     if timelines is None:
         return []
     whole = {Path(r["timeline"]).name.partition(".rank")[0] for r in rows if r.get("timeline")}
-    return sorted(f for f in timelines.glob(f"{stem}-*") if f.name.partition(".rank")[0] not in whole)
+    return sorted(f for m in models if f"{stem}-{m}" not in whole for f in timelines.glob(f"{stem}-{m}.rank*.json"))
 
 
 def _partial_note(files: list[Path]) -> str:
     """What is said of ``files`` (:func:`partial_timelines`), kept where they are."""
-    return (f"partial timelines (written by ranks the run stopped) kept in {files[0].parent}: "
-            f"{', '.join(f.name for f in files)}")
+    return (f"timelines of the models the run stopped in (partial where it stopped while they were written) "
+            f"kept in {files[0].parent}: {', '.join(f.name for f in files)}")
 
 
 def _measure(cfg: dict, names: list[str], strategies: dict, args: argparse.Namespace, rows: list[dict],
