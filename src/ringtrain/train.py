@@ -64,11 +64,11 @@ STRATEGIES = ("ring", "ps-sync", "ps-async", "ps-sharded")
 class TrainConfig:
     model: str = "charlm"
     """Reference model."""
-    steps: int = 100
-    """Optimizer steps in total (a resumed run continues to this count). 100: enough, in the runs
-    here, for the optimal schedule's trial of plans to finish on 2 workers (18 to 128 steps: up to
-    three rounds of its seven candidates where they are close; 53 in a run here) and the summary
-    to measure the plan it kept, in about 30 s."""
+    steps: int = 150
+    """Optimizer steps in total (a resumed run continues to this count). 150: enough for the
+    optimal schedule's trial of plans to finish on 2 workers (on the LM 23 to 113 steps: its
+    distinct candidates take up to three rounds where the two fastest are close; 53 in a run
+    here; 128 at most on any model) and the summary to measure the plan it kept, in about 45 s."""
     batch_size: int = 0
     """Per-worker batch; 0 = the model's default."""
     lr: float = 0.0
