@@ -94,8 +94,8 @@ def ring_stats(rows: list[dict]) -> dict:
 
 
 def _same_plan(a: dict, b: dict) -> bool:
-    """True where two rows ran the same grouping for sure: one allreduce after backward each (the
-    rows keep group counts only), so that their difference is the run's noise."""
+    """True where two rows ran the same grouping: one allreduce after backward each (the rows keep
+    the group count in force at the end only), so that their difference is the run's noise."""
     return a.get("groups") == b.get("groups") == 1
 
 
@@ -276,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         misses += stats["misses"]
     if configs:
         gaps = ", ".join(f"{m} {d * 100:.1f}%" for _, m, d in below)
-        missed = ", ".join(f"{m}: {s} {d * 100:.1f}% faster" + (" with the same one allreduce: noise" if same else "")
-                           for m, s, d, same in misses)
-        print(f"optimal within {NEAR:.0%} of the fastest schedule in {near}/{configs}" + (f" ({missed})" if missed else "")
+        same_one = " with the same one allreduce: noise"
+        missed = ", ".join(f"{m}: {s} {d * 100:.1f}% faster" + (same_one if same else "") for m, s, d, same in misses)
+        print(f"optimal within {NEAR:.0%} of the fastest schedule in {near}/{configs}"
+              + (f" ({missed})" if missed else "")
               + f"; below torch DDP in {len(below)}/{configs}" + (f" ({gaps})" if gaps else ""))
     if errors:
         print(f"simulator: within 15% on {sum(e <= 0.15 for e in errors)}/{len(errors)}, "

@@ -266,7 +266,7 @@ def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
                                       interference=given, replan_interval=1, drift_threshold=1e-9)
         x = torch.randn(8, 64)
-        train_until_settled(ddp, x, 30)  # warm-up, profile, single, two candidates twice each (1-3 rounds)
+        train_until_settled(ddp, x, 40)  # warm-up, profile, single, two to four candidates twice each (1-3 rounds)
         for _ in range(3):  # then re-plans
             ddp(x).sum().backward()
         out = len(ddp.plan.groups), ddp.planned_with, ddp.settled, ddp.trial
@@ -596,3 +596,43 @@ def test_wfbp_is_a_candidate_and_kept_when_fastest_and_replans_keep_its_rule(mon
     assert messages and "keeping one allreduce per layer (WFBP)" in messages[0], messages
     replans = [r.getMessage() for r in caplog.records if "plan (" in r.getMessage()]
     assert len(replans) >= 2 and "plan (wfbp" in replans[-1], replans
+
+
+def test_bucket_cap_mb_buckets_are_a_candidate_kept_when_fastest_and_not_replanned(monkeypatch, caplog):
+    """Buckets of ``bucket_cap_mb`` (the ``fixed`` schedule's) beside the trial's other candidates;
+    every other layout made slow (torch DDP's default buckets, two here, too): the trial keeps
+    them on every rank, and re-plans after a drift leave them as they are (by size, as the
+    ``fixed`` schedule lays them out; re-planned by the optimal rule they would change)."""
+    from ringtrain.ddp import wrapper
+
+    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    real_mark = wrapper.DistributedDataParallel._mark_ready
+
+    def mark_ready(self, bucket):
+        if self._planning.trial is not None and not (self.plan.method == "fixed" and len(self.plan.groups) > 2):
+            time.sleep(0.01)  # per ready bucket of any other plan, in the trial
+        return real_mark(self, bucket)
+
+    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
+
+    def body(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 263 KB a layer
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
+                                      bucket_cap_mb=0.6, replan_interval=1, drift_threshold=1e-9)
+        x = torch.randn(8, 256)
+        train_until_settled(ddp, x, 80)
+        groups = ddp.plan.groups
+        for _ in range(3):  # re-plans (any drift would re-plan)
+            ddp(x).sum().backward()
+        out = ddp.settled, ddp.kept, ddp.plan.method, groups, ddp.plan.groups, ddp.trial
+        ddp.close()
+        return out
+
+    results = raise_first(run_comms(2, body))
+    assert results[0] == results[1], results
+    settled, kept, method, groups, after, trial = results[0]
+    assert settled and kept == "fixed" and method == "fixed" and len(groups) > 2, (kept, method, groups, trial)
+    assert after == groups, (groups, after)
+    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
+    assert messages and "keeping buckets of bucket_cap_mb" in messages[0], messages

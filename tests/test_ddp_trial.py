@@ -42,9 +42,10 @@ class FakeWrapper:
         self.agreements.append((label, op))
         self.agreed(label, values)
 
-    def trial(self, times, probe=True, iterations=3, interference=planner.NO_INTERFERENCE, **options):
+    def trial(self, times, probe=True, iterations=3, interference=planner.NO_INTERFERENCE, bucket_cap_mb=25.0):
         return PlanTrial(np.asarray(times, dtype=np.float64), self.sizes, COST, interference, iterations, probe,
-                         install=self.install, use=self.use, agree=self.agree, log=self.logged.append, **options)
+                         install=self.install, use=self.use, agree=self.agree, log=self.logged.append,
+                         bucket_cap_mb=bucket_cap_mb)
 
 
 def run_trial(trial: PlanTrial, fake: FakeWrapper, forward_backward: dict, limit: int = 200) -> int:
@@ -87,7 +88,11 @@ def test_the_clearly_fastest_candidate_stays_after_one_round():
         trial.step((0.06, 0.1, 0.07))
     labels = [c["label"] for c in trial.candidates]
     assert labels[0] == "plan" and set(labels) <= set(CANDIDATES) and len(labels) >= 2, labels
-    assert list(trial.layouts) == ["single"], "the probes' buckets are still held (a copy of the gradients each)"
+    assert trial.layouts == {}, "the probes' buckets are still held (a copy of the gradients each)"
+    # one layout per candidate: the single allreduce's buckets serve the one of one group
+    assert len({c["layout"] for c in trial.candidates}) == len(labels)
+    one, = [c for c in trial.candidates if len(c["plan"].groups) == 1]
+    assert one["layout"] == fake.installed.index([(0, 29)]), "the single phase's buckets laid out again"
     assert labels == [label for label in CANDIDATES if label in labels], "not in CANDIDATES' order (the earlier of equals stays)"
     groupings = [tuple(c["plan"].groups) for c in trial.candidates]
     assert len(set(groupings)) == len(groupings), "two candidates grouped alike"
@@ -104,7 +109,7 @@ def test_the_clearly_fastest_candidate_stays_after_one_round():
     # The winner is laid out afresh, last, and is in force.
     kept_plan = next(c for c in trial.record if c["kept"])
     assert len(fake.installed[-1]) == kept_plan["groups"] and fake.in_force == len(fake.installed) - 1
-    assert trial.candidates == [] and trial.layouts == {}  # the trial's layouts dropped
+    assert trial.candidates == [] and trial.layouts == {}  # the trial's layouts dropped (before the winner's)
     assert "keeping " + CANDIDATES[winner] in fake.logged[-1]
 
 

@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import datetime
 import json
 import math
 import sys
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strategies: dict, out_dir: Path | None,
-         kind: str, started, stamp: str) -> int:
+         kind: str, started: datetime.datetime, stamp: str) -> int:
     """The run (``run``'s checked settings) begun at ``started``: its jobs, then its result saved
     as ``<kind>-<stamp>.json`` and printed; the exit status."""
     cfg = {
@@ -885,8 +886,8 @@ def _ring_fields(c: dict, med: float, p: int, trace, sim_trace, cost, algorithm:
     plan = ddp.plan
     # The plan in force: "optimal" may have measured that a single allreduce is faster here.
     # (as the wrapper planned it: its trial may have kept the plan of free overlap)
-    # (its trial may also have kept torch DDP's default buckets, the first one smaller,
-    # or MG-WFBP's merge: plan.method then says mgwfbp)
+    # (its trial may also have kept torch DDP's default buckets, the first one smaller, or
+    # another schedule's grouping: plan.method then says mgwfbp, wfbp or fixed)
     buckets = ddp.kept == "buckets"  # (DDP_BUCKETS[1] is the 25 MiB every fixed plan here has)
     pred = predict_with_cost(sim_trace, cost, p, plan.method, algorithm=algorithm, cluster="measured",
                              interference=slow,

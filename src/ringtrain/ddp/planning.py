@@ -101,9 +101,9 @@ class Planning:
 
     @property
     def method(self) -> str:
-        """The planner's method the plan in force was made by and re-plans use: the schedule
-        asked for, or ``mgwfbp`` / ``wfbp`` where the trial measured that schedule's plan to be the
-        fastest."""
+        """The planner's method re-plans use: the schedule asked for, or ``mgwfbp`` / ``wfbp`` where
+        the trial measured that schedule's plan to be the fastest. (A kept single allreduce or
+        buckets by size are not re-planned: ``plan.method`` says how those were made.)"""
         return self.kept if self.kept in METHOD_CANDIDATES else self.options.schedule
 
     def start(self) -> None:

@@ -73,14 +73,14 @@ class PlanTrial:
     the interference measured (or the one given).
     """
 
-    __slots__ = ("times", "sizes", "cost", "interference", "iterations", "bucket_cap_mb", "phases", "k", "rows", "plans",
-                 "layouts", "launches", "bytes", "candidates", "turn", "rounds", "kept", "record",
+    __slots__ = ("times", "sizes", "cost", "interference", "iterations", "bucket_cap_mb", "phases", "k", "rows",
+                 "plans", "layouts", "launches", "bytes", "candidates", "turn", "rounds", "kept", "record",
                  "_install", "_use", "_agree", "_log")
 
     def __init__(self, times: np.ndarray, sizes: np.ndarray, cost: planner.CostFn,
                  interference: planner.Interference, iterations: int, probe: bool,
                  install: Callable, use: Callable, agree: Callable, log: Callable[[str], None],
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float):
         self.times, self.sizes, self.cost, self.interference = times, sizes, cost, interference
         self.iterations, self.bucket_cap_mb = iterations, bucket_cap_mb
         self._install, self._use, self._agree, self._log = install, use, agree, log
@@ -178,9 +178,10 @@ class PlanTrial:
             self._log(f"with the interference ({describe(self.interference)}) every candidate plan is "
                       f"{len(candidates[0]['plan'].groups)} group(s) alike; keeping it")
             return
+        single = self.layouts.pop("single")  # (the buckets in force)
         for c in candidates:
-            # (the single phase's buckets are the ones in force: kept as they are)
-            c["layout"] = self.layouts["single"] if c["label"] == "single" else self._install(c["plan"])[0]
+            # the single phase's buckets serve the candidate of one group (single, or one grouped alike)
+            c["layout"] = single if c["plan"].groups == self.plans["single"].groups else self._install(c["plan"])[0]
         self.candidates = candidates
         self._use(candidates[0]["layout"])
 
@@ -206,11 +207,13 @@ class PlanTrial:
         best = candidates[int(np.argmin(medians))]  # (no margin: the measured fastest stays)
         self.record = [{"label": c["label"], "groups": len(c["plan"].groups), "median_s": float(m),
                         "rounds": rounds, "kept": c is best} for c, m in zip(candidates, medians)]
-        # The winner's buckets are laid out afresh and the trial's layouts dropped (in three 4-rank
-        # runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
+        # The winner's buckets are laid out afresh and the trial's layouts dropped first (in three
+        # 4-rank runs on 2 cores a kept layout's allreduce ran 9-13% slower than a fresh one's).
+        for c in candidates:
+            del c["layout"]
+        self.candidates = []
         self._install(best["plan"])
         self.kept = best["label"]
-        self.candidates, self.layouts = [], {}
         groups = lambda n: f"{n} group{'s' if n != 1 else ''}"  # noqa: E731
         timed = ", ".join(f"{CANDIDATES[c['label']]} ({groups(len(c['plan'].groups))}) {m * 1e3:.1f} ms"
                           for c, m in zip(candidates, medians))
