@@ -474,43 +474,54 @@ def test_a_given_cost_is_planned_with_and_skips_the_sweep():
             assert end - start == pytest.approx(cost(nbytes), rel=1e-12)
 
 
-
-def test_torch_ddps_default_buckets_are_a_candidate_and_kept_when_fastest(monkeypatch, caplog):
-    """Every plan but one of two buckets (torch DDP's default caps: the first closed at 1 MiB,
-    then 25 MiB) made slow: the trial times DDP's buckets beside its own candidates and keeps
-    them, on every rank; re-plans leave them alone (the profile does not change them)."""
+def trial_with_one_fast_candidate(monkeypatch, caplog, fast, layers: int, width: int, **options) -> tuple:
+    """2 ranks train ``layers`` Linear(width, width) under schedule="optimal" with ``options`` until
+    the trial is over, then 3 steps more (re-plans: any drift re-plans); every layout but those
+    ``fast(wrapper)`` accepts is made slow (10 ms per ready bucket). Returns, alike on every rank:
+    settled, kept, the plan's method and groups after the re-plans, the groups when settled, the
+    trial's record; and rank 0's "candidates verified" and plan log lines."""
     from ringtrain.ddp import wrapper
 
     caplog.set_level(logging.INFO, logger="ringtrain.ddp")
     real_mark = wrapper.DistributedDataParallel._mark_ready
 
     def mark_ready(self, bucket):
-        if len(self._specs) != 2:
-            time.sleep(0.01)  # per ready bucket of any other plan
+        if not fast(self):
+            time.sleep(0.01)
         return real_mark(self, bucket)
 
     monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
 
     def body(comm):
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 263 KB a layer: 4 in DDP's first bucket
-        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
-                                      replan_interval=1, drift_threshold=1e-9)
-        x = torch.randn(8, 256)
-        train_until_settled(ddp, x, 60)
-        for _ in range(3):  # re-plans
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        ddp = DistributedDataParallel(model, comm, schedule="optimal", verify_iterations=2, replan_interval=1,
+                                      drift_threshold=1e-9, **options)
+        x = torch.randn(8, width)
+        train_until_settled(ddp, x, 80)
+        settled_groups = ddp.plan.groups
+        for _ in range(3):
             ddp(x).sum().backward()
-        out = ddp.settled, ddp.kept, ddp.plan.groups, ddp.trial
+        out = ddp.settled, ddp.kept, ddp.plan.method, ddp.plan.groups, settled_groups, ddp.trial
         ddp.close()
         return out
 
     results = raise_first(run_comms(2, body))
     assert results[0] == results[1], results
-    settled, kept, groups, trial = results[0]
+    messages = [r.getMessage() for r in caplog.records]
+    return (*results[0], [m for m in messages if "candidates verified" in m], [m for m in messages if "plan (" in m])
+
+
+def test_torch_ddps_default_buckets_are_a_candidate_and_kept_when_fastest(monkeypatch, caplog):
+    """Every plan but one of two buckets (torch DDP's default caps: the first closed at 1 MiB,
+    then 25 MiB) made slow: the trial times DDP's buckets beside its own candidates and keeps
+    them, on every rank; re-plans leave them alone (the profile does not change them)."""
+    # (263 KB a layer: 4 in DDP's first bucket)
+    settled, kept, _, groups, _, trial, verified, _ = trial_with_one_fast_candidate(
+        monkeypatch, caplog, lambda ddp: len(ddp._specs) == 2, 8, 256, alpha=1e-6, beta=1e-7)
     assert settled and "buckets" in [c["label"] for c in trial], trial
     assert kept == "buckets" and groups == [(0, 7), (8, 15)], (kept, groups, trial)
-    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
-    assert messages and "keeping torch DDP's default buckets" in messages[0], messages
+    assert verified and "keeping torch DDP's default buckets" in verified[0], verified
 
 
 def test_mgwfbps_merge_is_a_candidate_and_kept_when_fastest_and_replans_keep_its_rule(monkeypatch, caplog):
@@ -518,121 +529,42 @@ def test_mgwfbps_merge_is_a_candidate_and_kept_when_fastest_and_replans_keep_its
     candidates; every other layout made slow: the trial keeps it on every rank, and re-plans
     after a drift plan by MG-WFBP's rule again, not by the schedule asked for."""
     from ringtrain import plan as planner
-    from ringtrain.ddp import wrapper
 
-    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
     threes = [(0, 5), (6, 11), (12, 17)]  # 9 layers, weight and bias each: 18 parameters
     monkeypatch.setattr(planner, "_mgwfbp_groups", lambda ready, sizes, cost: list(threes))
-    real_mark = wrapper.DistributedDataParallel._mark_ready
-
-    def mark_ready(self, bucket):
-        if self.plan.groups != threes:
-            time.sleep(0.01)  # per ready bucket of any other plan
-        return real_mark(self, bucket)
-
-    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
-
-    def body(comm):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(9)])
-        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
-                                      replan_interval=1, drift_threshold=1e-9)
-        x = torch.randn(8, 64)
-        train_until_settled(ddp, x, 60)
-        for _ in range(3):  # re-plans (any drift re-plans)
-            ddp(x).sum().backward()
-        out = ddp.settled, ddp.kept, ddp.plan.method, ddp.plan.groups, ddp.trial
-        ddp.close()
-        return out
-
-    results = raise_first(run_comms(2, body))
-    assert results[0] == results[1], results
-    settled, kept, method, groups, trial = results[0]
+    settled, kept, method, groups, _, trial, verified, plans = trial_with_one_fast_candidate(
+        monkeypatch, caplog, lambda ddp: ddp.plan.groups == threes, 9, 64, alpha=1e-6, beta=1e-7)
     labels = [c["label"] for c in trial]
     assert settled and "mgwfbp" in labels and labels.index("mgwfbp") > labels.index("plan"), trial
     assert kept == "mgwfbp" and method == "mgwfbp" and groups == threes, (kept, method, groups, trial)
-    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
-    assert messages and "keeping the MG-WFBP merge" in messages[0], messages
-    replans = [r.getMessage() for r in caplog.records if "plan (" in r.getMessage()]
-    assert len(replans) >= 2 and "plan (mgwfbp" in replans[-1], replans
+    assert verified and "keeping the MG-WFBP merge" in verified[0], verified
+    assert len(plans) >= 2 and "plan (mgwfbp" in plans[-1], plans
 
 
 def test_wfbp_is_a_candidate_and_kept_when_fastest_and_replans_keep_its_rule(monkeypatch, caplog):
     """One allreduce per layer beside the trial's other candidates (whose start-up cost, 1 ms
-    here, makes them merge); every other layout made slow: the trial keeps WFBP on every rank,
-    and re-plans after a drift plan by WFBP's rule again."""
-    from ringtrain.ddp import wrapper
-
-    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
+    here, makes them merge); every other layout made slow in the trial (not in the profile, which
+    would then plan per layer): the trial keeps WFBP on every rank, and re-plans after a drift
+    plan by WFBP's rule again."""
     per_layer = [(i, i) for i in range(8)]  # 4 layers, weight and bias each
-    real_mark = wrapper.DistributedDataParallel._mark_ready
-
-    def mark_ready(self, bucket):
-        if self._planning.trial is not None and self.plan.groups != per_layer:
-            time.sleep(0.01)  # per ready bucket of any other plan, in the trial (not in the profile)
-        return real_mark(self, bucket)
-
-    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
-
-    def body(comm):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
-        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-3, beta=1e-9, verify_iterations=2,
-                                      replan_interval=1, drift_threshold=1e-9)
-        x = torch.randn(8, 64)
-        train_until_settled(ddp, x, 80)
-        for _ in range(3):  # re-plans (any drift re-plans)
-            ddp(x).sum().backward()
-        out = ddp.settled, ddp.kept, ddp.plan.method, ddp.plan.groups, ddp.trial
-        ddp.close()
-        return out
-
-    results = raise_first(run_comms(2, body))
-    assert results[0] == results[1], results
-    settled, kept, method, groups, trial = results[0]
+    settled, kept, method, groups, _, trial, verified, plans = trial_with_one_fast_candidate(
+        monkeypatch, caplog, lambda ddp: ddp._planning.trial is None or ddp.plan.groups == per_layer, 4, 64,
+        alpha=1e-3, beta=1e-9)
     assert settled and "wfbp" in [c["label"] for c in trial], trial
     assert kept == "wfbp" and method == "wfbp" and groups == per_layer, (kept, method, groups, trial)
-    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
-    assert messages and "keeping one allreduce per layer (WFBP)" in messages[0], messages
-    replans = [r.getMessage() for r in caplog.records if "plan (" in r.getMessage()]
-    assert len(replans) >= 2 and "plan (wfbp" in replans[-1], replans
+    assert verified and "keeping one allreduce per layer (WFBP)" in verified[0], verified
+    assert len(plans) >= 2 and "plan (wfbp" in plans[-1], plans
 
 
 def test_bucket_cap_mb_buckets_are_a_candidate_kept_when_fastest_and_not_replanned(monkeypatch, caplog):
     """Buckets of ``bucket_cap_mb`` (the ``fixed`` schedule's) beside the trial's other candidates;
-    every other layout made slow (torch DDP's default buckets, two here, too): the trial keeps
-    them on every rank, and re-plans after a drift leave them as they are (by size, as the
-    ``fixed`` schedule lays them out; re-planned by the optimal rule they would change)."""
-    from ringtrain.ddp import wrapper
-
-    caplog.set_level(logging.INFO, logger="ringtrain.ddp")
-    real_mark = wrapper.DistributedDataParallel._mark_ready
-
-    def mark_ready(self, bucket):
-        if self._planning.trial is not None and not (self.plan.method == "fixed" and len(self.plan.groups) > 2):
-            time.sleep(0.01)  # per ready bucket of any other plan, in the trial
-        return real_mark(self, bucket)
-
-    monkeypatch.setattr(wrapper.DistributedDataParallel, "_mark_ready", mark_ready)
-
-    def body(comm):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 263 KB a layer
-        ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
-                                      bucket_cap_mb=0.6, replan_interval=1, drift_threshold=1e-9)
-        x = torch.randn(8, 256)
-        train_until_settled(ddp, x, 80)
-        groups = ddp.plan.groups
-        for _ in range(3):  # re-plans (any drift would re-plan)
-            ddp(x).sum().backward()
-        out = ddp.settled, ddp.kept, ddp.plan.method, groups, ddp.plan.groups, ddp.trial
-        ddp.close()
-        return out
-
-    results = raise_first(run_comms(2, body))
-    assert results[0] == results[1], results
-    settled, kept, method, groups, after, trial = results[0]
+    every other layout made slow in the trial (torch DDP's default buckets, two here, too): the
+    trial keeps them on every rank, and re-plans after a drift leave them as they are (by size, as
+    the ``fixed`` schedule lays them out; re-planned by the optimal rule they would change)."""
+    settled, kept, method, groups, when_settled, trial, verified, _ = trial_with_one_fast_candidate(
+        monkeypatch, caplog,
+        lambda ddp: ddp._planning.trial is None or (ddp.plan.method == "fixed" and len(ddp.plan.groups) > 2),
+        8, 256, alpha=1e-6, beta=1e-7, bucket_cap_mb=0.6)  # (263 KB a layer)
     assert settled and kept == "fixed" and method == "fixed" and len(groups) > 2, (kept, method, groups, trial)
-    assert after == groups, (groups, after)
-    messages = [r.getMessage() for r in caplog.records if "candidates verified" in r.getMessage()]
-    assert messages and "keeping buckets of bucket_cap_mb" in messages[0], messages
+    assert groups == when_settled, (when_settled, groups)
+    assert verified and "keeping buckets of bucket_cap_mb" in verified[0], verified
