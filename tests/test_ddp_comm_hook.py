@@ -566,3 +566,43 @@ def test_a_future_that_never_completes_is_a_timeout_naming_the_hook():
     for step, error, seconds, _ in _failing(hook_for, deadline=10.5):
         assert step == 0 and isinstance(error, CommTimeout) and "never" in str(error), error
         assert seconds < 20.0
+
+
+# --- a state kept by bucket, when the buckets are laid out anew -------------------------------------
+
+def test_error_feedback_moves_with_each_parameter_to_the_new_buckets():
+    """PowerSGD's residuals are kept by bucket index; laid out anew (the first plan, the trial's
+    candidates), each parameter's residual moves to its new slot (they were dropped: the trial's
+    switches lost every compressed step's residual), the warm-start vectors are emptied, and a
+    state with no known old layout keeps nothing."""
+    from types import SimpleNamespace
+
+    from ringtrain.ddp import buckets as bucketing
+    from ringtrain.ddp.comm_hook import forget_buckets
+
+    numels = [3, 5, 2, 4, 6]
+    dtypes, sizes = [torch.float32] * 5, [4] * 5
+    old = bucketing.layout([4, 3, 2, 1, 0], [(0, 1), (2, 4)], numels, dtypes, sizes)
+    new = bucketing.layout([4, 3, 2, 1, 0], [(0, 0), (1, 3), (4, 4)], numels, dtypes, sizes)
+
+    def residual(pid):  # (a value per element that names its parameter and place)
+        return torch.arange(numels[pid], dtype=torch.float32) + 100 * pid
+
+    errors = {}
+    for spec in old:
+        errors[spec.index] = torch.cat([residual(pid) for pid in spec.pids])
+    state = SimpleNamespace(error_dict=dict(errors), p_memory_dict={0: torch.ones(2)}, q_memory_dict={0: torch.ones(2)})
+    forget_buckets(state, old, new)
+    assert sorted(state.error_dict) == [0, 1, 2] and state.p_memory_dict == {} and state.q_memory_dict == {}
+    for spec in new:
+        assert torch.equal(state.error_dict[spec.index], torch.cat([residual(pid) for pid in spec.pids])), spec
+    # An old bucket with no residual yet (not compressed): zeros for its parameters; a new bucket
+    # of those alone gets none.
+    state = SimpleNamespace(error_dict={1: errors[1]})  # old bucket 1: parameters 2, 1, 0
+    forget_buckets(state, old, new)
+    assert sorted(state.error_dict) == [1, 2]  # new bucket 0 (parameter 4) had nothing
+    assert torch.equal(state.error_dict[1], torch.cat([torch.zeros(numels[3]), residual(2), residual(1)]))
+    # A layout not known (a state of another wrapper, or loaded): nothing kept.
+    state = SimpleNamespace(error_dict=dict(errors))
+    forget_buckets(state, None, new)
+    assert state.error_dict == {}

@@ -163,19 +163,48 @@ def hook_group(state: Any, world_size: int, rank: int) -> Optional[dist.ProcessG
 
 
 #: The attributes in which a hook's state keeps something per bucket index (PowerSGD's error
-#: feedback and warm-start vectors): emptied when the buckets are laid out otherwise.
+#: feedback and warm-start vectors): moved or emptied when the buckets are laid out otherwise.
 BUCKET_STATE = ("error_dict", "p_memory_dict", "q_memory_dict")
 
 
-def forget_buckets(state: Any) -> None:
-    """Empty what ``state`` keeps per bucket index (``BUCKET_STATE``): the buckets were laid out
-    anew, so index k now holds other gradients (or another number of them). PowerSGD then goes
-    on as if it compressed those buckets for the first time: fresh warm-start vectors, drawn from
-    its generator (alike on every rank), and the error feedback of the old buckets dropped."""
+def forget_buckets(state: Any, old: Optional[Sequence[Any]] = None, new: Optional[Sequence[Any]] = None) -> None:
+    """The buckets were laid out anew, so index k now holds other gradients (or another number of
+    them): empty what ``state`` keeps per bucket index (``BUCKET_STATE``). PowerSGD then goes on as
+    if it compressed those buckets for the first time: fresh warm-start vectors, drawn from its
+    generator (alike on every rank). Its error feedback (``error_dict``: per bucket, one residual
+    per element of the bucket's buffer) is moved parameter by parameter from the ``old`` layout's
+    buckets to the ``new`` one's (lists of ``buckets.BucketSpec``), so no gradient's residual is
+    lost; without both layouts (a state used by an earlier wrapper, or loaded), dropped."""
+    errors = getattr(state, "error_dict", None)
+    moved = _moved_errors(errors, old, new) if isinstance(errors, dict) and errors and old and new else {}
     for name in BUCKET_STATE:
         kept = getattr(state, name, None)
         if isinstance(kept, dict):
             kept.clear()
+    if moved:
+        errors.update(moved)
+
+
+def _moved_errors(errors: dict, old: Sequence[Any], new: Sequence[Any]) -> dict:
+    """``errors`` (bucket index of ``old`` -> its buffer's residuals) by bucket index of ``new``:
+    each parameter's slice copied from its old slot to its new one, zeros where its old bucket
+    had none (not compressed yet); a new bucket that receives nothing gets no entry."""
+    where = {pid: (spec, off) for spec in old for pid, off in zip(spec.pids, spec.offsets)}
+    moved = {}
+    for spec in new:
+        ends = list(spec.offsets[1:]) + [spec.numel]
+        into = None
+        for pid, off, end in zip(spec.pids, spec.offsets, ends):
+            src, src_off = where.get(pid, (None, 0))
+            residual = errors.get(src.index) if src is not None else None
+            if not isinstance(residual, torch.Tensor) or residual.numel() != src.numel:
+                continue  # (none kept for that bucket, or not one of its buffer's size)
+            if into is None:
+                into = residual.new_zeros(spec.numel)
+            into[off:end] = residual[src_off:src_off + end - off]
+        if into is not None:
+            moved[spec.index] = into
+    return moved
 
 
 class CommHook:
@@ -203,13 +232,14 @@ class CommHook:
         the bucket's buffer. ``layout``: the wrapper's bucket layout in force (its list of
         specs); under another one than the hook last reduced (or the first: a state used by an
         earlier wrapper, or loaded, holds buckets of another layout), the state's buckets are
-        forgotten first (:func:`forget_buckets`; every rank changes layout at the same iteration).
+        forgotten first, its error feedback moved to the new ones (:func:`forget_buckets`; every
+        rank changes layout at the same iteration).
         A layout laid out anew alike (the first plan grouping as the buckets before it) is the same:
         its buckets hold the same gradients, and PowerSGD's error feedback stays."""
         index = bucket.index()
         if layout is not self.layout:  # (the same list: the same layout; another: compared spec by spec)
             if self.layout is None or layout != self.layout:
-                forget_buckets(self.state)
+                forget_buckets(self.state, self.layout, layout)
             self.layout = layout
         if self.failed is not None:
             raise CommError(f"comm hook {self.name} was not called on bucket {index}: it failed on an earlier bucket "
