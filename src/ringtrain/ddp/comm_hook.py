@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ..comm import Communicator
 from ..errors import CommError, CommTimeout
+from .buckets import bucket_of
 
 
 class GradBucket:
@@ -189,15 +190,15 @@ def _moved_errors(errors: dict, old: Sequence[Any], new: Sequence[Any]) -> dict:
     """``errors`` (bucket index of ``old`` -> its buffer's residuals) by bucket index of ``new``:
     each parameter's slice copied from its old slot to its new one, zeros where its old bucket
     had none (not compressed yet); a new bucket that receives nothing gets no entry."""
-    where = {pid: (spec, off) for spec in old for pid, off in zip(spec.pids, spec.offsets)}
+    where = bucket_of(old, sum(len(spec.pids) for spec in old))  # (a spec's index is its place)
     moved = {}
     for spec in new:
         ends = list(spec.offsets[1:]) + [spec.numel]
         into = None
         for pid, off, end in zip(spec.pids, spec.offsets, ends):
-            src, src_off = where.get(pid, (None, 0))
-            residual = errors.get(src.index) if src is not None else None
-            if not isinstance(residual, torch.Tensor) or residual.numel() != src.numel:
+            src, src_off = where[pid]
+            residual = errors.get(src)
+            if not isinstance(residual, torch.Tensor) or residual.numel() != old[src].numel:
                 continue  # (none kept for that bucket, or not one of its buffer's size)
             if into is None:
                 into = residual.new_zeros(spec.numel)
