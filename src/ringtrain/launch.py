@@ -382,6 +382,10 @@ def _nodes_end_together(prog: str):
         watch = _StoreWatch()
         monitor = self._monitor_workers
 
+        def check_in() -> None:  # (at torchrun's exit barrier: its non-blocking half, which does not wait)
+            store_util._barrier_nonblocking(self._store, self._worker_group.group_world_size,
+                                            api._TERMINAL_STATE_SYNC_ID)
+
         def monitor_and_watch(group):
             result = monitor(group)
             several = (group.group_world_size or 1) > 1
@@ -399,10 +403,8 @@ def _nodes_end_together(prog: str):
         try:
             result = original(self, role)
         except _NodeFailed:  # (stopped for another node's failure: checks in at the exit barrier too, below)
-            group = self._worker_group
             if self._store is not None:
-                _bounded(lambda: store_util._barrier_nonblocking(self._store, group.group_world_size,
-                                                                 api._TERMINAL_STATE_SYNC_ID))
+                _bounded(check_in)
             raise
         finally:
             del self._monitor_workers
@@ -421,7 +423,7 @@ def _nodes_end_together(prog: str):
                     with contextlib.suppress(Exception):  # (a node already gone never reads it; within the join)
                         store.wait(others, timedelta(seconds=_CHECK_OUT_TIMEOUT / 2))
                 with contextlib.suppress(Exception):  # (node 0 gone: the others see its store closed, as before)
-                    store_util._barrier_nonblocking(self._store, group.group_world_size, api._TERMINAL_STATE_SYNC_ID)
+                    check_in()
 
             _bounded(check_out)
         return result
