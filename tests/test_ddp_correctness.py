@@ -16,6 +16,7 @@ import torch
 
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
+from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
 from ringtrain.plan import Interference
 from test_ddp_support import (PER_RANK, STEPS, make_model, perturbed, rank_batch, reference, train)
 
@@ -94,16 +95,21 @@ def test_equal_data_on_two_ranks_is_bitwise_single_process(schedule, algorithm):
 @pytest.mark.timeout(60)
 def test_the_trial_switching_bucket_layouts_stays_bitwise_single_process(caplog):
     """verify_iterations=2 (interference given: no probes): the single allreduce, then the plan
-    and the single allreduce alternating iteration by iteration (their bucket layouts kept
-    and swapped; with no interference the plan of free overlap is the plan), within the 20 steps: equal data on both ranks must still give single-process
-    training bit for bit, and every rank must keep the same plan."""
+    and the other candidates taking turns iteration by iteration (their bucket layouts kept and
+    swapped; with no interference the plan of free overlap is the plan), every round run: equal
+    data on both ranks must still give single-process training bit for bit, and every rank must
+    keep the same plan."""
     caplog.set_level(logging.INFO, logger="ringtrain.ddp")
-    results = ddp_train(2, "mlp", "optimal", "ring", data_rank=0, verify_iterations=2, replan_interval=0,
-                        interference=Interference())
+    # Steps for the longest trial: warm-up 1, profile 2, the single phase 2, then up to
+    # VERIFY_ROUNDS rounds of 2 iterations per candidate (near-equal candidates, as an unloaded
+    # machine's, take every round; 20 steps ended the trial in round 2 once in CI).
+    steps = 1 + 2 + 2 + VERIFY_ROUNDS * 2 * len(CANDIDATES)
+    results = ddp_train(2, "mlp", "optimal", "ring", data_rank=0, steps=steps, verify_iterations=2,
+                        replan_interval=0, interference=Interference())
     assert any("candidates verified" in r.getMessage() for r in caplog.records)
     assert_identical_across_ranks(results)
     assert results[0][1] == results[1][1]
-    expected = train(make_model("mlp"), lambda s: rank_batch("mlp", s, 2, 0))
+    expected = train(make_model("mlp"), lambda s: rank_batch("mlp", s, 2, 0), steps)
     for i, (got, want) in enumerate(zip(results[0][0], expected)):
         assert torch.equal(got, want), f"parameter {i} differs from single-process training"
 
