@@ -66,9 +66,15 @@ def test_simulate_plots(tmp_path, capsys):
     (["--gpus", "0"], "--gpus"),
     (["--gpus", "99999999999999999999"], "--gpus: GPU counts must be from 1 to 1048576"),  # (printed runaway rows)
     # (numbers out of any real range: rows of inf, or a message naming no input)
-    (["--model", "resnet50", "--gpus", "4", "--cluster", "alpha=0,beta=1e300"], "the predicted iteration takes 1.53e+308 s"),
+    (["--model", "resnet50", "--gpus", "4", "--cluster", "alpha=0,beta=1e300"],
+     "one allreduce of its 102228128 gradient bytes takes 1.53e+308 s"),
+    # (an inf cost: one line, the same refusal, not the planner's naming a bound method of the cost)
     (["--model", "resnet50", "--gpus", "4", "--cluster", "alpha=1e308,beta=1e-9"],
-     "the cost of an allreduce of 102228128 bytes came out inf seconds"),
+     "one allreduce of its 102228128 gradient bytes takes inf s, over 1e+09 s (30 years); are the cost's numbers "
+     "(AllreduceCost(world_size=4, algorithm='ring', alpha=1e+308,"),
+    (["--model", "resnet50", "--gpus", "16", "--cluster", "alpha=1e-5,beta=1e300", "--algorithms", "ps"],
+     "one allreduce of its 102228128 gradient bytes takes inf s"),
+    (["--model", "resnet50", "--cluster", "alpha=1e-5,beta=1e-9,name="], "--cluster: the cluster's name must not be"),
     (["--schedules", "greedy"], "--schedules"),
     (["--algorithms", "butterfly"], "--algorithms"),
     (["--device", "p100"], "--device"),
@@ -111,6 +117,8 @@ def test_plan_json_with_alpha_beta(capsys):
     (["--model", "resnet50", "--gpus-per-node", "0"], "--gpus-per-node: must be"),
     (["--model", "resnet50", "--gpus", "99999999999999999999"], "--gpus: the GPU count must be an integer from 1 to "
                                                                 "1048576"),  # (was a 30-years refusal naming no flag)
+    (["--model", "resnet50", "--alpha", "1e-5", "--beta", "1e300"], "one allreduce of its 102228128 gradient bytes "
+                                                                    "takes inf s"),  # (named a bound method)
 ])
 def test_plan_bad_options(argv, match, capsys):
     assert main(["plan", *argv]) == 2

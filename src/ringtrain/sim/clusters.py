@@ -66,7 +66,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("cluster name must not be empty")
+            raise ValueError("--cluster: the cluster's name must not be empty (name=)")
         for key in ("alpha", "beta", "gamma", "intra_alpha", "intra_beta"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and value >= 0 and value != float("inf")):

@@ -168,6 +168,13 @@ def predict_with_cost(
     # (sim.costs, "ps"; the planner's drain).
     occupancy = getattr(cost, "occupancy", cost) if world_size > 1 else _free
     drain = getattr(cost, "drain", None) if servers else None
+    if world_size > 1 and sizes:  # (else the planner's refusal of an inf cost names a bound method)
+        with np.errstate(over="ignore", invalid="ignore"):
+            whole = float(occupancy(float(sum(sizes))))
+        if not whole <= MAX_ITERATION_S:
+            raise ValueError(f"{trace.model} at {world_size} GPUs: one allreduce of its {sum(sizes)} gradient bytes "
+                             f"takes {whole:.3g} s, over {MAX_ITERATION_S:.0e} s (30 years); are the cost's numbers "
+                             f"({cost!r}) or the trace's sizes out of any real range?")
     with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is refused below, in one line)
         plan = _plan_layers(times, sizes, schedule, occupancy, bucket_cap_mb,
                             interference if world_size > 1 else None, planned_with if world_size > 1 else None,
