@@ -333,6 +333,7 @@ def merge(
     interference: Interference | None = None,
     planned_with: Interference | None = None,
     drain: CostFn | None = None,
+    tail: float = 0.0,
 ) -> Plan:
     """Group the layers' gradients into allreduces with ``method`` (one of ``METHODS``).
 
@@ -341,7 +342,9 @@ def merge(
     (the other methods' rules are as their authors wrote them), or around ``planned_with``
     where that is given (e.g. ``Interference()``: the optimum of free overlap, timed with
     what overlapping really costs). ``drain``: see the module docstring (every method's timing
-    and the optimum count it).
+    and the optimum count it). ``tail``: backward's compute after the last gradient is ready
+    (``Plan.tail``); ``optimal`` then minimizes the later of backward's end and the last
+    allreduce's, which differ in what they favour where interference delays backward.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}: accepted values are {', '.join(METHODS)}")
@@ -352,17 +355,18 @@ def merge(
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
     slow = _check_interference(interference)
     planning = slow if planned_with is None else _check_interference(planned_with)
+    _check_scalar("tail", tail)
     n = len(times)
     ready = np.cumsum(times)
     if method == "optimal":
         counted = planning.per_message > 0.0 and n * (n + 1) // 2 <= _COST_TABLE_LIMIT
         if drain is not None:
             counted = planning.per_message > 0.0 and n <= _DRAINED_COUNT_LIMIT
-            groups = _optimal_groups_drained(ready, sizes, cost_fn, planning, drain, counted)
+            groups = _optimal_groups_drained(ready, sizes, cost_fn, planning, drain, counted, tail)
         elif counted:
-            groups = _optimal_groups_counted(ready, sizes, cost_fn, planning)
+            groups = _optimal_groups_counted(ready, sizes, cost_fn, planning, tail)
         else:
-            groups = _optimal_groups(ready, sizes, cost_fn, planning)
+            groups = _optimal_groups(ready, sizes, cost_fn, planning, tail)
     elif method == "mgwfbp":
         groups = _mgwfbp_groups(ready, sizes, cost_fn)
     elif method == "wfbp":
@@ -371,18 +375,19 @@ def merge(
         groups = _fixed_groups(sizes, bucket_cap_mb, first_bucket_mb)
     else:  # single
         groups = [(0, n - 1)] if n else []
-    return _evaluate(times, sizes, groups, cost_fn, method, slow, drain)
+    return _evaluate(times, sizes, groups, cost_fn, method, slow, drain, tail)
 
 
 # --- the methods -------------------------------------------------------------------------
 
 
 def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
-                    slow: Interference | None = None) -> list[tuple[int, int]]:
+                    slow: Interference | None = None, tail: float = 0.0) -> list[tuple[int, int]]:
     """Prefix DP: best[j] = earliest end of an allreduce plan for layers 0..j-1 (a per-byte
     interference delays a group's layers by per_byte * the bytes before it: a function of i;
     comm_slowdown makes the end a non-decreasing function of the start, :func:`_end`).
-    A per-message interference is not planned for here."""
+    A per-message interference is not planned for here. The last group is picked by
+    :func:`_last_group` (backward's ``tail``)."""
     slow = slow or NO_INTERFERENCE
     n = len(sizes)
     prefix = _prefix(sizes)
@@ -408,7 +413,7 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # the launches up to this one's, or, for the last group, up to the one before it.
         until = end0 + delay[j] if j < n else end0 + delay[:j]
         ends = _end(np.maximum(ready[j - 1] + delay[:j], best[:j]), costs, until, slow.comm_slowdown)
-        i = int(np.argmin(ends))
+        i = int(np.argmin(ends)) if j < n else _last_group(ends, end0 + delay[:j], tail)
         best[j] = ends[i]
         split[j] = i
     groups = []
@@ -420,8 +425,9 @@ def _optimal_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
 
 
 def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
-                            slow: Interference) -> list[tuple[int, int]]:
-    """The prefix DP once per group count (a per-message interference; module docstring)."""
+                            slow: Interference, tail: float = 0.0) -> list[tuple[int, int]]:
+    """The prefix DP once per group count (a per-message interference; module docstring); the
+    whole plan's by :func:`_last_group`."""
     n = len(sizes)
     if n == 0:
         return []
@@ -452,6 +458,9 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # The first i reaching the row's minimum (as the 1-D program's argmin).
         first_hit = np.full(n + 1, -1, dtype=np.int64)
         first_hit[1:] = np.minimum.reduceat(np.where(ends == cur[rows], cols, n + 1), row_start)
+        if tail:  # (the whole plan: the later of its end and backward's)
+            k = _last_group(ends[last_row], end0 + delay[last_row], tail)
+            cur[n], first_hit[n] = max(ends[last_row][k], end0 + delay[last_row][k] + tail), cols[last_row][k]
         splits.append(first_hit)
         if cur[n] < best_end:
             best_end, best_count = float(cur[n]), g
@@ -477,7 +486,7 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
 
 
 def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, slow: Interference,
-                            drain: CostFn, counted: bool) -> list[tuple[int, int]]:
+                            drain: CostFn, counted: bool, tail: float = 0.0) -> list[tuple[int, int]]:
     """The prefix program with a drain (module docstring): a plan of a prefix has two ends, its
     last push's and its last pull's, and the whole plan's end is non-decreasing in both, so a
     prefix keeps every plan that no other of it beats in both (a Pareto front): exact. The front
@@ -487,7 +496,8 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
     programs: ``counted`` (a per-message cost, up to ``_DRAINED_COUNT_LIMIT`` layers), one pass per group
     count (a plan of g groups extends the fronts of g - 1) until the lower bounds of
     :func:`_optimal_groups_counted`, the last group's drain added, cannot beat the best; else one
-    pass that plans without the per-message cost (charged by the timing)."""
+    pass that plans without the per-message cost (charged by the timing). The whole plan's by
+    :func:`_last_group`."""
     n = len(sizes)
     if n == 0:
         return []
@@ -531,9 +541,12 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
             until = end0 + (slow.per_message * g + bytes_delay[j]) if j < n else end0 + delay
             e = _end(np.maximum(ready[j - 1] + delay, e_before), costs, until, slow.comm_slowdown)
             q = np.maximum(q_before, e) + drains
-            order = np.lexsort((q, e))  # by push end, then pull end: kept where the pull end is a new low
-            lows = np.minimum.accumulate(np.concatenate(([np.inf], q[order][:-1])))
-            kept = order[q[order] < lows]
+            if j == n and tail:  # plans of the whole: the best by the later of its end and backward's
+                kept = np.array([_last_group(q, end0 + delay, tail)])
+            else:  # by push end, then pull end: kept where the pull end is a new low
+                order = np.lexsort((q, e))
+                lows = np.minimum.accumulate(np.concatenate(([np.inf], q[order][:-1])))
+                kept = order[q[order] < lows]
             for key, value in (("push", e[kept]), ("pull", q[kept]), ("covers", np.full(len(kept), j)),
                                ("first", i[kept]), ("parent", kept)):
                 made[key].append(value)
@@ -541,9 +554,11 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
         passes.append(this)
         whole = np.flatnonzero(this["covers"] == n)
         if len(whole):
-            k = int(whole[np.argmin(this["pull"][whole])])
-            if this["pull"][k] < best_end:
-                best_end, best_pass, best_index = float(this["pull"][k]), len(passes) - 1, k
+            backward = end0 + (delay_messages + bytes_delay[this["first"][whole]])  # (its last group's delay)
+            k = int(whole[_last_group(this["pull"][whole], backward, tail)])
+            end = max(float(this["pull"][k]), float(end0 + (delay_messages + bytes_delay[this["first"][k]])) + tail)
+            if end < best_end:
+                best_end, best_pass, best_index = end, len(passes) - 1, k
         if not counted or g == n:
             break
         g += 1
@@ -565,6 +580,19 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
         if counted:
             p -= 1
     return groups[::-1]
+
+
+def _last_group(ends: np.ndarray, backward: np.ndarray, tail: float) -> int:
+    """The index of the best candidate for a plan's last group, given each candidate's plan end
+    and backward's end before ``tail`` (its launches' delays): the earliest end without a tail;
+    with one, the earliest of the later of the two, ties to the earliest end. (Without a
+    tail backward ends before the last group starts; with one, backward's compute after the
+    last gradient can outlast the allreduces, and a plan that delays it less is faster.)"""
+    if not tail:
+        return int(np.argmin(ends))
+    whole = np.maximum(ends, backward + tail)
+    ties = np.flatnonzero(whole == whole.min())
+    return int(ties[np.argmin(ends[ties])])
 
 
 def _mgwfbp_groups(ready: np.ndarray, sizes: np.ndarray, cost: CostFn) -> list[tuple[int, int]]:
@@ -615,7 +643,7 @@ def _fixed_groups(
 
 def _evaluate(
     times: np.ndarray, sizes: np.ndarray, groups: list[tuple[int, int]], cost: CostFn, method: str,
-    slow: Interference | None = None, drain: CostFn | None = None,
+    slow: Interference | None = None, drain: CostFn | None = None, tail: float = 0.0,
 ) -> Plan:
     slow = slow or NO_INTERFERENCE
     ready = np.cumsum(times)
@@ -653,6 +681,7 @@ def _evaluate(
         group_bytes=[float(b) for b in nbytes],
         ready=[float(r) for r in ready],
         end_time=ends[-1] if ends else 0.0,
+        tail=float(tail),
     )
 
 

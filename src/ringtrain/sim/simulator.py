@@ -35,7 +35,7 @@ cost formula charges, forward-pass prefetching of parameters, and data loading.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -116,14 +116,14 @@ def make_plan(trace: Trace, schedule: str, cost: CostFn, bucket_cap_mb: float = 
 def _plan_layers(times: list[float], sizes: list[int], schedule: str, cost: CostFn, bucket_cap_mb: float,
                  interference: planner.Interference | None,
                  planned_with: planner.Interference | None = None, drain: CostFn | None = None,
-                 first_bucket_mb: float | None = None) -> planner.Plan:
+                 first_bucket_mb: float | None = None, tail: float = 0.0) -> planner.Plan:
     """make_plan on the gradient layers' times and bytes (``Trace.gradient_layers``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not a schedule; choose from {', '.join(SCHEDULES)}")
     ab = affine_or_none(cost)
     rate = dict(alpha=ab[0], beta=ab[1]) if ab is not None else dict(cost=cost)
     return planner.merge(times, sizes, method=schedule, bucket_cap_mb=bucket_cap_mb, interference=interference,
-                         planned_with=planned_with, drain=drain, first_bucket_mb=first_bucket_mb, **rate)
+                         planned_with=planned_with, drain=drain, first_bucket_mb=first_bucket_mb, tail=tail, **rate)
 
 
 #: The longest iteration predicted (30 years): beyond, the inputs are out of any real range (a
@@ -175,16 +175,17 @@ def predict_with_cost(
             raise ValueError(f"{trace.model} at {world_size} GPUs: one allreduce of its {sum(sizes)} gradient bytes "
                              f"takes {whole:.3g} s, over {MAX_ITERATION_S:.0e} s (30 years); are the cost's numbers "
                              f"({cost!r}) or the trace's sizes out of any real range?")
+    gradients_s = float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
+    # (the plan's backward ends where the trace's does: after its parameter-free tail, if any,
+    # which the optimum plans with: interference can make backward, not communication, the end)
+    tail = max(0.0, trace.backward_s - gradients_s)
     with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is refused below, in one line)
         plan = _plan_layers(times, sizes, schedule, occupancy, bucket_cap_mb,
                             interference if world_size > 1 else None, planned_with if world_size > 1 else None,
-                            drain, first_bucket_mb)
+                            drain, first_bucket_mb, tail)
     # Backward slowed by the launches before its last group (0 without interference).
-    gradients_s = float(np.cumsum(np.asarray(times, dtype=np.float64))[-1]) if times else 0.0
     delay = plan.ready[-1] - gradients_s if times else 0.0
     backward = trace.backward_s + delay
-    # (the plan's backward ends where the trace's does: after its parameter-free tail, if any)
-    plan = replace(plan, tail=max(0.0, trace.backward_s - gradients_s))
     optimizer = 0.0 if servers else trace.optimizer_s
     iteration = trace.forward_s + max(backward, plan.end_time) + optimizer
     if not iteration <= MAX_ITERATION_S:
