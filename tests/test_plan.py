@@ -521,6 +521,58 @@ def test_optimal_with_interference_equals_brute_force():
             assert again.end_time == plan.end_time
 
 
+def brute_force_with_tail(backward_times, sizes, cost, slow, tail, drain=None):
+    """The exhaustive search of the later of the plan's end (its last allreduce's, or with
+    ``drain`` its last pull's) and backward's end: the last gradient's ready time delayed by the
+    launches before the last group, plus ``tail`` (backward's compute after it)."""
+    best = math.inf
+    for groups in contiguous_groupings(len(sizes)):
+        timed = [brute_force_interfered(backward_times, sizes, cost, slow.per_message, slow.per_byte,
+                                        slow.comm_slowdown, only=groups)] if drain is None else []
+        if drain is not None:
+            end, pulled, delay = 0.0, 0.0, 0.0
+            for k, (a, b) in enumerate(groups):
+                group_bytes = float(sum(sizes[a : b + 1]))
+                start = max(sum(backward_times[: b + 1]) + delay, end)
+                own = slow.per_message + slow.per_byte * group_bytes if k < len(groups) - 1 else 0.0
+                end = slowed_end(start, cost(group_bytes), sum(backward_times) + delay + own, slow.comm_slowdown)
+                pulled = max(pulled, end) + drain(group_bytes)
+                delay += slow.per_message + slow.per_byte * group_bytes
+            timed = [pulled]
+        before_last = sum(slow.per_message + slow.per_byte * float(sum(sizes[a : b + 1])) for a, b in groups[:-1])
+        best = min(best, max(timed[0], sum(backward_times) + before_last + tail))
+    return best
+
+
+@pytest.mark.timeout(120)
+def test_optimal_with_a_tail_of_backward_equals_brute_force():
+    """merge(tail=): backward computes ``tail`` after the last gradient (a parameter-free
+    input layer), and interference delays it by the launches before the last group: the
+    optimum is the least later-of-both, by each program (one pass, counted, drained)."""
+    rng = np.random.default_rng(41)
+
+    def drain(b):
+        return 5e-4 + 2e-8 * b
+
+    for n in range(1, 9):
+        for _ in range(12 if n <= 6 else 4):
+            times, sizes = random_instance(rng, n)
+            alpha, beta = float(rng.choice([1e-5, 2.5e-4])), float(rng.choice([8e-10, 8e-9]))
+            tail = float(rng.choice([1e-4, 2e-3, 5e-2]))
+            for slow in (Interference(0.0, float(rng.choice([1e-10, 2e-9])), float(rng.choice([0.0, 1.5]))),
+                         Interference(float(rng.choice([1e-5, 2e-3])), 1e-9, 0.5)):
+                for with_drain in (False, True):
+                    kw = dict(drain=drain) if with_drain else {}
+                    plan = merge(times, sizes, alpha, beta, interference=slow, tail=tail, **kw)
+                    best = brute_force_with_tail(times, sizes, LinearCost(alpha, beta), slow, tail,
+                                                 (lambda b: float(drain(b))) if with_drain else None)
+                    got = max(plan.end_time, plan.backward_time)
+                    assert math.isclose(got, best, rel_tol=1e-12, abs_tol=1e-15), (n, times, sizes, slow, tail)
+                    for method in METHODS:
+                        other = merge(times, sizes, alpha, beta, method=method, interference=slow, tail=tail, **kw)
+                        assert got <= max(other.end_time, other.backward_time) * (1 + 1e-12), method
+
+
 def test_interference_hand_computed():
     # T3 = 1,1,1 s; 4 bytes each; cost 1 + 0.25 b. wfbp with 0.5 s per launch:
     # group 0 ready 1, [1,3]; group 1 ready 2 + 0.5, [3,5]; group 2 ready 3 + 1.0, [5,7].
