@@ -15,6 +15,7 @@ from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 from ringtrain.ddp import calibration as cal
 from ringtrain.comm import AUTO_SMALL_BYTES
+from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
 from ringtrain.plan import LinearCost, SplitCost
 
 
@@ -195,6 +196,14 @@ def test_start_up_first_fit_keeps_the_small_message_latency():
     assert cal.fit_start_up_first(np.array([1e6, 2e6]), np.array([1e-4, 1e-3]))[0] == 0.0
 
 
+def longest_trial(verify_iterations: int, probes: int, warmup: int = 1, profile: int = 2) -> int:
+    """Steps to the end of the longest trial (the options' defaults for ``warmup`` and
+    ``profile``): warm-up and profile, ``probes`` probe phases and the single allreduce's, then
+    every candidate there can be for VERIFY_ROUNDS rounds. A cap for train_until_settled that no
+    count of candidates or rounds the trial may take reaches."""
+    return warmup + profile + (probes + 1 + VERIFY_ROUNDS * len(CANDIDATES)) * verify_iterations
+
+
 def train_until_settled(ddp, x, limit: int) -> int:
     """Synchronizing steps on ``x`` until the wrapper's trial is over (at most ``limit``); the count."""
     steps = 0
@@ -231,7 +240,7 @@ def test_optimal_plan_is_verified_against_one_allreduce(caplog, slow_overlap, mo
         # alpha and beta given: a plan of several buckets, whatever this machine measures
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2)
         # warm-up, profile, two probes, single, then the candidates in turn (1 to 3 rounds)
-        train_until_settled(ddp, torch.randn(8, 64), 80)
+        train_until_settled(ddp, torch.randn(8, 64), longest_trial(2, probes=2))
         groups = len(ddp.plan.groups)
         ddp.close()
         return groups, ddp._trial is None
@@ -266,7 +275,7 @@ def test_the_plan_of_free_overlap_is_a_candidate_and_kept_as_planned(caplog):
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=2,
                                       interference=given, replan_interval=1, drift_threshold=1e-9)
         x = torch.randn(8, 64)
-        train_until_settled(ddp, x, 80)  # warm-up, profile, single, the candidates twice each (1-3 rounds)
+        train_until_settled(ddp, x, longest_trial(2, probes=0))  # warm-up, profile, single, the candidates (1-3 rounds)
         for _ in range(3):  # then re-plans
             ddp(x).sum().backward()
         out = len(ddp.plan.groups), ddp.planned_with, ddp.settled, ddp.trial
@@ -304,7 +313,6 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
     With 10 ms more per bucket of a plan of several, one round decides. (The rules alone, without
     timing: tests/test_ddp_trial.py.)"""
     from ringtrain.ddp import wrapper
-    from ringtrain.ddp.trial import VERIFY_ROUNDS
     from ringtrain.plan import Interference
 
     real_mark = wrapper.DistributedDataParallel._mark_ready
@@ -324,7 +332,7 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=5,
                                       interference=Interference(0.05, 0.0))
         # warm-up, profile, single, then two to four candidates for up to three rounds
-        train_until_settled(ddp, torch.randn(8, 64), 80)
+        train_until_settled(ddp, torch.randn(8, 64), longest_trial(5, probes=0))
         out = ddp.settled, ddp.trial
         ddp.close()
         return out
@@ -390,7 +398,7 @@ def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-7, verify_iterations=3)
-        train_until_settled(ddp, torch.randn(8, 64), 60)
+        train_until_settled(ddp, torch.randn(8, 64), longest_trial(3, probes=2))
         ddp.close()
         return ddp.settled, ddp.interference, ddp.plan.groups
 
@@ -442,7 +450,7 @@ def test_a_model_of_many_layers_gets_a_third_probe(caplog):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(15)])  # 30 parameters
         ddp = DistributedDataParallel(model, comm, schedule="optimal", alpha=1e-6, beta=1e-9, verify_iterations=1)
-        steps = train_until_settled(ddp, torch.randn(2, 4), 40)
+        steps = train_until_settled(ddp, torch.randn(2, 4), longest_trial(1, probes=3))
         ddp.close()
         return ddp.settled, steps, ddp.interference, ddp.trial
 
@@ -500,7 +508,7 @@ def trial_with_one_fast_candidate(monkeypatch, caplog, fast, layers: int, width:
         ddp = DistributedDataParallel(model, comm, schedule="optimal", verify_iterations=2, replan_interval=1,
                                       drift_threshold=1e-9, **options)
         x = torch.randn(8, width)
-        train_until_settled(ddp, x, 80)
+        train_until_settled(ddp, x, longest_trial(2, probes=3))
         settled_groups = ddp.plan.groups
         for _ in range(3):
             ddp(x).sum().backward()

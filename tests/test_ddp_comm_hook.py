@@ -25,6 +25,7 @@ from mp_harness import run_ranks
 from test_ddp_support import make_model, rank_batch, train
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
+from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
 from ringtrain.errors import CommError, CommTimeout
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,6 +34,10 @@ pytestmark = pytest.mark.timeout(120)
 FAST = dict(alpha=1e-7, beta=1e-10, warmup_iterations=0, profile_iterations=1, verify_iterations=1,
             bucket_cap_mb=0.004)
 STEPS = 6
+#: Steps for the longest trial under FAST on the MLP (12 parameters: probes fine and coarse): the
+#: first plan (step 0), the probes and the single allreduce, then every candidate for VERIFY_ROUNDS
+#: rounds (14 steps, written for fewer candidates, could end a trial of near-equal ones unsettled).
+LONGEST_TRIAL = 1 + 3 + VERIFY_ROUNDS * len(CANDIDATES)
 
 
 def _mlp():
@@ -207,7 +212,7 @@ def _power_sgd(rank, world_size, port):
         ddp = DistributedDataParallel(_mlp(), comm, schedule="optimal", **FAST)
         ddp.register_comm_hook(PowerSGDState(process_group=ddp.process_group, matrix_approximation_rank=1,
                                              start_powerSGD_iter=2), powerSGD_hook)
-        out["optimal, from the start"] = train(ddp, batches, 14)
+        out["optimal, from the start"] = train(ddp, batches, LONGEST_TRIAL)
         assert ddp.settled and len(ddp.trial) > 1, ddp.trial
         ddp.close()
         # torch's DDP over ringtrain's group: PowerSGD's callbacks issue collectives from the

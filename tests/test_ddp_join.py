@@ -23,17 +23,24 @@ from torch import nn
 from mp_harness import run_ranks
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
+from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
 from ringtrain.errors import CommError
 
 pytestmark = pytest.mark.timeout(120)
 # Small alpha and beta: plans of several groups, so the trial has candidates to time. One
-# iteration per trial phase: the probes and the candidates' rounds (at most 3 + 5 x 3
-# iterations) all fall inside the uneven part of the runs below.
+# iteration per trial phase: the probes and the candidates' rounds all fall inside the uneven
+# part of the runs below.
 FAST = dict(alpha=1e-7, beta=1e-10, warmup_iterations=0, profile_iterations=1, verify_iterations=1,
             replan_interval=4, bucket_cap_mb=0.0001)
+#: The longest trial, in iterations: the first plan (iteration 0), the probes fine and coarse
+#: and the single allreduce (Model's 8 parameters: no finest), then every candidate for
+#: VERIFY_ROUNDS rounds (near-equal candidates, as this tiny model's are, take every round).
+#: (20 iterations, written for 5 candidates, could end a trial of 6 or 7 in its third round.)
+LONGEST_TRIAL = 1 + 3 + VERIFY_ROUNDS * len(CANDIDATES)
 #: Batches per rank: the first rank to join does so during the trial (after 2 iterations; the
-#: longest runs 20, past the trial's end and two re-plans).
-COUNTS = {2: [20, 3], 3: [2, 20, 6]}
+#: longest runs past the longest trial's end and two re-plans).
+LONGEST = LONGEST_TRIAL + 2 * FAST["replan_interval"]
+COUNTS = {2: [LONGEST, 3], 3: [2, LONGEST, 6]}
 
 
 class Model(nn.Module):
