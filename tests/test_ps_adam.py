@@ -10,6 +10,8 @@ protocol channels.
 from __future__ import annotations
 
 import json
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -78,17 +80,27 @@ def test_the_workers_optimizer_has_torchs_adamw_group_and_refuses_a_scheduler_cy
 def test_workers_with_different_optimizers_are_refused_naming_both():
     workers = 2
     started, endpoints = servers(1, workers)
+    # A worker closes only once every worker's construction has ended (taken or refused): the one
+    # taken then hears the job's failure at its BYE, if not before. Closed at once, it could say
+    # BYE after no step and leave cleanly before the other's HELLO was read (a loaded CI machine
+    # started the second thread that late: its result was None, not the text).
+    constructed = threading.Barrier(workers, timeout=20)
 
     def work(w: int):
         try:
-            wrap(model(), endpoints, w, workers, optimizer="adamw" if w == 0 else "adam").close()
+            try:
+                ps = wrap(model(), endpoints, w, workers, optimizer="adamw" if w == 0 else "adam")
+            finally:
+                constructed.wait()
+            ps.close()
         except CommError as exc:  # (the refused worker's MismatchError; the other's PeerLost with its text)
             return str(exc)
-        return ""  # (the first worker may wrap and close before the second is refused: nothing lost)
+        return None
 
-    said = " ".join(on_threads(workers, work, timeout=30))
-    assert ("its optimizer is 'adam', the first worker's 'adamw'" in said
-            or "its optimizer is 'adamw', the first worker's 'adam'" in said), said
+    said = on_threads(workers, work, timeout=30)
+    for text in said:  # every worker is told, naming both optimizers (whichever said HELLO first)
+        assert isinstance(text, str) and ("its optimizer is 'adam', the first worker's 'adamw'" in text
+                                          or "its optimizer is 'adamw', the first worker's 'adam'" in text), said
     join_all(started)
 
 
