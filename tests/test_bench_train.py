@@ -280,3 +280,20 @@ def test_a_rank_failing_before_any_row_is_the_one_line_error_it_was(monkeypatch,
     rc = cli.main(["bench", "train", "--models", "mlp", "--world-size", "2", "--out", str(tmp_path)])
     assert rc == 1 and "ringtrain bench train: ranks [0, 1] still running after 1s" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_warm_up_cap_covers_the_longest_trial_of_plans():
+    """bench train steps each ringtrain wrapper (the options' defaults) until its trial is over,
+    at most MAX_WARMUP_STEPS; a trial still under way then would be timed as if it were the plan
+    kept, silently. The cap must cover the longest trial: warm-up and profile, every probe and the
+    single allreduce, then every candidate for VERIFY_ROUNDS rounds (the candidates grew from 5
+    to 7 once: the cap is checked against the trial's own constants, not a count written down)."""
+    from ringtrain.bench.train import MAX_WARMUP_STEPS
+    from ringtrain.ddp.calibration import PROBE_GROUPS
+    from ringtrain.ddp.options import DDPOptions
+    from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
+
+    opts = DDPOptions()
+    longest = (opts.warmup_iterations + opts.profile_iterations
+               + (len(PROBE_GROUPS) + 1 + VERIFY_ROUNDS * len(CANDIDATES)) * opts.verify_iterations)
+    assert MAX_WARMUP_STEPS >= longest, (MAX_WARMUP_STEPS, longest)
