@@ -244,3 +244,42 @@ def test_a_parameter_of_another_dtype_is_named():
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).double())
     with pytest.raises(ValueError, match=r"float32 CPU parameters; '1.weight' is torch.float64 .*module.float\(\)"):
         ParameterServerTraining(model, servers=[("127.0.0.1", 1)], worker=0, workers=1)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_send_refused_by_a_closed_server_raises_what_the_server_said_before_closing():
+    """A server that fails the job tells each worker why (an ABORT) and may close the connection
+    at once; a worker whose sender then fails (broken pipe) before its receiver has read that
+    ABORT must still raise the server's reason, not "broken pipe" (a synchronous job refusing a
+    worker of another optimizer: the other worker's close() said "parameter server 0 ... is gone
+    (send failed: [Errno 32] Broken pipe)" once in 28 runs on a loaded machine). The receiver is
+    started late here, so the sender fails first every time."""
+    import socket
+    import threading
+
+    from ringtrain.ps.worker import PSOptions, _Link
+    from ringtrain.transport import wire
+
+    ours, servers_end = socket.socketpair()
+    servers_end.sendall(wire.encode_abort(PeerLost("parameter server 0: worker 1 was lost at step 0 (MismatchError: "
+                                                   "its optimizer is 'adam'); synchronous training cannot go on")))
+    servers_end.close()
+    link = _Link(0, P.Channel(ours, "parameter server 0", timeout=5.0))
+    worker = ParameterServerTraining.__new__(ParameterServerTraining)  # (the link threads' state only)
+    worker.worker, worker.opts, worker._shards = 0, PSOptions(), [[]]
+    worker._cond, worker._error, worker._closed = threading.Condition(), None, False
+
+    def late_receiver(link):
+        time.sleep(0.3)
+        worker._receiver(link)
+
+    link.jobs.put(("bye",))
+    link.jobs.put(None)
+    for target in (worker._sender, late_receiver):  # (started, then listed: as the worker does)
+        link.threads.append(threading.Thread(target=target, args=(link,), daemon=True))
+        link.threads[-1].start()
+    for t in link.threads:
+        t.join(10)
+    assert isinstance(worker._error, PeerLost), worker._error
+    assert "its optimizer is 'adam'" in str(worker._error) and "Broken pipe" not in str(worker._error)
+    ours.close()

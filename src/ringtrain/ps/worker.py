@@ -87,6 +87,10 @@ log = logging.getLogger(__name__)
 #: Seconds that close(), and the interpreter's exit for a worker never closed, wait for the link
 #: threads to end (all of them together; a shut-down channel ends each at once).
 JOIN_S = 5.0
+#: Seconds a sender whose send failed (the server closed the connection) gives the link's
+#: receiver to read what the server said before closing it (an ABORT: why the job failed), so
+#: that reason, not "broken pipe", is the worker's error.
+REASON_GRACE_S = 1.0
 
 #: The end of every refusal of step() after this step's pushes went out: what else there is.
 RETRY_NOTE = (" (synchronous servers wait for it up to their timeout, then lose this worker and end the job; or "
@@ -192,6 +196,7 @@ class _Link:
         self.save_error: Optional[str] = None  # why the server could not save (SAVED with extra 1)
         self.bye: Optional[dict] = None
         self.threads: list[threading.Thread] = []
+        self.received_all = threading.Event()  # set when the receiver ends (it has read what came)
 
 
 def _stop_links(links: list[_Link], *, close: bool = True) -> None:
@@ -773,10 +778,11 @@ class ParameterServerTraining:
                     link.ch.send(P.SAVE, worker=self.worker, step=job[1], extra=job[2])
                 elif kind == "bye":
                     link.ch.send(P.BYE, worker=self.worker)
-        except CommError as exc:
-            self._fail(exc, link)
-        except OSError as exc:
-            self._fail(PeerLost(f"{link.ch.peer} is gone ({exc})"), link)
+        except (CommError, OSError) as exc:
+            error = exc if isinstance(exc, CommError) else PeerLost(f"{link.ch.peer} is gone ({exc})")
+            if isinstance(error, PeerLost):  # (the receiver reads the server's last word, if it said one)
+                link.received_all.wait(min(REASON_GRACE_S, self.opts.timeout))
+            self._fail(error, link)
 
     def _receiver(self, link: _Link) -> None:
         shard = self._shards[link.k]
@@ -821,6 +827,8 @@ class ParameterServerTraining:
             self._fail(exc, link)
         except OSError as exc:
             self._fail(PeerLost(f"{link.ch.peer} is gone ({exc})"), link)
+        finally:
+            link.received_all.set()
 
     def _note_live(self, live: int, link: _Link) -> None:
         if live < self._live:
