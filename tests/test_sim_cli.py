@@ -75,6 +75,7 @@ def test_simulate_plots(tmp_path, capsys):
     (["--model", "resnet50", "--gpus", "16", "--cluster", "alpha=1e-5,beta=1e300", "--algorithms", "ps"],
      "one allreduce of its 102228128 gradient bytes takes inf s"),
     (["--model", "resnet50", "--cluster", "alpha=1e-5,beta=1e-9,name="], "--cluster: the cluster's name must not be"),
+    (["--model", "alexnet"], "lm300m, a trace file (.json/.csv) or profile:NAME (a ringtrain.models model"),
     (["--schedules", "greedy"], "--schedules"),
     (["--algorithms", "butterfly"], "--algorithms"),
     (["--device", "p100"], "--device"),

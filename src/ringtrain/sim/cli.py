@@ -153,6 +153,9 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
             trace = profile_reference(n[len("profile:"):])
             tag = "profiled"
         else:
+            if n.strip().lower() not in MODELS:  # (the zoo's message names neither the option nor profile:)
+                raise ValueError(f"--model: unknown model {n!r}; choose from {', '.join(MODELS)}, a trace file "
+                                 "(.json/.csv) or profile:NAME (a ringtrain.models model profiled on this CPU)")
             try:
                 trace = build_trace(n, device)
             except ValueError as e:
