@@ -555,8 +555,9 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
         whole = np.flatnonzero(this["covers"] == n)
         if len(whole):
             backward = end0 + (delay_messages + bytes_delay[this["first"][whole]])  # (its last group's delay)
-            k = int(whole[_last_group(this["pull"][whole], backward, tail)])
-            end = max(float(this["pull"][k]), float(end0 + (delay_messages + bytes_delay[this["first"][k]])) + tail)
+            pick = _last_group(this["pull"][whole], backward, tail)
+            k = int(whole[pick])
+            end = max(float(this["pull"][k]), float(backward[pick]) + tail)
             if end < best_end:
                 best_end, best_pass, best_index = end, len(passes) - 1, k
         if not counted or g == n:
