@@ -290,10 +290,10 @@ def test_the_warm_up_cap_covers_the_longest_trial_of_plans():
     to 7 once: the cap is checked against the trial's own constants, not a count written down)."""
     from ringtrain.bench.train import MAX_WARMUP_STEPS
     from ringtrain.ddp.calibration import PROBE_GROUPS
+    from ringtrain.ddp import trial as plan_trial
     from ringtrain.ddp.options import DDPOptions
-    from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
 
     opts = DDPOptions()
     longest = (opts.warmup_iterations + opts.profile_iterations
-               + (len(PROBE_GROUPS) + 1 + VERIFY_ROUNDS * len(CANDIDATES)) * opts.verify_iterations)
+               + plan_trial.longest(opts.verify_iterations, len(PROBE_GROUPS)))
     assert MAX_WARMUP_STEPS >= longest, (MAX_WARMUP_STEPS, longest)

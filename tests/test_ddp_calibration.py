@@ -15,7 +15,7 @@ from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
 from ringtrain.ddp import calibration as cal
 from ringtrain.comm import AUTO_SMALL_BYTES
-from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
+from ringtrain.ddp import trial as plan_trial
 from ringtrain.plan import LinearCost, SplitCost
 
 
@@ -198,10 +198,9 @@ def test_start_up_first_fit_keeps_the_small_message_latency():
 
 def longest_trial(verify_iterations: int, probes: int, warmup: int = 1, profile: int = 2) -> int:
     """Steps to the end of the longest trial (the options' defaults for ``warmup`` and
-    ``profile``): warm-up and profile, ``probes`` probe phases and the single allreduce's, then
-    every candidate there can be for VERIFY_ROUNDS rounds. A cap for train_until_settled that no
-    count of candidates or rounds the trial may take reaches."""
-    return warmup + profile + (probes + 1 + VERIFY_ROUNDS * len(CANDIDATES)) * verify_iterations
+    ``profile``): a cap for train_until_settled that no count of candidates or rounds the trial
+    may take reaches."""
+    return warmup + profile + plan_trial.longest(verify_iterations, probes)
 
 
 def train_until_settled(ddp, x, limit: int) -> int:
@@ -345,7 +344,7 @@ def test_near_equal_candidates_are_timed_for_more_rounds(monkeypatch, slow_bucke
     if slow_buckets:
         assert all(c["rounds"] == 1 for c in trial) and trial[0]["kept"], trial
     else:
-        assert all(c["rounds"] == VERIFY_ROUNDS for c in trial), trial
+        assert all(c["rounds"] == plan_trial.VERIFY_ROUNDS for c in trial), trial
 
 
 def test_probe_groups_cover_the_layers_evenly():

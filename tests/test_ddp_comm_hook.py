@@ -25,7 +25,7 @@ from mp_harness import run_ranks
 from test_ddp_support import make_model, rank_batch, train
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
-from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
+from ringtrain.ddp import trial as plan_trial
 from ringtrain.errors import CommError, CommTimeout
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,9 +35,9 @@ FAST = dict(alpha=1e-7, beta=1e-10, warmup_iterations=0, profile_iterations=1, v
             bucket_cap_mb=0.004)
 STEPS = 6
 #: Steps for the longest trial under FAST on the MLP (12 parameters: probes fine and coarse): the
-#: first plan (step 0), the probes and the single allreduce, then every candidate for VERIFY_ROUNDS
-#: rounds (14 steps, written for fewer candidates, could end a trial of near-equal ones unsettled).
-LONGEST_TRIAL = 1 + 3 + VERIFY_ROUNDS * len(CANDIDATES)
+#: first plan (step 0), then plan_trial.longest (14 steps, written for fewer candidates, could end
+#: a trial of near-equal ones unsettled).
+LONGEST_TRIAL = 1 + plan_trial.longest(1, probes=2)
 
 
 def _mlp():

@@ -16,7 +16,7 @@ import torch
 
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
-from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
+from ringtrain.ddp import trial as plan_trial
 from ringtrain.plan import Interference
 from test_ddp_support import (PER_RANK, STEPS, make_model, perturbed, rank_batch, reference, train)
 
@@ -100,10 +100,10 @@ def test_the_trial_switching_bucket_layouts_stays_bitwise_single_process(caplog)
     data on both ranks must still give single-process training bit for bit, and every rank must
     keep the same plan."""
     caplog.set_level(logging.INFO, logger="ringtrain.ddp")
-    # Steps for the longest trial: warm-up 1, profile 2, the single phase 2, then up to
-    # VERIFY_ROUNDS rounds of 2 iterations per candidate (near-equal candidates, as an unloaded
-    # machine's, take every round; 20 steps ended the trial in round 2 once in CI).
-    steps = 1 + 2 + 2 + VERIFY_ROUNDS * 2 * len(CANDIDATES)
+    # Steps for the longest trial: warm-up 1, profile 2, then no probes, 2 iterations a phase
+    # (near-equal candidates, as an unloaded machine's, take every round; 20 steps ended the
+    # trial in round 2 once in CI).
+    steps = 1 + 2 + plan_trial.longest(2, probes=0)
     results = ddp_train(2, "mlp", "optimal", "ring", data_rank=0, steps=steps, verify_iterations=2,
                         replan_interval=0, interference=Interference())
     assert any("candidates verified" in r.getMessage() for r in caplog.records)

@@ -23,7 +23,7 @@ from torch import nn
 from mp_harness import run_ranks
 from thread_harness import raise_first, run_comms
 from ringtrain.ddp import DistributedDataParallel
-from ringtrain.ddp.trial import CANDIDATES, VERIFY_ROUNDS
+from ringtrain.ddp import trial as plan_trial
 from ringtrain.errors import CommError
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,11 +32,11 @@ pytestmark = pytest.mark.timeout(120)
 # part of the runs below.
 FAST = dict(alpha=1e-7, beta=1e-10, warmup_iterations=0, profile_iterations=1, verify_iterations=1,
             replan_interval=4, bucket_cap_mb=0.0001)
-#: The longest trial, in iterations: the first plan (iteration 0), the probes fine and coarse
-#: and the single allreduce (Model's 8 parameters: no finest), then every candidate for
-#: VERIFY_ROUNDS rounds (near-equal candidates, as this tiny model's are, take every round).
-#: (20 iterations, written for 5 candidates, could end a trial of 6 or 7 in its third round.)
-LONGEST_TRIAL = 1 + 3 + VERIFY_ROUNDS * len(CANDIDATES)
+#: The longest trial, in iterations: the first plan (iteration 0), then plan_trial.longest with
+#: the probes fine and coarse (Model's 8 parameters: no finest; near-equal candidates, as this
+#: tiny model's are, take every round). (20 iterations, written for 5 candidates, could end a
+#: trial of 6 or 7 in its third round.)
+LONGEST_TRIAL = 1 + plan_trial.longest(1, probes=2)
 #: Batches per rank: the first rank to join does so during the trial (after 2 iterations; the
 #: longest runs past the longest trial's end and two re-plans).
 LONGEST = LONGEST_TRIAL + 2 * FAST["replan_interval"]

@@ -250,6 +250,13 @@ class PlanTrial:
                   f"communication ends {ms(medians[k + 1:])} ms): {describe(self.interference)}")
 
 
+def longest(iterations: int, probes: int) -> int:
+    """Iterations the longest trial takes after the first plan, ``iterations`` per phase: its
+    ``probes`` probe phases and the single allreduce's, then every candidate for VERIFY_ROUNDS
+    rounds (near-equal candidates take them all)."""
+    return (probes + 1 + VERIFY_ROUNDS * len(CANDIDATES)) * iterations
+
+
 def describe(interference: planner.Interference) -> str:
     """The interference in the log's words."""
     return (f"{interference.per_message * 1e3:.3f} ms per overlapped allreduce, "
