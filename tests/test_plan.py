@@ -406,6 +406,8 @@ def test_describe_and_to_dict():
     assert "optimal plan: 3 layers in 2 groups" in text and "1-2" in text
     d = plan.to_dict()
     assert d["groups"] == [[0, 0], [1, 2]] and d["end_time"] == 6.0 and d["backward_time"] == 3.0
+    assert d["group_bytes"] == [4, 8] and all(type(b) is int for b in d["group_bytes"])  # whole bytes, not 4.0
+    assert merge([1.0], [2.5], A3, B3).to_dict()["group_bytes"] == [2.5]  # a fraction stays as given
     many = merge([1.0] * 50, [1.0] * 50, 0.0, 0.0, method="wfbp").describe(max_rows=5)
     assert "45 more groups" in many
 

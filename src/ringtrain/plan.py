@@ -261,7 +261,7 @@ class Plan:
             "groups": [list(g) for g in self.groups],
             "starts": list(self.starts),
             "ends": list(self.ends),
-            "group_bytes": list(self.group_bytes),
+            "group_bytes": [_whole(b) for b in self.group_bytes],
             "end_time": self.end_time,
             "tail": self.tail,
             "backward_time": self.backward_time,
@@ -838,3 +838,8 @@ def _ms(seconds: float) -> str:
 
 
 NO_INTERFERENCE = Interference()
+
+
+def _whole(value: float) -> float | int:
+    """A byte count as an int where it is whole (sizes arrive as floats; JSON should not say 4.0)."""
+    return int(value) if float(value).is_integer() else float(value)
