@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_harness import refusal
 from mp_harness import answer_like_http
 from torch_version import OLDER_TORCH
 from ringtrain import cli, launch
@@ -288,9 +289,8 @@ def test_error_files_written_by_init_order_ranks_within_a_second():
 
 @pytest.mark.parametrize("value", ["0", "nan", "-5"])
 def test_a_join_timeout_that_is_not_a_number_of_seconds_is_refused(value, tmp_path, capsys):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["launch", "--join-timeout", value, str(tmp_path / "x.py")])
-    assert info.value.code == f"ringtrain launch: --join-timeout must be a number of seconds >= 1, got {float(value)}"
+    said = refusal(["launch", "--join-timeout", value, str(tmp_path / "x.py")], capsys)
+    assert said == f"ringtrain launch: --join-timeout must be a number of seconds >= 1, got {float(value)}"
 
 
 def test_the_join_timeout_reaches_torchruns_rendezvous():
@@ -642,10 +642,8 @@ def test_a_stopped_rank_ends_at_torchruns_sigterm_not_30_s_later(tmp_path):
 
 def test_launch_without_a_script_says_to_give_one(capsys):
     # argparse said "the following arguments are required: script, script_args" (its arguments are optional)
-    with pytest.raises(SystemExit) as info:
-        cli.main(["launch", "--nproc-per-node", "2"])
-    assert info.value.code == ("ringtrain launch: give the training script to start: ringtrain launch [options] "
-                               "SCRIPT [its arguments]")
+    said = refusal(["launch", "--nproc-per-node", "2"], capsys)
+    assert said == "ringtrain launch: give the training script to start: ringtrain launch [options] SCRIPT [its arguments]"
 
 
 def test_one_node_takes_a_free_rendezvous_port_and_several_nodes_torchruns(tmp_path, monkeypatch):
@@ -692,11 +690,9 @@ def test_launcher_options_after_the_script_are_warned_of_in_one_line(tmp_path, m
     assert sorted(launch.OPTIONS) == sorted(o for a in p._actions for o in a.option_strings if o not in ("-h", "--help"))
 
 
-def test_loopback_with_several_nodes_says_how_to_try_them_on_one_machine(tmp_path):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["launch", "--nnodes", "2", str(tmp_path / "x.py")])
-    assert "(to try several nodes on one machine, give each this machine's own address: `hostname -I`)" in str(
-        info.value.code) and "\n" not in str(info.value.code)
+def test_loopback_with_several_nodes_says_how_to_try_them_on_one_machine(tmp_path, capsys):
+    said = refusal(["launch", "--nnodes", "2", str(tmp_path / "x.py")], capsys)
+    assert "(to try several nodes on one machine, give each this machine's own address: `hostname -I`)" in said, said
 
 
 def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypatch, capsys):

@@ -12,6 +12,10 @@ import importlib
 import signal
 import sys
 
+#: Exit status of a command that refused its input before running (bad options, --net without root),
+#: as argparse's own; 1 is a run that failed, 128 + N a signal's (130: Ctrl-C).
+REFUSED = 2
+
 #: (words, module, one-line help)
 COMMANDS = [
     (("train",), "ringtrain.train", "train the reference language model on N local workers"),
@@ -68,10 +72,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{full.prog}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     except NetemUnavailable as exc:  # not a bug: say why in one line (e.g. --net without root)
-        raise SystemExit(f"{full.prog}: {exc}") from None
+        print(f"{full.prog}: {exc}", file=sys.stderr)
+        return REFUSED
     except RankFailed as exc:  # a benchmark's rank failed or ran out of time: its own log tail, not ours
         print(f"{full.prog}: {exc}", file=sys.stderr)
         return 1
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        # A command refusing its input before it runs says why in one line (SystemExit("prog: why")):
+        # argparse's status for a refused command line, so that 1 means a run that failed.
+        print(exc.code, file=sys.stderr)
+        return REFUSED
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..cli import REFUSED
 from . import clusters as clusters_mod
 from . import costs
 from .devices import DEVICES, get_device
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before a sweep that may take minutes
         print("ringtrain simulate: --plot needs matplotlib, which is not installed here; "
               "install it (pip install matplotlib) or leave out --plot", file=sys.stderr)
-        return 2
+        return REFUSED
     try:
         traces = load_traces(args.model, args.device)
         device = zoo_device(args.model, args.device)
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         predictions = sweep(traces, clusters, gpus, schedules, algorithms, bucket_mb)
     except ValueError as e:
         print(f"ringtrain simulate: {e}", file=sys.stderr)
-        return 2
+        return REFUSED
     try:
         if args.csv:
             write_csv(predictions, args.csv)
@@ -216,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}", file=sys.stderr)
     except OSError as e:
         print(f"ringtrain simulate: cannot write {e.filename or 'the output'}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        return REFUSED
     if args.json:
         return emit(json.dumps(document(predictions, traces, clusters, device), indent=1), "ringtrain simulate")
     return emit(format_table(predictions, schedules, device), "ringtrain simulate")

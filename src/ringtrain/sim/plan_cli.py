@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+from ..cli import REFUSED
 from . import clusters as clusters_mod
 from . import costs
 from .cli import MAX_GPUS, add_common, check_bucket_mb, check_gpus_per_node, emit, load_traces, split
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                                    bucket_cap_mb=args.bucket_mb) for m in methods]
     except ValueError as e:
         print(f"ringtrain plan: {e}", file=sys.stderr)
-        return 2
+        return REFUSED
     names = trace.gradient_layers()[0]
     if args.json:
         doc = {"model": trace.model, "cluster": cluster.name, "world_size": args.gpus, "algorithm": args.algorithm,
