@@ -83,7 +83,12 @@ def test_simulate_plots(tmp_path, capsys):
     (["--cluster", ","], "--cluster"),
     (["--gpus", "4,,8"], "--gpus: '4,,8' has an empty value"),  # (was taken as 4,8)
     (["--model", "resnet50", "--gpus-per-node", "0"], "--gpus-per-node: must be an integer >= 1"),  # (named --cluster)
-    (["--model", "resnet50", "--cluster", "10GbE", "--gpus", "4", "--csv", "/nonexistent/dir/x.csv"], "/nonexistent"),
+    (["--model", "resnet50", "--cluster", "10GbE", "--gpus", "4", "--csv", "/nonexistent/dir/x.csv"],
+     "--csv /nonexistent/dir/x.csv: no folder /nonexistent/dir"),
+    (["--model", "resnet50", "--gpus", "4", "--csv", "/proc/version/x.csv"], "--csv /proc/version/x.csv: no folder"),
+    (["--model", "resnet50", "--gpus", "4", "--csv", "/proc/x.csv"], "--csv /proc/x.csv: cannot write in /proc"),
+    (["--model", "resnet50", "--gpus", "4", "--csv", "/tmp"], "--csv /tmp: a folder, not a file"),
+    (["--model", "nope", "--csv", "/nonexistent/dir/x.csv"], "--csv"),  # (said before the model is read)
 ])
 def test_simulate_bad_options_exit_2_naming_the_option(argv, match, capsys):
     assert main(["simulate", *argv]) == 2
@@ -299,7 +304,7 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback(argv):
     with open("/dev/full", "w") as full:
         proc = subprocess.run([sys.executable, "-m", "ringtrain.cli", *argv, "--model", "resnet50"], stdout=full,
                               stderr=subprocess.PIPE, text=True, timeout=50)
-    assert proc.returncode == 2
+    assert proc.returncode == 1  # (the run's output lost: a failure, not a refused command line)
     assert proc.stderr == f"ringtrain {argv[0]}: cannot write the output: No space left on device\n"
     head = subprocess.run(f"{shlex.quote(sys.executable)} -m ringtrain.cli {' '.join(argv)} --model resnet50 | head -1",
                           shell=True, capture_output=True, text=True, timeout=50)

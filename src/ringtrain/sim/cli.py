@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -196,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
               "install it (pip install matplotlib) or leave out --plot", file=sys.stderr)
         return REFUSED
     try:
+        if args.csv:
+            check_output_file(args.csv, "--csv")  # (before the sweep, not after it)
         traces = load_traces(args.model, args.device)
         device = zoo_device(args.model, args.device)
         clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], check_gpus_per_node(args.gpus_per_node))
@@ -217,14 +220,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {path}", file=sys.stderr)
     except OSError as e:
         print(f"ringtrain simulate: cannot write {e.filename or 'the output'}: {e.strerror or e}", file=sys.stderr)
-        return REFUSED
+        return 1  # (the sweep ran: a run that failed, not a refused command line)
     if args.json:
         return emit(json.dumps(document(predictions, traces, clusters, device), indent=1), "ringtrain simulate")
     return emit(format_table(predictions, schedules, device), "ringtrain simulate")
 
 
 def emit(text: str, prog: str) -> int:
-    """Print ``text``; the exit status: 0, also where a reader stops early (``| head``), or 2 with
+    """Print ``text``; the exit status: 0, also where a reader stops early (``| head``), or 1 with
     one line naming the cause where stdout cannot be written (a full disk)."""
     try:
         print(text, flush=True)
@@ -232,7 +235,7 @@ def emit(text: str, prog: str) -> int:
         status = 0
     except OSError as e:
         print(f"{prog}: cannot write the output: {e.strerror or e}", file=sys.stderr)
-        status = 2
+        status = 1
     else:
         return 0
     # Point stdout at /dev/null so the interpreter's final flush does not fail again.
@@ -257,6 +260,21 @@ def document(predictions: list[Prediction], traces: list[Trace], clusters: list[
         ],
         "rows": [p.to_dict() for p in predictions],
     }
+
+
+def check_output_file(path: str, option: str) -> None:
+    """ValueError naming ``option`` unless ``path`` can be written: not a folder, in a folder that
+    exists and takes files (a file made there and removed)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: a folder, not a file")
+    if not target.parent.is_dir():
+        raise ValueError(f"{option} {path}: no folder {target.parent}")
+    try:
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot write in {target.parent} ({exc.strerror or exc})") from None
 
 
 def write_csv(predictions: list[Prediction], path: str | Path) -> None:
