@@ -458,3 +458,82 @@ def test_the_float16_reducer_gives_numpys_bits_on_every_value(op):
     ops.reducer(op, "float16")(got, b)
     same = (got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want))
     assert same.all(), (a[~same][:4], b[~same][:4], got[~same][:4], want[~same][:4])
+
+
+# --- message sizes and shapes: what the plans promise the transport ------------------------
+
+
+def recording(t) -> dict:
+    """Wrap ``t.exchange``: returns {call seq: [[(peer, nbytes) per send] per transfer]}."""
+    log: dict = {}
+    inner = t.exchange
+
+    def exchange(sends, recvs, hdr, dl):
+        log.setdefault(hdr.seq, []).append([(s.peer, s.buf.nbytes) for s in sends])
+        inner(sends, recvs, hdr, dl)
+
+    t.exchange = exchange
+    return log
+
+
+@pytest.mark.parametrize("p", [3, 5])
+@pytest.mark.parametrize("dtype", ["float64", "int64", "float32", "bfloat16"])
+def test_ring_messages_never_exceed_max_segment_bytes_whatever_the_element_size(dtype, p):
+    # A segment is max_segment_bytes // itemsize elements: taken as elements, a float64 buffer
+    # travelled in messages eight times the bound (the sweep above is exact either way).
+    from ringtrain.collectives import ring, schedule
+
+    n, cap = MULTI_SEGMENT_N, 16
+    itemsize = to_storage(np.zeros(1), dtype).itemsize
+
+    def body(t):
+        log = recording(t)
+        buf = to_storage(values("sum", dtype, t.rank, n, p), dtype)
+        ring.allreduce(t, buf, ops.reducer("sum", dtype), header("allreduce", "sum", "ring", dtype, n, 1), deadline(),
+                       max_segment_bytes=cap)
+        cast = np.arange(n, dtype=np.int64) * 1000 + t.rank
+        ring.broadcast(t, cast, 1, header("broadcast", "none", "ring", "int64", n, 2, 1), deadline(), max_segment_bytes=cap)
+        return buf, cast, log
+
+    results = run(p, body)
+    want = reference("sum", dtype, n, p)
+    # Each allreduce step sends the longest chunk in segments as long as the cap allows.
+    longest = max(hi - lo for lo, hi in schedule.chunk_bounds(n, p))
+    transfers = 2 * (p - 1) * schedule.segment_count(longest, cap // itemsize)
+    for rank, (buf, cast, log) in enumerate(results):
+        assert_same(buf, want, f"allreduce {dtype} p={p} rank {rank}")
+        assert_same(cast, np.arange(n, dtype=np.int64) * 1000 + 1, f"broadcast p={p} rank {rank}")
+        assert len(log[1]) == transfers, f"rank {rank}: {len(log[1])} allreduce transfers, want {transfers}"
+        for seq, what in ((1, "allreduce"), (2, "broadcast")):
+            sizes = [nbytes for sends in log[seq] for _, nbytes in sends]
+            assert max(sizes, default=0) <= cap, f"rank {rank}: a {what} message of {max(sizes)} bytes, cap {cap}"
+
+
+def test_broadcast_goes_by_tree_when_short_and_by_chain_when_long():
+    # One segment: a binomial tree (ceil(log2 p) rounds; the root sends to log2 p peers).
+    # Many segments: a pipelined chain along the ring (the root sends only to its right
+    # neighbour, one segment per message).
+    from ringtrain.collectives import ring
+
+    p, root, cap, lengths = 8, 3, 8, (1, 41)
+
+    def body(t):
+        log = recording(t)
+        out = []
+        for seq, n in enumerate(lengths, 1):
+            buf = np.arange(n, dtype=np.int64) * 1000 + t.rank
+            ring.broadcast(t, buf, root, header("broadcast", "none", "ring", "int64", n, seq, root), deadline(),
+                           max_segment_bytes=cap)
+            out.append(buf)
+        return out, log
+
+    results = run(p, body)
+    for k, n in enumerate(lengths):
+        for rank in range(p):
+            assert_same(results[rank][0][k], np.arange(n, dtype=np.int64) * 1000 + root, f"n={n} rank {rank}")
+    log = results[root][1]
+    short = sorted(peer for sends in log[1] for peer, _ in sends)
+    assert short == sorted((root + d) % p for d in (1, 2, 4)), short
+    long = [(peer, nbytes) for sends in log[2] for peer, nbytes in sends]
+    assert long == [((root + 1) % p, cap)] * lengths[1], long
+
