@@ -537,3 +537,21 @@ def test_broadcast_goes_by_tree_when_short_and_by_chain_when_long():
     long = [(peer, nbytes) for sends in log[2] for peer, nbytes in sends]
     assert long == [((root + 1) % p, cap)] * lengths[1], long
 
+
+@pytest.mark.parametrize("alg", ALGORITHMS)
+def test_every_algorithm_refuses_a_buffer_it_cannot_work_in_place(alg):
+    # Read-only, strided or 2-D: a ValueError on every rank before any message moves (not
+    # numpy's "output array is read-only" from inside a transfer).
+    readonly = np.zeros(5, np.int64)
+    readonly.flags.writeable = False
+    bad = {"read-only": readonly, "strided": np.zeros(10, np.int64)[::2], "2-D": np.zeros((5, 1), np.int64)}
+
+    def body(t):
+        log = recording(t)
+        for buf in bad.values():
+            with pytest.raises(ValueError, match="writable 1-D C-contiguous"):
+                call_allreduce(alg, t, buf, "sum", "int64", header("allreduce", "sum", alg, "int64", 5))
+        return log
+
+    for log in run(3, body):
+        assert log == {}
