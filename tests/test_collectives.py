@@ -555,3 +555,14 @@ def test_every_algorithm_refuses_a_buffer_it_cannot_work_in_place(alg):
 
     for log in run(3, body):
         assert log == {}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_finish_mean_divides_the_values_not_their_bits(dtype):
+    # (comm's mean sums half precision in a wider copy; the DDP wrapper under join divides a
+    # bfloat16 or float16 sum in place with finish_mean, whose bfloat16 view is uint16 bits.)
+    p, n = 3, 9
+    want = np.arange(n, dtype=np.float64) - n // 2
+    buf = to_storage(want * p, dtype)
+    ops.finish_mean(ops.FlatView(buf, dtype, (n,)), p)
+    assert_same(buf, to_storage(want, dtype), f"{dtype} / {p}")
