@@ -32,6 +32,15 @@ def test_dtype_change_splits_a_group():
     assert specs[1].nbytes == 16
 
 
+def test_same_itemsize_different_dtype_splits_a_group():
+    # float16 and bfloat16 are both two bytes: one buffer of either would reduce the other's
+    # bits as its own.
+    dtypes = [torch.float16, torch.bfloat16, torch.bfloat16, torch.float16, torch.float32, torch.int32]
+    specs = layout([0, 1, 2, 3, 4, 5], [(0, 5)], [3] * 6, dtypes, [2, 2, 2, 2, 4, 4])
+    assert [s.pids for s in specs] == [(0,), (1, 2), (3,), (4,), (5,)]
+    assert [s.dtype for s in specs] == [torch.float16, torch.bfloat16, torch.float16, torch.float32, torch.int32]
+
+
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_every_grouping_and_order_covers_each_parameter_once(n):
     numels = [i + 1 for i in range(n)]
