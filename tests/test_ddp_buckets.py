@@ -55,6 +55,7 @@ def test_every_grouping_and_order_covers_each_parameter_once(n):
 
 @pytest.mark.parametrize("order, groups", [
     ([0, 0, 1], [(0, 2)]), ([0, 1], [(0, 0)]), ([0, 1], [(1, 1), (0, 0)]), ([0, 1, 2], [(0, 1), (3, 3)]),
+    ([0, 1, 2], [(0, 0), (1, 0), (1, 2)]),  # an empty group (last < first), however it is followed
 ])
 def test_bad_order_or_groups_raise(order, groups):
     with pytest.raises(ValueError):
