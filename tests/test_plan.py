@@ -305,6 +305,11 @@ def test_zero_layers(method):
     plan = merge([], [], 1e-4, 1e-9, method=method)
     assert plan.groups == [] and plan.end_time == 0.0 and plan.backward_time == 0.0
     assert "0 layers" in plan.describe()
+    # No communication is all hidden ("100% hidden"), as are allreduces that take no time.
+    free = merge([1.0, 2.0, 1.0], [3.0, 5.0, 7.0], 0.0, 0.0, method=method)
+    for p in (plan, free):
+        assert p.comm_time == 0.0 and p.exposed_time == 0.0 and p.hidden_fraction == 1.0
+    assert "100% hidden" in plan.describe()
 
 
 @pytest.mark.parametrize("method", METHODS)
