@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.ps.sharding import ITEMSIZE, cut, make_layout
+from ringtrain.ps.sharding import ITEMSIZE, cut, make_layout, partition_count
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -18,6 +18,10 @@ def test_cut_covers_exactly_and_respects_the_cap(numel, cap_elems):
     assert all(0 < e - s <= cap_elems for s, e in pieces) or numel == 0
     sizes = [e - s for s, e in pieces]
     assert max(sizes) - min(sizes) <= 1 or len(sizes) == 1 or sizes[-1] < sizes[0]
+    # As few pieces as the cap allows, and as many as partition_count (a server's check of a
+    # worker's claim before it builds the layout) says without cutting.
+    if numel:
+        assert len(pieces) == -(-numel // cap_elems) == partition_count([numel], cap_elems * ITEMSIZE)
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3, 4, 7])
