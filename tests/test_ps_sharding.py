@@ -76,6 +76,16 @@ def test_bad_arguments_name_the_option(kwargs, word):
         make_layout([-1], 1)
 
 
+@pytest.mark.parametrize("numels", [[5, 7, 0, 3], [9, 1, 1]])
+def test_as_many_servers_as_partitions_is_served_one_partition_each(numels):
+    servers = partition_count(numels, 8 * ITEMSIZE)
+    layout = make_layout(numels, servers, partition_bytes=8 * ITEMSIZE)
+    assert len(layout.partitions) == servers
+    assert sorted(p.server for p in layout.partitions) == list(range(servers))
+    with pytest.raises(ValueError, match=f"use at most {servers} servers"):
+        make_layout(numels, servers + 1, partition_bytes=8 * ITEMSIZE)
+
+
 def test_partitions_go_largest_first_to_the_least_loaded_server_ties_to_the_lower():
     # No cutting (every parameter fits one partition). Largest first: 8 -> s0; 4 -> s1; 4 -> s1
     # (4 < 8); then the four 1s alternate from a tie (8 = 8: the lower server, s0). Loads 10 and
