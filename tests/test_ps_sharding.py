@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.ps.sharding import ITEMSIZE, cut, make_layout, partition_count
+from ringtrain.ps.sharding import ITEMSIZE, cut, layout_digest, make_layout, partition_count
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -65,6 +65,9 @@ def test_layout_is_deterministic_and_its_digest_tells_layouts_apart():
     digests = {a.digest(), make_layout([10, 20, 31], 2, 32).digest(), make_layout([10, 20, 30], 3, 32).digest(),
                make_layout([10, 20, 30], 2, 64).digest()}
     assert len(digests) == 4
+    # Sizes that read the same run together ([1, 23] and [12, 3]) are different models.
+    assert make_layout([1, 23], 2, 32).digest() != make_layout([12, 3], 2, 32).digest()
+    assert layout_digest([10, 20, 30], 2, 32) == a.digest()
 
 
 @pytest.mark.parametrize("kwargs,word", [({"servers": 0}, "servers"), ({"servers": 1.5}, "servers"),
