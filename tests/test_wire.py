@@ -178,6 +178,7 @@ def test_hello_round_trip_and_fresh_nonces():
         (lambda b: b[:5] + bytes([9]) + b[6:], "role"),
         (lambda b: b[:6] + bytes([6, 0]) + b[8:], "flags"),
         (lambda b: b[:8] + struct.pack("<I", 5) + b[12:], "rank 5"),
+        (lambda b: b[:8] + struct.pack("<I", 2) + b[12:], "rank 2"),  # rank == world size 2
         (lambda b: b[:12] + struct.pack("<I", 2) + b[16:], "peer 2"),  # peer == world size 2
         (lambda b: b[:16] + struct.pack("<I", 0) + b[20:], "world size 0"),
         (lambda b: b[:-1], "68 bytes"),
