@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringtrain.errors import (
+    ERROR_CODES,
     AuthError,
     CommError,
     CommTimeout,
@@ -96,6 +97,10 @@ def test_abort_length_limits_are_exact():
     for length in (3, 4 + wire.MAX_ABORT_TEXT + 1):
         with pytest.raises(ProtocolError, match="ABORT frame claims"):
             wire.decode_frame_header(abort_header(length))
+    # The shortest ABORT the decoder takes (a code, no text) stands for its error type, not for
+    # a truncated frame.
+    got = wire.abort_error(struct.pack("<I", ERROR_CODES[CommTimeout]), 5)
+    assert type(got) is CommTimeout and str(got) == "rank 5 aborted: "
 
 
 @pytest.mark.parametrize(
