@@ -194,6 +194,19 @@ def test_malformed_hello(mutate, words):
         wire.Hello.unpack(mutate(hello().pack()))
 
 
+def test_the_encoders_refuse_what_the_decoders_would_refuse():
+    # A frame longer than MAX_PAYLOAD and a hello with a short nonce (struct pads it with
+    # zeros: a replayable handshake) fail where they are made, not at the peer or never.
+    call = CallHeader(1, "allreduce", op="sum", algorithm="ring", dtype="int64", numel=4)
+    for length in (-1, wire.MAX_PAYLOAD + 1):
+        with pytest.raises(ValueError, match="payload length"):
+            wire.encode_data_header(call, length)
+    job = wire.job_digest("job")
+    for role, job_, nonce in ((3, job, bytes(32)), (wire.CONNECT, job[:15], bytes(32)), (wire.CONNECT, job, bytes(31))):
+        with pytest.raises(ValueError):
+            wire.Hello(role, True, 1, 0, 2, job_, nonce)
+
+
 def test_check_hello_refuses_other_jobs_worlds_and_ranks():
     mine = hello(role=wire.ACCEPT, rank=0, peer=1)
     wire.check_hello(hello(), mine)
