@@ -415,6 +415,7 @@ def test_describe_and_to_dict():
     assert merge([1.0], [2.5], A3, B3).to_dict()["group_bytes"] == [2.5]  # a fraction stays as given
     many = merge([1.0] * 50, [1.0] * 50, 0.0, 0.0, method="wfbp").describe(max_rows=5)
     assert "45 more groups" in many
+    assert len(many.splitlines()) == 2 + 5 + 1  # totals, column names, max_rows rows, the rest counted
 
 
 def test_thousand_layers_plan_time_printed():
