@@ -552,6 +552,17 @@ def brute_force_with_tail(backward_times, sizes, cost, slow, tail, drain=None):
     return best
 
 
+def test_a_tail_that_hides_every_plan_keeps_the_earliest_last_allreduce():
+    # ready [1, 2]; alpha 0, beta 0.25: apart the allreduces end at 2 and 3, together at 4.
+    # Backward's 10 s tail hides either plan (the later of the two ends is 12 both ways): the
+    # tie goes to the plan whose last allreduce ends first.
+    plan = merge([1.0, 1.0], [4.0, 4.0], 0.0, 0.25, tail=10.0)
+    assert (plan.groups, plan.end_time, plan.backward_time) == ([(0, 0), (1, 1)], 3.0, 12.0)
+    # The same in the program with a drain (1 s: pulls end at 3 and 4 apart, at 5 together).
+    drained = merge([1.0, 1.0], [4.0, 4.0], 0.0, 0.25, tail=10.0, drain=lambda b: 1.0 + 0.0 * b)
+    assert (drained.groups, drained.end_time) == ([(0, 0), (1, 1)], 4.0)
+
+
 @pytest.mark.timeout(120)
 def test_optimal_with_a_tail_of_backward_equals_brute_force():
     """merge(tail=): backward computes ``tail`` after the last gradient (a parameter-free
