@@ -509,6 +509,18 @@ def test_a_module_off_the_cpu_is_refused_naming_its_tensor():
     message, = raise_first(run_comms(1, body))
     assert "torch.nn.parallel.DistributedDataParallel" in message
 
+    class OffBuffer(nn.Module):  # the parameters on the CPU, a buffer (running statistics) not
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.register_buffer("stats", torch.zeros(2, device="meta"))
+
+    def buffer_body(comm):
+        with pytest.raises(ValueError, match=r"'stats' is on meta.*CPU"):
+            DistributedDataParallel(OffBuffer(), comm, **FAST)
+
+    raise_first(run_comms(1, buffer_body))
+
 
 @pytest.mark.timeout(60)
 def test_a_failed_peer_surfaces_from_backward_within_the_deadline():
