@@ -71,6 +71,7 @@ def test_layout_is_deterministic_and_its_digest_tells_layouts_apart():
 
 
 @pytest.mark.parametrize("kwargs,word", [({"servers": 0}, "servers"), ({"servers": 1.5}, "servers"),
+                                         ({"servers": True}, "servers"),
                                          ({"servers": 1, "partition_bytes": 2}, "partition_bytes")])
 def test_bad_arguments_name_the_option(kwargs, word):
     with pytest.raises(ValueError, match=word):
