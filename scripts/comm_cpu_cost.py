@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What communication costs the computation beside it: training alone against training with
-allreduces running on a thread of the same rank, over the emulated network.
+allreduces running on a thread of the same rank (or in a process beside it), over the emulated network.
 
 Usage (root):  .venv/bin/python scripts/comm_cpu_cost.py [--net 1gbit] [--model charlm] [--mib 0.43] [--paced-hz 80]
 
@@ -10,7 +10,9 @@ alternate between nothing else running and a background thread running allreduce
 ``--mib`` MiB: ringtrain's back to back (``comm``), ringtrain's paced to at most
 ``--paced-hz`` per second (``paced``: about gloo's rate at 0.43 MiB, to compare the two at
 equal throughput), or torch.distributed's over gloo back to back (``gloo``, the anchor; the
-two threads agree through a 1-element allreduce when to stop). Per round it reports the
+two threads agree through a 1-element allreduce when to stop), or ringtrain's back to back from
+a second process on each rank's host (``process``: the same traffic with no interpreter, GIL or
+scheduler share in common with the training; its CPU is the children's). Per round it reports the
 mean iteration (the round's wall time over its iterations: what training loses), the
 median forward and backward (after 3 warm-ups), allreduces per second, the CPU the process
 used outside the training thread (the background thread plus, for gloo, its worker threads:
@@ -25,6 +27,10 @@ ringtrain back to back 212-224 allreduces/s (91-96 MiB/s) +25-40%; paced 62-68/s
 MiB/s) +6-16%; gloo 88-95/s (38-41 MiB/s) +11-36%. Per MiB/s moved the iteration loses
 0.27-0.42% under ringtrain back to back, 0.21-0.55% paced, 0.27-0.95% under gloo: what the
 wrapper's trial measures as interference is the CPU any allreduce takes on two busy cores.
+With ``--mib 3.4`` (2026-12-07, the same VM, two runs of two rounds each, about 100 MiB/s, 147-157
+ms alone): ``process`` +9-36%, ``comm`` +7-27%, ``gloo`` +0-17%: the same traffic from another
+process costs the training as much, so it is the machine's (the kernel's network path on two busy
+cores), not an interpreter or GIL shared with the training.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ import sys
 import threading
 import time
 
-ROUNDS = ("none", "comm", "paced", "gloo", "none", "comm", "paced", "gloo")
+ROUNDS = ("none", "comm", "paced", "gloo", "process", "none", "comm", "paced", "gloo", "process")
+#: The port the ``process`` rounds' own job meets at (the ranks' job takes MASTER_PORT).
+TRAFFIC_PORT_OFFSET = 7
 ITERATIONS = 40
 WARM_UPS = 3
 
@@ -96,9 +104,10 @@ def rank_main() -> None:
                         time.sleep(max(0.0, 1.0 / cfg["paced_hz"] - (time.perf_counter() - started)))
                 done[0] += 1
 
-        thread = threading.Thread(target=background) if mode != "none" else None
+        thread = threading.Thread(target=background) if mode not in ("none", "process") else None
         if thread:
             thread.start()
+        child = _start_traffic(comm.rank, cfg["mib"]) if mode == "process" else None
         forwards, backwards = [], []
         m0, w0 = _machine(), time.perf_counter()
         cpu0, own0 = time.process_time(), time.thread_time()  # the process's CPU, and the training thread's
@@ -115,6 +124,8 @@ def rank_main() -> None:
         if thread:
             stop.set()
             thread.join()
+        if child is not None:
+            done[:] = _stop_traffic(child)
         delta = {k: (b - a) * tick_ms / wall for k, a, b in zip(
             ("user", "nice", "system", "idle", "iowait", "irq", "softirq"), m0, m1)}
         rows.append({"mode": mode, "iteration_mean_ms": 1e3 * wall / ITERATIONS,
@@ -127,6 +138,56 @@ def rank_main() -> None:
         emit({"rows": rows, **cfg})
     comm.close()
     dist.destroy_process_group()
+
+
+def _start_traffic(rank: int, mib: float):
+    """The ``process`` round's traffic: a child of this rank (in its network namespace) that joins
+    the other rank's child in a ringtrain job of their own and runs allreduces of ``mib`` MiB back
+    to back until its stdin closes. Returns once both children have met (their first allreduce)."""
+    import subprocess
+
+    env = dict(os.environ, RANK=str(rank), MASTER_PORT=str(int(os.environ["MASTER_PORT"]) + TRAFFIC_PORT_OFFSET))
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--traffic", str(mib)], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if child.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"rank {rank}: the traffic process did not start (exit {child.wait()})")
+    return child
+
+
+def _stop_traffic(child) -> list:
+    """Stop ``child``; [its allreduces, its CPU seconds since it was ready]."""
+    child.stdin.close()
+    count, cpu = child.stdout.readline().split()
+    child.wait(timeout=60)
+    return [int(count), float(cpu)]
+
+
+def traffic_main(mib: float) -> None:
+    """The child of :func:`_start_traffic`: allreduces until stdin closes; prints how many it ran
+    and the CPU seconds it used since it was ready (not its start-up). The two children stop
+    together: each allreduce is preceded by a 1-element max of "stop"."""
+    import numpy as np
+
+    import ringtrain
+
+    comm = ringtrain.init(transport="tcp", timeout=120)
+    buf = np.ones(int(mib * (1 << 20)) // 4, np.float32)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    flag = np.zeros(1, np.float32)
+    comm.allreduce(buf, "sum")
+    print("ready", flush=True)
+    cpu0 = time.process_time()
+    count = 0
+    while True:
+        flag[0] = 1.0 if stop.is_set() else 0.0
+        comm.allreduce(flag, "max")
+        if flag[0]:
+            break
+        comm.allreduce(buf, "sum")
+        count += 1
+    print(count, time.process_time() - cpu0, flush=True)
+    comm.close()
 
 
 def main() -> None:
@@ -163,5 +224,7 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--rank"]:
         rank_main()
+    elif sys.argv[1:2] == ["--traffic"]:
+        traffic_main(float(sys.argv[2]))
     else:
         main()
