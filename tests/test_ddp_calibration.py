@@ -95,6 +95,23 @@ def test_construction_sweep_is_logged(caplog):
     assert any("allreduce sweep" in r.getMessage() and "alpha=" in r.getMessage() for r in caplog.records)
 
 
+def test_alpha_and_beta_read_the_same_from_every_kind_of_cost():
+    # beta is the seconds per byte of one allreduce: a LinearCost keeps the reduction's apart (gamma),
+    # a SplitCost's beta has its larger line's in; the wrapper reported a LinearCost's without it.
+    line = LinearCost(1e-4, 1e-9, 2e-9)
+
+    def body(comm):
+        out = []
+        for cost in (line, SplitCost(LinearCost(0.0, 5e-9), line, 65536.0)):
+            ddp = DistributedDataParallel(nn.Linear(4, 4), comm, cost=cost)
+            ddp.close()
+            out.append((ddp.alpha, ddp.beta))
+        return out
+
+    for got in raise_first(run_comms(2, body)):
+        assert got == [(1e-4, pytest.approx(3e-9, rel=1e-12))] * 2, got
+
+
 class Swapped(nn.Module):
     """Registered first-then-second, used second-then-first: the backward order is
     first's gradients before second's, the reverse of what registration suggests."""
