@@ -252,6 +252,29 @@ def test_loader_ranks_together_equal_one_process():
         assert torch.equal(torch.cat([p[1] for p in parts]), y)
 
 
+class _Indices:
+    """A data set whose batch is its sample indices: what a loader asked for, visibly."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def batch(self, indices):
+        t = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        return t, t
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_loader_takes_the_samples_of_a_sampler_with_its_seed_and_shuffle(shuffle):
+    """The loader's seed and shuffle reach its sampler (a loader that dropped either would still
+    resume itself exactly and agree across ranks, but train on another order than asked)."""
+    loader = ShardedLoader(_Indices(30), batch_size=2, rank=1, world_size=3, seed=4, shuffle=shuffle)
+    sampler = ShardedSampler(30, 2, rank=1, world_size=3, seed=4, shuffle=shuffle)
+    assert [loader.next_batch()[0].tolist() for _ in range(12)] == take(sampler, 12)
+
+
 def test_sampler_state_missing_a_key_is_refused():
     state = ShardedSampler(100, 4).state_dict()
     del state["position"]
