@@ -275,6 +275,20 @@ def test_loader_takes_the_samples_of_a_sampler_with_its_seed_and_shuffle(shuffle
     assert [loader.next_batch()[0].tolist() for _ in range(12)] == take(sampler, 12)
 
 
+def test_loader_seek_stands_where_that_many_steps_leave_it():
+    """A parameter-server worker resumes by seek(step): it must yield the batches an
+    uninterrupted loader yields after that many steps, across an epoch boundary too."""
+    ds = _Indices(30)  # global batch 6: 5 steps an epoch
+    for steps in (0, 3, 5, 7, 11):
+        ran = ShardedLoader(ds, batch_size=2, rank=2, world_size=3, seed=8)
+        for _ in range(steps):
+            ran.next_batch()
+        sought = ShardedLoader(ds, batch_size=2, rank=2, world_size=3, seed=8)
+        sought.seek(steps)
+        assert (sought.epoch, sought.position) == (ran.epoch, ran.position) == divmod(steps, 5)
+        assert [sought.next_batch()[0].tolist() for _ in range(6)] == [ran.next_batch()[0].tolist() for _ in range(6)]
+
+
 def test_sampler_state_missing_a_key_is_refused():
     state = ShardedSampler(100, 4).state_dict()
     del state["position"]
