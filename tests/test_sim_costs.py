@@ -233,6 +233,21 @@ def test_network_table():
         sim.NetworkProfile("bad", alpha=0.0, beta=-1.0, source="test")
 
 
+def test_a_fitted_profiles_gamma_counts_under_every_algorithm():
+    """A fitted profile's gamma is a time per byte like its beta: the ring reads
+    alpha + (beta + gamma) n, and another algorithm's link constants come from that whole line
+    (not from beta alone, which would drop the reduction time for every algorithm but ring)."""
+    with_gamma = sim.NetworkProfile("fit", alpha=2e-4, beta=6e-10, gamma=2e-10, source="test", fitted_world_size=8)
+    folded = sim.NetworkProfile("fit", alpha=2e-4, beta=8e-10, source="test", fitted_world_size=8)
+    sizes = np.array([0.0, 1e3, 1e6, 1e8])
+    assert with_gamma.cost(8)(sizes) == pytest.approx(2e-4 + 8e-10 * sizes, rel=1e-12)
+    for algorithm in ("naive", "central", "halving_doubling", "binomial_tree", "ps"):
+        got, want = with_gamma.cost(8, algorithm)(sizes), folded.cost(8, algorithm)(sizes)
+        assert got == pytest.approx(want, rel=1e-12), algorithm
+        assert got[-1] > sim.NetworkProfile("fit", alpha=2e-4, beta=6e-10, source="test",
+                                            fitted_world_size=8).cost(8, algorithm)(sizes)[-1], algorithm
+
+
 # --- invalid input -------------------------------------------------------------------------
 
 
