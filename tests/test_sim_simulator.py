@@ -153,6 +153,22 @@ def test_predict_uses_the_cost_models():
         costs.allreduce_time(n, 32, "hierarchical", 2e-5, 1e-9, gpus_per_node=8, intra_beta=1e-11), rel=1e-12)
 
 
+def test_the_bucket_caps_reach_the_plan_through_every_entry_point():
+    # toy()'s fixed buckets fill in backward order C (64 B), B (128 B), A (192 B), each closed
+    # once it holds the cap. Cap 100 B: C+B (ready 3, ends 3 + 1 + 192/64 = 7), then A (ready 6,
+    # starts 7, ends 11). First bucket 64 B under the default 25 MiB: C alone (ends 3), then B+A
+    # (ready 6, ends 6 + 1 + 320/64 = 12). The default cap alone: one group, ending 13.
+    mib = 2**20
+    assert predict_with_cost(toy(), cost, 2, "fixed").plan.groups == [(0, 2)]
+    p = predict_with_cost(toy(), cost, 2, "fixed", bucket_cap_mb=100 / mib)
+    assert (p.plan.groups, p.comm_end_s) == ([(0, 1), (2, 2)], 11.0)
+    p = predict_with_cost(toy(), cost, 2, "fixed", first_bucket_mb=64 / mib)  # (torch DDP's first bucket)
+    assert (p.plan.groups, p.comm_end_s) == ([(0, 0), (1, 2)], 12.0)
+    assert predict(toy(), 1.0, 1 / 64, 2, "fixed", bucket_cap_mb=100 / mib).plan.groups == [(0, 1), (2, 2)]
+    rows = sweep([toy()], [named("1GbE")], (2,), ("fixed",), bucket_cap_mb=100 / mib)
+    assert [r.plan.groups for r in rows] == [[(0, 1), (2, 2)]]
+
+
 def test_parameter_servers_queue_pushes_then_drain_each_pull_and_step_on_the_servers():
     # toy() with 2 workers and one server, partitions of 16 bytes, alpha 1/4 s, beta 1/64 s/B:
     # D(n) = 2(1/4 + n/64). wfbp pushes C (64 B) from 1 to 1 + 2.5 = 3.5, B (128 B) from 3.5 to
