@@ -331,6 +331,25 @@ def test_kill_9_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_save_removes_only_the_temporaries_of_dead_writers_on_this_host(tmp_path):
+    """A temporary file is a write in progress while its writer lives (another process saving
+    into the same directory, or this one's background writer), and another host's pid says
+    nothing here: a save removes neither, only those of this host's dead writers."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = checkpoint._host()
+    names = {
+        "dead here": f".ckpt-000000002.pt.{host}.{dead.pid}.abc.tmp",
+        "alive here": f".ckpt-000000002.pt.{host}.{os.getpid()}.abc.tmp",
+        "elsewhere": f".ckpt-000000002.pt.other-{host}.{dead.pid}.abc.tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"partial")
+    checkpoint.save(tmp_path, 3, {"w": torch.zeros(1)})
+    left = {p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")}
+    assert left == {names["alive here"], names["elsewhere"]}
+
+
 def test_saving_an_earlier_step_never_deletes_what_it_wrote(tmp_path):
     """A run resumed from step 5 (because 7 and 10 are damaged) keeps its new checkpoints."""
     for step in (5, 7, 10):
