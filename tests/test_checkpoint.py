@@ -248,6 +248,23 @@ def test_no_valid_checkpoint_gives_none(tmp_path):
         assert checkpoint.latest(tmp_path) is None
 
 
+@pytest.mark.parametrize("version", [None, 2])
+def test_a_record_of_another_format_is_not_a_checkpoint(tmp_path, version):
+    """A whole record with a valid digest but no format key, or another format's number (a
+    later ringtrain's file, whose fields may mean something else), is refused, not read as ours."""
+    payload = {"w": torch.arange(3.0)}
+    record = {"step": 4, "digest": checkpoint.digest(payload), "payload": payload}
+    if version is not None:
+        record[checkpoint.FORMAT_KEY] = version
+    path = tmp_path / checkpoint.checkpoint_name(4)
+    torch.save(record, path)
+    with pytest.raises(CheckpointError, match="not a ringtrain checkpoint of format 1"):
+        checkpoint.load(path)
+    record[checkpoint.FORMAT_KEY] = checkpoint.FORMAT_VERSION
+    torch.save(record, path)
+    assert checkpoint.load(path).step == 4
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="step must be a non-negative integer"):
         checkpoint.save(tmp_path, -1, {})
