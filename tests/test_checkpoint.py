@@ -116,6 +116,21 @@ def test_resume_from_checkpoint_is_bitwise_equal_to_an_uninterrupted_run(tmp_pat
     assert_same(uninterrupted, model2.state_dict(), "model")
 
 
+def test_restoring_into_an_optimizer_or_loader_the_checkpoint_lacks_is_refused(tmp_path):
+    """A checkpoint saved without optimizer state or data position cannot resume a run that has
+    them: restoring must say so, not leave a fresh optimizer (Adam's moments at 0) or a loader at
+    the first batch to train on silently."""
+    model = torch.nn.Linear(3, 2)
+    checkpoint.save(tmp_path, 5, checkpoint.training_state(5, model))
+    payload = checkpoint.latest(tmp_path).payload
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="no optimizer state"):
+        checkpoint.restore_training_state(payload, model, opt)
+    with pytest.raises(ValueError, match="no data position"):
+        checkpoint.restore_training_state(payload, model, loader=data.ShardedSampler(10, 2))
+    assert checkpoint.restore_training_state(payload, model) == 5
+
+
 def test_keep_only_the_newest(tmp_path):
     for step in (1, 3, 5, 7, 10):
         checkpoint.save(tmp_path, step, {"x": torch.tensor([step])}, keep=2)
