@@ -211,6 +211,9 @@ def test_start_up_first_fit_keeps_the_small_message_latency():
     assert cal.fit_start_up_first(np.array([4096.0]), np.array([1e-3])) == (1e-3, 0.0)
     # A slope that would make the intercept negative: alpha clamps at 0.
     assert cal.fit_start_up_first(np.array([1e6, 2e6]), np.array([1e-4, 1e-3]))[0] == 0.0
+    # The sizes in any order: the line still passes through the smallest one's time.
+    shuffled = [3, 0, 4, 1, 2]
+    assert cal.fit_start_up_first(sizes[shuffled], times[shuffled]) == (alpha, beta)
 
 
 def longest_trial(verify_iterations: int, probes: int, warmup: int = 1, profile: int = 2) -> int:
