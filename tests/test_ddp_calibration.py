@@ -72,6 +72,15 @@ def test_sweep_fits_the_same_cost_on_every_rank(algorithm):
     assert cal.sweep_cost(type("One", (), {"world_size": 1})(), "ring") == LinearCost(0.0, 0.0)
 
 
+def test_sweep_sizes_add_the_models_gradient_bytes_when_they_are_much_larger():
+    last = cal.SWEEP_BYTES[-1]
+    assert cal.sweep_sizes(0.0) == cal.SWEEP_BYTES
+    assert cal.sweep_sizes(1.5 * last) == cal.SWEEP_BYTES  # (not over 1.5x: the sweep's own sizes)
+    assert cal.sweep_sizes(1.5 * last + 4) == cal.SWEEP_BYTES + (int(1.5 * last) + 4,)
+    assert cal.sweep_sizes(84_000_003.0) == cal.SWEEP_BYTES + (84_000_000,)  # float32 buffers: whole floats
+    assert cal.sweep_sizes(1e12) == cal.SWEEP_BYTES + (cal.SWEEP_MAX_BYTES,)
+
+
 def test_split_cost_takes_each_line_on_its_side():
     cost = SplitCost(LinearCost(1e-4, 1e-9), LinearCost(5e-4, 2e-10), 65536.0)
     assert cost(65535.0) == 1e-4 + 1e-9 * 65535.0 and cost(65536.0) == 5e-4 + 2e-10 * 65536.0
