@@ -72,6 +72,44 @@ def test_sweep_fits_the_same_cost_on_every_rank(algorithm):
     assert cal.sweep_cost(type("One", (), {"world_size": 1})(), "ring") == LinearCost(0.0, 0.0)
 
 
+class _LinkComm:
+    """Rank 0 of two whose allreduce advances a fake clock by a known line's time: the sweep's
+    fit must give that line back."""
+
+    world_size, rank = 2, 0
+
+    def __init__(self, small: LinearCost, large: LinearCost):
+        self.small, self.large, self.now = small, large, 0.0
+
+    def allreduce(self, buf, op, algorithm):
+        line = self.small if algorithm == "auto" and buf.nbytes < AUTO_SMALL_BYTES else self.large
+        self.now += line(buf.nbytes)
+
+    def broadcast(self, buf, root):
+        assert root == 0  # (rank 0's fit stays as it is)
+
+
+def test_sweep_gives_back_the_line_of_a_known_link(monkeypatch):
+    """Times per allreduce (a burst's time divided by its length), sizes in bytes, and under
+    "auto" each line on its own side of AUTO_SMALL_BYTES; with one size above it, one line."""
+    small, large = LinearCost(2e-4, 3e-9), LinearCost(5e-4, 1e-9)
+    comm = _LinkComm(small, large)
+    monkeypatch.setattr(time, "perf_counter", lambda: comm.now)
+    ring = cal.sweep_cost(comm, "ring", repeats=2)
+    assert isinstance(ring, LinearCost)
+    assert (ring.alpha, ring.beta) == pytest.approx((large.alpha, large.beta), rel=1e-6)
+    auto = cal.sweep_cost(comm, "auto", repeats=2)
+    assert isinstance(auto, SplitCost) and auto.split_bytes == AUTO_SMALL_BYTES
+    assert (auto.small.alpha, auto.small.beta) == pytest.approx((small.alpha, small.beta), rel=1e-6)
+    assert (auto.large.alpha, auto.large.beta) == pytest.approx((large.alpha, large.beta), rel=1e-6)
+    # One size above the split cannot give the large side a slope: one line through every size.
+    sizes = (4096, 32768, 1 << 20)
+    one = cal.sweep_cost(comm, "auto", sizes, repeats=2)
+    expect = cal.fit_start_up_first(np.array(sizes, dtype=np.float64),
+                                    np.array([small(4096), small(32768), large(1 << 20)]))
+    assert isinstance(one, LinearCost) and (one.alpha, one.beta) == pytest.approx(expect, rel=1e-6)
+
+
 def test_sweep_sizes_add_the_models_gradient_bytes_when_they_are_much_larger():
     last = cal.SWEEP_BYTES[-1]
     assert cal.sweep_sizes(0.0) == cal.SWEEP_BYTES
