@@ -70,6 +70,8 @@ def test_header_round_trip_and_garbage_is_a_protocol_error():
         P.unpack_header(b"XXXX" + raw[4:], P.HEADER_SIZE)
     with pytest.raises(ProtocolError, match="kind"):
         P.unpack_header(raw[:4] + bytes([99]) + raw[5:], P.HEADER_SIZE)
+    with pytest.raises(ProtocolError, match="reserved 1"):  # (bytes 6-7: kept 0 for a later use)
+        P.unpack_header(raw[:6] + b"\x01\x00" + raw[8:], P.HEADER_SIZE)
 
 
 def test_strangers_are_refused_and_the_server_keeps_serving():
