@@ -23,6 +23,7 @@ from ringtrain.errors import AuthError, CommError, PeerLost, ProtocolError
 from ringtrain.ps import ParameterServer, ParameterServerTraining, PSOptions, ServerConfig
 from ringtrain.ps import protocol as P
 from ringtrain.transport import wire
+from ringtrain.transport.base import CallHeader
 from ringtrain.transport.local import on_threads
 import ps_harness
 from ps_harness import both_take_step_0, recv_params, tiny
@@ -72,6 +73,40 @@ def test_header_round_trip_and_garbage_is_a_protocol_error():
         P.unpack_header(raw[:4] + bytes([99]) + raw[5:], P.HEADER_SIZE)
     with pytest.raises(ProtocolError, match="reserved 1"):  # (bytes 6-7: kept 0 for a later use)
         P.unpack_header(raw[:6] + b"\x01\x00" + raw[8:], P.HEADER_SIZE)
+
+
+def test_a_channel_refuses_a_message_whose_lengths_do_not_add_up():
+    """The receiver checks what a peer announces before it reads on: more ids than the shard
+    has, ids beyond the frame's end, a JSON body that is not an object, a frame shorter than a
+    message header. Each is a ProtocolError naming the peer, not a read into the next message
+    (a timeout, or values taken from another frame) or an error far from the cause."""
+    a, b = socket.socketpair()
+    ca, cb = P.Channel(a, "a", 0.5), P.Channel(b, "worker 1", 0.5)
+    try:
+        def raw(payload: bytes) -> None:
+            frame = wire.encode_data_header(CallHeader(1, "send", numel=len(payload)), len(payload))
+            a.sendall(frame + payload)
+
+        ca.send(P.PUSH, ids=np.arange(5), values=[np.zeros(5, np.float32)])
+        with pytest.raises(ProtocolError, match="worker 1 sent PUSH with 5 ids \\(at most 4 allowed\\)"):
+            cb.recv_ids(cb.recv_header(1.0), 4)
+        cb.recv_into(np.empty(10, np.float32))  # (the refused ids and the values: the stream goes on)
+        ca.send(P.PUSH, ids=np.arange(5), values=[np.zeros(5, np.float32)])
+        assert cb.recv_ids(cb.recv_header(1.0), 5).tolist() == [0, 1, 2, 3, 4]
+        cb.recv_into(np.empty(5, np.float32))
+        raw(P.pack_header(P.PUSH, count=10) + bytes(8))  # 10 ids announced, 2 in the frame
+        with pytest.raises(ProtocolError, match="with 10 ids"):
+            cb.recv_ids(cb.recv_header(1.0), 100)
+        cb.recv_into(np.empty(2, np.float32))  # (the 8 bytes that were there)
+        ca.send(P.HELLO, body=b"[1, 2]")
+        with pytest.raises(ProtocolError, match="worker 1 sent a HELLO body that is not a JSON object"):
+            cb.recv_json(cb.recv_header(1.0))
+        raw(bytes(10))
+        with pytest.raises(ProtocolError, match="worker 1 sent a 10-byte message, shorter than a header"):
+            cb.recv_header(1.0)
+    finally:
+        ca.close()
+        cb.close()
 
 
 def test_strangers_are_refused_and_the_server_keeps_serving():
