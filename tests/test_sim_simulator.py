@@ -131,6 +131,10 @@ def test_affine_detection():
     assert affine_or_none(planner.LinearCost(2.0, 0.5)) == (2.0, 0.5)
     assert affine_or_none(costs.allreduce_cost(16, "ring", 1e-5, 1e-9)) == pytest.approx((30e-5, 1.875e-9), rel=1e-9)
     assert affine_or_none(lambda n: n**0.5) is None
+    # A pure-bandwidth cost whose line, read off at 1e9 and 1e10 bytes, crosses 0 at a rounding
+    # error (-1.8e-15 s here) is still affine, with alpha 0: the planner's vectorized path.
+    a, b = affine_or_none(costs.allreduce_cost(4, "ring", 0.0, 8e-9))
+    assert a == 0.0 and b == pytest.approx(1.5 * 8e-9, rel=1e-12)
 
 
 def test_a_non_affine_cost_is_planned_through_the_callable():
