@@ -440,6 +440,9 @@ def test_fit_interference_never_negative():
     assert fit.per_byte == 0.0 and fit.per_message == pytest.approx(float(np.dot([23, 2], [2e-2, 1e-3]) / (23**2 + 4)))
     # NaN measurements (a probe that never ran): none
     assert cal.fit_interference([1, 1], [1.0, 2.0], [float("nan"), 1.0]).is_zero
+    # An infinite one (a probe that timed out), or bytes not finite: none, not an infinite cost
+    assert cal.fit_interference([1, 2, 3], [10.0, 20.0, 35.0], [float("inf"), 1.0, 2.0]).is_zero
+    assert cal.fit_interference([1, 2, 3], [10.0, float("inf"), 35.0], [1.0, 1.0, 2.0]).is_zero
 
 
 def test_probes_measure_a_per_launch_slowdown(monkeypatch, caplog):
