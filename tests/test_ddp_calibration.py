@@ -25,6 +25,9 @@ def test_gaps_follow_the_observed_order():
     assert list(cal.gaps(stamps, 0.5)) == [1.0, 0.5, 0.0, 1.0]
     # No backward start: the first gradient's own time opens the count.
     assert list(cal.gaps(stamps, float("nan"))) == [1.0, 0.0, 0.0, 1.0]
+    # A backward start stamped after the first gradient (another thread's clock read): that
+    # gradient took 0, never a negative time, which the planner would refuse.
+    assert list(cal.gaps(np.array([1.0, 2.0]), 1.5)) == [0.0, 1.0]
 
 
 def test_local_profile_is_the_median_per_parameter():
