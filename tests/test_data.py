@@ -128,6 +128,8 @@ def test_sampler_refuses_a_state_it_cannot_continue():
     (dict(num_samples=10, batch_size=2, world_size=0), "world_size must be an integer >= 1"),
     (dict(num_samples=10, batch_size=6, world_size=2), "smaller than one global batch"),
     (dict(num_samples=10, batch_size=2, seed=-1), "seed must be an integer >= 0"),
+    # (a sampler standing at the end of an epoch would hand out empty batches for ever)
+    (dict(num_samples=10, batch_size=2, position=5), "position must be < batches_per_epoch=5, got 5"),
 ])
 def test_sampler_validates_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
