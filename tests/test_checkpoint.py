@@ -263,7 +263,7 @@ def test_no_valid_checkpoint_gives_none(tmp_path):
         assert checkpoint.latest(tmp_path) is None
 
 
-@pytest.mark.parametrize("version", [None, 2])
+@pytest.mark.parametrize("version", [None, 2, True, 1.0])  # (True == 1 == 1.0 in Python: not our int 1)
 def test_a_record_of_another_format_is_not_a_checkpoint(tmp_path, version):
     """A whole record with a valid digest but no format key, or another format's number (a
     later ringtrain's file, whose fields may mean something else), is refused, not read as ours."""

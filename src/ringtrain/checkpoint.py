@@ -273,7 +273,8 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
         kind = f"{type(exc).__module__}.{kind}" if kind == "error" else kind  # (struct.error, not "error")
         raise CheckpointError(f"{path}: not a readable checkpoint: truncated, or not written by ringtrain "
                               f"({kind})") from exc
-    if not isinstance(record, dict) or record.get(FORMAT_KEY) != FORMAT_VERSION:
+    version = record.get(FORMAT_KEY) if isinstance(record, dict) else None
+    if type(version) is not int or version != FORMAT_VERSION:  # (True and 1.0 equal 1 as well)
         raise CheckpointError(f"{path}: not a ringtrain checkpoint of format {FORMAT_VERSION}")
     payload = record.get("payload")
     try:
