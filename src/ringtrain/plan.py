@@ -119,11 +119,16 @@ class LinearCost:
         for name in ("alpha", "beta", "gamma"):
             _check_scalar(name, getattr(self, name))
 
+    @property
+    def per_byte(self) -> float:
+        """Seconds per byte of one allreduce, its transfer and its reduction: beta + gamma."""
+        return self.beta + self.gamma
+
     def __call__(self, nbytes: Any) -> Any:
-        return self.alpha + (self.beta + self.gamma) * nbytes
+        return self.alpha + self.per_byte * nbytes
 
     def describe(self) -> str:
-        return f"alpha={self.alpha:.3e} s, beta={self.beta + self.gamma:.3e} s/B"
+        return f"alpha={self.alpha:.3e} s, beta={self.per_byte:.3e} s/B"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +158,10 @@ class SplitCost:
 
     @property
     def beta(self) -> float:
-        """The larger messages' seconds per byte."""
-        return self.large.beta + self.large.gamma
+        """The larger messages' seconds per byte (their :attr:`LinearCost.per_byte`)."""
+        return self.large.per_byte
+
+    per_byte = beta
 
     def describe(self) -> str:
         return f"{self.small.describe()} under {self.split_bytes:.0f} B; {self.large.describe()} from there"
@@ -473,7 +480,7 @@ def _optimal_groups_counted(ready: np.ndarray, sizes: np.ndarray, cost: CostFn,
         # the stream carries g allreduces (in exact arithmetic; a margin of 1e-9 covers the
         # rounding of the sum).
         last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[last_row]) + costs[last_row])
-        chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
+        chain = g * cost.alpha + cost.per_byte * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
         if max(last, chain * (1.0 - 1e-9)) >= best_end:
             break
     groups = []
@@ -568,7 +575,7 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
         # before it; the g pushes on their stream (a margin of 1e-9 for the rounding of the sum).
         row = slice(n * (n - 1) // 2, n * (n + 1) // 2)  # the groups i..n-1
         last = np.min(ready[-1] + (slow.per_message * (g - 1) + bytes_delay[:n]) + table[row] + drain_table[row])
-        chain = g * cost.alpha + (cost.beta + cost.gamma) * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
+        chain = g * cost.alpha + cost.per_byte * prefix[n] if isinstance(cost, LinearCost) else g * cheapest
         if max(last, chain * (1.0 - 1e-9)) >= best_end:
             break
     # Back from the best plan of the whole, pass by pass (or within the one pass).

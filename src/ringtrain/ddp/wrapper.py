@@ -201,8 +201,7 @@ class DistributedDataParallel(nn.Module):
                     "calibration sweep", partial(calibration.sweep_cost, comm, opts.algorithm,
                                                  calibration.sweep_sizes(float(self._sizes.sum()))), self._timeout * 8)
             self.alpha = float(getattr(self.cost, "alpha", self.cost(0.0)))  # start-up of the larger messages
-            # seconds per byte of one allreduce, the reduction's too (a LinearCost keeps it apart, in gamma)
-            self.beta = float(getattr(self.cost, "beta", float("nan")) + getattr(self.cost, "gamma", 0.0))
+            self.beta = float(getattr(self.cost, "per_byte", float("nan")))  # (the reduction's seconds too)
             given = "allreduce sweep" if opts.cost is None and opts.alpha is None else "given"
             self._log(f"allreduce cost {cost_text(self.cost)} ({given}), world_size={self.world_size}")
 
