@@ -27,8 +27,8 @@ ringtrain back to back 212-224 allreduces/s (91-96 MiB/s) +25-40%; paced 62-68/s
 MiB/s) +6-16%; gloo 88-95/s (38-41 MiB/s) +11-36%. Per MiB/s moved the iteration loses
 0.27-0.42% under ringtrain back to back, 0.21-0.55% paced, 0.27-0.95% under gloo: what the
 wrapper's trial measures as interference is the CPU any allreduce takes on two busy cores.
-With ``--mib 3.4`` (2026-12-07, the same VM, two runs of two rounds each, about 100 MiB/s, 147-157
-ms alone): ``process`` +9-36%, ``comm`` +7-27%, ``gloo`` +0-17%: the same traffic from another
+With ``--mib 3.4`` (2026-12-07, the same VM, three runs of two rounds each, about 100 MiB/s, 145-157
+ms alone): ``process`` +9-36%, ``comm`` +7-27%, ``gloo`` +0-19%: the same traffic from another
 process costs the training as much, so it is the machine's (the kernel's network path on two busy
 cores), not an interpreter or GIL shared with the training.
 """
@@ -84,24 +84,16 @@ def rank_main() -> None:
         done = [0, 0.0]
 
         def background() -> None:
-            flag = np.zeros(1, np.float32)
+            if mode != "gloo":
+                done[0] = allreduces_until(stop, comm, buf, cfg["paced_hz"] if mode == "paced" else None)
+                return
             tflag = torch.zeros(1)
             while True:
-                if mode == "gloo":
-                    tflag[0] = 1.0 if stop.is_set() else 0.0
-                    dist.all_reduce(tflag, dist.ReduceOp.MAX)  # both ranks stop after the same allreduce
-                    if tflag[0]:
-                        return
-                    dist.all_reduce(tbuf)
-                else:
-                    flag[0] = 1.0 if stop.is_set() else 0.0
-                    comm.allreduce(flag, "max")
-                    if flag[0]:
-                        return
-                    started = time.perf_counter()
-                    comm.allreduce(buf, "sum")
-                    if mode == "paced":
-                        time.sleep(max(0.0, 1.0 / cfg["paced_hz"] - (time.perf_counter() - started)))
+                tflag[0] = 1.0 if stop.is_set() else 0.0
+                dist.all_reduce(tflag, dist.ReduceOp.MAX)  # both ranks stop after the same allreduce
+                if tflag[0]:
+                    return
+                dist.all_reduce(tbuf)
                 done[0] += 1
 
         thread = threading.Thread(target=background) if mode not in ("none", "process") else None
@@ -165,7 +157,7 @@ def _stop_traffic(child) -> list:
 def traffic_main(mib: float) -> None:
     """The child of :func:`_start_traffic`: allreduces until stdin closes; prints how many it ran
     and the CPU seconds it used since it was ready (not its start-up). The two children stop
-    together: each allreduce is preceded by a 1-element max of "stop"."""
+    together (:func:`allreduces_until`)."""
     import numpy as np
 
     import ringtrain
@@ -174,20 +166,32 @@ def traffic_main(mib: float) -> None:
     buf = np.ones(int(mib * (1 << 20)) // 4, np.float32)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    flag = np.zeros(1, np.float32)
     comm.allreduce(buf, "sum")
     print("ready", flush=True)
     cpu0 = time.process_time()
+    count = allreduces_until(stop, comm, buf)
+    print(count, time.process_time() - cpu0, flush=True)
+    comm.close()
+
+
+def allreduces_until(stop: threading.Event, comm, buf, paced_hz: float | None = None) -> int:
+    """ringtrain allreduces of ``buf`` back to back (at most ``paced_hz`` a second) until ``stop``
+    is set on some rank: each is preceded by a 1-element max of "stop", so every rank ends after
+    the same one. Returns how many ran."""
+    import numpy as np
+
+    flag = np.zeros(1, np.float32)
     count = 0
     while True:
         flag[0] = 1.0 if stop.is_set() else 0.0
         comm.allreduce(flag, "max")
         if flag[0]:
-            break
+            return count
+        started = time.perf_counter()
         comm.allreduce(buf, "sum")
+        if paced_hz:
+            time.sleep(max(0.0, 1.0 / paced_hz - (time.perf_counter() - started)))
         count += 1
-    print(count, time.process_time() - cpu0, flush=True)
-    comm.close()
 
 
 def main() -> None:
