@@ -186,6 +186,12 @@ def test_sparse_gradients_are_refused_when_the_module_is_wrapped():
     assert "sparse" not in str(caught.value)
 
 
+def test_a_sparse_module_wrapped_itself_is_named_by_its_class():
+    # It was named by its module path, the empty string: "and [''] make sparse ones".
+    with pytest.raises(ValueError, match=r"dense gradients only, and \['Embedding'\] make sparse ones"):
+        ParameterServerTraining(nn.Embedding(10, 4, sparse=True), servers=[("127.0.0.1", 1)], worker=0, workers=1)
+
+
 def test_a_step_that_called_no_module_finds_nothing_read_outside():
     # A worker without data takes part with a zero loss over the parameters (what step()'s refusal
     # advises): every parameter was taken for read outside, and overlap turned off for good.

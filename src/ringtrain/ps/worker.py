@@ -243,7 +243,8 @@ class ParameterServerTraining:
         if not 0 <= worker < workers:
             raise ValueError(f"worker must be in [0, workers={workers}), got {worker}")
         check_cpu_module(module, "ringtrain.ps.ParameterServerTraining")
-        sparse = [name for name, m in module.named_modules() if getattr(m, "sparse", False) is True
+        sparse = [name or type(m).__name__  # (the wrapped module itself has the name '': its class instead)
+                  for name, m in module.named_modules() if getattr(m, "sparse", False) is True
                   and any(p.requires_grad for p in m.parameters(recurse=False))]  # (a frozen one makes none)
         if sparse:  # (nn.Embedding / nn.EmbeddingBag(sparse=True): the gradients would be sparse tensors)
             raise ValueError(f"ringtrain.ps.ParameterServerTraining pushes dense gradients only, and {sparse} "
