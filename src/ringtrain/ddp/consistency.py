@@ -20,8 +20,8 @@ import torch
 
 from ..errors import MismatchError
 
-#: The integer dtype of each element size, to read a parameter's bits as.
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The integer dtype of each element size, to read a parameter's bits as (complex128's: two int64s).
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
 def digest(params: Sequence[torch.Tensor]) -> int:

@@ -714,7 +714,13 @@ class DistributedDataParallel(nn.Module):
         if divisor is None:
             divisor = self.world_size if self._join is None else self._join.divisor
         algorithm = self.options.algorithm
-        wire = self._wire_dtype(buf.dtype)
+        if buf.is_complex():
+            # Its real and imaginary parts, as floats, as torch's DDP reduces it (the collectives
+            # take no complex128); never compressed (the plan counts its bytes as they are).
+            buf = torch.view_as_real(buf)
+            wire = buf.dtype
+        else:
+            wire = self._wire_dtype(buf.dtype)
         if wire != buf.dtype:
             # Into memory kept for it (a fresh tensor's page faults took as long as the rounding:
             # 32 ms against 11 for 21M values): one bucket at a time, on this thread.
@@ -999,12 +1005,12 @@ class DistributedDataParallel(nn.Module):
         tensors = [t for t in tensors if t.numel()]
         if self.world_size == 1 or not tensors:
             return
-        # Each tensor starts on an 8-byte boundary of the byte buffer: torch views bytes as a
+        # Each tensor starts on a 16-byte boundary of the byte buffer: torch views bytes as a
         # wider dtype only at an offset that is a multiple of its size (an int64 counter after
-        # 27 float32s would not be).
+        # 27 float32s would not be, nor a complex128 after one float64).
         spans, end = [], 0
         for t in tensors:
-            start = -(-end // 8) * 8
+            start = -(-end // 16) * 16
             end = start + t.numel() * t.element_size()
             spans.append((start, end))
         with torch.no_grad():
