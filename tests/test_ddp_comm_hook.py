@@ -71,8 +71,8 @@ def _session(rank, world_size, port):
         dist.destroy_process_group()
 
 
-def _torch_ddp(hook, state=None, group=None):
-    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
+def _torch_ddp(hook, state=None, group=None, module=None):
+    ddp = torch.nn.parallel.DistributedDataParallel(module or _mlp(), process_group=group)
     ddp.register_comm_hook(state, hook)
     return ddp
 
@@ -151,6 +151,42 @@ def test_stock_hooks_give_torch_ddps_parameters(world_size):
     for name in ("fp16_compress_hook", "bf16_compress_hook"):  # (the hook did run: it rounded)
         ours, uncompressed = results[0][name, "fixed"], results[0]["allreduce_hook", "fixed"]
         assert any(not torch.equal(a, b) for a, b in zip(ours, uncompressed)), name
+
+
+def _complex_hooks(rank, world_size, port):
+    from test_ddp_patterns import Spectral  # (a complex128 weight between float64 layers)
+
+    def batches(step):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+
+    out = {}
+    with _session(rank, world_size, port) as comm:
+        for name in ("allreduce_hook", "fp16_compress_hook"):
+            torch.manual_seed(0)
+            out[name, "torch"] = train(_torch_ddp(HOOKS[name], None, None, Spectral()), batches, STEPS)
+            for schedule in ("fixed", "optimal"):
+                torch.manual_seed(0)
+                ddp = DistributedDataParallel(Spectral(), comm, schedule=schedule, **FAST)
+                ddp.register_comm_hook(ddp.process_group, HOOKS[name])
+                try:
+                    out[name, schedule] = train(ddp, batches, STEPS)
+                finally:
+                    ddp.close()
+    return _saved(out)
+
+
+@pytest.mark.multiprocess
+def test_a_complex_bucket_reaches_the_hook_as_its_real_view_as_torch_ddp():
+    """torch's DDP gives a hook a complex bucket as its real view (float64 here). This wrapper gave
+    the complex128 buffer itself: allreduce_hook's value (the group reduces the real view) was
+    refused as "a torch.float64 tensor of shape (9, 2)", and fp16_compress_hook's cast to float16
+    dropped the imaginary parts of the gradients, silently."""
+    results = _loaded(run_ranks(_complex_hooks, 2, timeout=110.0))
+    _same_on_every_rank(results)
+    for name in ("allreduce_hook", "fp16_compress_hook"):
+        for schedule in ("fixed", "optimal"):
+            _bitwise(results[0][name, schedule], results[0][name, "torch"], name, schedule)
 
 
 # --- PowerSGD ------------------------------------------------------------------------------------
@@ -611,3 +647,14 @@ def test_error_feedback_moves_with_each_parameter_to_the_new_buckets():
     state = SimpleNamespace(error_dict=dict(errors))
     forget_buckets(state, None, new)
     assert state.error_dict == {}
+    # Complex parameters: the hook's buffer is the bucket's real view, two residuals an element.
+    old = bucketing.layout([4, 3, 2, 1, 0], [(0, 1), (2, 4)], numels, [torch.complex64] * 5, [8] * 5)
+    new = bucketing.layout([4, 3, 2, 1, 0], [(0, 0), (1, 3), (4, 4)], numels, [torch.complex64] * 5, [8] * 5)
+
+    def doubled(spec):
+        return torch.cat([residual(pid).repeat_interleave(2) for pid in spec.pids])
+
+    state = SimpleNamespace(error_dict={spec.index: doubled(spec) for spec in old})
+    forget_buckets(state, old, new)
+    for spec in new:
+        assert torch.equal(state.error_dict[spec.index], doubled(spec)), spec

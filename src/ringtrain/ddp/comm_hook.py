@@ -193,16 +193,17 @@ def _moved_errors(errors: dict, old: Sequence[Any], new: Sequence[Any]) -> dict:
     where = bucket_of(old, sum(len(spec.pids) for spec in old))  # (a spec's index is its place)
     moved = {}
     for spec in new:
+        k = 2 if spec.dtype.is_complex else 1  # (a complex bucket's buffer is its real view: 2 floats an element)
         ends = list(spec.offsets[1:]) + [spec.numel]
         into = None
         for pid, off, end in zip(spec.pids, spec.offsets, ends):
             src, src_off = where[pid]
             residual = errors.get(src)
-            if not isinstance(residual, torch.Tensor) or residual.numel() != old[src].numel:
+            if not isinstance(residual, torch.Tensor) or residual.numel() != old[src].numel * k:
                 continue  # (none kept for that bucket, or not one of its buffer's size)
             if into is None:
-                into = residual.new_zeros(spec.numel)
-            into[off:end] = residual[src_off:src_off + end - off]
+                into = residual.new_zeros(spec.numel * k)
+            into[k * off:k * end] = residual[k * src_off:k * (src_off + end - off)]
         if into is not None:
             moved[spec.index] = into
     return moved

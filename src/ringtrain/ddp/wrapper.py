@@ -699,6 +699,8 @@ class DistributedDataParallel(nn.Module):
         params = [self._params[pid] for pid in spec.pids]
         views = ([self._slots[pid] for pid in spec.pids] if buf is self._bufs[spec.index]
                  else comm_hook.bucket_views(buf, spec.offsets, params))
+        if buf.is_complex():  # its real view, as torch's DDP gives it (a cast to float16 drops imaginary parts)
+            buf, views = torch.view_as_real(buf).view(-1), [torch.view_as_real(v) for v in views]
         bucket = comm_hook.GradBucket(spec.index, buf, views, params, spec.index == len(self._specs) - 1)
         return partial(self._comm_hook.run, bucket, self._specs)
 
