@@ -2,8 +2,10 @@
 
 Against torch's own DDP under its ``join()`` (gloo), in the same processes on the same data:
 the parameters and buffers after the block, on every rank, with the planning (the first plan,
-the trial of plans, re-plans) or fixed buckets running while some ranks have joined. Then
-``throw_on_early_termination``, a rank that dies inside the block, one rank and ``enable=False``.
+the trial of plans, re-plans) or fixed buckets running while some ranks have joined; the same
+through torch's generic ``Join([model])``, and beside ``ZeroRedundancyOptimizer`` in
+``Join([model, optimizer])``. Then ``throw_on_early_termination``, a rank that dies inside the
+block, one rank and ``enable=False``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.join import Join as TorchJoin
 
 from mp_harness import run_ranks
 from thread_harness import raise_first, run_comms
@@ -70,6 +73,8 @@ def _state(model):
 # name: (divide_by_initial_world_size, schedule, find_unused_parameters)
 CONFIGS = {f"{'initial' if div else 'active'}, {schedule}{', find_unused' if unused else ''}": (div, schedule, unused)
            for div in (True, False) for schedule in ("optimal", "fixed") for unused in (False, True)}
+#: Configs also run through torch's generic Join([model]) (kind "ours, torch Join").
+THROUGH_TORCH_JOIN = ("initial, optimal", "active, fixed, find_unused")
 
 
 def _train(ddp, model, rank, count, find_unused):
@@ -102,20 +107,23 @@ def _both_joins(rank, world_size, port, names):
     try:
         for name in names:
             div, schedule, unused = CONFIGS[name]
-            for kind in ("torch", "ours"):
+            for kind in ("torch", "ours") + (("ours, torch Join",) if name in THROUGH_TORCH_JOIN else ()):
                 torch.manual_seed(0)
                 model = Model()
                 if kind == "torch":
                     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
                 else:
                     ddp = DistributedDataParallel(model, comm, schedule=schedule, find_unused_parameters=unused, **FAST)
-                with ddp.join(divide_by_initial_world_size=div):
+                block = TorchJoin([ddp], divide_by_initial_world_size=div) if kind == "ours, torch Join" else \
+                    ddp.join(divide_by_initial_world_size=div)
+                with block:
                     _train(ddp, model, rank, count, unused)
                     settled_at_join = getattr(ddp, "settled", None)
                 out[name, kind] = _state(model)
-                if kind == "ours":
-                    out[name, "planning"] = (settled_at_join, ddp.settled, ddp.iteration, ddp.kept, ddp.plan.groups,
-                                             ddp.trial)
+                if kind != "torch":
+                    out[name, kind, "planning"] = (settled_at_join, ddp.settled, ddp.iteration, ddp.kept,
+                                                   ddp.plan.groups, ddp.trial)
+                    assert ddp._join is None, kind  # (the block is over: the next forward announces nothing)
                     ddp.close()
     finally:
         comm.close()  # (before the store it reaches: rank 0's is the default group's)
@@ -155,17 +163,115 @@ def test_uneven_inputs_as_torch_ddp_join(world_size):
     # over 20 steps.
     tol = None if world_size == 2 else dict(rtol=1e-10, atol=1e-12)
     for name in names:
+        ours = ("ours", "ours, torch Join") if name in THROUGH_TORCH_JOIN else ("ours",)
         for rank, res in enumerate(results):
-            _same(res[name, "ours"], results[0][name, "ours"], f"{name}: rank {rank} against rank 0")
             _same(res[name, "torch"], results[0][name, "torch"], f"{name}: torch's rank {rank} against rank 0")
-        _same(results[0][name, "ours"], results[0][name, "torch"], f"{name}: against torch", tol)
-        planning = [res[name, "planning"] for res in results]
-        for settled_at_join, settled, iteration, kept, groups, trial in planning:
-            # Every rank took part in every iteration and ends with the same plan.
-            assert settled and iteration == longest, (name, planning)
-            assert (kept, groups, trial) == planning[0][3:], (name, planning)
-        if CONFIGS[name][1] == "optimal":  # the trial was under way when the first rank joined
-            assert not planning[first][0] and len(planning[0][5]) > 1, (name, planning)
+            for kind in ours:
+                _same(res[name, kind], results[0][name, kind], f"{name}, {kind}: rank {rank} against rank 0")
+        for kind in ours:
+            _same(results[0][name, kind], results[0][name, "torch"], f"{name}, {kind}: against torch", tol)
+            planning = [res[name, kind, "planning"] for res in results]
+            for settled_at_join, settled, iteration, kept, groups, trial in planning:
+                # Every rank took part in every iteration and ends with the same plan.
+                assert settled and iteration == longest, (name, kind, planning)
+                assert (kept, groups, trial) == planning[0][3:], (name, kind, planning)
+            if CONFIGS[name][1] == "optimal":  # the trial was under way when the first rank joined
+                assert not planning[first][0] and len(planning[0][5]) > 1, (name, kind, planning)
+
+
+# --- torch's generic Join: beside ZeroRedundancyOptimizer, throw_on_early_termination, refusals -------
+
+def _torch_join_cases(rank, world_size, port):
+    """Under torch's ``Join``: torch's DDP and this wrapper each with torch's
+    ``ZeroRedundancyOptimizer`` (a joinable that shadows its own broadcasts) in
+    ``Join([model, optimizer])``; then ``throw_on_early_termination``; then the wrapper second in
+    the list. Returns what each case left or raised."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import ringtrain
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=20.0)
+    count = COUNTS[world_size][rank]
+    out = {}
+
+    def wrapped(kind):
+        torch.manual_seed(0)
+        model = Model()
+        ddp = (nn.parallel.DistributedDataParallel(model) if kind == "torch"
+               else DistributedDataParallel(model, comm, **FAST))
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+        return model, ddp, zero
+
+    def steps(ddp, zero, n):
+        for step in range(n):
+            zero.zero_grad()
+            x, y = _batch(rank, step)
+            F.cross_entropy(ddp(x), y).backward()
+            zero.step()
+
+    try:
+        for kind in ("torch", "ours"):
+            model, ddp, zero = wrapped(kind)
+            with TorchJoin([ddp, zero]):
+                steps(ddp, zero, count)
+            out["zero", kind] = _state(model)
+            if kind == "ours":
+                ddp.close()
+        model, ddp, zero = wrapped("ours")
+        try:
+            with TorchJoin([ddp, zero], throw_on_early_termination=True):
+                steps(ddp, zero, count)
+            out["throw"] = "no error"
+        except RuntimeError as exc:
+            out["throw"] = str(exc)
+        ddp.close()
+        model, ddp, zero = wrapped("ours")
+        try:
+            with TorchJoin([zero, ddp]):
+                steps(ddp, zero, count)
+            out["second"] = "no error"
+        except ValueError as exc:
+            out["second"] = str(exc)
+        ddp.close()
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.multiprocess
+def test_torch_join_beside_zero_redundancy_optimizer_throw_and_the_wrapper_second_as_torch_ddp():
+    results = run_ranks(_torch_join_cases, 3, timeout=110)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")
+    results = [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+    for rank, res in enumerate(results):
+        for kind in ("torch", "ours"):
+            _same(res["zero", kind], results[0]["zero", kind], f"ZeRO, {kind}: rank {rank} against rank 0")
+    # 3 ranks: torch divides each gradient before gloo sums them, the ring sums then divides.
+    _same(results[0]["zero", "ours"], results[0]["zero", "torch"], "ZeRO: against torch",
+          dict(rtol=1e-10, atol=1e-12))
+    first = COUNTS[3].index(min(COUNTS[3]))
+    for rank, res in enumerate(results):  # torch's own errors: the joined rank's, the others' at a forward
+        assert res["throw"].startswith(f"Rank {first} exhausted all inputs" if rank == first else
+                                       "Detected at least one rank that exhausted inputs"), (rank, res["throw"])
+        assert "put the ringtrain.DistributedDataParallel first in Join" in res["second"], (rank, res["second"])
+
+
+def test_torch_join_needs_torch_distributed_default_group():
+    def body(comm):
+        ddp = DistributedDataParallel(Model(), comm, **FAST)
+        with pytest.raises(RuntimeError, match="default group: call torch.distributed.init_process_group first"):
+            TorchJoin([ddp])
+        ddp.close()
+
+    raise_first(run_comms(2, body))
 
 
 # --- what torch's join does not take: two forwards into one loss, no_sync(), on threads -------------

@@ -34,6 +34,17 @@ after a rank joined raises a RuntimeError on every rank, the joined one included
 shadowed. A joined rank waits for each announcement within the communicator's deadline: a rank
 that dies is a CommError on the others, and so is one that trains alone for longer than the
 timeout between two announcements.
+
+Under torch's own context manager (``torch.distributed.algorithms.join.Join([model, ...])``,
+the wrapper being one of its *joinables*) the same announcements run inside torch's protocol:
+an active rank first tells torch's ``Join`` that it is still training
+(``Join.notify_join_context``: an allreduce on torch.distributed's default group, which a
+joined rank's ``Join`` pairs with its count of the ranks still training), then announces, once per
+iteration and at its forward, as torch's DDP does: the buffers and the backward a
+synchronizing forward arms (``BUFFERS | BACKWARD``; a second forward into the same backward
+announces only its buffers). A joined rank's *main hook* shadows one announcement (the other
+joinables' hooks shadow their part of the iteration after it), and the *post hook* takes the
+final model as above. torch's ``throw_on_early_termination`` raises from that notification.
 """
 
 from __future__ import annotations
@@ -43,12 +54,15 @@ from functools import partial
 
 import numpy as np
 import torch
+from torch.distributed.algorithms.join import Join as TorchJoin
+from torch.distributed.algorithms.join import JoinHook
 
 from .comm_thread import settle_all
 from .timeline import IterationStats
 
-#: What a rank announces comes next (module docstring); FORWARD: throw_on_early_termination only.
-JOINED, BUFFERS, BACKWARD, FORWARD = 0, 1, 2, 3
+#: What a rank announces comes next (module docstring), flags: BUFFERS | BACKWARD under torch's Join;
+#: FORWARD: throw_on_early_termination only.
+JOINED, BUFFERS, BACKWARD, FORWARD = 0, 1, 2, 4
 _NAN = float("nan")
 #: What a joined rank hands the trial for an iteration it shadowed: nothing timed.
 _UNTIMED = {f.name: 0.0 for f in dataclasses.fields(IterationStats)}
@@ -59,13 +73,15 @@ class Join:
     :meth:`before_forward` and :meth:`before_backward` while its rank is active, divides its
     buckets' sums by :attr:`divisor`, and calls :meth:`shadow` once its rank has joined."""
 
-    __slots__ = ("ddp", "comm", "per_rank", "throw", "divisor", "last_active", "uneven")
+    __slots__ = ("ddp", "comm", "per_rank", "throw", "torch", "divisor", "last_active", "uneven")
 
-    def __init__(self, ddp, divide_by_initial_world_size: bool, throw_on_early_termination: bool):
+    def __init__(self, ddp, divide_by_initial_world_size: bool, throw_on_early_termination: bool,
+                 torch_join: bool = False):
         self.ddp = ddp
         self.comm = ddp.comm
         self.per_rank = not divide_by_initial_world_size
         self.throw = throw_on_early_termination
+        self.torch = torch_join  # under torch's Join: its notification, then one announcement a forward
         self.divisor = ddp.world_size
         # The ranks active at the last announcement that had any (all, before the first): the
         # highest of them holds the final model.
@@ -78,6 +94,13 @@ class Join:
         """The forward is about to broadcast the buffers (``broadcasts``) and/or arm a
         synchronizing backward (``synchronizes``): announce what needs it; returns the rank to
         broadcast the buffers from, the highest active one."""
+        if self.torch:
+            # (the backward once: a second forward into it, a siamese loss, announces its buffers only)
+            kind = (BUFFERS if broadcasts else 0) | (BACKWARD if synchronizes and not self.ddp._s.armed else 0)
+            if not kind:
+                return 0
+            self._notify_torch()
+            return max(self._announce(kind)[1])
         if broadcasts or (self.throw and synchronizes):
             return max(self._announce(BUFFERS if broadcasts else FORWARD)[1])
         return 0
@@ -85,8 +108,9 @@ class Join:
     def before_backward(self) -> None:
         """The backward's collectives are about to be queued: queue the announcement ahead of
         them (without waiting: the buckets' jobs, behind it on the same thread, read the divisor
-        it sets). With ``throw_on_early_termination`` the forward has announced already."""
-        if not self.throw:
+        it sets). With ``throw_on_early_termination``, or under torch's Join, the forward has
+        announced already."""
+        if not self.throw and not self.torch:
             self.ddp._thread.submit("join: announce", partial(self._say, BACKWARD))
 
     # --- a joined rank ---------------------------------------------------------------------------
@@ -94,20 +118,30 @@ class Join:
     def shadow(self) -> None:
         """This rank has joined: shadow the active ranks until every rank has joined, then
         take the final model from the highest rank of those that joined last."""
+        while self.shadow_once():
+            pass
+        self.finish()
+
+    def shadow_once(self) -> bool:
+        """Shadow the active ranks' next announced collectives; False once no rank is active."""
         ddp = self.ddp
-        while True:
-            said, active = self._announce(JOINED)
-            if not active:
-                break
-            kinds = {int(said[r]) for r in active}
-            if len(kinds) != 1:
-                raise RuntimeError(f"ringtrain.DistributedDataParallel.join: the active ranks {active} announced "
-                                   f"different steps ({sorted(kinds)}): they no longer run the same program")
-            kind = kinds.pop()
-            if kind == BUFFERS:
-                ddp._broadcast_tensors(ddp._module_buffers, "broadcast buffers", max(active))
-            elif kind == BACKWARD:
-                self._shadow_backward()
+        said, active = self._announce(JOINED)
+        if not active:
+            return False
+        kinds = {int(said[r]) for r in active}
+        if len(kinds) != 1:
+            raise RuntimeError(f"ringtrain.DistributedDataParallel.join: the active ranks {active} announced "
+                               f"different steps ({sorted(kinds)}): they no longer run the same program")
+        kind = kinds.pop()
+        if kind & BUFFERS:
+            ddp._broadcast_tensors(ddp._module_buffers, "broadcast buffers", max(active))
+        if kind & BACKWARD:
+            self._shadow_backward()
+        return True
+
+    def finish(self) -> None:
+        """Every rank has joined: take the final model from the highest rank of those that joined last."""
+        ddp = self.ddp
         params = [p.data for p in ddp.module.parameters()]
         buffers = ddp._module_buffers if ddp.options.broadcast_buffers else []
         ddp._broadcast_tensors(params + buffers, "join: final model", max(self.last_active))
@@ -147,6 +181,15 @@ class Join:
 
     # --- both --------------------------------------------------------------------------------------
 
+    def _notify_torch(self) -> None:
+        """Tell torch's Join that this rank still trains (``Join.notify_join_context``: an
+        allreduce on torch.distributed's default group), and wait for it (that group may be one
+        over this communicator: the ``ringtrain`` backend). Under torch's
+        ``throw_on_early_termination`` it raises torch's RuntimeError once some rank has joined."""
+        work = TorchJoin.notify_join_context(self.ddp)
+        if work is not None:
+            work.wait()
+
     def _announce(self, kind: int) -> tuple[np.ndarray, list[int]]:
         """Announce ``kind`` and wait: every rank's announcement, and the active ranks."""
         ddp = self.ddp
@@ -176,3 +219,28 @@ class Join:
                 f"ringtrain.DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {joined} ran out "
                 f"of inputs while rank(s) {active} still train; raising on every rank (rank {self.comm.rank} here)")
         return active
+
+
+class TorchJoinHook(JoinHook):
+    """The wrapper's part of torch's ``Join([model, ...])`` on a rank that has joined (module
+    docstring): each main hook shadows one announcement, the post hook takes the final model."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        join = self.ddp._joining()
+        if join is not None:
+            self.ddp._raise_if_failed()
+            join.shadow_once()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # (the final model's rank comes from the announcements, alike on every rank, not from
+        # is_last_joiner, which is true on every rank of those that joined last)
+        join = self.ddp._joining()
+        if join is not None:
+            try:
+                self.ddp._raise_if_failed()
+                join.finish()
+            finally:
+                self.ddp._leave_join()

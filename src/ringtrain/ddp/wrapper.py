@@ -78,6 +78,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
 from .. import plan as planner
 from ..collectives.ops import check_cpu_module, finish_mean, flat_view
@@ -88,7 +89,7 @@ from . import calibration
 from . import comm_hook
 from . import consistency
 from .comm_thread import CommThread, settle_all
-from .join import Join
+from .join import Join, TorchJoinHook
 from .options import COMPRESSIONS, PARAMETER_CHECK_INTERVAL, DDPOptions, take_torch_keywords
 from .planning import Planning, cost_text, weakly
 from .timeline import IterationStats, TraceRecorder, hidden_fraction
@@ -124,7 +125,7 @@ def _option_text(value: Any) -> str:
     return repr(value)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper: ``ddp(x)`` runs ``module(x)``; after ``loss.backward()`` every
     parameter's ``.grad`` is the mean over ranks. See the module docstring for how.
 
@@ -137,6 +138,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm=None, schedule: str = "optimal", bucket_cap_mb: float = 25.0,
                  algorithm: str = "auto", timeline=None, find_unused_parameters: bool = False, **options: Any):
         super().__init__()
+        Joinable.__init__(self)  # (torch's Join([model]): join_hook)
         take_torch_keywords(options)
         check_keywords("ringtrain.DistributedDataParallel", options, (f.name for f in dataclasses.fields(DDPOptions)))
         opts = DDPOptions(schedule=schedule, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeline=timeline,
@@ -165,7 +167,8 @@ class DistributedDataParallel(nn.Module):
             # host): the ranks of one host line up in Perfetto and in draw_timeline.
             self._recorder = TraceRecorder(opts.timeline, self.rank, opts.timeline_iterations, origin=0.0)
         self._thread = CommThread(f"ringtrain-ddp-comm-{comm.rank}")
-        self._join: Optional[Join] = None  # inside join(): the uneven-inputs block
+        self._join: Optional[Join] = None  # inside join(), or torch's Join([model]): the uneven-inputs block
+        self._torch_join: Optional[Join] = None  # torch's Join([model]) made, in force from its first forward
         self._joined_unevenly = False  # a join() block saw some rank out of data while others trained
         self._hooks: list = []
         self._closed = False
@@ -390,7 +393,8 @@ class DistributedDataParallel(nn.Module):
         t0 = time.perf_counter()
         opts = self.options
         broadcasts = bool(opts.broadcast_buffers and self.world_size > 1 and self._module_buffers and st.sync_buffers)
-        root = 0 if self._join is None else self._join.before_forward(broadcasts, torch.is_grad_enabled() and st.sync)
+        join = self._joining()
+        root = 0 if join is None else join.before_forward(broadcasts, torch.is_grad_enabled() and st.sync)
         if broadcasts:
             self._broadcast_tensors(self._module_buffers, "broadcast buffers", root)
         broadcast_s = time.perf_counter() - t0
@@ -484,20 +488,82 @@ class DistributedDataParallel(nn.Module):
         if not enable or self.world_size == 1:
             yield
             return
-        if self._join is not None:
+        if self._join is not None and not self._join.torch:
             raise RuntimeError("ringtrain.DistributedDataParallel.join: this wrapper is already inside join()")
         if self._comm_hook is not None and not divide_by_initial_world_size:
             raise ValueError(_JOIN_PER_RANK)
+        # (a torch Join([model]) left by an exception, which torch does not tell its joinables, is over)
+        self._torch_join = None
         self._join = Join(self, divide_by_initial_world_size, throw_on_early_termination)
         try:
             yield
-            st = self._s
-            if st.failed is not None:
-                raise self._failed_backward_error()
+            self._raise_if_failed()
             self._join.shadow()
         finally:
+            self._leave_join()
+
+    def join_hook(self, **kwargs: Any) -> TorchJoinHook:
+        """The wrapper under torch's own ``torch.distributed.algorithms.join.Join([model, ...])``
+        (first in the list, as torch's DDP), which calls this: the same uneven-inputs training as
+        :meth:`join` (its ``divide_by_initial_world_size`` is Join's keyword of that name; its
+        ``enable`` and ``throw_on_early_termination`` are Join's own), through torch's protocol
+        (:mod:`.join`), so that other joinables (torch's ``ZeroRedundancyOptimizer``) shadow
+        their collectives beside it."""
+        divide = kwargs.get("divide_by_initial_world_size", True)
+        if not isinstance(divide, bool):
+            raise ValueError(f"Join: divide_by_initial_world_size={divide!r}: it must be True or False")
+        if self._join is not None and not self._join.torch:
+            raise RuntimeError("ringtrain.DistributedDataParallel: torch's Join([model]) inside model.join(): use one")
+        if self._comm_hook is not None and not divide:
+            raise ValueError(_JOIN_PER_RANK)
+        self._join = None  # (one left by an exception: this Join starts anew)
+        self._torch_join = Join(self, divide, False, torch_join=True) if self.world_size > 1 else None
+        return TorchJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's Join counts the ranks still training in CPU tensors (this wrapper's device)."""
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        """torch's Join counts the ranks still training on torch.distributed's default group (its
+        rank lookups need that group; ``ZeroRedundancyOptimizer``'s joins count there too): its
+        ranks must be this wrapper's."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch's Join([model]) counts the ranks still training on torch.distributed's default "
+                               "group: call torch.distributed.init_process_group first (backend 'gloo', or "
+                               "'ringtrain' after import ringtrain.torch_group), or use `with model.join():`, which "
+                               "needs none")
+        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+            raise ValueError(f"torch's Join([model]): torch.distributed's default group has this process as rank "
+                             f"{dist.get_rank()} of {dist.get_world_size()}, the wrapper's communicator as rank "
+                             f"{self.rank} of {self.world_size}: they must be the same ranks")
+        return dist.group.WORLD
+
+    def _joining(self) -> Optional[Join]:
+        """The uneven-inputs block in force: :meth:`join`'s, or torch's ``Join([model])`` once
+        entered (enabled: torch sets ``_join_config`` after :meth:`join_hook`)."""
+        if self._join is None and self._torch_join is not None and self._join_config.enable:
+            if not self._join_config.is_first_joinable:
+                raise ValueError("torch's Join: put the ringtrain.DistributedDataParallel first in Join([...]) (as "
+                                 "with torch's DDP): its forward is where each iteration tells Join that a rank "
+                                 "still trains, before the other joinables' collectives")
+            self._join = self._torch_join
+        return self._join
+
+    def _leave_join(self) -> None:
+        """The end of a join() block or of torch's Join([model]): the wrapper trains on alone."""
+        if self._join is not None:
             self._joined_unevenly = self._joined_unevenly or self._join.uneven
-            self._join = None
+        self._join = self._torch_join = None
+
+    def _raise_if_failed(self) -> None:
+        """A backward that failed (:meth:`_failed_backward_error`) before a join block's end."""
+        if self._s.failed is not None:
+            raise self._failed_backward_error()
 
     @property
     def require_backward_grad_sync(self) -> bool:
