@@ -9,6 +9,7 @@ process, no wrapper).
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -407,3 +408,49 @@ def test_forward_sync_buffers_is_broadcast_buffers_and_false_leaves_them_at_cons
     assert raise_first(run_comms(2, body)) == ([0.0, 0.0] if sync else [0.0, 1.0])
     with pytest.raises(ValueError, match="name one setting"):
         DistributedDataParallel(_made(), None, forward_sync_buffers=True, broadcast_buffers=False)
+
+
+def _compiled(rank, world_size, port):
+    """torch.compile'd module, wrapped: 6 SGD steps of this rank's batches; the parameters."""
+    import ringtrain
+
+    torch.set_num_threads(1)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=60.0)
+    model = _made(Branchy)
+    ddp = DistributedDataParallel(torch.compile(model), comm, **FAST)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        opt.zero_grad()
+        ddp(_rank_x(rank, step)).square().mean().backward()
+        opt.step()
+    ddp.close()
+    comm.close()
+    return [p.detach().numpy().copy() for p in model.parameters()]  # (numpy: a tensor would cross by fd)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="torch.compile on the CPU needs a C++ compiler")
+def test_a_torch_compiled_module_trains_as_the_mean_of_the_ranks():
+    from mp_harness import run_ranks
+
+    results = run_ranks(_compiled, 2, timeout=220)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")
+    model = _made(Branchy)  # the reference: each step's gradient the mean of the ranks' own
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        per_rank = []
+        for rank in range(2):
+            model.zero_grad()
+            model(_rank_x(rank, step)).square().mean().backward()
+            per_rank.append([p.grad.clone() for p in model.parameters()])
+        for p, *grads in zip(model.parameters(), *per_rank):
+            p.grad = sum(grads) / 2
+        opt.step()
+    for rank, got in enumerate(results):
+        assert all((a == b).all() for a, b in zip(got, results[0])), f"rank {rank} against rank 0"
+    # Not bitwise: the compiled kernels sum in another order than eager autograd.
+    for a, b in zip(results[0], model.parameters()):
+        torch.testing.assert_close(torch.from_numpy(a), b.detach(), rtol=1e-5, atol=1e-6)
