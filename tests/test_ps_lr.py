@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ringtrain.errors import CommError, MismatchError, ProtocolError
-from ringtrain.ps import ParameterServerTraining, protocol as P
+from ringtrain.ps import ParameterServerTraining, ServerOptimizer, protocol as P
 from ringtrain.ps.sharding import make_layout
 from ringtrain.transport.local import on_threads
 import ps_harness
@@ -321,3 +321,20 @@ def test_ps_step_counts_as_the_optimizers_step_for_torchs_schedulers():
     assert pst.lr == pytest.approx(0.025)
     pst.close()
     started[0][1].join(10)
+
+
+def test_optimizer_state_loaded_on_a_worker_is_refused_a_learning_rate_loads():
+    # A torch optimizer's state_dict (its momentum buffers: a loop moved from one process, or its
+    # usual resume) was taken and kept here unused, and the servers went on with their own state.
+    m = model()
+    local = torch.optim.SGD(m.parameters(), **SETTINGS["sgd"])
+    loss_of(m, batch(0, 0)).backward()
+    local.step()
+    opt = ServerOptimizer(list(m.parameters()), lambda: None, 0, weight_decay=0.0, **SETTINGS["sgd"])
+    with pytest.raises(ValueError, match=r"momentum_buffer of 4 parameters.*save_checkpoint\(\)"):
+        opt.load_state_dict(local.state_dict())
+    assert not opt.state
+    saved = opt.state_dict()  # (the group's settings only: what a scheduler's resume needs)
+    saved["param_groups"][0]["lr"] = 0.025
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.025

@@ -67,6 +67,23 @@ class ServerOptimizer(torch.optim.Optimizer):
                              "another group (another learning rate for some parameters) is not supported")
         super().add_param_group(param_group)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, for what this object holds: the group's settings (the learning rate a scheduler
+        set, saved with ``state_dict()``). A state_dict that carries optimizer state (torch's SGD's
+        ``momentum_buffer``, Adam's ``exp_avg``: a torch optimizer's, or a loop moved from one
+        process) is refused: that state is the servers', and kept here it would never reach them
+        (the step would go on with the servers' own). The servers' state is saved and resumed with
+        ``pst.save_checkpoint()`` and servers started with ``resume=True``."""
+        held = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if held:
+            keys = ", ".join(sorted({key for entry in held.values() if isinstance(entry, dict) for key in entry}))
+            raise ValueError(f"worker {self._worker}: this state_dict carries optimizer state ({keys or 'entries'} of "
+                             f"{len(held)} parameters), but the parameter servers hold the optimizer's state and this "
+                             "optimizer would only keep it, unused: resume the servers' state from their checkpoints "
+                             "(pst.save_checkpoint(), servers started with resume=True); to restore the learning "
+                             "rate alone, load a state_dict without 'state' entries")
+        super().load_state_dict(state_dict)
+
     def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
         """``ParameterServerTraining.step()``: push what is left, ask for the next parameters."""
         if closure is not None:
