@@ -210,6 +210,9 @@ def test_abort_breaks_the_communicator_and_ends_the_peers_calls_at_once():
         (lambda c: c.allreduce(np.ones(3, np.float32), algorithm="tree"), "algorithm must be one of"),
         (lambda c: c.allreduce(np.ones(3, np.int32), op="mean"), "floating dtype"),
         (lambda c: c.allreduce(np.ones(3, np.complex128)), r"unsupported dtype complex128 \(a numpy array\); use one of \["),
+        # a byte-swapped array was refused as ">f4 ...; use one of [..., 'float32', ...]", which it seems to be
+        (lambda c: c.allreduce(np.ones(3, ">f4")), r"dtype >f4 \(a numpy array\): float32 in non-native byte order"),
+        (lambda c: c.broadcast(np.ones((2, 3), ">i8").T), r"int64 in non-native byte order.*astype\('int64'\)"),
         # a torch tensor's error spoke of "numpy dtype int8" and left bfloat16 out of the list
         (lambda c: c.allreduce(torch.zeros(3, dtype=torch.complex128)),
          r"unsupported dtype torch.complex128 \(a torch tensor\); use one of \['bfloat16', 'bool', 'complex64', "

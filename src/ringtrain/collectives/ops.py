@@ -105,6 +105,10 @@ def flat_view(buf: Any) -> FlatView:
     """A flat view of ``buf`` or a ValueError that says what is wrong with it."""
     if isinstance(buf, np.ndarray):
         name = _NUMPY_DTYPES.get(buf.dtype)
+        swapped = _NUMPY_DTYPES.get(buf.dtype.newbyteorder("=")) if buf.dtype.byteorder not in "=|" else None
+        if swapped is not None:  # (">f4" reads as float32, which the list below names)
+            raise ValueError(f"unsupported dtype {buf.dtype.str} (a numpy array): {swapped} in non-native byte order; "
+                             f"pass a copy in native order (a.astype('{swapped}')) and copy the result back")
         if name is None:
             raise ValueError(
                 f"unsupported dtype {buf.dtype} (a numpy array); use one of {sorted(set(_NUMPY_DTYPES.values()))}"
