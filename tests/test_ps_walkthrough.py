@@ -252,6 +252,15 @@ def test_a_parameter_of_another_dtype_is_named():
         ParameterServerTraining(model, servers=[("127.0.0.1", 1)], worker=0, workers=1)
 
 
+def test_a_channels_last_parameter_is_refused_saying_how_to_convert_the_module():
+    # (the refusal said ".contiguous()", which a module does not have)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(4, 2)).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"'0.weight' .*contiguous=False.*to\(memory_format=torch.contiguous_format\)"):
+        ParameterServerTraining(model, servers=[("127.0.0.1", 1)], worker=0, workers=1)
+    model.to(memory_format=torch.contiguous_format)
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_send_refused_by_a_closed_server_raises_what_the_server_said_before_closing():
     """A server that fails the job tells each worker why (an ABORT) and may close the connection

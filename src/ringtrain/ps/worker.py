@@ -913,8 +913,10 @@ def _unique_params(module: nn.Module) -> list[nn.Parameter]:
             continue
         seen.add(id(p))
         if p.dtype != torch.float32 or not p.is_contiguous() or p.device.type != "cpu":
+            # (a module has no .contiguous(): a channels_last one is converted back by its memory_format)
             raise ValueError(f"parameter servers serve contiguous float32 CPU parameters; {name!r} is {p.dtype} "
                              f"on {p.device} (contiguous={p.is_contiguous()}): convert the module before wrapping "
-                             "it (module.float(), .contiguous())")
+                             "it (module.float(); a channels_last one: "
+                             "module.to(memory_format=torch.contiguous_format))")
         out.append(p)
     return out
