@@ -162,6 +162,37 @@ def test_a_worker_dropped_for_silence_hears_why_not_that_the_server_died():
     assert "worker 0 was lost" in texts[1], texts
 
 
+def test_a_worker_whose_script_raises_during_backward_ends_a_sync_job_at_once_not_after_the_timeout():
+    # Its close() (the with block's exit) said BYE after some of the step's gradients had gone out,
+    # and the server answered that BYE only once the step was whole, which it never would be without
+    # them: the other worker raised CommTimeout after the timeout, and the script's own error came
+    # that late too.
+    started = ps_harness.start_server(SECRET, workers=2, timeout=10.0)
+    endpoint = started[0].endpoint
+    models = [ps_harness.tiny() for _ in range(2)]
+
+    def work(w: int):
+        t0 = time.monotonic()
+        try:
+            with ParameterServerTraining(models[w], servers=[endpoint], worker=w, workers=2, secret=SECRET, lr=0.1,
+                                         timeout=10.0) as pst:
+                if w == 1:  # the first layer's gradient comes last in backward: the others were pushed
+                    models[w][0].weight.register_hook(lambda g: (_ for _ in ()).throw(KeyError("the script's bug")))
+                for _ in range(2):
+                    pst(torch.ones(2, 4)).sum().backward()
+                    pst.step()
+                pst.wait()
+        except Exception as exc:  # noqa: BLE001 - returned with how long it took
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+        return "trained", "", time.monotonic() - t0
+
+    (kind0, text0, s0), (kind1, text1, s1) = on_threads(2, work, timeout=50)
+    started[1].join(10)
+    assert kind1 == "KeyError" and s1 < 5.0, (kind1, text1, s1)
+    assert kind0 == "PeerLost" and s0 < 5.0, (kind0, text0, s0)
+    assert "step 0 cannot complete: worker(s) [1] left the job before pushing it" in text0, text0
+
+
 def test_clearing_pushed_gradients_to_skip_a_step_is_refused_saying_it_cannot_be_skipped():
     started = ps_harness.start_server(SECRET, workers=1)
     pst = ParameterServerTraining(ps_harness.tiny(), servers=[started[0].endpoint], worker=0, workers=1,

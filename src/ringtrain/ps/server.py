@@ -854,10 +854,13 @@ class ParameterServer:
                                 f"{gone} left the job before pushing it"))
 
     def _on_bye(self, w: int, outbox: queue.Queue, sender: threading.Thread) -> None:
-        """Answer BYE after everything this worker's last pull streams (sync), then let serve() end."""
+        """Answer BYE after everything this worker's last pull streams (sync), then let serve() end.
+        A worker that says BYE before its push of the step is whole (its script raised during backward,
+        and close() ran) holds that step up itself: it is answered at once and the step fails now
+        (_check_stuck), where waiting for the step would have waited out the timeout."""
         if self.cfg.synchronous:
             want = self._want[w]
-            self._wait_until(w, lambda: None if want is None or self.version >= want
+            self._wait_until(w, lambda: None if want is None or self.version >= want or not self._complete[w]
                              else f"step {self.version} has no complete gradient from worker(s) {self._missing()}")
         outbox.put(("bye",))
         sender.join(self.cfg.timeout)
