@@ -133,12 +133,17 @@ def _both_joins(rank, world_size, port, names):
     return buf.getvalue()
 
 
-def _run_both(world_size, names):
-    results = run_ranks(_both_joins, world_size, names, timeout=110)
+def _run_saved(fn, world_size, *args):
+    """``run_ranks`` of a function that returns its results torch.save'd: each rank's, loaded."""
+    results = run_ranks(fn, world_size, *args, timeout=110)
     for r in results:
         if isinstance(r, BaseException):
             raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")
     return [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+
+
+def _run_both(world_size, names):
+    return _run_saved(_both_joins, world_size, names)
 
 
 def _same(got, want, what, tol=None):
@@ -246,11 +251,7 @@ def _torch_join_cases(rank, world_size, port):
 
 @pytest.mark.multiprocess
 def test_torch_join_beside_zero_redundancy_optimizer_throw_and_the_wrapper_second_as_torch_ddp():
-    results = run_ranks(_torch_join_cases, 3, timeout=110)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise AssertionError(f"{r}\n{getattr(r, 'tb', '')}")
-    results = [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+    results = _run_saved(_torch_join_cases, 3)
     for rank, res in enumerate(results):
         for kind in ("torch", "ours"):
             _same(res["zero", kind], results[0]["zero", kind], f"ZeRO, {kind}: rank {rank} against rank 0")
