@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 
 ALGORITHMS = ["ring", "naive", "central", "halving_doubling", "hierarchical"]
 SEGMENTED = {"ring", "hierarchical"}  # accept max_segment_bytes
-WORLD = [1, 2, 3, 4, 5, 7, 8]
+WORLD = [1, 2, 3, 4, 5, 6, 7, 8]
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 OPS = ["sum", "min", "max", "prod"]
 TINY_SEGMENT = 8  # bytes: one to four elements per segment
