@@ -73,7 +73,7 @@ class Join:
     :meth:`before_forward` and :meth:`before_backward` while its rank is active, divides its
     buckets' sums by :attr:`divisor`, and calls :meth:`shadow` once its rank has joined."""
 
-    __slots__ = ("ddp", "comm", "per_rank", "throw", "torch", "divisor", "last_active", "uneven")
+    __slots__ = ("ddp", "comm", "per_rank", "throw", "torch", "said_backward", "divisor", "last_active", "uneven")
 
     def __init__(self, ddp, divide_by_initial_world_size: bool, throw_on_early_termination: bool,
                  torch_join: bool = False):
@@ -82,6 +82,8 @@ class Join:
         self.per_rank = not divide_by_initial_world_size
         self.throw = throw_on_early_termination
         self.torch = torch_join  # under torch's Join: its notification, then one announcement a forward
+        # (under torch's Join) a forward announced the backward it armed, which has not begun yet
+        self.said_backward = False
         self.divisor = ddp.world_size
         # The ranks active at the last announcement that had any (all, before the first): the
         # highest of them holds the final model.
@@ -95,12 +97,17 @@ class Join:
         synchronizing backward (``synchronizes``): announce what needs it; returns the rank to
         broadcast the buffers from, the highest active one."""
         if self.torch:
-            # (the backward once: a second forward into it, a siamese loss, announces its buffers only)
-            kind = (BUFFERS if broadcasts else 0) | (BACKWARD if synchronizes and not self.ddp._s.armed else 0)
+            # The backward once: a second forward into it (a siamese loss) announces its buffers
+            # only. Counted by this block, not by the wrapper's armed state, which a forward whose
+            # backward never came (an exception that left the block before, on every rank) leaves set.
+            backward = synchronizes and not self.said_backward
+            kind = (BUFFERS if broadcasts else 0) | (BACKWARD if backward else 0)
             if not kind:
                 return 0
             self._notify_torch()
-            return max(self._announce(kind)[1])
+            root = max(self._announce(kind)[1])
+            self.said_backward = self.said_backward or backward
+            return root
         if broadcasts or (self.throw and synchronizes):
             return max(self._announce(BUFFERS if broadcasts else FORWARD)[1])
         return 0
@@ -110,7 +117,9 @@ class Join:
         them (without waiting: the buckets' jobs, behind it on the same thread, read the divisor
         it sets). With ``throw_on_early_termination``, or under torch's Join, the forward has
         announced already."""
-        if not self.throw and not self.torch:
+        if self.torch:
+            self.said_backward = False  # (the next synchronizing forward arms, and announces, another)
+        elif not self.throw:
             self.ddp._thread.submit("join: announce", partial(self._say, BACKWARD))
 
     # --- a joined rank ---------------------------------------------------------------------------
