@@ -317,6 +317,49 @@ def test_torch_join_after_a_block_left_between_a_forward_and_its_backward_as_tor
     _same(results[0]["ours"], results[0]["torch"], "against torch")  # (bitwise: 2 ranks)
 
 
+def _siamese_with_buffers_under_both_joins(rank, world_size, port):
+    """``_siamese_step`` (a no_sync() micro-batch, then one loss over two forwards) on a model
+    with buffers, in ``model.join()`` and in torch's ``Join([model])``; each state, torch.save'd."""
+    import torch.distributed as dist
+
+    import ringtrain
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=5.0)
+    out = {}
+    try:
+        for kind in ("join()", "torch Join"):
+            torch.manual_seed(0)
+            model = Model()
+            ddp = DistributedDataParallel(model, comm, **FAST)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            with ddp.join() if kind == "join()" else TorchJoin([ddp]):
+                for step in range((4, 2)[rank]):
+                    opt.zero_grad()
+                    _siamese_step(ddp, rank, step)
+                    opt.step()
+            out[kind] = _state(model)
+            ddp.close()
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.multiprocess
+def test_torch_join_takes_two_forwards_into_one_backward_with_buffers_as_join():
+    # The second forward broadcasts the buffers again: announced at it, with the backward at its
+    # start. Before, the forward announced the backward, so a joined rank ran the buckets' shadows
+    # against that broadcast's announcement (a CommTimeout).
+    results = _run_saved(_siamese_with_buffers_under_both_joins, 2)
+    for rank, res in enumerate(results):
+        _same(res["torch Join"], results[0]["torch Join"], f"rank {rank} against rank 0")
+    _same(results[0]["torch Join"], results[0]["join()"], "torch's Join against join()")  # (the same sums)
+
+
 def test_torch_join_needs_torch_distributed_default_group():
     def body(comm):
         ddp = DistributedDataParallel(Model(), comm, **FAST)

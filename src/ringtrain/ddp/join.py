@@ -41,16 +41,21 @@ an active rank first tells torch's ``Join`` that it is still training
 (``Join.notify_join_context``: an allreduce on torch.distributed's default group, which a
 joined rank's ``Join`` pairs with its count of the ranks still training), then announces, once per
 iteration and at its forward, as torch's DDP does: the buffers and the backward a
-synchronizing forward arms (``BUFFERS | BACKWARD``; a second forward into the same backward
-announces only its buffers). A joined rank's *main hook* shadows one announcement (the other
-joinables' hooks shadow their part of the iteration after it), and the *post hook* takes the
-final model as above. torch's ``throw_on_early_termination`` raises from that notification.
+synchronizing forward arms (``BUFFERS | BACKWARD``). A joined rank's *main hook* shadows one
+iteration (the other joinables' hooks shadow their part of it after it), and the *post hook*
+takes the final model as above. Where the forwards broadcast buffers, a second forward into the
+same backward (a siamese loss, an evaluation before the backward) broadcasts them again, so
+there the first forward announces ``BUFFERS | ARMED`` (a backward follows), each later one its
+``BUFFERS``, and the backward itself ``BACKWARD`` at its start, as in ``join()``: the main hook
+shadows them all, one iteration of torch's ``Join``. torch's ``throw_on_early_termination``
+raises from that notification.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Optional
 
 import numpy as np
 import torch
@@ -60,9 +65,9 @@ from torch.distributed.algorithms.join import JoinHook
 from .comm_thread import settle_all
 from .timeline import IterationStats
 
-#: What a rank announces comes next (module docstring), flags: BUFFERS | BACKWARD under torch's Join;
-#: FORWARD: throw_on_early_termination only.
-JOINED, BUFFERS, BACKWARD, FORWARD = 0, 1, 2, 4
+#: What a rank announces comes next (module docstring), flags: BUFFERS | BACKWARD or BUFFERS | ARMED
+#: under torch's Join; FORWARD: throw_on_early_termination only.
+JOINED, BUFFERS, BACKWARD, FORWARD, ARMED = 0, 1, 2, 4, 8
 _NAN = float("nan")
 #: What a joined rank hands the trial for an iteration it shadowed: nothing timed.
 _UNTIMED = {f.name: 0.0 for f in dataclasses.fields(IterationStats)}
@@ -73,7 +78,8 @@ class Join:
     :meth:`before_forward` and :meth:`before_backward` while its rank is active, divides its
     buckets' sums by :attr:`divisor`, and calls :meth:`shadow` once its rank has joined."""
 
-    __slots__ = ("ddp", "comm", "per_rank", "throw", "torch", "said_backward", "divisor", "last_active", "uneven")
+    __slots__ = ("ddp", "comm", "per_rank", "throw", "torch", "apart", "said_backward", "divisor", "last_active",
+                 "uneven")
 
     def __init__(self, ddp, divide_by_initial_world_size: bool, throw_on_early_termination: bool,
                  torch_join: bool = False):
@@ -82,6 +88,8 @@ class Join:
         self.per_rank = not divide_by_initial_world_size
         self.throw = throw_on_early_termination
         self.torch = torch_join  # under torch's Join: its notification, then one announcement a forward
+        # (under torch's Join) the forwards broadcast buffers: the backward is announced at its start
+        self.apart = bool(torch_join and ddp.options.broadcast_buffers and ddp._module_buffers)
         # (under torch's Join) a forward announced the backward it armed, which has not begun yet
         self.said_backward = False
         self.divisor = ddp.world_size
@@ -97,29 +105,35 @@ class Join:
         synchronizing backward (``synchronizes``): announce what needs it; returns the rank to
         broadcast the buffers from, the highest active one."""
         if self.torch:
-            # The backward once: a second forward into it (a siamese loss) announces its buffers
-            # only. Counted by this block, not by the wrapper's armed state, which a forward whose
-            # backward never came (an exception that left the block before, on every rank) leaves set.
-            backward = synchronizes and not self.said_backward
-            kind = (BUFFERS if broadcasts else 0) | (BACKWARD if backward else 0)
-            if not kind:
-                return 0
-            self._notify_torch()
-            root = max(self._announce(kind)[1])
-            self.said_backward = self.said_backward or backward
-            return root
+            return self._before_forward_torch(broadcasts, synchronizes)
         if broadcasts or (self.throw and synchronizes):
             return max(self._announce(BUFFERS if broadcasts else FORWARD)[1])
         return 0
 
+    def _before_forward_torch(self, broadcasts: bool, synchronizes: bool) -> int:
+        """:meth:`before_forward` under torch's Join (module docstring): the first forward of an
+        iteration tells torch's Join, and announces; a later forward into the backward it armed
+        announces its buffers only. Whether a backward was announced and has not begun is this
+        block's count, not the wrapper's armed state, which a forward whose backward never came
+        (an exception that left an earlier block, on every rank) leaves set."""
+        if self.said_backward:  # (broadcasts only where the backward is announced apart)
+            return max(self._announce(BUFFERS)[1]) if broadcasts else 0
+        kind = (BUFFERS if broadcasts else 0) | ((ARMED if self.apart else BACKWARD) if synchronizes else 0)
+        if not kind:
+            return 0
+        self._notify_torch()
+        root = max(self._announce(kind)[1])
+        self.said_backward = synchronizes
+        return root
+
     def before_backward(self) -> None:
         """The backward's collectives are about to be queued: queue the announcement ahead of
         them (without waiting: the buckets' jobs, behind it on the same thread, read the divisor
-        it sets). With ``throw_on_early_termination``, or under torch's Join, the forward has
-        announced already."""
+        it sets). With ``throw_on_early_termination``, or under torch's Join where the forwards
+        broadcast no buffers, the forward has announced already."""
         if self.torch:
             self.said_backward = False  # (the next synchronizing forward arms, and announces, another)
-        elif not self.throw:
+        if (not self.throw and not self.torch) or self.apart:
             self.ddp._thread.submit("join: announce", partial(self._say, BACKWARD))
 
     # --- a joined rank ---------------------------------------------------------------------------
@@ -132,11 +146,25 @@ class Join:
         self.finish()
 
     def shadow_once(self) -> bool:
-        """Shadow the active ranks' next announced collectives; False once no rank is active."""
+        """Shadow the active ranks' next announced collectives, and after a forward that armed
+        a backward announced apart (``ARMED``) the later forwards' and that backward's; False
+        once no rank is active."""
+        kind = self._shadow_next()
+        if kind is None:
+            return False
+        armed = bool(kind & ARMED)
+        while armed:
+            kind = self._shadow_next()
+            armed = kind is not None and not kind & BACKWARD
+        return True
+
+    def _shadow_next(self) -> Optional[int]:
+        """Shadow the active ranks' next announced collectives; what they announced, or None
+        once no rank is active."""
         ddp = self.ddp
         said, active = self._announce(JOINED)
         if not active:
-            return False
+            return None
         kinds = {int(said[r]) for r in active}
         if len(kinds) != 1:
             raise RuntimeError(f"ringtrain.DistributedDataParallel.join: the active ranks {active} announced "
@@ -146,7 +174,7 @@ class Join:
             ddp._broadcast_tensors(ddp._module_buffers, "broadcast buffers", max(active))
         if kind & BACKWARD:
             self._shadow_backward()
-        return True
+        return kind
 
     def finish(self) -> None:
         """Every rank has joined: take the final model from the highest rank of those that joined last."""
