@@ -365,6 +365,8 @@ def test_torch_join_needs_torch_distributed_default_group():
         ddp = DistributedDataParallel(Model(), comm, **FAST)
         with pytest.raises(RuntimeError, match="default group: call torch.distributed.init_process_group first"):
             TorchJoin([ddp])
+        x, y = _batch(comm.rank, 0)
+        F.cross_entropy(ddp(x), y).backward()  # (the refused Join is not in force: before, this raised as well)
         ddp.close()
 
     raise_first(run_comms(2, body))

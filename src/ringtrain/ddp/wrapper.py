@@ -516,6 +516,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("ringtrain.DistributedDataParallel: torch's Join([model]) inside model.join(): use one")
         if self._comm_hook is not None and not divide:
             raise ValueError(_JOIN_PER_RANK)
+        # (refused here, before this Join is in force: torch asks join_process_group only after
+        # setting every joinable's config, and the wrapper would tell a Join that never began at
+        # each later forward)
+        self._join_group()
         self._join = None  # (one left by an exception: this Join starts anew)
         self._torch_join = Join(self, divide, False, torch_join=True) if self.world_size > 1 else None
         return TorchJoinHook(self)
@@ -530,6 +534,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         """torch's Join counts the ranks still training on torch.distributed's default group (its
         rank lookups need that group; ``ZeroRedundancyOptimizer``'s joins count there too): its
         ranks must be this wrapper's."""
+        return self._join_group()
+
+    def _join_group(self):
+        """:attr:`join_process_group`, or the error that says why there is none."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
