@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import queue
+from collections import deque
 import threading
 import time
 from datetime import timedelta
@@ -49,6 +50,14 @@ BACKEND = "ringtrain"
 #: Whether works are held until run and asked for (see _Work): torch older than 2.13, the oldest
 #: checked without it (2.4.1 needs it; releases between were not checked).
 HOLD_WORKS = torch.__version__ < (2, 13)  # (torch's TorchVersion compares with a tuple)
+
+#: How many of the latest works left unasked a group holds (see _Worker.submit): C++ that keeps a
+#: work the caller dropped (DDP's reducer keeps the forward's Join notification, under
+#: join(divide_by_initial_world_size=False), waits for it at the backward's first gradient and
+#: reads its future) reaches the work's methods only while its Python object lives; without, it
+#: waited for ever in the base class's wait(). A few calls come between those two; this many
+#: leaves room, and bounds what the held works keep alive (their tensors).
+RECENT_WORKS = 64
 
 
 class _Work(dist._Work):
@@ -158,6 +167,8 @@ class _Worker:
         self._idle = threading.Condition(self._lock)  # notified when `_pending` reaches 0
         self._pending = 0  # jobs submitted whose futures are not completed yet
         self._live: dict[int, _Work] = {}  # works not yet both run and asked for (_Work.__init__, HOLD_WORKS)
+        self._last: Optional[_Work] = None  # the latest work (held)
+        self._unasked: deque[_Work] = deque(maxlen=RECENT_WORKS)  # the latest left unasked, held (RECENT_WORKS)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -167,6 +178,12 @@ class _Worker:
             if self._stopped:
                 raise RuntimeError(closed)
             work = _Work(result, self._thread, self._run_queued, self._live)
+            # A work not asked for (wait, get_future) by the next call may be asked later from
+            # C++ (RECENT_WORKS): held. One asked at once (a synchronous call, a comm hook's
+            # bucket, whose tensors can be large) is not.
+            if self._last is not None and not self._last._asked:
+                self._unasked.append(self._last)
+            self._last = work
             self._pending += 1
             if threading.current_thread() is not self._thread:
                 self._jobs.put((job, work))
