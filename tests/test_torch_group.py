@@ -106,6 +106,23 @@ def test_broadcast_all_gather_reduce_scatter_barrier(p):
         assert torch.equal(whole, torch.cat([data(rank, n, j, torch.int64) for j in range(p)])), "input kept"
 
 
+def test_all_reduce_in_torchs_other_forms():
+    # One tensor and a ReduceOp, as ProcessGroup.allreduce's overloads take them: torch's DDP
+    # under join() with find_unused_parameters shadows the used-parameter map as
+    # process_group.allreduce(tensor) (before: "takes one tensor per rank, got 8").
+    p, n = 3, 8
+
+    def fn(pg):
+        a, b = data(pg.rank(), n), data(pg.rank(), n, 1)
+        pg.allreduce(a).wait()
+        pg.allreduce([b], dist.ReduceOp.MAX).wait()
+        return a, b
+
+    for a, b in on_group(p, fn):
+        assert torch.equal(a, sum(data(r, n) for r in range(p)))
+        assert torch.equal(b, data(p - 1, n, 1))
+
+
 def test_all_reduce_coalesced_and_in_place_gather():
     p, n = 3, 4
 

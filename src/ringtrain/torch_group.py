@@ -271,6 +271,10 @@ class TorchProcessGroup(dist.ProcessGroup):
     # --- collectives ------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
+        # (also torch's other forms: one tensor, and a ReduceOp for the options; torch's DDP
+        # under join() with find_unused_parameters calls process_group.allreduce(tensor))
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
         t = _one(tensors, "allreduce")
         op = _op(opts, "allreduce", t)
         return self._submit(lambda: self.comm.allreduce(t, op=op, algorithm=self.algorithm), tensors)
@@ -485,7 +489,7 @@ def _check_like(t: torch.Tensor, like: torch.Tensor, numel: int, call: str, what
 def _op(opts, call: str, like: Optional[torch.Tensor] = None) -> str:
     """The reduction ``opts`` names, checked against the dtype of ``like`` now (AVG of integers,
     MAX of complex numbers: refused on the caller's thread, before anything is queued)."""
-    op = op_name(opts.reduceOp) if opts is not None else "sum"
+    op = op_name(getattr(opts, "reduceOp", opts)) if opts is not None else "sum"  # (options, or a ReduceOp)
     if op not in OPS:
         raise ValueError(f"{call}: ringtrain reduces with SUM, AVG, MAX, MIN or PRODUCT, not {getattr(op, 'name', op)}")
     if like is not None:
