@@ -77,6 +77,32 @@ CONFIGS = {f"{'initial' if div else 'active'}, {schedule}{', find_unused' if unu
 THROUGH_TORCH_JOIN = ("initial, optimal", "active, fixed, find_unused")
 
 
+@contextlib.contextmanager
+def _gloo_and_ringtrain(rank: int, world_size: int, port: int, timeout: float):
+    """A rank's torch.distributed default group (gloo) and ringtrain communicator, at one port
+    (one store for both: a second free port could be taken before its use); the communicator
+    is closed first, before the store it reaches (rank 0's is the default group's)."""
+    import torch.distributed as dist
+
+    import ringtrain
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=timeout)
+    try:
+        yield comm
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
+def _saved(out) -> bytes:
+    """``out`` torch.save'd (what a rank returns to _run_saved)."""
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
 def _train(ddp, model, rank, count, find_unused):
     """``count`` steps inside ``ddp.join`` (already entered). With find_unused_parameters the head
     ``c`` is left out on alternate steps, differently per rank, and the optimizer is plain SGD:
@@ -94,17 +120,9 @@ def _train(ddp, model, rank, count, find_unused):
 def _both_joins(rank, world_size, port, names):
     """Each config of ``names`` under torch's DDP and join(), then under this one's; torch.save'd
     results: per config and kind the state after the block, and for ours what the planning did."""
-    import torch.distributed as dist
-
-    import ringtrain
-
-    torch.set_num_threads(1)
-    # (one store for both, at one port: a second free port could be taken before its use)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=20.0)
-    count = COUNTS[world_size][rank]
-    out = {}
-    try:
+    with _gloo_and_ringtrain(rank, world_size, port, timeout=20.0) as comm:
+        count = COUNTS[world_size][rank]
+        out = {}
         for name in names:
             div, schedule, unused = CONFIGS[name]
             for kind in ("torch", "ours") + (("ours, torch Join",) if name in THROUGH_TORCH_JOIN else ()):
@@ -125,12 +143,7 @@ def _both_joins(rank, world_size, port, names):
                                                    ddp.plan.groups, ddp.trial)
                     assert ddp._join is None, kind  # (the block is over: the next forward announces nothing)
                     ddp.close()
-    finally:
-        comm.close()  # (before the store it reaches: rank 0's is the default group's)
-        dist.destroy_process_group()
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
+    return _saved(out)
 
 
 def _run_saved(fn, world_size, *args):
@@ -191,33 +204,27 @@ def _torch_join_cases(rank, world_size, port):
     ``ZeroRedundancyOptimizer`` (a joinable that shadows its own broadcasts) in
     ``Join([model, optimizer])``; then ``throw_on_early_termination``; then the wrapper second in
     the list. Returns what each case left or raised."""
-    import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    import ringtrain
+    with _gloo_and_ringtrain(rank, world_size, port, timeout=20.0) as comm:
+        count = COUNTS[world_size][rank]
+        out = {}
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=20.0)
-    count = COUNTS[world_size][rank]
-    out = {}
+        def wrapped(kind):
+            torch.manual_seed(0)
+            model = Model()
+            ddp = (nn.parallel.DistributedDataParallel(model) if kind == "torch"
+                   else DistributedDataParallel(model, comm, **FAST))
+            zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
+            return model, ddp, zero
 
-    def wrapped(kind):
-        torch.manual_seed(0)
-        model = Model()
-        ddp = (nn.parallel.DistributedDataParallel(model) if kind == "torch"
-               else DistributedDataParallel(model, comm, **FAST))
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9)
-        return model, ddp, zero
+        def steps(ddp, zero, n):
+            for step in range(n):
+                zero.zero_grad()
+                x, y = _batch(rank, step)
+                F.cross_entropy(ddp(x), y).backward()
+                zero.step()
 
-    def steps(ddp, zero, n):
-        for step in range(n):
-            zero.zero_grad()
-            x, y = _batch(rank, step)
-            F.cross_entropy(ddp(x), y).backward()
-            zero.step()
-
-    try:
         for kind in ("torch", "ours"):
             model, ddp, zero = wrapped(kind)
             with TorchJoin([ddp, zero]):
@@ -241,12 +248,7 @@ def _torch_join_cases(rank, world_size, port):
         except ValueError as exc:
             out["second"] = str(exc)
         ddp.close()
-    finally:
-        comm.close()
-        dist.destroy_process_group()
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
+    return _saved(out)
 
 
 @pytest.mark.multiprocess
@@ -271,17 +273,10 @@ class _Raised(Exception):
 
 def _after_an_exception_a_block_with_a_rank_out_at_once(rank, world_size, port):
     """Under torch's DDP and this wrapper: a Join block that every rank leaves by an exception
-    between a forward and its backward (in its second iteration), then a new block in which rank 1 has no batch at all.
-    Returns each kind's state after the second block, torch.save'd."""
-    import torch.distributed as dist
-
-    import ringtrain
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=5.0)
-    out = {}
-    try:
+    between a forward and its backward (in its second iteration), then a new block in which rank
+    1 has no batch at all. Returns each kind's state after the second block, torch.save'd."""
+    with _gloo_and_ringtrain(rank, world_size, port, timeout=5.0) as comm:
+        out = {}
         for kind in ("torch", "ours"):
             torch.manual_seed(0)
             model = Model()
@@ -297,12 +292,7 @@ def _after_an_exception_a_block_with_a_rank_out_at_once(rank, world_size, port):
             out[kind] = _state(model)
             if kind == "ours":
                 ddp.close()
-    finally:
-        comm.close()
-        dist.destroy_process_group()
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
+    return _saved(out)
 
 
 @pytest.mark.multiprocess
@@ -320,15 +310,8 @@ def test_torch_join_after_a_block_left_between_a_forward_and_its_backward_as_tor
 def _siamese_with_buffers_under_both_joins(rank, world_size, port):
     """``_siamese_step`` (a no_sync() micro-batch, then one loss over two forwards) on a model
     with buffers, in ``model.join()`` and in torch's ``Join([model])``; each state, torch.save'd."""
-    import torch.distributed as dist
-
-    import ringtrain
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, timeout=5.0)
-    out = {}
-    try:
+    with _gloo_and_ringtrain(rank, world_size, port, timeout=5.0) as comm:
+        out = {}
         for kind in ("join()", "torch Join"):
             torch.manual_seed(0)
             model = Model()
@@ -341,12 +324,7 @@ def _siamese_with_buffers_under_both_joins(rank, world_size, port):
                     opt.step()
             out[kind] = _state(model)
             ddp.close()
-    finally:
-        comm.close()
-        dist.destroy_process_group()
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
+    return _saved(out)
 
 
 @pytest.mark.multiprocess
