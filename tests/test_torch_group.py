@@ -142,6 +142,59 @@ def test_all_reduce_coalesced_and_in_place_gather():
         assert torch.equal(out, torch.cat([data(r, n) for r in range(p)]))
 
 
+def test_parameters_as_inputs_and_outputs():
+    # A leaf that requires grad (a parameter) is read and written as gloo does: before, the group
+    # copied an input parameter into a buffer autograd recorded, and all_gather, all_gather_single,
+    # reduce_scatter (both forms) and allreduce_coalesced refused it as "the result of an
+    # operation autograd recorded"; a parameter output failed in the worker's copy.
+    p, n = 3, 4
+
+    def param(t):
+        return torch.nn.Parameter(t.clone())
+
+    def fn(pg):
+        r = pg.rank()
+        outs = [param(torch.zeros(n)) for _ in range(p)]
+        dist.all_gather(outs, param(data(r, n)), group=pg)
+        into = param(torch.zeros(p * n))
+        all_gather_single(into, param(data(r, n)), group=pg)
+        y = param(torch.zeros(n))
+        dist.reduce_scatter(y, [param(data(r, n, j)) for j in range(p)], group=pg)
+        z = param(torch.zeros(n))
+        reduce_scatter_single(z, param(torch.cat([data(r, n, j) for j in range(p)])), group=pg)
+        ts = [param(data(r, n)), param(data(r, 2))]
+        pg.allreduce_coalesced(ts, dist.AllreduceCoalescedOptions()).wait()
+        return outs, into, y, z, ts
+
+    for rank, (outs, into, y, z, ts) in enumerate(on_group(p, fn)):
+        for i, o in enumerate(outs):
+            assert torch.equal(o.detach(), data(i, n)), f"rank {rank}: all_gather's output {i}"
+            assert o.is_leaf and o.requires_grad
+        assert torch.equal(into.detach(), torch.cat([data(i, n) for i in range(p)]))
+        mine = sum(data(i, n, rank) for i in range(p))
+        assert torch.equal(y.detach(), mine)
+        assert torch.equal(z.detach(), mine)
+        assert torch.equal(ts[0].detach(), sum(data(i, n) for i in range(p)))
+        assert torch.equal(ts[1].detach(), sum(data(i, 2) for i in range(p)))
+
+
+def test_an_output_autograd_recorded_is_refused_naming_the_call():
+    # As the communicator refuses one (docs/comm.md: gloo writes it, changing what backward computes).
+    def fn(pg):
+        x = torch.ones(2, requires_grad=True)
+        with pytest.raises(ValueError, match="all_gather_single.*autograd recorded"):
+            all_gather_single(torch.ones(2 * pg.size(), requires_grad=True) * 2, torch.ones(2), group=pg)
+        with pytest.raises(ValueError, match="broadcast.*autograd recorded"):
+            dist.broadcast(x * 2, group_src=0, group=pg) if HAS_GROUP_SRC else pg.broadcast([x * 2])
+        with pytest.raises(ValueError, match="allreduce_coalesced.*autograd recorded"):
+            pg.allreduce_coalesced([x * 2], dist.AllreduceCoalescedOptions())
+        with pytest.raises(ValueError, match="reduce_scatter_single.*autograd recorded"):
+            reduce_scatter_single(x * 2, torch.ones(2 * pg.size()), group=pg)
+        dist.barrier(group=pg)  # (nothing was queued: the ranks' sequences still agree)
+
+    on_group(2, fn)
+
+
 def test_async_work_and_future():
     def fn(pg):
         t = data(pg.rank(), 3)

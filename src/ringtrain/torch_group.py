@@ -275,7 +275,7 @@ class TorchProcessGroup(dist.ProcessGroup):
         # under join() with find_unused_parameters calls process_group.allreduce(tensor))
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        t = _one(tensors, "allreduce")
+        t = _written(_one(tensors, "allreduce"), "allreduce")
         op = _op(opts, "allreduce", t)
         return self._submit(lambda: self.comm.allreduce(t, op=op, algorithm=self.algorithm), tensors)
 
@@ -284,20 +284,21 @@ class TorchProcessGroup(dist.ProcessGroup):
         tensors = list(tensors)
         for t in tensors:
             _check_cpu(t, "allreduce_coalesced")
+        written = [_written(t, "allreduce_coalesced") for t in tensors]
         if len({t.dtype for t in tensors}) > 1:
             raise ValueError(f"allreduce_coalesced: the tensors must share one dtype, got {[t.dtype for t in tensors]}")
         op = _op(opts, "allreduce_coalesced", tensors[0] if tensors else None)
 
         def job() -> None:
-            flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+            flat = torch.cat([t.reshape(-1) for t in written]) if written else torch.empty(0)
             self.comm.allreduce(flat, op=op, algorithm=self.algorithm)
-            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            for t, part in zip(written, flat.split([t.numel() for t in written])):
                 t.copy_(part.view_as(t))
 
         return self._submit(job, tensors)
 
     def broadcast(self, tensors, opts=None):
-        t = _one(tensors, "broadcast")
+        t = _written(_one(tensors, "broadcast"), "broadcast")
         root = opts.rootRank if opts is not None else 0
         if opts is not None and opts.rootTensor != 0:
             raise ValueError(f"broadcast: rootTensor must be 0 (one tensor per rank), got {opts.rootTensor}")
@@ -311,6 +312,7 @@ class TorchProcessGroup(dist.ProcessGroup):
             raise ValueError(f"allgather: {len(outs)} output tensors for {self.size()} ranks")
         for o in outs:
             _check_like(o, x, x.numel(), "allgather", "each output tensor")
+        outs = [_written(o, "allgather") for o in outs]
         n, flat = x.numel(), self._gather_buffer(x)
 
         def job() -> None:
@@ -325,11 +327,11 @@ class TorchProcessGroup(dist.ProcessGroup):
         rank's ``input`` (n), in rank order."""
         _check_cpu(input, "all_gather_single")
         _check_like(output, input, input.numel() * self.size(), "all_gather_single", "output")
-        flat = self._gather_buffer(input)
+        flat, out = self._gather_buffer(input), _written(output, "all_gather_single")
 
         def job() -> None:
             self.comm.allgather(flat)
-            output.copy_(flat.view_as(output))
+            out.copy_(flat.view_as(out))
 
         return self._submit(job, [output])
 
@@ -337,14 +339,14 @@ class TorchProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """torch's list form: output_tensors[0] receives the reduction of every rank's input_tensors[0][rank]."""
-        y = _one(output_tensors, "reduce_scatter")
+        y = _written(_one(output_tensors, "reduce_scatter"), "reduce_scatter")
         xs = list(_one(input_tensors, "reduce_scatter", what="list of input tensors"))
         op = _op(opts, "reduce_scatter", y)
         if len(xs) != self.size():
             raise ValueError(f"reduce_scatter: {len(xs)} input tensors for {self.size()} ranks")
         for x in xs:
             _check_like(x, y, y.numel(), "reduce_scatter", "each input tensor")
-        flat = torch.cat([x.reshape(-1) for x in xs])
+        flat = torch.cat([x.detach().reshape(-1) for x in xs])
         return self._submit(self._scatter_job(flat, y, op), output_tensors)
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -353,8 +355,9 @@ class TorchProcessGroup(dist.ProcessGroup):
         _check_cpu(output, "reduce_scatter_single")
         _check_like(input, output, output.numel() * self.size(), "reduce_scatter_single", "input")
         op = _op(opts, "reduce_scatter_single", output)
-        flat = input.reshape(-1).clone()  # (the communicator consumes its buffer; torch's input stays)
-        return self._submit(self._scatter_job(flat, output, op), [output])
+        out = _written(output, "reduce_scatter_single")
+        flat = input.detach().reshape(-1).clone()  # (the communicator consumes its buffer; torch's input stays)
+        return self._submit(self._scatter_job(flat, out, op), [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -444,7 +447,7 @@ class TorchProcessGroup(dist.ProcessGroup):
         """A flat buffer of size·n elements with ``x`` (n) in this rank's chunk, taken now."""
         n = x.numel()
         flat = torch.empty(n * self.size(), dtype=x.dtype)
-        flat[self.rank() * n:(self.rank() + 1) * n].copy_(x.reshape(-1))
+        flat[self.rank() * n:(self.rank() + 1) * n].copy_(x.detach().reshape(-1))
         return flat
 
     def _scatter_job(self, flat: torch.Tensor, out: torch.Tensor, op: str) -> Callable[[], None]:
@@ -478,6 +481,20 @@ def _one(tensors, call: str, what: str = "tensor"):
     if what == "tensor":
         _check_cpu(tensors[0], call)
     return tensors[0]
+
+
+def _written(t: torch.Tensor, call: str) -> torch.Tensor:
+    """The tensor a call writes, as the communicator takes one: a leaf that requires grad (a
+    parameter) through ``detach()``, which shares its memory and version counter (the write counts
+    as an in-place op's; gloo's does not), so that the group's own copies into it are not recorded;
+    one that is the result of a recorded operation refused now, naming the call."""
+    if not t.requires_grad:
+        return t
+    if not t.is_leaf:
+        raise ValueError(f"{call}: tensor requires grad and is the result of an operation autograd recorded: "
+                         "writing it in place would change what backward computes; pass t.detach() (a copy: "
+                         "t.detach().clone()) or a leaf tensor such as a parameter")
+    return t.detach()
 
 
 def _check_like(t: torch.Tensor, like: torch.Tensor, numel: int, call: str, what: str) -> None:
