@@ -195,6 +195,19 @@ def test_an_output_autograd_recorded_is_refused_naming_the_call():
     on_group(2, fn)
 
 
+def test_the_group_keeps_the_name_torch_gives_it():
+    # torch names the groups it registers and reads the name back (destroy_process_group(group));
+    # before, a group of Python's answered "ProcessGroup name not set" (test_torch_group_ddp.py).
+    def fn(pg):
+        with pytest.raises(RuntimeError, match="name not set"):
+            pg.group_name
+        pg._set_group_name("g0")
+        pg._set_group_desc("sub")
+        return pg.group_name, pg.group_desc
+
+    assert on_group(2, fn) == [("g0", "sub")] * 2
+
+
 def test_async_work_and_future():
     def fn(pg):
         t = data(pg.rank(), 3)

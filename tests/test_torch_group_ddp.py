@@ -212,3 +212,41 @@ def test_named_backend_with_join_matches_gloo(divide_by_initial_world_size):
         for i, (a, b) in enumerate(zip(ours, theirs)):
             assert (a == b).all(), f"rank {rank} parameter {i}: ringtrain's group and gloo differ"
             assert (a == results[0][0][0][i]).all(), f"parameter {i} differs between rank 0 and rank {rank}"
+
+
+def _destroy_a_subgroup(rank, world_size, port):
+    """init_process_group("ringtrain"), a subgroup of it, calls on it, destroy_process_group(subgroup)
+    (torch unregisters it by its ``group_name``), then the default group again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ringtrain.torch_group import BACKEND
+
+    torch.set_num_threads(1)
+    dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=30))
+    sub = dist.new_group([0, 1])
+    names = None
+    if rank in (0, 1):
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t, group=sub)
+        names = (dist.group.WORLD.group_name, sub.group_name)
+        dist.destroy_process_group(sub)
+    u = torch.tensor([rank + 1.0])
+    dist.all_reduce(u)
+    dist.destroy_process_group()
+    return names, u.item()
+
+
+@pytest.mark.timeout(90)
+def test_named_backend_subgroup_is_destroyed_by_name():
+    # Before, a group of Python's had no name ("ProcessGroup name not set"): destroy_process_group
+    # of a subgroup raised on its ranks, and the next call on the default group mismatched.
+    results = run_ranks(_destroy_a_subgroup, 3, timeout=80.0)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    assert [u for _, u in results] == [6.0] * 3
+    assert results[0][0] == results[1][0] and results[0][0][0] != results[0][0][1], results
+    assert results[2][0] is None

@@ -261,9 +261,30 @@ class TorchProcessGroup(dist.ProcessGroup):
         self.algorithm = algorithm
         self._owns_comm = owns_comm
         self._worker: Optional[_Worker] = _Worker(f"ringtrain-pg-rank{comm.rank}")
+        self._name: Optional[str] = None  # (set by torch for the groups it registers: setGroupName)
+        self._desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch names the groups it registers (init_process_group, new_group) and reads the name back
+    # (``pg.group_name``: destroy_process_group(group), functional collectives). The base class keeps
+    # the name in its registered backends, which a ProcessGroup of Python's has none of; its
+    # ``group_name`` was "ProcessGroup name not set". These are the C++ virtuals torch calls.
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        if self._name is None:
+            raise RuntimeError("ProcessGroup name not set: torch names the groups it registers "
+                               "(init_process_group, new_group); this one was made directly")
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._desc
 
     def __repr__(self) -> str:
         return f"TorchProcessGroup({self.comm!r}, algorithm={self.algorithm!r})"
