@@ -208,6 +208,34 @@ def test_the_group_keeps_the_name_torch_gives_it():
     assert on_group(2, fn) == [("g0", "sub")] * 2
 
 
+def test_gather_and_scatter_single_coalesced():
+    # torch's coalescing manager and its functional all_gather_tensor / reduce_scatter_tensor (one
+    # pair) call these; before, each was a NotImplementedError naming "several tensors at once".
+    p, n = 3, 4
+
+    def fn(pg):
+        r = pg.rank()
+        one = [torch.empty(p * n)]
+        pg.allgather_into_tensor_coalesced(one, [data(r, n)]).wait()
+        two = [torch.empty(p * n, dtype=torch.int64), torch.empty(p, 2)]
+        pg.allgather_into_tensor_coalesced(two, [data(r, n, 1, torch.int64), data(r, 2)]).wait()
+        ys = [torch.empty(n), torch.empty(1, dtype=torch.int64)]
+        xs = [torch.cat([data(r, n, j) for j in range(p)]), data(r, p, 2, torch.int64)]
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        pg.reduce_scatter_tensor_coalesced(ys, xs, opts).wait()
+        with pytest.raises(ValueError, match="all_gather_single_coalesced: 1 output tensors for 2"):
+            pg.allgather_into_tensor_coalesced([torch.empty(p)], [torch.empty(1), torch.empty(1)])
+        return one, two, ys
+
+    for rank, (one, two, ys) in enumerate(on_group(p, fn)):
+        assert torch.equal(one[0], torch.cat([data(i, n) for i in range(p)]))
+        assert torch.equal(two[0], torch.cat([data(i, n, 1, torch.int64) for i in range(p)]))
+        assert torch.equal(two[1], torch.stack([data(i, 2) for i in range(p)]))
+        assert torch.equal(ys[0], data(p - 1, n, rank)), f"rank {rank}"
+        assert torch.equal(ys[1], data(p - 1, p, 2, torch.int64)[rank:rank + 1]), f"rank {rank}"
+
+
 def test_async_work_and_future():
     def fn(pg):
         t = data(pg.rank(), 3)

@@ -346,15 +346,27 @@ class TorchProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         """all_gather_single (all_gather_into_tensor): ``output`` (size·n elements) receives every
         rank's ``input`` (n), in rank order."""
-        _check_cpu(input, "all_gather_single")
-        _check_like(output, input, input.numel() * self.size(), "all_gather_single", "output")
-        flat, out = self._gather_buffer(input), _written(output, "all_gather_single")
+        return self._submit(self._gather_single_job(output, input, "all_gather_single"), [output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """all_gather_single of each pair (outputs[i], inputs[i]), in order, as one work: torch's
+        coalescing manager, and its functional all_gather_tensor (one pair), call this."""
+        call = "all_gather_single_coalesced"
+        jobs = [self._gather_single_job(o, x, call) for o, x in _pairs(outputs, inputs, call)]
+        return self._submit(lambda: [job() for job in jobs], list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _gather_single_job(self, output, input, call: str) -> Callable[[], None]:
+        _check_cpu(input, call)
+        _check_like(output, input, input.numel() * self.size(), call, "output")
+        flat, out = self._gather_buffer(input), _written(output, call)
 
         def job() -> None:
             self.comm.allgather(flat)
             out.copy_(flat.view_as(out))
 
-        return self._submit(job, [output])
+        return job
 
     _allgather_base = all_gather_single  # (its older name, which older torch calls)
 
@@ -373,12 +385,24 @@ class TorchProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         """reduce_scatter_single (reduce_scatter_tensor): ``output`` (n elements) receives chunk
         ``rank`` of the reduction of ``input`` (size·n elements) over the ranks."""
-        _check_cpu(output, "reduce_scatter_single")
-        _check_like(input, output, output.numel() * self.size(), "reduce_scatter_single", "input")
-        op = _op(opts, "reduce_scatter_single", output)
-        out = _written(output, "reduce_scatter_single")
+        return self._submit(self._scatter_single_job(output, input, opts, "reduce_scatter_single"), [output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """reduce_scatter_single of each pair (outputs[i], inputs[i]), in order, as one work: torch's
+        coalescing manager, and its functional reduce_scatter_tensor (one pair), call this."""
+        call = "reduce_scatter_single_coalesced"
+        jobs = [self._scatter_single_job(o, x, opts, call) for o, x in _pairs(outputs, inputs, call)]
+        return self._submit(lambda: [job() for job in jobs], list(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _scatter_single_job(self, output, input, opts, call: str) -> Callable[[], None]:
+        _check_cpu(output, call)
+        _check_like(input, output, output.numel() * self.size(), call, "input")
+        op = _op(opts, call, output)
+        out = _written(output, call)
         flat = input.detach().reshape(-1).clone()  # (the communicator consumes its buffer; torch's input stays)
-        return self._submit(self._scatter_job(flat, out, op), [output])
+        return self._scatter_job(flat, out, op)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -415,16 +439,6 @@ class TorchProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, *args, **kwargs):
         raise _unsupported("allgather_coalesced")
-
-    def allgather_into_tensor_coalesced(self, *args, **kwargs):
-        raise _unsupported("all_gather_single of several tensors at once (a coalescing manager)")
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
-    def reduce_scatter_tensor_coalesced(self, *args, **kwargs):
-        raise _unsupported("reduce_scatter_single of several tensors at once (a coalescing manager)")
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def monitored_barrier(self, *args, **kwargs):
         raise _unsupported("monitored_barrier (use barrier: a silent rank is a CommTimeout)")
@@ -502,6 +516,13 @@ def _one(tensors, call: str, what: str = "tensor"):
     if what == "tensor":
         _check_cpu(tensors[0], call)
     return tensors[0]
+
+
+def _pairs(outputs, inputs, call: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    outputs, inputs = list(outputs), list(inputs)
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{call}: {len(outputs)} output tensors for {len(inputs)} input tensors")
+    return list(zip(outputs, inputs))
 
 
 def _written(t: torch.Tensor, call: str) -> torch.Tensor:
