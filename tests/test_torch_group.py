@@ -366,6 +366,10 @@ def test_bad_calls_are_refused_at_once_naming_the_call():
                                   op=dist.ReduceOp.MAX, group=pg)
         with pytest.raises(ValueError, match="reduce_scatter: 1 input tensors for 2 ranks"):
             dist.reduce_scatter(torch.empty(1), [torch.ones(1)], group=pg)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 5  # (before: refused in the job, at wait, not naming the call)
+        with pytest.raises(ValueError, match=r"broadcast: root must be a rank in \[0, 2\), got 5"):
+            pg.broadcast([torch.ones(1)], opts)
         # Unsupported collectives: a NotImplementedError naming the call, before anything moves.
         with pytest.raises(NotImplementedError, match="does not implement gather"):
             if HAS_GROUP_SRC:

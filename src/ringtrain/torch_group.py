@@ -323,6 +323,8 @@ class TorchProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         if opts is not None and opts.rootTensor != 0:
             raise ValueError(f"broadcast: rootTensor must be 0 (one tensor per rank), got {opts.rootTensor}")
+        if not 0 <= root < self.size():
+            raise ValueError(f"broadcast: root must be a rank in [0, {self.size()}), got {root}")
         return self._submit(lambda: self.comm.broadcast(t, root=root), tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
