@@ -203,7 +203,9 @@ def _torch_join_cases(rank, world_size, port):
     """Under torch's ``Join``: torch's DDP and this wrapper each with torch's
     ``ZeroRedundancyOptimizer`` (a joinable that shadows its own broadcasts) in
     ``Join([model, optimizer])``; then ``throw_on_early_termination``; then the wrapper second in
-    the list. Returns what each case left or raised."""
+    the list; then a comm hook registered in ``Join(divide_by_initial_world_size=False)`` before
+    the first forward. Returns what each case left or raised."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     with _gloo_and_ringtrain(rank, world_size, port, timeout=20.0) as comm:
@@ -248,6 +250,14 @@ def _torch_join_cases(rank, world_size, port):
         except ValueError as exc:
             out["second"] = str(exc)
         ddp.close()
+        model, ddp, zero = wrapped("ours")
+        try:  # (before its first forward: the hook would divide by the world size, not the ranks training)
+            with TorchJoin([ddp, zero], divide_by_initial_world_size=False):
+                ddp.register_comm_hook(ddp.process_group, default_hooks.allreduce_hook)
+            out["hook"] = "no error"
+        except ValueError as exc:
+            out["hook"] = str(exc)
+        ddp.close()
     return _saved(out)
 
 
@@ -265,6 +275,8 @@ def test_torch_join_beside_zero_redundancy_optimizer_throw_and_the_wrapper_secon
         assert res["throw"].startswith(f"Rank {first} exhausted all inputs" if rank == first else
                                        "Detected at least one rank that exhausted inputs"), (rank, res["throw"])
         assert "put the ringtrain.DistributedDataParallel first in Join" in res["second"], (rank, res["second"])
+        assert "a comm hook and join(divide_by_initial_world_size=False) do not go together" in res["hook"], \
+            (rank, res["hook"])
 
 
 class _Raised(Exception):

@@ -368,7 +368,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                              "a comm hook decides as well how each bucket crosses the network "
                              f"(compression={opts.compression!r} does what torch's {opts.compression}_compress_hook "
                              "does). Use one of them: wrap the module without compression= to register a hook.")
-        if self._join is not None and self._join.per_rank:
+        join = self._join if self._join is not None else self._torch_join  # (torch's Join made, before a forward)
+        if join is not None and join.per_rank:
             raise ValueError(_JOIN_PER_RANK)
         group = comm_hook.hook_group(state, self.world_size, self.rank)
         # (another TorchProcessGroup over this communicator than process_group: waited for as well)
