@@ -147,3 +147,17 @@ def test_cluster_validation():
         Cluster("x", 0.0, 0.0)
     with pytest.raises(ValueError, match="gpus_per_node"):
         Cluster("x", 1e-5, 1e-9, gpus_per_node=0)
+
+
+def test_cluster_takes_numpy_numbers_as_python_numbers():
+    # np.float32 and np.int64 were refused: "beta=np.float32(1e-09); it must be a finite number >= 0".
+    c = Cluster("x", np.float64(1e-5), np.float32(1e-9), gpus_per_node=np.int64(4), servers=np.int32(2))
+    assert (type(c.beta), type(c.gpus_per_node), type(c.servers)) == (float, int, int)
+    assert c.cost(8, "hierarchical")(1e6) == Cluster("x", 1e-5, float(np.float32(1e-9)), gpus_per_node=4).cost(
+        8, "hierarchical")(1e6)
+    json.dumps({k: getattr(c, k) for k in c.__slots__})  # (the --json document's clusters)
+    for bad in (True, "1e-9", np.float32("nan"), -1e-9):
+        with pytest.raises(ValueError, match="beta=.*finite number >= 0"):
+            Cluster("x", 1e-5, bad)
+    with pytest.raises(ValueError, match="servers must be an integer >= 1, got 2.0"):
+        Cluster("x", 1e-5, 1e-9, servers=2.0)

@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from . import costs
 from .costs import link_from_fit
@@ -67,15 +70,21 @@ class Cluster:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("--cluster: the cluster's name must not be empty (name=)")
+        # Numpy numbers are numbers too (np.float32, np.int64: were refused as "must be a finite
+        # number"); kept as Python floats and ints, which the --json document can write.
         for key in ("alpha", "beta", "gamma", "intra_alpha", "intra_beta"):
             value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and value >= 0 and value != float("inf")):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"--cluster: {key}={value!r}; it must be a finite number >= 0")
+            object.__setattr__(self, key, float(value))
         if self.beta == 0 and self.alpha == 0:
             raise ValueError("--cluster: alpha and beta cannot both be 0")
         for key in ("gpus_per_node", "nics_per_node", "servers"):
-            if not (isinstance(getattr(self, key), int) and getattr(self, key) >= 1):
-                raise ValueError(f"--cluster: {key} must be an integer >= 1, got {getattr(self, key)!r}")
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"--cluster: {key} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, key, int(value))
 
     def options(self, algorithm: str) -> dict[str, Any]:
         """The extra arguments ``costs.allreduce_time`` takes for ``algorithm``."""
