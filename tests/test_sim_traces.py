@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -205,3 +206,24 @@ def test_profile_module_counts_a_shared_parameter_once():
     t = profile_module(net, lambda: (torch.randn(2, 4), torch.randn(2, 4)), torch.nn.functional.mse_loss, repeats=1)
     assert t.grad_bytes == 16 * 4
     assert t.optimizer_s == 0.0
+
+
+def test_numpy_numbers_make_a_trace_that_saves_and_loads(tmp_path):
+    # Layer and Trace kept numpy numbers: save() wrote 'np.float64(0.002)' into a CSV that load()
+    # refused, and raised "Object of type float32 is not JSON serializable" for JSON.
+    t = Trace("m", (Layer("a", np.float32(0.5), np.float64(2e-3), np.int64(4096), np.int32(1024)),),
+              batch_size=np.int64(8), optimizer_s=np.float64(1e-3))
+    assert (type(t.layers[0].forward_s), type(t.layers[0].grad_bytes), type(t.batch_size)) == (float, int, int)
+    for suffix in ("csv", "json"):
+        save(t, tmp_path / f"t.{suffix}")
+        assert load(tmp_path / f"t.{suffix}") == t
+    # A wrong type is named, not a TypeError from a comparison ('<' not supported ...).
+    for bad, match in [(dict(grad_bytes="4"), "grad_bytes = '4' is not a whole number"),
+                       (dict(grad_bytes=4.5), "grad_bytes = 4.5 is not a whole number"),
+                       (dict(params=float("nan")), "params = nan is not a whole number"),
+                       (dict(forward_s="1"), "forward_s = '1' is not a number")]:
+        with pytest.raises(ValueError, match=f"layer a: {match}"):
+            Layer(**{**dict(name="a", forward_s=1, backward_s=1, grad_bytes=4, params=1), **bad})
+    for batch in (None, 2.5, True):
+        with pytest.raises(ValueError, match="trace m: batch_size = .* is not a whole number"):
+            Trace("m", (Layer("a", 1, 1, 4, 1),), batch_size=batch)

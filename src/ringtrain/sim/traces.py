@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 LAYER_FIELDS = ("name", "forward_s", "backward_s", "grad_bytes", "params")
 TRACE_FIELDS = ("model", "batch_size", "sample_unit", "optimizer_s", "source")
 
@@ -52,6 +54,12 @@ class Layer:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("layer name must not be empty")
+        # Numpy numbers are kept as Python ones: save() wrote np.float64(0.002) into a CSV that
+        # load() refused, and JSON could not write an np.float32 at all.
+        for key in ("forward_s", "backward_s"):
+            object.__setattr__(self, key, _seconds(getattr(self, key), f"layer {self.name}: {key}"))
+        for key in ("grad_bytes", "params"):
+            object.__setattr__(self, key, _count(getattr(self, key), f"layer {self.name}: {key}"))
         if not (0 <= self.forward_s < math.inf and 0 <= self.backward_s < math.inf):
             raise ValueError(f"layer {self.name}: forward_s and backward_s must be finite and >= 0")
         if self.grad_bytes < 0 or self.params < 0:
@@ -79,6 +87,8 @@ class Trace:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise ValueError(f"trace {self.model}: needs at least one layer")
+        object.__setattr__(self, "batch_size", _count(self.batch_size, f"trace {self.model}: batch_size"))
+        object.__setattr__(self, "optimizer_s", _seconds(self.optimizer_s, f"trace {self.model}: optimizer_s"))
         if self.batch_size < 1:
             raise ValueError(f"trace {self.model}: batch_size must be >= 1, got {self.batch_size}")
         if not 0 <= self.optimizer_s < math.inf:
@@ -150,6 +160,25 @@ class Trace:
             layers.append(Layer(**{k: _typed(k, row[k], f"layers[{i}].{k}") for k in LAYER_FIELDS}))
         meta = {k: _typed(k, d[k], k) for k in TRACE_FIELDS if k in d}
         return cls(layers=tuple(layers), **meta)
+
+
+def _seconds(value: Any, where: str) -> float:
+    """A time given to ``Layer`` or ``Trace`` (Python or numpy number) as a float; the range is
+    checked by the caller."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{where} = {value!r} is not a number of seconds")
+    return float(value)
+
+
+def _count(value: Any, where: str) -> int:
+    """A count (bytes, parameters, batch size) given to ``Layer`` or ``Trace`` as an int: a
+    Python or numpy integer, or a whole float (as in files); 4.5 or True is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{where} = {value!r} is not a whole number")
+    if isinstance(value, (float, np.floating)):
+        if not (math.isfinite(value) and float(value).is_integer()):
+            raise ValueError(f"{where} = {value!r} is not a whole number")
+    return int(value)
 
 
 def _typed(key: str, value: Any, where: str) -> Any:
