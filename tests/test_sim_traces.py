@@ -115,6 +115,10 @@ _ROW = {"name": "a", "forward_s": 0.1, "backward_s": 0.2, "grad_bytes": 40, "par
         ({"model": "m", "batch_size": 32.5, "layers": [_ROW]}, r"batch_size = 32\.5 is not a whole number"),
         ({"model": "m", "batch_size": True, "layers": [_ROW]}, r"batch_size = True is not a whole number"),
         ({"model": "m", "batch_size": 1, "optimizer_s": None, "layers": [_ROW]}, r"optimizer_s = None is not a number"),
+        # (these three were taken as the names 'None', "['a']" and 'True')
+        ({"model": None, "batch_size": 1, "layers": [_ROW]}, r"model = None is not text"),
+        ({"model": "m", "batch_size": 1, "layers": [dict(_ROW, name=["a"])]}, r"layers\[0\]\.name = \['a'\] is not text"),
+        ({"model": "m", "batch_size": 1, "sample_unit": True, "layers": [_ROW]}, r"sample_unit = True is not text"),
     ],
 )
 def test_trace_file_errors_name_the_field_and_do_not_truncate(tmp_path, doc, match):

@@ -208,6 +208,8 @@ def _typed(key: str, value: Any, where: str) -> Any:
                 raise ValueError(f"{where} = {value!r} is not a whole number")
             number = int(number)
         return number
+    if value is None or isinstance(value, (bool, list, dict)):  # (null was read as the name 'None')
+        raise ValueError(f"{where} = {value!r} is not text")
     return str(value)
 
 
