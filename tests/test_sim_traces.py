@@ -231,3 +231,17 @@ def test_numpy_numbers_make_a_trace_that_saves_and_loads(tmp_path):
     for batch in (None, 2.5, True):
         with pytest.raises(ValueError, match="trace m: batch_size = .* is not a whole number"):
             Trace("m", (Layer("a", 1, 1, 4, 1),), batch_size=batch)
+
+
+@pytest.mark.parametrize("where", ["grad_bytes", "batch_size"])
+def test_a_count_past_what_a_float_holds_is_named(tmp_path, where):
+    # JSON reads 10**400 as an int: the sweep then stopped on "OverflowError: int too large to
+    # convert to float" (a traceback); 1e400 was already "inf is not a whole number".
+    doc = {"model": "m", "batch_size": 1, "layers": [dict(_ROW)]}
+    if where == "batch_size":
+        doc["batch_size"] = 10**400
+    else:
+        doc["layers"][0]["grad_bytes"] = 10**400
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=f"trace m: {where} is over 1.8e308, past what a float holds"):
+        load(tmp_path / "t.json")

@@ -97,6 +97,12 @@ class Trace:
             raise ValueError(f"trace {self.model}: no layer produces a gradient")
         if not math.isfinite(self.forward_s + self.backward_s + self.optimizer_s):  # each finite, the sum not
             raise ValueError(f"trace {self.model}: the layers' times add up past what a float holds; give seconds")
+        for key in ("grad_bytes", "params", "batch_size"):  # (an int of 400 digits: OverflowError in the sweep)
+            try:
+                float(getattr(self, key))
+            except OverflowError:
+                raise ValueError(f"trace {self.model}: {key} is over 1.8e308, past what a float holds; give "
+                                 "bytes, parameters and samples") from None
 
     @property
     def forward_s(self) -> float:
