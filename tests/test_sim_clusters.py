@@ -142,6 +142,22 @@ def test_from_bench_errors_say_what_is_wrong_with_the_rows(tmp_path):
     with pytest.raises(ValueError, match="at least two --sizes"):
         resolve(same)
 
+def test_from_bench_refuses_counts_it_used_to_truncate_or_crash_on(tmp_path):
+    # world_size 2.5 and true were taken as 2 and 1 ranks; an int of 400 digits (JSON reads it)
+    # as world_size, nbytes or median_s stopped on "OverflowError: int too large to convert to float".
+    good = [dict(world_size=2, nbytes=n, median_s=1e-4 * (k + 1)) for k, n in enumerate((4096, 8192))]
+    for bad in (2.5, True, 10**400):
+        path = _rows_file(tmp_path, [dict(good[0], world_size=bad), good[1]])
+        with pytest.raises(ValueError, match=r"--cluster .*b.json: a row's world_size is not an integer"):
+            resolve(path)
+    for key in ("nbytes", "median_s"):
+        path = _rows_file(tmp_path, [dict(good[0], **{key: 10**400}), good[1]])
+        with pytest.raises(ValueError, match=r"--cluster .*b.json: a row's nbytes or median_s is not a number"):
+            resolve(path)
+    path = _rows_file(tmp_path, [dict(good[0], world_size="2"), dict(good[1], world_size=2.0)])
+    assert resolve(path).source.endswith("(ring, 2 ranks): a=0 s, b=2.44e-08 s/B")
+
+
 def test_cluster_validation():
     with pytest.raises(ValueError, match="both be 0"):
         Cluster("x", 0.0, 0.0)

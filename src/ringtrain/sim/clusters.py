@@ -199,9 +199,9 @@ def from_bench(
     if not rows:
         raise ValueError(f"--cluster {path}: no rows with algorithm={algorithm!r}" + (f", transport={transport!r}" if transport else ""))
     try:
-        ranks = [int(r["world_size"]) for r in rows]
-    except (TypeError, ValueError):
-        raise ValueError(f"--cluster {path}: a row's world_size is not an integer") from None
+        ranks = [_whole(r["world_size"]) for r in rows]
+    except (TypeError, ValueError, OverflowError):  # (2.5 and true were taken as 2 and 1 ranks)
+        raise ValueError(f"--cluster {path}: a row's world_size is not an integer (of up to 1e308 ranks)") from None
     p = world_size if world_size is not None else max(ranks)
     rows = [r for r, ranks_of_row in zip(rows, ranks) if ranks_of_row == p]
     if not rows:
@@ -211,8 +211,8 @@ def from_bench(
                          "2 or more ranks (run bench allreduce with --world-sizes 2 or more)")
     try:
         sizes, times = [float(r["nbytes"]) for r in rows], [float(r["median_s"]) for r in rows]
-    except (TypeError, ValueError):
-        raise ValueError(f"--cluster {path}: a row's nbytes or median_s is not a number") from None
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an int of 400 digits)
+        raise ValueError(f"--cluster {path}: a row's nbytes or median_s is not a number (of up to 1e308)") from None
     try:
         a, b = fit_alpha_beta(sizes, times)
     except ValueError as e:
@@ -225,6 +225,19 @@ def from_bench(
         f"bench:{Path(path).stem}", alpha, beta, gpus_per_node=gpus_per_node,
         source=f"fitted to {len(rows)} rows of {path} ({algorithm}, {p} ranks): a={a:.3g} s, b={b:.3g} s/B",
     )
+
+
+def _whole(value: Any) -> int:
+    """A bench row's count as an int: an integer, a whole float or a string of digits, that a float
+    can hold (else OverflowError); anything else is a ValueError."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an integer")
+    float(value)
+    return value
 
 
 def resolve(spec: str, gpus_per_node: int = 8) -> Cluster:
