@@ -89,6 +89,13 @@ def test_simulate_plots(tmp_path, capsys):
     (["--model", "resnet50", "--gpus", "4", "--csv", "/proc/x.csv"], "--csv /proc/x.csv: cannot write in /proc"),
     (["--model", "resnet50", "--gpus", "4", "--csv", "/tmp"], "--csv /tmp: a folder, not a file"),
     (["--model", "nope", "--csv", "/nonexistent/dir/x.csv"], "--csv"),  # (said before the model is read)
+    # (an integer of 400 digits: "OverflowError: int too large to convert to float" tracebacks)
+    (["--model", "vgg16", "--gpus", "4", "--algorithms", "ps", "--cluster", f"alpha=1e-5,beta=1e-9,servers={10**400}"],
+     "--cluster: servers must be an integer >= 1 and at most 1e+15"),
+    (["--model", "vgg16", "--gpus", "16", "--cluster", f"alpha=1e-5,beta=1e-9,gpus_per_node={10**400}"],
+     "--cluster: gpus_per_node must be an integer >= 1 and at most 1e+15"),
+    (["--model", "vgg16", "--gpus", "16", "--gpus-per-node", str(10**400)], "--gpus-per-node: must be an integer >= 1 "
+                                                                            "and at most 1e+15"),
 ])
 def test_simulate_bad_options_exit_2_naming_the_option(argv, match, capsys):
     assert main(["simulate", *argv]) == 2

@@ -175,5 +175,5 @@ def test_cluster_takes_numpy_numbers_as_python_numbers():
     for bad in (True, "1e-9", np.float32("nan"), -1e-9):
         with pytest.raises(ValueError, match="beta=.*finite number >= 0"):
             Cluster("x", 1e-5, bad)
-    with pytest.raises(ValueError, match="servers must be an integer >= 1, got 2.0"):
+    with pytest.raises(ValueError, match="servers must be an integer >= 1 and at most 1e\\+15, got 2.0"):
         Cluster("x", 1e-5, 1e-9, servers=2.0)

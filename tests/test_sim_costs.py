@@ -283,3 +283,13 @@ def test_invalid_input(args, kw, needle):
 def test_beta_is_required():
     with pytest.raises(ValueError, match="beta"):
         sim.allreduce_time(1.0, 4)
+
+
+def test_counts_past_what_the_formulas_compute_are_refused():
+    # world_size or servers of 400 digits was an "OverflowError: int too large to convert to float"
+    # from inside a formula.
+    with pytest.raises(ValueError, match=r"world_size=1000.*; it must be an integer >= 1 and at most 1e\+15"):
+        costs.allreduce_time(1e6, 10**400, beta=1e-9)
+    with pytest.raises(ValueError, match=r"servers=1000.*; it must be an integer >= 1 and at most 1e\+15"):
+        costs.allreduce_time(1e6, 4, "ps", beta=1e-9, servers=10**400)
+    assert costs.allreduce_time(1e6, 10**15, beta=1e-9) > 0

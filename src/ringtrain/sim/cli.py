@@ -121,9 +121,9 @@ def parse_gpus(value: str) -> list[int]:
 
 
 def check_gpus_per_node(value: int) -> int:
-    """``--gpus-per-node``: an integer >= 1."""
-    if value < 1:
-        raise ValueError(f"--gpus-per-node: must be an integer >= 1, got {value}")
+    """``--gpus-per-node``: an integer >= 1 (and at most ``costs.MAX_COUNT``)."""
+    if not 1 <= value <= costs.MAX_COUNT:
+        raise ValueError(f"--gpus-per-node: must be an integer >= 1 and at most {costs.MAX_COUNT:.0e}, got {value}")
     return value
 
 

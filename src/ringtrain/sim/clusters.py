@@ -82,8 +82,8 @@ class Cluster:
             raise ValueError("--cluster: alpha and beta cannot both be 0")
         for key in ("gpus_per_node", "nics_per_node", "servers"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"--cluster: {key} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= costs.MAX_COUNT:
+                raise ValueError(f"--cluster: {key} must be an integer >= 1 and at most {costs.MAX_COUNT:.0e}, got {value!r}")
             object.__setattr__(self, key, int(value))
 
     def options(self, algorithm: str) -> dict[str, Any]:
@@ -262,6 +262,8 @@ def resolve_many(specs: list[str], gpus_per_node: int = 8) -> list[Cluster]:
 
 
 def _exact(value: float) -> str:
+    if isinstance(value, int):  # (exact as it is; %g of an int of 400 digits was an OverflowError)
+        return str(value)
     short = f"{value:g}"
     return short if float(short) == value else repr(value)
 

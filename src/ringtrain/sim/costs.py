@@ -127,15 +127,18 @@ def _result(n: np.ndarray, t: Any) -> Any:
     return t if t.shape == n.shape else np.broadcast_to(t, n.shape).copy()
 
 
+#: The largest world size or count taken: the formulas compute in floats, and an integer of
+#: 400 digits was an OverflowError inside them.
+MAX_COUNT = 1e15
+
+
 def _check_world(p: Any) -> int:
-    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
-        raise ValueError(f"world_size={p!r}; it must be an integer >= 1")
-    return int(p)
+    return _check_count("world_size", p)
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_COUNT:
+        raise ValueError(f"{name}={value!r}; it must be an integer >= 1 and at most {MAX_COUNT:.0e}")
     return int(value)
 
 
