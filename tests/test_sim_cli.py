@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -57,6 +58,22 @@ def test_simulate_plots(tmp_path, capsys):
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs == ["gantt_resnet50_16gpus_1GbE.png", "scaling_resnet50.png"]
     assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+@pytest.mark.timeout(120)
+def test_simulate_plots_every_model_when_names_differ_only_in_unsafe_characters(tmp_path, capsys):
+    # "my model" and "my_model" both wrote scaling_my_model.png: the second overwrote the first.
+    trace = build_trace("vgg16", DEVICES["v100"])
+    for k, name in enumerate(("my model", "my_model")):
+        save(dataclasses.replace(trace, model=name), tmp_path / f"t{k}.json")
+    out = tmp_path / "plots"
+    rc = main(["simulate", "--model", f"{tmp_path / 't0.json'},{tmp_path / 't1.json'}", "--cluster", "10GbE",
+               "--gpus", "4", "--schedules", "optimal", "--plot", str(out), "--json"])
+    assert rc == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "gantt_my_model-2_4gpus_10GbE.png", "gantt_my_model_4gpus_10GbE.png", "scaling_my_model-2.png",
+        "scaling_my_model.png"]
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -100,9 +100,16 @@ def write_all(predictions: Sequence[Prediction], traces: Sequence[Trace], cluste
     mid = gpus[(len(gpus) - 1) // 2]
     pairs = list(dict.fromkeys((p.cluster, p.algorithm) for p in predictions))
     cluster, algorithm = pairs[(len(pairs) - 1) // 2]
+    stems: set[str] = set()
     for trace in traces:
-        written.append(scaling_curves(predictions, trace.model, out / f"scaling_{_safe(trace.model)}.png"))
+        # Models whose names differ only where _safe puts "_" ("my model", "my_model") get -2, -3...:
+        # the second one's figures overwrote the first's.
+        stem, k = _safe(trace.model), 2
+        while stem in stems:
+            stem, k = f"{_safe(trace.model)}-{k}", k + 1
+        stems.add(stem)
+        written.append(scaling_curves(predictions, trace.model, out / f"scaling_{stem}.png"))
         rows = [p for p in predictions if p.model == trace.model and p.world_size == mid
                 and (p.cluster, p.algorithm) == (cluster, algorithm)]
-        written.append(gantt(rows, trace, out / f"gantt_{_safe(trace.model)}_{mid}gpus_{_safe(cluster)}.png"))
+        written.append(gantt(rows, trace, out / f"gantt_{stem}_{mid}gpus_{_safe(cluster)}.png"))
     return written
