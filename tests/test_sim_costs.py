@@ -258,6 +258,12 @@ def test_a_fitted_profiles_gamma_counts_under_every_algorithm():
         ((float("nan"), 4), {}, "nbytes"),
         ((np.array([1.0, -2.0]), 4), {}, "nbytes"),
         (("many", 4), {}, "nbytes"),
+        # (these were taken as 1e6 bytes, 1 byte and [1, 0] bytes; 10**400 an OverflowError)
+        (("1e6", 4), {}, "nbytes must be a number or an array of numbers, got '1e6'"),
+        ((True, 4), {}, "nbytes must be a number or an array of numbers, got True"),
+        ((np.array([True, False]), 4), {}, "nbytes must be a number or an array of numbers"),
+        ((10**400, 4), {}, "every size must be finite and >= 0"),
+        (([10**400], 4), {}, "every size must be finite and >= 0"),
         ((1.0, 0), {}, "world_size"),
         ((1.0, 2.5), {}, "world_size"),
         ((1.0, True), {}, "world_size"),

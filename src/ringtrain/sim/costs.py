@@ -68,6 +68,7 @@ Formulas, with their sources:
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -107,13 +108,18 @@ def _floor_pow2(p: int) -> int:
 
 def _check_sizes(nbytes: Any) -> np.ndarray:
     if isinstance(nbytes, (float, int)) and not isinstance(nbytes, bool):
-        if not (0 <= nbytes < math.inf):
+        if not (0 <= nbytes <= sys.float_info.max):  # (an int of 400 digits: an OverflowError below)
             raise ValueError(f"nbytes={nbytes!r}; every size must be finite and >= 0")
         return np.float64(nbytes)  # the scalar fast path (the planner calls this per layer)
     try:
-        n = np.asarray(nbytes, dtype=np.float64)
+        raw = np.asarray(nbytes)
+        if raw.dtype.kind in "bSU":  # ('1e6' and True were taken as 1e6 and 1 byte)
+            raise TypeError
+        n = raw.astype(np.float64, copy=False)
     except (TypeError, ValueError):
         raise ValueError(f"nbytes must be a number or an array of numbers, got {nbytes!r}") from None
+    except OverflowError:
+        raise ValueError(f"nbytes={nbytes!r}; every size must be finite and >= 0") from None
     if not np.all(np.isfinite(n) & (n >= 0)):
         raise ValueError(f"nbytes={nbytes!r}; every size must be finite and >= 0")
     return n
