@@ -808,3 +808,11 @@ def test_a_thousand_layers_with_a_drain_planned_quickly():
     print(f"1,000 layers with a drain: {elapsed * 1e3:.0f} ms, {len(plan.groups)} groups")
     for method in METHODS:
         assert plan.end_time <= merge(times, sizes, cost=ps.occupancy, method=method, drain=ps.drain).end_time
+
+
+def test_an_integer_past_what_a_float_holds_is_refused_in_words():
+    # alpha=10**400 (or bucket_cap_mb, tail; sim.costs' alpha too) was an OverflowError from math.isfinite.
+    for kw, match in [(dict(alpha=10**400, beta=1.0), "alpha=1000"), (dict(alpha=1.0, beta=1.0, tail=10**400), "tail="),
+                      (dict(alpha=1.0, beta=1.0, method="fixed", bucket_cap_mb=10**400), "bucket_cap_mb=")]:
+        with pytest.raises(ValueError, match=f"{match}.*; it must be finite and >"):
+            merge([1.0], [1.0], **kw)

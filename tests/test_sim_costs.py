@@ -270,6 +270,7 @@ def test_a_fitted_profiles_gamma_counts_under_every_algorithm():
         ((1.0, 4, "butterfly"), {}, "algorithm"),
         ((1.0, 4), {"alpha": -1.0}, "alpha"),
         ((1.0, 4), {"gamma": float("inf")}, "gamma"),
+        ((1.0, 4), {"alpha": 10**400}, "alpha=1000.*; it must be finite and >= 0"),  # (was an OverflowError)
         ((1.0, 4, "ring"), {"servers": 2}, "servers"),
         ((1.0, 4, "ps"), {"servers": 0}, "servers"),
         ((1.0, 4, "ps"), {"gpus_per_node": 2}, "gpus_per_node"),

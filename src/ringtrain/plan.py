@@ -795,17 +795,25 @@ def _float_or_inf(value: Any) -> float:
         return math.inf if value > 0 else -math.inf
 
 
+def _finite(value: Any) -> bool:
+    """math.isfinite, False (not an OverflowError) for an integer past what a float holds."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_scalar(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
+    if not _finite(value) or value < 0:
         raise ValueError(f"{name}={value!r}; it must be finite and >= 0")
 
 
 def _check_positive(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):  # (a negative value was told ">= 0", then 0 "> 0")
+    if not (_finite(value) and value > 0):  # (a negative value was told ">= 0", then 0 "> 0")
         raise ValueError(f"{name}={value!r}; it must be finite and > 0")
 
 

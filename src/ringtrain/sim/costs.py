@@ -148,10 +148,18 @@ def _check_count(name: str, value: Any) -> int:
     return int(value)
 
 
+def _finite(value: Any) -> bool:
+    """math.isfinite, False (not an OverflowError) for an integer past what a float holds."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
+    if not _finite(value) or value < 0:
         raise ValueError(f"{name}={value!r}; it must be finite and >= 0")
 
 
