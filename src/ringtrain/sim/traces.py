@@ -229,23 +229,32 @@ def dumps_csv(trace: Trace) -> str:
     out = io.StringIO()
     for k in TRACE_FIELDS:
         out.write(f"# {k}: {getattr(trace, k)}\n")
-    writer = csv.DictWriter(out, fieldnames=LAYER_FIELDS, lineterminator="\n")
-    writer.writeheader()
+    csv.DictWriter(out, fieldnames=LAYER_FIELDS, lineterminator="\n").writeheader()
     for layer in trace.layers:
-        writer.writerow({k: repr(v) if isinstance(v, float) else v for k, v in asdict(layer).items()})
+        line = io.StringIO()
+        csv.DictWriter(line, fieldnames=LAYER_FIELDS, lineterminator="\n").writerow(
+            {k: repr(v) if isinstance(v, float) else v for k, v in asdict(layer).items()})
+        text = line.getvalue()
+        if text.startswith("#"):  # a name like '#conv': quoted, or loads_csv would read a comment
+            text = f'"{layer.name}"{text[len(layer.name):]}'
+        out.write(text)
     return out.getvalue()
 
 
 def loads_csv(text: str) -> Trace:
     meta: dict[str, Any] = {}
     body = []
-    for line in text.splitlines():
-        if line.startswith("#"):
+    quoted = False  # inside a quoted value that goes on over a line break (a layer named 'a\nb')
+    # (lines as csv reads them: str.splitlines also broke them at \u2028, \x1c..., quoted or not)
+    for line in io.StringIO(text, newline=""):
+        if not quoted and line.startswith("#"):
             key, _, value = line[1:].partition(":")
             if key.strip() in TRACE_FIELDS:
                 meta[key.strip()] = value.strip()
-        elif line.strip():
+            continue
+        if quoted or line.strip():
             body.append(line)
+            quoted = _ends_quoted(line, quoted)
     reader = csv.DictReader(body)
     if reader.fieldnames:  # 'name, forward_s, ...' (values may have the spaces too: float() strips them)
         reader.fieldnames = [f.strip() for f in reader.fieldnames]
@@ -257,6 +266,27 @@ def loads_csv(text: str) -> Trace:
             raise ValueError(f"layers[{i}] has {columns + len(row[None])} values for the {columns} columns "
                              f"of the header ({', '.join(reader.fieldnames or ())})")
     return Trace.from_dict(meta)
+
+
+def _ends_quoted(line: str, quoted: bool) -> bool:
+    """Whether a CSV record is inside a quoted value at the end of ``line`` (``quoted``: it was at
+    its start). csv's rules: a quote opens a value only at the value's start; inside one, a
+    doubled quote is a quote and a single one closes it."""
+    at_start, i = not quoted, 0
+    while i < len(line):
+        c = line[i]
+        if quoted:
+            if c == '"' and line[i + 1:i + 2] == '"':
+                i += 1  # a doubled quote: a quote in the value
+            elif c == '"':
+                quoted = False
+            at_start = False
+        elif c == '"' and at_start:
+            quoted, at_start = True, False
+        else:
+            at_start = c == ","
+        i += 1
+    return quoted
 
 
 def save(trace: Trace, path: str | Path) -> None:
