@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 
+import numpy as np
 import pytest
 
 from ringtrain import plan as planner
@@ -238,3 +240,14 @@ def test_the_full_default_sweep_runs():
     assert len(rows) == 1350
     for (model, gpus), group in itertools.groupby(rows, key=lambda r: (r.model, r.world_size)):
         assert all(0 < r.efficiency <= 1.0 + 1e-12 for r in group), (model, gpus)
+
+
+def test_a_world_size_is_a_whole_number_of_gpus_kept_as_a_python_int():
+    # np.int64 GPU counts (np.array([4, 8]) to sweep) gave rows whose to_dict() json.dumps refused;
+    # 4.5 and True GPUs were predicted (throughput of 4.5 GPUs) with a cost that takes any size.
+    rows = sweep([toy()], [named("10GbE")], gpus=np.array([4, 8]), schedules=["optimal"])
+    assert [type(r.world_size) for r in rows] == [int, int]
+    json.dumps([r.to_dict() for r in rows])
+    for bad in (4.5, True, 0, "4"):
+        with pytest.raises(ValueError, match="--gpus: world size must be an integer >= 1, got"):
+            predict_with_cost(toy(), cost, bad)

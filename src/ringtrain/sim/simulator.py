@@ -154,8 +154,10 @@ def predict_with_cost(
     (``ringtrain.plan.merge``; the trial of ``DistributedDataParallel`` may keep the plan of
     free overlap). ``first_bucket_mb``: the fixed schedule's first bucket cap (torch DDP's 1 MiB;
     None: ``bucket_cap_mb`` as the others)."""
-    if world_size < 1:
-        raise ValueError(f"--gpus: world size must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        # (4.5 GPUs and True were predicted; np.int64 rows' to_dict() could not be written as JSON)
+        raise ValueError(f"--gpus: world size must be an integer >= 1, got {world_size!r}")
+    world_size = int(world_size)
     base = single_gpu_iteration(trace)
     if not base > 0:  # throughput and speedup are ratios to the one-GPU iteration
         raise ValueError(
