@@ -272,6 +272,8 @@ def _ends_quoted(line: str, quoted: bool) -> bool:
     """Whether a CSV record is inside a quoted value at the end of ``line`` (``quoted``: it was at
     its start). csv's rules: a quote opens a value only at the value's start; inside one, a
     doubled quote is a quote and a single one closes it."""
+    if '"' not in line:  # (most lines: nothing to walk)
+        return quoted
     at_start, i = not quoted, 0
     while i < len(line):
         c = line[i]
