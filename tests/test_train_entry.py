@@ -227,6 +227,25 @@ def test_a_parameter_server_run_on_another_number_of_workers_refuses_before_laun
     assert len(launches) == 1
 
 
+@pytest.mark.parametrize("strategy", ["ps-sync", "ps-async"])
+def test_a_parameter_server_run_on_more_workers_is_told_the_workers_not_a_batch_size_it_cannot_use(
+        tmp_path, strategy, launches, capsys):
+    # It was told "resume with --batch-size 2 (the same global batch on --workers 2)"; resumed so, it
+    # was then refused for its 2 workers: the servers count their workers.
+    save_run(tmp_path, steps=(1,), strategy=strategy)  # 1 worker x 4
+    save_servers(tmp_path, 1, strategy=strategy.removeprefix("ps-"))
+    argv = train_argv(tmp_path, "--strategy", strategy)
+    argv[argv.index("--workers") + 1] = "2"
+    message = refusal(argv, launches, capsys)
+    assert "was made with 1 worker, this run has 2: resume with --workers 1, " in message, message
+    assert "--batch-size" not in message, message
+    # With its workers, another batch size is told as before.
+    argv = train_argv(tmp_path, "--strategy", strategy)
+    argv[argv.index("--batch-size") + 1] = "2"
+    message = refusal(argv, launches, capsys)
+    assert "global batch of 4" in message and "resume with --batch-size 4" in message, message
+
+
 def test_more_servers_than_the_model_has_partitions_is_refused_before_launching(tmp_path, launches, capsys):
     # The workers refused it, but only once all W + K ranks had started: two tracebacks and a line
     # per rank, and a large --servers (200 processes) ran the machine out of memory first.

@@ -108,10 +108,15 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
         _check_same_strategy(cfg, saved)
         _check_same_model(cfg, saved[0])
         _check_same_optimizer(cfg, saved[0])
-        _check_same_data(cfg, workers, saved[0])
     if cfg.strategy == "ring":
+        if saved:
+            _check_same_data(cfg, workers, saved[0])
         return saved[0].step if saved else None  # (the newest whole one, as resume_step's checkpoint.latest)
+    # The servers' number of workers before the global batch: a parameter-server run cannot change
+    # --workers, so the data check's "--batch-size N on --workers W" would only lead to that refusal.
     found = _check_servers_hold_checkpoints(cfg, workers, saved)
+    if saved:
+        _check_same_data(cfg, workers, saved[0])
     return None if found is None else found.step
 
 
