@@ -859,6 +859,11 @@ def test_an_interrupted_run_without_checkpoints_of_its_own_names_the_older_ones_
         "interrupted; run the same command again to resume from step 4 (the last checkpoint)")
     assert interrupted_line(tmp_path / "empty", "--checkpoint-every", "0") == (
         "interrupted; checkpoints were off (--checkpoint-every 0): the same command starts again from step 0")
+    # With --no-resume too it trained from step 0 and saved nothing: the line named the older run's
+    # step 4, as if this run had got there and went on from it without --no-resume.
+    assert interrupted_line(tmp_path, "--checkpoint-every", "0", "--no-resume", step="7") == (
+        "interrupted at step 7; checkpoints were off (--checkpoint-every 0): the same command starts again from "
+        "step 0")
 
 
 def test_ctrl_c_during_a_save_lets_it_finish_then_stops_the_run(tmp_path):

@@ -351,7 +351,9 @@ def _interrupted(cfg: TrainConfig, sig: signal.Signals, interrupt_file: Path) ->
 
 def _where_it_resumes(cfg: TrainConfig) -> str:
     """Where the same command goes on after a run that stopped (interrupted, or a rank failed)."""
-    newest = resume.resume_step(cfg)
+    # (--no-resume --checkpoint-every 0 saved nothing, and left the directory's checkpoints of an
+    # earlier run where they were: they are not where this run goes on)
+    newest = resume.resume_step(cfg) if cfg.resume or cfg.checkpoint_every else None
     if newest is None:
         why = ("checkpoints were off (--checkpoint-every 0)" if not cfg.checkpoint_every else
                f"no checkpoint yet (one every {cfg.checkpoint_every} steps)")
