@@ -114,6 +114,20 @@ def test_a_ring_run_refuses_a_parameter_server_runs_directory(tmp_path, legacy, 
     assert fingerprint(tmp_path) == before
 
 
+def test_a_ring_run_refuses_a_directory_of_parameter_servers_files_alone(tmp_path, launches, capsys):
+    # (the workers' first save cut short, or their files removed) The ring run started at step 0
+    # beside them, and the parameter-server run was then refused for the ring's checkpoints.
+    save_servers(tmp_path, 2)
+    before = fingerprint(tmp_path)
+    message = refusal(train_argv(tmp_path), launches, capsys)
+    assert f"holds the checkpoints of a parameter-server run's servers (steps [1] in {tmp_path / 'servers'})" in message
+    assert "--strategy ring cannot resume them" in message and "--no-resume" in message, message
+    assert fingerprint(tmp_path) == before
+    assert cli.main(train_argv(tmp_path, "--strategy", "ps-sharded")) == 0  # (theirs resumes)
+    assert cli.main(train_argv(tmp_path / "fresh")) == 0  # (an empty servers folder or none: no refusal)
+    assert len(launches) == 2
+
+
 def test_a_parameter_server_run_without_server_checkpoints_refuses_to_overwrite_its_workers_files(
         tmp_path, launches, capsys):
     save_run(tmp_path, strategy="ps-sync")

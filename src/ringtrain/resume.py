@@ -111,6 +111,8 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
     if cfg.strategy == "ring":
         if saved:
             _check_same_data(cfg, workers, saved[0])
+        else:
+            _check_no_servers_save(cfg)
         return saved[0].step if saved else None  # (the newest whole one, as resume_step's checkpoint.latest)
     # The servers' number of workers before the global batch: a parameter-server run cannot change
     # --workers, so the data check's "--batch-size N on --workers W" would only lead to that refusal.
@@ -132,6 +134,20 @@ def _check_same_strategy(cfg: TrainConfig, saved: list[_Saved]) -> None:
         raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds checkpoints of a {theirs} run (steps "
                          f"{sorted(other)}); --strategy {cfg.strategy} cannot resume them and would overwrite them: "
                          f"give this run another --checkpoint-dir, {_restart_hint()}")
+
+
+def _check_no_servers_save(cfg: TrainConfig) -> None:
+    """A ring run in a directory of the parameter servers' files alone (the workers' first save cut
+    short, or removed) would start at step 0 beside them, and a parameter-server run could then no
+    longer resume them (_check_same_strategy): refused as the workers' files are."""
+    from .ps import shard_resume
+
+    servers = Path(cfg.checkpoint_dir) / "servers"
+    steps = sorted(set().union(*shard_resume.held_steps(servers).values()))
+    if steps:
+        raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir} holds the checkpoints of a parameter-server run's "
+                         f"servers (steps {steps} in {servers}); --strategy ring cannot resume them and would start "
+                         f"at step 0 beside them: give this run another --checkpoint-dir, {_restart_hint()}")
 
 
 def _check_same_model(cfg: TrainConfig, newest: _Saved) -> None:
