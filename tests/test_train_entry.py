@@ -1002,6 +1002,26 @@ def in_a_worker(monkeypatch):
         yield
 
 
+def test_a_parameter_server_worker_whose_peer_never_puts_its_corpus_is_a_timeout_naming_join_timeout():
+    # The workers compare their text through the job's store: a worker that had not come within
+    # --join-timeout was torch's "DistStoreError: wait timeout after 10ms, keys: /ringtrain/corpus/0".
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from ringtrain import data, models
+    from ringtrain.errors import CommTimeout
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=0.05))
+    spec = models.spec("charlm")
+    text = data.dataset(spec.dataset, seed=0, **spec.batch_kwargs)
+    with pytest.raises(CommTimeout, match=r"^worker 1: not every one of the 2 workers put its text corpus in the job's "
+                                          r"store within 0.05 s \(join_timeout\)"):
+        train._same_corpus_on_every_worker(store, 1, 2, text, 0.05)
+    store.set("ringtrain/corpus/0", store.get("ringtrain/corpus/1"))  # (worker 0 came: the same text)
+    train._same_corpus_on_every_worker(store, 1, 2, text, 0.05)
+
+
 @pytest.mark.parametrize("join", [None, 7.5])
 def test_join_timeout_reaches_ringtrain_init(tmp_path, launches, in_a_worker, monkeypatch, join):
     # Before: no --join-timeout; init always got the default, max(--timeout, 60).

@@ -780,7 +780,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     import numpy as np
     import torch
 
-    from . import data, ps, rendezvous
+    from . import ps, rendezvous
     from .ps.server_config import staleness_flag
 
     torch.set_num_threads(1)
@@ -796,8 +796,8 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     model, loader, batch_size = _workload(cfg, rank, p)
     # (the workers share no communicator: they compare the text through the job's store, where
     # they meet, so their start-up counts: join_timeout's rule)
-    store = rendezvous.job_store(info, check_join_timeout(cfg.join_timeout, cfg.timeout))
-    data.check_same_corpus_in_store(store, rank, p, loader.dataset)
+    join = check_join_timeout(cfg.join_timeout, cfg.timeout)
+    _same_corpus_on_every_worker(rendezvous.job_store(info, join), rank, p, loader.dataset, join)
     one_worker_rate = partial(_one_worker_rate, model, model.loss, loader.dataset.batch(np.arange(batch_size)),
                               _optimizer(cfg))
     one_rate = one_worker_rate()
@@ -827,6 +827,20 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     if rank == 0:
         _report(summary, json_summary)
     return 0
+
+
+def _same_corpus_on_every_worker(store, rank: int, p: int, text, join: float) -> None:
+    """data.check_same_corpus_in_store, a worker that does not come in time a CommTimeout naming
+    join_timeout (it was torch's own DistStoreError, "wait timeout after 10ms, keys: ...")."""
+    from . import data, rendezvous
+    from .errors import CommTimeout
+
+    try:
+        data.check_same_corpus_in_store(store, rank, p, text)
+    except RuntimeError as exc:  # torch's store wait ran out (DistStoreError)
+        raise CommTimeout(f"worker {rank}: not every one of the {p} workers put its text corpus in the job's store "
+                          f"within {join:g} s (join_timeout): one has not started, or failed before it "
+                          f"({rendezvous._torch_text(exc)})") from None
 
 
 def _resume_ps_worker(cfg: TrainConfig, rank: int, model, loader, step: int) -> None:
