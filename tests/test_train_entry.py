@@ -880,6 +880,50 @@ def test_an_interrupted_run_without_checkpoints_of_its_own_names_the_older_ones_
         "step 0")
 
 
+def test_ctrl_c_that_ends_the_servers_during_their_save_still_leaves_rank_0s_file_of_the_step(tmp_path):
+    # torchrun passes Ctrl-C on to every rank at once: servers that ended with it during the save
+    # failed rank 0's call (PeerLost) after saving the step, and rank 0's own file of it was not
+    # written, so the run resumed there with its random state and buffers afresh.
+    from ringtrain.errors import PeerLost
+
+    calls = []
+
+    def servers_save():
+        calls.append(1)
+        if len(calls) == 2:  # (the first save went through)
+            os.kill(os.getpid(), signal.SIGINT)
+            raise PeerLost("parameter server 0 closed the connection (the server died or was stopped)")
+
+    class Loader:
+        def next_batch(self):
+            return torch.zeros(2, 3), torch.zeros(2)
+
+    cfg = train.TrainConfig(model="mlp", strategy="ps-sync", steps=10, checkpoint_every=2, progress=False,
+                            checkpoint_dir=str(tmp_path / "run"))
+    with pytest.raises(train._Interrupted) as info:
+        with train._Checkpoints(cfg, 0, lambda step: {"step": step}, before_save=servers_save) as ckpt:
+            train._loop(cfg, 0, 1, 0, Loader(), lambda x, y: torch.tensor(1.0), ckpt.save, "test")
+    assert info.value.step == 4
+    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path / "run")] == [2, 4]
+    assert checkpoint.load(tmp_path / "run" / checkpoint.checkpoint_name(4)).payload == {"step": 4}
+
+    def lost():
+        raise PeerLost("lost")
+
+    # Servers that resumed a save hold one: the same from their first save in this run, the error raised.
+    cfg.checkpoint_dir = str(tmp_path / "resumed")
+    with pytest.raises(PeerLost):
+        with train._Checkpoints(cfg, 0, lambda step: {"step": step}, before_save=lost, servers_saved=True) as ckpt:
+            ckpt.save(6, False)
+    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path / "resumed")] == [6]
+    # Before the servers' first save, rank 0 writes nothing: the next run would refuse its file alone.
+    cfg.checkpoint_dir = str(tmp_path / "fresh")
+    with pytest.raises(PeerLost):
+        with train._Checkpoints(cfg, 0, lambda step: {"step": step}, before_save=lost) as ckpt:
+            ckpt.save(2, False)
+    assert checkpoint.list_checkpoints(tmp_path / "fresh") == []
+
+
 def test_ctrl_c_during_a_save_lets_it_finish_then_stops_the_run(tmp_path):
     # torch.save turned the KeyboardInterrupt into a RuntimeError of its own: a traceback, the
     # checkpoint lost and no step for the parent's line.

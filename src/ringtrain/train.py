@@ -579,10 +579,19 @@ class _Checkpoints:
     - any other exception: the CheckpointWriter's own exit, which waits and logs the write's
       error rather than hiding the exception with it.
 
-    ``before_save``: called first at every save (a parameter-server job's servers save their shards)."""
+    ``before_save``: called first at every save (a parameter-server job's servers save their shards);
+    ``servers_saved``: the servers hold a whole save already (they resumed one).
 
-    def __init__(self, cfg: TrainConfig, rank: int, state_at, before_save=None):
+    Where the servers' save fails once they hold one, rank 0's own file of the step is written all
+    the same, then the error raised: Ctrl-C reaches every rank at once, and servers that ended with
+    it during the save failed the call (PeerLost) after saving the step, which the run then resumed
+    at without rank 0's file of it (its random state and buffers). A rank 0 file of a step the
+    servers lack is never read; before their first save it would be refused by the next run, which
+    finds worker files and no servers' (resume), so then nothing is written."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, state_at, before_save=None, servers_saved: bool = False):
         self.cfg, self.state_at, self.before_save = cfg, state_at, before_save
+        self._servers_saved = servers_saved
         self.writer = None
         self._said = False
         self._sigterm_before = None
@@ -600,8 +609,15 @@ class _Checkpoints:
         meanwhile, and fail the run after --timeout."""
         if self.writer is None:
             return
+        servers_failed = None
         if self.before_save is not None:
-            self.before_save()
+            try:
+                self.before_save()
+                self._servers_saved = True
+            except Exception as exc:
+                if not self._servers_saved:
+                    raise
+                servers_failed = exc
         behind = self.writer.writing
         if behind and not last and not self._said:
             self._said = True
@@ -611,6 +627,8 @@ class _Checkpoints:
                   f"{cfg.timeout:g} s); the disk is slower than --checkpoint-every {cfg.checkpoint_every} steps: save "
                   "less often, or give a longer --timeout", file=sys.stderr)
         self.writer.save(step, self.state_at(step), wait=not last)
+        if servers_failed is not None:
+            raise servers_failed
 
     def _finish_on_the_way_out(self) -> None:
         """Ctrl-C or SIGTERM: wait for the write in flight, Ctrl-C and SIGTERM held; its error said."""
@@ -816,7 +834,7 @@ def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:
 
     # (every server copies its shard at the step and writes it, then rank 0 its own state)
     with _Checkpoints(cfg, rank, lambda step: _training_state(cfg, step, model, None, loader),
-                      before_save=partial(pst.save_checkpoint, background=True)) as ckpt:
+                      before_save=partial(pst.save_checkpoint, background=True), servers_saved=start > 0) as ckpt:
         times, losses = _loop(cfg, rank, p, start, loader, step_fn, ckpt.save, f"{cfg.model} {cfg.strategy} x{p}")
         pst.wait()
         stats = pst.close()
