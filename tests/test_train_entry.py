@@ -664,6 +664,11 @@ def test_no_resume_moves_the_old_checkpoints_aside(tmp_path, launches, capsys):
     (aside,) = tmp_path.glob("superseded-*")
     assert {f"{aside.name}/{k}": v for k, v in before.items()} == fingerprint(tmp_path)
     assert f"moved the checkpoints of steps [20, 40] in {tmp_path} to {aside}" in capsys.readouterr().err
+    # The servers' files alone (the workers' first save cut short): it said "the checkpoints of steps []".
+    checkpoint.save(tmp_path / "servers" / "server-0", 3, {"version": 3})
+    assert cli.main(train_argv(tmp_path, "--no-resume")) == 0
+    (newer,) = set(tmp_path.glob("superseded-*")) - {aside}
+    assert f"moved the parameter servers' checkpoints in {tmp_path} to {newer}" in capsys.readouterr().err
 
 
 # --- 6. `ringtrain launch` ------------------------------------------------------------------------

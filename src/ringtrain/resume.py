@@ -97,9 +97,9 @@ def prepare_checkpoint_dir(cfg: TrainConfig, workers: int) -> int | None:
             except OSError as exc:
                 raise ValueError(f"--no-resume: cannot move the old checkpoints in {directory} aside "
                                  f"({exc.strerror or exc}): remove them or give another --checkpoint-dir") from None
-            if moved:
-                print(f"--no-resume: moved the checkpoints of steps {moved[1]} in {directory} to {moved[0]}",
-                      file=sys.stderr)
+            if moved:  # (the servers' folder alone: no step of the workers' to name)
+                what = f"the checkpoints of steps {moved[1]}" if moved[1] else "the parameter servers' checkpoints"
+                print(f"--no-resume: moved {what} in {directory} to {moved[0]}", file=sys.stderr)
         return None
     saved = _saved_checkpoints(directory)
     if not saved and cfg.strategy == "ring" and checkpoint.list_checkpoints(directory):
