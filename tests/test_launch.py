@@ -720,6 +720,52 @@ def test_node_0_is_warned_when_its_master_addr_is_not_its_own(tmp_path, monkeypa
     assert warnings(0, network_address()) == []
 
 
+def test_node_0_given_a_master_addr_that_does_not_resolve_is_refused_at_once(tmp_path, monkeypatch, capsys):
+    """`ringtrain launch --master-addr no.such.host train.py` (one node, or node 0 of several) sat the
+    whole --join-timeout, 600 s, printing nothing: torchrun's agent retried the name until then, and
+    then told node 0 to 'start node 0 (--node-rank 0)'. A --master-addr that is not its own on one
+    node was not warned of either."""
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    launches = []
+    monkeypatch.setattr(launch, "run_torchrun", lambda argv, prog, **_: launches.append(argv) or 0)
+    monkeypatch.setattr(launch, "reach_node_0", lambda args: args)  # (no node 0 to ask)
+    for name in ("RINGTRAIN_SECRET", "OMP_NUM_THREADS"):  # (set by run(): restored after the test)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    nowhere = "no-such-host.invalid"  # (RFC 2606: never resolves)
+    said = refusal(["launch", "--master-addr", nowhere, str(script)], capsys)
+    assert said == (f"ringtrain launch: --master-addr {nowhere} does not resolve on this machine, but node 0 (this "
+                    "one) serves the job's rendezvous there: give an address of this machine, or leave --master-addr "
+                    "out (127.0.0.1)")
+    said = refusal(["launch", "--nnodes", "2", "--master-addr", nowhere, "--secret-file", str(secret), str(script)],
+                   capsys)
+    assert said.endswith("give node 0 its own address, or this node the --node-rank it has"), said
+    assert not launches
+    # another node's: node 0 is elsewhere (reach_node_0 says when it never answers)
+    assert cli.main(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", nowhere, "--secret-file",
+                     str(secret), str(script)]) == 0
+    capsys.readouterr()
+    assert cli.main(["launch", "--master-addr", "192.0.2.1", str(script)]) == 0  # (TEST-NET-1: not this machine's)
+    assert capsys.readouterr().err.splitlines() == [
+        "ringtrain launch: warning: --master-addr 192.0.2.1 is not an address of this machine, but node 0 (this one) "
+        "serves the job's rendezvous there: give an address of this machine, or leave --master-addr out (127.0.0.1)"]
+
+
+def test_node_0_that_cannot_reach_its_own_store_is_not_told_to_start_node_0():
+    """Node 0 whose --master-addr is another machine's fails after --join-timeout reaching its own
+    store there: its line said 'start node 0 (--node-rank 0)', the node it is."""
+    text = ("The client socket has timed out after 3000ms while trying to connect to (192.0.2.99, 29500).")
+    said = launch.agent_error(RuntimeError(text), node_rank=0)
+    assert "start node 0" not in said and said.endswith(
+        "node 0 (this one) serves the rendezvous store and reaches it at --master-addr: give node 0 an address of "
+        "this machine"), said
+    assert "start node 0 (--node-rank 0)" in launch.agent_error(RuntimeError(text), node_rank=1)
+    assert launch._node_rank(["--nnodes=2", "--node-rank=0"]) == 0 and launch._node_rank([]) is None
+
+
 def test_a_torch_whose_agent_has_no_invoke_run_launches_as_before(monkeypatch):
     # The exit-barrier check-in wraps a private method of torch's agent: where a torch (>= 2.4,
     # not the pinned one) builds its agent otherwise, the launch goes on without it.

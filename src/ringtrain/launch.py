@@ -14,6 +14,8 @@ Nodes wait ``--join-timeout`` seconds for each other (torchrun's 600 by default)
 never comes is then a one-line error on the others. Ranks of one node talk through shared
 memory: a node is a hostname and --node-rank (or RINGTRAIN_HOST_ID where set), so machines that
 share a hostname are still told apart.
+Node 0 (the only node of a job of one) serves the rendezvous at --master-addr and reaches it
+there: a --master-addr that does not resolve is refused at once, another machine's is warned of.
 
 A rank that fails ends the command with its exit code and a one-line ``ringtrain launch: rank R
 failed (exit code N): ValueError: bad [train.py:12 in step]``, the rank that failed first before
@@ -154,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
         secret = job_secret(args)
         if not Path(args.script).is_file():
             raise ValueError(f"{args.script}: no such file (the training script to start)")
+        own_address = is_own_address(args.master_addr) if args.node_rank == 0 else True
+        if own_address is None:  # (torchrun's agent would retry it for --join-timeout, 600 s, saying nothing)
+            raise ValueError(f"--master-addr {args.master_addr} does not resolve on this machine, but node 0 (this "
+                             f"one) serves the job's rendezvous there: give {_own_address_hint(args)}")
     except ValueError as exc:
         raise SystemExit(f"ringtrain launch: {exc}")
     if misplaced := options_after_the_script(args.script_args):
@@ -165,19 +171,25 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes > 1:
         print(f"ringtrain launch: node {args.node_rank} of {args.nnodes}: joining the job at {args.master_addr}:"
               f"{args.master_port} (waiting up to {args.join_timeout:g} s for every node)", file=sys.stderr)
-        if args.node_rank == 0 and is_own_address(args.master_addr) is False:
-            # (a warning: behind a forwarding address node 0 may still reach itself)
-            print(f"ringtrain launch: warning: --master-addr {args.master_addr} is not an address of this machine, "
-                  "but node 0 (this one) serves the job's rendezvous there: give node 0 its own address, or this node "
-                  "the --node-rank it has", file=sys.stderr)
-        if args.node_rank > 0:
-            try:
-                args = reach_node_0(args)
-            except ValueError as exc:
-                print(f"ringtrain launch: {exc}", file=sys.stderr)
-                return 1
+    if own_address is False:  # (a warning: behind a forwarding address node 0 may still reach itself)
+        print(f"ringtrain launch: warning: --master-addr {args.master_addr} is not an address of this machine, "
+              f"but node 0 (this one) serves the job's rendezvous there: give {_own_address_hint(args)}",
+              file=sys.stderr)
+    if args.node_rank > 0:
+        try:
+            args = reach_node_0(args)
+        except ValueError as exc:
+            print(f"ringtrain launch: {exc}", file=sys.stderr)
+            return 1
     return run_torchrun_at(lambda port: torchrun_argv(argparse.Namespace(**{**vars(args), "master_port": port})),
                            "ringtrain launch", args.master_port)
+
+
+def _own_address_hint(args: argparse.Namespace) -> str:
+    """What node 0 should be given instead of a --master-addr that is not its own."""
+    if args.nnodes == 1:
+        return "an address of this machine, or leave --master-addr out (127.0.0.1)"
+    return "node 0 its own address, or this node the --node-rank it has"
 
 
 def reach_node_0(args: argparse.Namespace) -> argparse.Namespace:
@@ -296,7 +308,7 @@ def run_torchrun(argv: list[str], prog: str, role: Callable[[int], str] | None =
     except Exception as exc:  # the agent's own failure, before or between the workers
         if port_taken_raises is not None and _port_in_use(exc, port_taken_raises):
             raise PortTaken(str(exc)) from None
-        print(f"{prog}: {agent_error(exc)}", file=sys.stderr)
+        print(f"{prog}: {agent_error(exc, _node_rank(argv))}", file=sys.stderr)
         return 1
     finally:
         for name in _QuietShutdown.LOGGERS:
@@ -619,8 +631,15 @@ def _last_frame(callstack: str) -> str:
 _UNREACHED = ("trying to connect to", "failed to connect to any network address", "Connection reset by peer")
 
 
-def agent_error(exc: Exception) -> str:
-    """One line for an error torchrun raised itself (its text is the cause)."""
+def _node_rank(argv: list[str]) -> int | None:
+    """The ``--node-rank=N`` of a torchrun command line (torchrun_argv's), None where not given."""
+    given = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--node-rank=")]
+    return int(given[0]) if given and given[0].isdigit() else None
+
+
+def agent_error(exc: Exception, node_rank: int | None = None) -> str:
+    """One line for an error torchrun raised itself (its text is the cause); ``node_rank``: this
+    node's, where known (node 0 cannot reach its own store: no other node to start)."""
     text = " ".join(str(exc).split()) or "(no message)"
     hint = ""
     if "EADDRINUSE" in text:
@@ -628,6 +647,9 @@ def agent_error(exc: Exception) -> str:
     elif "waiting for clients" in text:  # node 0's store: not every node joined within --join-timeout
         hint = ("; start `ringtrain launch` on every other node (--node-rank 1.., the same --nnodes, --master-addr "
                 "and --master-port) within --join-timeout, or check they can reach this address and port")
+    elif any(words in text for words in _UNREACHED) and node_rank == 0:  # its own store, at --master-addr
+        hint = ("; node 0 (this one) serves the rendezvous store and reaches it at --master-addr: give node 0 an "
+                "address of this machine")
     elif any(words in text for words in _UNREACHED):  # another node's: node 0 never answered
         hint = ("; start node 0 (--node-rank 0) within --join-timeout, or check this node can reach its "
                 "--master-addr and --master-port")
