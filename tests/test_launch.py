@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,26 @@ def test_ranks_that_never_arrived_are_named_with_a_hint_across_nodes():
             session.communicator_on_store(store, info, "tcp", 1.0, 0.3)
         assert str(caught.value) == ("rank 0: ranks 1, 3 of 4 never arrived at the rendezvous at 10.0.0.1:29811 within "
                                      f"0.3s (join_timeout){hint}")
+
+
+def test_a_rank_another_process_joined_as_already_is_a_mismatch_naming_it():
+    """Two launch commands given the same --node-rank joined one job with the same ranks: one of each
+    pair trained, the other waited out its timeout, then failed on "rank 0 did not publish its
+    endpoint" and stopped every node ("node 1 failed: ...") however far the job had come."""
+    import torch.distributed as dist
+
+    from ringtrain import rendezvous, session
+
+    store = dist.PrefixStore("ringtrain/1/", dist.HashStore())
+    store.set_timeout(timedelta(seconds=0.3))
+    store.set("rank/1", "pid 4242 on vm/node1")  # (the first node given --node-rank 1)
+    info = rendezvous.JobInfo(1, 2, "10.0.0.1", 29811, "vm/node1", b"s", 2)
+    with pytest.raises(ringtrain_errors.MismatchError) as caught:
+        session.communicator_on_store(store, info, "tcp", 1.0, 0.3)
+    assert str(caught.value) == (
+        "rank 1: another process (pid 4242 on vm/node1) has already joined this job as rank 1: were two nodes given "
+        "the same --node-rank? give each node's launcher a --node-rank of its own in [0, nnodes)")
+    assert not store.check(["host/1"])  # (refused before it wrote any key of the first one's)
 
 
 def test_the_missing_ranks_are_those_of_the_stage_this_rank_waited_at():

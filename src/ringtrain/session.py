@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 from collections import Counter
 from datetime import timedelta
@@ -50,6 +51,20 @@ def authenticate(store, info: rendezvous.JobInfo, job: str) -> None:
             f"(RINGTRAIN_SECRET differs or is missing{' here' if info.secret is None else ''}); "
             "refusing to communicate with them"
         )
+
+
+def claim_rank(store, info: rendezvous.JobInfo) -> None:
+    """Rank ``info.rank`` is this process's alone in ``store`` (this communicator's keys), or
+    MismatchError naming the process that claimed it first. Two launch commands given the same
+    --node-rank both join torchrun's job, with the same ranks: one of each pair trained, the other
+    waited out its timeout and then failed on "rank 0 did not publish its endpoint", stopping every
+    node ("node 1 failed: ...") however far the job had come."""
+    mine = f"pid {os.getpid()} on {info.host_id}"
+    first = store.compare_set(f"rank/{info.rank}", "", mine).decode(errors="replace")
+    if first != mine:
+        raise MismatchError(f"rank {info.rank}: another process ({first}) has already joined this job as rank "
+                            f"{info.rank}: were two nodes given the same --node-rank? give each node's launcher a "
+                            "--node-rank of its own in [0, nnodes)")
 
 
 def agree_on_setup(store, info: rendezvous.JobInfo, transport: str) -> None:
@@ -120,6 +135,7 @@ def communicator_on_store(store, info: rendezvous.JobInfo, transport: str, timeo
     """A communicator of the job whose ranks meet in ``store``, a store of their own (prefixed for
     this communicator): ``create_communicator``'s, or the one torch hands a process-group backend."""
     try:
+        claim_rank(store, info)
         host_ids = rendezvous.exchange_host_ids(store, info)
         warn_if_uneven_nodes(info, host_ids)
         if info.rank == 0:  # a random job identity, published through this communicator's keys
