@@ -374,6 +374,8 @@ def _nodes_end_together(prog: str):
     shutdown (SIGTERM to each rank's process group, SIGKILL 30 s later), exit status 1. A node
     whose ranks have ended (failed or succeeded) is not stopped: its own result stands.
 
+    An agent interrupted (Ctrl-C, SIGTERM) leaves "node N was interrupted (SIGINT)" there too: the
+    other nodes' ranks that were not talking to its ranks just then ran on, their commands held.
     An agent whose ranks failed leaves that line in the store (node 0's then waits, up to
     ``_CHECK_OUT_TIMEOUT``, until the other nodes have read it: its store ends with it) and enters
     torchrun's exit barrier on its way out. torchrun's agent whose ranks all succeeded waits at exit until every node's agent
@@ -383,6 +385,7 @@ def _nodes_end_together(prog: str):
     its closed store). The failed agent adds itself to that barrier's count and leaves (the
     barrier's own non-blocking half: it does not wait for the others)."""
     from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.utils import store as store_util
 
     original = getattr(api.SimpleElasticAgent, "_invoke_run", None)
@@ -417,6 +420,18 @@ def _nodes_end_together(prog: str):
         except _NodeFailed:  # (stopped for another node's failure: checks in at the exit barrier too, below)
             if self._store is not None:
                 _bounded(check_in)
+            raise
+        except SignalException as exc:  # Ctrl-C or SIGTERM of this node's command: the others end too
+            group = self._worker_group
+            if (group.group_world_size or 1) > 1 and self._store is not None:
+                line = f"node {group.group_rank} was interrupted ({signal.Signals(exc.sigval).name})"
+
+                def interrupted() -> None:  # (first line kept, as a failure's; then the exit barrier's check-in)
+                    with contextlib.suppress(Exception):
+                        _unprefixed(self._store).compare_set(_FAILED_KEY, "", line)
+                    check_in()
+
+                _bounded(interrupted)
             raise
         finally:
             del self._monitor_workers
