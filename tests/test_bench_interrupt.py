@@ -29,9 +29,10 @@ def session_alive(sid: int) -> list[int]:
     return left
 
 
-def interrupt_when(argv: list[str], ready: str, tmp_path: Path, settle: float = 1.0) -> tuple[int, str, int]:
-    """Run ``ringtrain argv``; SIGINT it ``settle`` seconds after ``ready`` is on its stderr.
-    (status, stderr, pid)"""
+def interrupt_when(argv: list[str], ready: str, tmp_path: Path, settle: float = 1.0,
+                   sig: signal.Signals = signal.SIGINT) -> tuple[int, str, int]:
+    """Run ``ringtrain argv``; ``sig`` (SIGINT) to it ``settle`` seconds after ``ready`` is on its
+    stderr. (status, stderr, pid)"""
     err_path = tmp_path / "stderr"
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(err_path, "w") as err:
@@ -43,7 +44,7 @@ def interrupt_when(argv: list[str], ready: str, tmp_path: Path, settle: float = 
             assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
             time.sleep(0.1)
         time.sleep(settle)  # into the ranks' work
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, sig)
         status = proc.wait(timeout=60)
         deadline = time.monotonic() + 10  # ranks get SIGKILL; give the kernel a moment to reap
         while session_alive(proc.pid) and time.monotonic() < deadline:
@@ -106,13 +107,15 @@ def test_ctrl_c_on_bench_train_keeps_the_models_it_finished(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_ctrl_c_on_bench_allreduce_keeps_the_sizes_it_finished(tmp_path):
+@pytest.mark.parametrize("sig, said", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_ctrl_c_on_bench_allreduce_keeps_the_sizes_it_finished(sig, said, tmp_path):
     # Ctrl-C lost every row: the ranks sent theirs when the last size was done, and the parent
     # kept them only once every world size was. SIGINT comes at once after 4K (settle=0): 128M
-    # is still being checked and timed then, so only 4K is finished.
+    # is still being checked and timed then, so only 4K is finished. SIGTERM (`timeout` ran out)
+    # stops the run as Ctrl-C does; its result's note said "interrupted (Ctrl-C)" all the same.
     argv = ["bench", "allreduce", "--world-sizes", "2", "--sizes", "4K,128M", "--repeats", "5", "--no-mpi",
             "--no-horovod", "--transports", "tcp", "--algorithms", "ring", "--net", "none", "--out", str(tmp_path / "out")]
-    status, err, _ = interrupt_when(argv, "# world size 2: 4K done (1 of 2 sizes)", tmp_path, settle=0)
+    status, err, _ = interrupt_when(argv, "# world size 2: 4K done (1 of 2 sizes)", tmp_path, settle=0, sig=sig)
     lines = [l for l in err.splitlines() if not l.startswith("#")]
     saved = sorted((tmp_path / "out").glob("allreduce-none-*.json"))
     assert status == 130 and len(saved) == 1, err
@@ -122,7 +125,7 @@ def test_ctrl_c_on_bench_allreduce_keeps_the_sizes_it_finished(tmp_path):
         ("gloo", "gloo", 4096), ("ringtrain", "tcp", 4096)], doc["rows"]
     assert all(len(r["times_s"]) == 5 and r["world_size"] == 2 and r["net"] == "none" for r in doc["rows"])
     assert doc["notes"] == ["Open MPI anchor skipped: --no-mpi", "Horovod anchor skipped: --no-horovod",
-                            "interrupted (Ctrl-C) before the run ended: the rows finished by then, for world size 2 "
+                            f"interrupted ({said}) before the run ended: the rows finished by then, for world size 2 "
                             "at 4K (1 of 2 sizes)"]
 
 

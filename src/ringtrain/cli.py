@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     module.configure(full)
     args = full.parse_args(argv[len(words):])
     from .bench.netem import NetemUnavailable
-    from .bench.procs import RankFailed, as_interrupt
+    from .bench.procs import AS_INTERRUPT, RankFailed, as_interrupt
 
     # SIGTERM, SIGHUP (`timeout` ran out, say): a benchmark keeps the rows it finished, as on Ctrl-C.
     stops = (signal.SIGTERM, signal.SIGHUP) if known.command == "bench" else ()
+    AS_INTERRUPT.clear()
     before = {sig: signal.signal(sig, as_interrupt) for sig in stops}
     try:
         return int(module.run(args) or 0)

@@ -34,7 +34,7 @@ import numpy as np
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import plural, utc_now
-from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, network, progress, run_ranks, signals_held
+from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, interruption, network, progress, run_ranks, signals_held
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _measure(world_sizes, cfg, args, notes, rows, horovod)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
-        stopped = "interrupted (Ctrl-C)"
+        stopped = f"interrupted ({interruption()})"
     except RankFailed as exc:
         stopped, failure = f"stopped ({str(exc).splitlines()[0].rstrip(':')})", exc  # (the log tail left out)
     if stopped and not rows:

@@ -204,9 +204,20 @@ def signals_held():
             signal.signal(s, handler)
 
 
+#: The signals as_interrupt turned into a Ctrl-C since the command began (``cli.main`` clears it).
+AS_INTERRUPT: list[int] = []
+
+
 def as_interrupt(signum: int, frame) -> None:
     """A SIGTERM or SIGHUP handler: stop as Ctrl-C does (a benchmark keeps the rows it finished)."""
+    AS_INTERRUPT.append(signum)
     raise KeyboardInterrupt
+
+
+def interruption() -> str:
+    """What a benchmark's KeyboardInterrupt was, for its result's notes: "Ctrl-C", or the signal
+    as_interrupt made one of ("SIGTERM": `timeout` ran out, or a scheduler stopped the job)."""
+    return signal.Signals(AS_INTERRUPT[0]).name if AS_INTERRUPT else "Ctrl-C"
 
 
 def interrupted(prog: str, kept: str = "nothing saved") -> int:
