@@ -234,6 +234,8 @@ def overhead_lines(doc: dict) -> list[str]:
 
 def summarize(path: Path) -> tuple[list[str], dict]:
     doc = json.loads(path.read_text())
+    if not isinstance(doc, dict):  # (JSON, but not one document of ours: a list, a number)
+        raise ValueError(f"a JSON {type(doc).__name__}, not an object")
     rows = doc["rows"]
     kind = str(doc.get("benchmark", ""))
     if kind.startswith(("allreduce", "overhead")):

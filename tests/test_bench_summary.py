@@ -98,6 +98,11 @@ def test_a_file_that_is_no_result_is_one_line(tmp_path, capsys):
     bad.write_text(json.dumps({"rows": [{"model": "m"}]}))
     assert _script().main([str(bad)]) == 2
     assert "not a saved bench train, bench allreduce or overhead result" in capsys.readouterr().err
+    for other in ([], 3):  # JSON that is no object was a traceback (TypeError: list indices must be integers)
+        bad.write_text(json.dumps(other))
+        assert _script().main([str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "not a saved bench train, bench allreduce or overhead result" in err and err.count("\n") == 1, err
 
 
 def test_an_allreduce_result_gives_the_best_configuration_against_the_anchors(capsys):
