@@ -735,6 +735,14 @@ def test_launcher_options_after_the_script_are_warned_of_in_one_line(tmp_path, m
     assert sorted(launch.OPTIONS) == sorted(o for a in p._actions for o in a.option_strings if o not in ("-h", "--help"))
 
 
+def test_a_script_that_is_missing_or_a_directory_is_refused_saying_which(tmp_path, capsys):
+    # (a directory was "no such file")
+    said = refusal(["launch", str(tmp_path / "x.py")], capsys)
+    assert said == f"ringtrain launch: {tmp_path / 'x.py'}: no such file (the training script to start)"
+    said = refusal(["launch", str(tmp_path)], capsys)
+    assert said == f"ringtrain launch: {tmp_path}: a directory, not a file (the training script to start)"
+
+
 def test_loopback_with_several_nodes_says_how_to_try_them_on_one_machine(tmp_path, capsys):
     said = refusal(["launch", "--nnodes", "2", str(tmp_path / "x.py")], capsys)
     assert "(to try several nodes on one machine, give each this machine's own address: `hostname -I`)" in said, said

@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
             args.master_port = MULTI_NODE_PORT
         secret = job_secret(args)
         if not Path(args.script).is_file():
-            raise ValueError(f"{args.script}: no such file (the training script to start)")
+            what = "a directory, not a file" if Path(args.script).is_dir() else "no such file"
+            raise ValueError(f"{args.script}: {what} (the training script to start)")
         own_address = is_own_address(args.master_addr) if args.node_rank == 0 else True
         if own_address is None:  # (torchrun's agent would retry it for --join-timeout, 600 s, saying nothing)
             raise ValueError(f"--master-addr {args.master_addr} does not resolve on this machine, but node 0 (this "
