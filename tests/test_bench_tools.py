@@ -32,3 +32,22 @@ def test_a_benchmark_whose_ranks_run_out_of_time_is_one_message_not_a_traceback(
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err[-2000:]
     assert "ringtrain bench allreduce: ranks [0, 1] still running after 1s" in err, err[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_failed_without_a_word_is_no_colon_and_blank_line():
+    # (kill -9 of a rank mid-run: "ringtrain bench allreduce: rank 2 exited with status -9:" then a blank line)
+    import subprocess
+    import sys
+    import tempfile
+
+    from ringtrain.bench.procs import RankFailed, _wait_all
+
+    for code, said, expected in [(3, "", "rank 0 exited with status 3"),
+                                 (4, "print('no data')", "rank 0 exited with status 4:\nno data\n")]:
+        with tempfile.TemporaryFile(mode="w+") as log:
+            proc = subprocess.Popen([sys.executable, "-c", f"{said}\nimport sys; sys.exit({code})"], stdout=log,
+                                    stderr=subprocess.STDOUT)
+            with pytest.raises(RankFailed) as caught:
+                _wait_all([proc], [log], timeout=30)
+        assert str(caught.value) == expected

@@ -134,6 +134,13 @@ def _tail(log, n: int = 30) -> str:
     return "".join(said[-n:])
 
 
+def _said(log) -> str:
+    """``":\n"`` and the rank's last lines (``_tail``) for a RankFailed, or "" where it wrote none:
+    a rank killed at once (kill -9) left the command's line ending in a colon, then a blank line."""
+    tail = _tail(log)
+    return f":\n{tail}" if tail.strip() else ""
+
+
 class _Progress:
     """Rank 0's PROGRESS lines echoed to stderr as they come, and its RESULT documents handed to
     ``on_result``. The log is read with pread: the rank writes through the same open file, and
@@ -165,13 +172,13 @@ def _wait_all(procs, logs, timeout: float, poll=lambda: None) -> None:
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 poll()  # (what rank 0 sent between the last poll and this status)
-                raise RankFailed(f"rank {rank} exited with status {code}:\n{_tail(logs[rank])}")
+                raise RankFailed(f"rank {rank} exited with status {code}{_said(logs[rank])}")
         if all(c == 0 for c in codes):
             poll()  # (what rank 0 said before it left)
             return
         if time.monotonic() > end:
             running = [r for r, c in enumerate(codes) if c is None]
-            raise RankFailed(f"ranks {running} still running after {timeout:g}s:\n{_tail(logs[running[0]])}")
+            raise RankFailed(f"ranks {running} still running after {timeout:g}s{_said(logs[running[0]])}")
         time.sleep(0.05)
 
 
