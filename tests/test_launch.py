@@ -122,20 +122,37 @@ def test_the_rank_that_failed_is_named_first_and_its_exit_code_returned(tmp_path
     assert "OMP_NUM_THREADS" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr
 
 
+_FLAKY = {  # rank 0 of the first attempt exits 3, then an allreduce of ones
+    "init": ("import os, sys, numpy as np, ringtrain\n"
+             "comm = ringtrain.init(timeout=30, join_timeout=30)\n"
+             "rank = comm.rank\n"
+             "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and rank == 0:\n"
+             "    sys.exit(3)\n"
+             "x = np.ones(2, dtype=np.float32)\n"
+             "comm.allreduce(x)\n"),
+    "named backend": ("import os, sys, torch, torch.distributed as dist, ringtrain.torch_group\n"
+                      "from datetime import timedelta\n"
+                      "dist.init_process_group('ringtrain', timeout=timedelta(seconds=30))\n"
+                      "rank = dist.get_rank()\n"
+                      "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and rank == 0:\n"
+                      "    sys.exit(3)\n"
+                      "x = torch.ones(2)\n"
+                      "dist.all_reduce(x)\n"
+                      "dist.destroy_process_group()\n"),
+}
+
+
 @pytest.mark.multiprocess
-def test_a_job_torchrun_restarts_meets_afresh(tmp_path):
+@pytest.mark.parametrize("made_by", sorted(_FLAKY))
+def test_a_job_torchrun_restarts_meets_afresh(tmp_path, made_by):
     """torchrun --max-restarts (ringtrain launch --help's way to restart): the agent's store outlives
     the first attempt, whose rank 0 exits 3; the second attempt's ranks read that attempt's job
-    identity and refused each other (AuthError, the same secret on both)."""
+    identity and refused each other (AuthError, the same secret on both). The named backend's
+    group of the second attempt has the first's prefix in that store (torch's): it was refused as
+    a second process of each rank."""
     script = tmp_path / "flaky.py"
-    script.write_text("import os, sys, numpy as np, ringtrain\n"
-                      "comm = ringtrain.init(timeout=30, join_timeout=30)\n"
-                      "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and comm.rank == 0:\n"
-                      "    sys.exit(3)\n"
-                      "x = np.ones(2, dtype=np.float32)\n"
-                      "comm.allreduce(x)\n"
-                      "with open(f'rank{comm.rank}.txt', 'w') as f:\n"
-                      "    f.write(f\"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} sum {x[0]}\")\n")
+    script.write_text(_FLAKY[made_by] + "with open(f'rank{rank}.txt', 'w') as f:\n"
+                      "    f.write(f\"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} sum {float(x[0])}\")\n")
     env = dict(os.environ, RINGTRAIN_SECRET="a-secret-of-the-jobs")
     env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",

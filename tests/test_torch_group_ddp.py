@@ -250,3 +250,38 @@ def test_named_backend_subgroup_is_destroyed_by_name():
     assert [u for _, u in results] == [6.0] * 3
     assert results[0][0] == results[1][0] and results[0][0][0] != results[0][0][1], results
     assert results[2][0] is None
+
+
+def _made_again_on_one_store(rank, world_size, port):
+    """init_process_group("ringtrain") three times over one TCPStore that outlives each group (as
+    torchrun's agent's does), an allreduce and destroy_process_group each time."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ringtrain.torch_group import BACKEND
+
+    torch.set_num_threads(1)
+    os.environ["RINGTRAIN_SECRET"] = "a job's secret"  # (the proofs of membership differ by group)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=30))
+    sums = []
+    for round_ in range(3):
+        dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+        t = torch.tensor([float(rank + 1 + 10 * round_)])
+        dist.all_reduce(t)
+        sums.append(t.item())
+        dist.destroy_process_group()
+    return sums
+
+
+@pytest.mark.timeout(120)
+def test_named_backend_made_again_over_a_store_that_outlives_it():
+    # torch gives the group made again the prefix of the one before ("default_pg/0/"), and the
+    # store kept that group's keys: a rank read the last group's job identity (AuthError: 'could
+    # not prove they hold this job's secret') or endpoints.
+    results = run_ranks(_made_again_on_one_store, 3, timeout=110.0)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    assert results == [[6.0, 36.0, 66.0]] * 3, results

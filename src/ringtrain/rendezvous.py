@@ -135,6 +135,13 @@ def job_store(info: JobInfo, timeout: float) -> dist.Store:
         )
         store = _stores[key] = _serve_store(info, timeout) if serve else _reach_store(info, timeout)
     store.set_timeout(timedelta(seconds=timeout))
+    return this_attempts(store)
+
+
+def this_attempts(store: dist.Store) -> dist.Store:
+    """``store`` prefixed for this attempt of a torchrun that restarts the job (``--max-restarts``):
+    the agent's store outlives an attempt, and torch hands a group of the next one the prefix of
+    the group before."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return store if attempt == "0" else dist.PrefixStore(f"attempt_{attempt}/", store)
 

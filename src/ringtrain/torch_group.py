@@ -566,7 +566,7 @@ def _create_backend(store, rank: int, world_size: int, timeout: timedelta) -> To
     a communicator of the group's ranks, meeting in the store torch hands over, with torch's timeout."""
     from . import rendezvous
     from .lifecycle import tie_to_launcher
-    from .session import communicator_on_store, warn_if_unauthenticated
+    from .session import claim_rank, communicator_on_store, warn_if_unauthenticated
 
     tie_to_launcher()  # as ringtrain.init() does
     seconds = timeout.total_seconds()
@@ -581,9 +581,17 @@ def _create_backend(store, rank: int, world_size: int, timeout: timedelta) -> To
                          "(init_method 'env://' or 'tcp://host:port', as torchrun's), or set MASTER_ADDR and "
                          f"MASTER_PORT for the ranks' listeners ({exc})") from None
     warn_if_unauthenticated(info)
-    store = dist.PrefixStore("ringtrain/", store)
+    store = rendezvous.this_attempts(dist.PrefixStore("ringtrain/", store))
     store.set_timeout(timeout)
-    comm = communicator_on_store(store, info, "auto", seconds, seconds)
+    # torch hands a group made again (destroy_process_group, then init_process_group; or in the
+    # next attempt of a restarted job) the prefix of the one before, in a store that may have
+    # outlived it (torchrun's agent's, the user's own): its ranks read the last group's job
+    # identity and endpoints (an AuthError). Each rank counts the groups it makes there, and the
+    # n-th meets the others' n-th under keys of its own. The rank is claimed first, as one
+    # process's, here: two processes of one rank would count apart.
+    claim_rank(store, info)
+    made = store.add(f"made/{info.rank}", 1)
+    comm = communicator_on_store(dist.PrefixStore(f"{made}/", store), info, "auto", seconds, seconds)
     return TorchProcessGroup(comm, owns_comm=True)
 
 
