@@ -518,9 +518,11 @@ def test_node_0_ends_once_another_nodes_ranks_failed(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_node_ends_once_another_nodes_command_is_interrupted(tmp_path):
+@pytest.mark.parametrize("node", [1, 0])
+def test_a_node_ends_once_another_nodes_command_is_interrupted(tmp_path, node):
     """Ctrl-C of node 1's command (its ranks busy in the script, not talking to node 0's): node 1
-    ended, 130, and node 0's command ran on, its rank never told."""
+    ended, 130, and node 0's command ran on, its rank never told. Node 0's: its store ended with
+    it before node 1 had read its line, which said node 0's launcher had ended."""
     script = after_a_barrier(tmp_path, "busy_until_ctrl_c.py", "open(f'ran-{os.environ[\"GROUP_RANK\"]}', 'w').close()\n"
                                                               "time.sleep(120)\n")
     procs = start_nodes(tmp_path, script)
@@ -529,14 +531,16 @@ def test_a_node_ends_once_another_nodes_command_is_interrupted(tmp_path):
         while not all((tmp_path / f"ran-{node}").exists() for node in range(2)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
             time.sleep(0.1)
-        procs[1].send_signal(signal.SIGINT)
-        _, err1 = procs[1].communicate(timeout=30)
-        assert procs[1].returncode == 130, err1
+        procs[node].send_signal(signal.SIGINT)
+        _, err = procs[node].communicate(timeout=30)
+        assert procs[node].returncode == 130, err
         t0 = time.monotonic()
-        _, err0 = procs[0].communicate(timeout=30)
-        assert procs[0].returncode == 1, err0
-        assert failure_line(err0) == ["ringtrain launch: node 1 was interrupted (SIGINT); stopping this node's ranks"], err0
-        assert "Traceback" not in err0 and time.monotonic() - t0 < 10, err0
+        other = procs[1 - node]
+        _, err = other.communicate(timeout=30)
+        assert other.returncode == 1, err
+        assert failure_line(err) == [f"ringtrain launch: node {node} was interrupted (SIGINT); stopping this node's "
+                                     "ranks"], err
+        assert "Traceback" not in err and time.monotonic() - t0 < 10, err
     finally:
         kill_nodes(procs)
 

@@ -375,8 +375,9 @@ def _nodes_end_together(prog: str):
     shutdown (SIGTERM to each rank's process group, SIGKILL 30 s later), exit status 1. A node
     whose ranks have ended (failed or succeeded) is not stopped: its own result stands.
 
-    An agent interrupted (Ctrl-C, SIGTERM) leaves "node N was interrupted (SIGINT)" there too: the
-    other nodes' ranks that were not talking to its ranks just then ran on, their commands held.
+    An agent interrupted (Ctrl-C, SIGTERM) leaves "node N was interrupted (SIGINT)" there too, as
+    a failed one leaves its line (below): the other nodes' ranks that were not talking to its ranks
+    just then ran on, their commands held.
     An agent whose ranks failed leaves that line in the store (node 0's then waits, up to
     ``_CHECK_OUT_TIMEOUT``, until the other nodes have read it: its store ends with it) and enters
     torchrun's exit barrier on its way out. torchrun's agent whose ranks all succeeded waits at exit until every node's agent
@@ -415,36 +416,14 @@ def _nodes_end_together(prog: str):
                 _bounded(lambda: _unprefixed(self._store).set(_DONE_KEY, ""))
             return result
 
-        self._monitor_workers = monitor_and_watch  # (torchrun's loop calls it every --monitor-interval)
-        try:
-            result = original(self, role)
-        except _NodeFailed:  # (stopped for another node's failure: checks in at the exit barrier too, below)
-            if self._store is not None:
-                _bounded(check_in)
-            raise
-        except SignalException as exc:  # Ctrl-C or SIGTERM of this node's command: the others end too
+        def check_out(line: str) -> None:  # (the line for the other nodes' watches, then the exit barrier's check-in)
             group = self._worker_group
-            if (group.group_world_size or 1) > 1 and self._store is not None:
-                line = f"node {group.group_rank} was interrupted ({signal.Signals(exc.sigval).name})"
+            if (group.group_world_size or 1) == 1 or self._store is None:
+                return
 
-                def interrupted() -> None:  # (first line kept, as a failure's; then the exit barrier's check-in)
-                    with contextlib.suppress(Exception):
-                        _unprefixed(self._store).compare_set(_FAILED_KEY, "", line)
-                    check_in()
-
-                _bounded(interrupted)
-            raise
-        finally:
-            del self._monitor_workers
-            watch.stop()
-        group = self._worker_group
-        if result.is_failed() and (group.group_world_size or 1) > 1 and self._store is not None:
-            rank, failure = min(result.failures.items(), key=lambda item: _failure_order(*item))
-            line = f"node {group.group_rank} failed: {describe_failure(rank, failure)}"
-
-            def check_out() -> None:
+            def leave() -> None:
                 store = _unprefixed(self._store)
-                with contextlib.suppress(Exception):  # (first failure kept: compare_set sets a missing key only)
+                with contextlib.suppress(Exception):  # (first line kept: compare_set sets a missing key only)
                     store.compare_set(_FAILED_KEY, "", line)
                 if group.group_rank == 0:  # its store ends with it: the others' watches read the line first
                     others = [_read_key(node) for node in range(1, group.group_world_size)]
@@ -453,7 +432,24 @@ def _nodes_end_together(prog: str):
                 with contextlib.suppress(Exception):  # (node 0 gone: the others see its store closed, as before)
                     check_in()
 
-            _bounded(check_out)
+            _bounded(leave)
+
+        self._monitor_workers = monitor_and_watch  # (torchrun's loop calls it every --monitor-interval)
+        try:
+            result = original(self, role)
+        except _NodeFailed:  # (stopped for another node's failure: checks in at the exit barrier too, below)
+            if self._store is not None:
+                _bounded(check_in)
+            raise
+        except SignalException as exc:  # Ctrl-C or SIGTERM of this node's command: the others end too
+            check_out(f"node {self._worker_group.group_rank} was interrupted ({signal.Signals(exc.sigval).name})")
+            raise
+        finally:
+            del self._monitor_workers
+            watch.stop()
+        if result.is_failed():
+            rank, failure = min(result.failures.items(), key=lambda item: _failure_order(*item))
+            check_out(f"node {self._worker_group.group_rank} failed: {describe_failure(rank, failure)}")
         return result
 
     api.SimpleElasticAgent._invoke_run = invoke_run
