@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     module.configure(full)
     args = full.parse_args(argv[len(words):])
     from .bench.netem import NetemUnavailable
-    from .bench.procs import AS_INTERRUPT, RankFailed, as_interrupt
+    from .bench.procs import AS_INTERRUPT, RankFailed, as_interrupt, interrupted_status
 
     # SIGTERM, SIGHUP (`timeout` ran out, say): a benchmark keeps the rows it finished, as on Ctrl-C.
     stops = (signal.SIGTERM, signal.SIGHUP) if known.command == "bench" else ()
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:  # (one that came before the command's own handling began: no traceback)
         print(f"{full.prog}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return interrupted_status()  # (130; a bench's SIGTERM 143)
     except NetemUnavailable as exc:  # not a bug: say why in one line (e.g. --net without root)
         print(f"{full.prog}: {exc}", file=sys.stderr)
         return REFUSED

@@ -229,6 +229,12 @@ def interruption() -> str:
 
 def interrupted(prog: str, kept: str = "nothing saved") -> int:
     """The one line a benchmark stopped by Ctrl-C leaves (its ranks and namespaces already gone
-    with the with-blocks that made them), and the exit status for it."""
+    with the with-blocks that made them), and the exit status for it (interrupted_status), as every
+    command's."""
     print(f"{prog}: interrupted; {kept}", file=sys.stderr)
-    return INTERRUPTED_STATUS
+    return interrupted_status()
+
+
+def interrupted_status() -> int:
+    """130 for Ctrl-C; 128 + N for the signal N that as_interrupt made one of (143: SIGTERM)."""
+    return 128 + AS_INTERRUPT[0] if AS_INTERRUPT else INTERRUPTED_STATUS
