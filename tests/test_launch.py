@@ -462,6 +462,14 @@ def test_with_three_nodes_a_node_stopped_for_another_checks_in_at_the_exit_barri
         kill_nodes(procs)
 
 
+def wait_until_every_node_ran(tmp_path: Path, procs: list[subprocess.Popen]) -> None:
+    """Until every node's rank has written its ran-<node> file (after_a_barrier's scripts), within 60 s."""
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ran-{node}").exists() for node in range(len(procs))):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.1)
+
+
 def failure_line(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.endswith("; stopping this node's ranks")]
 
@@ -527,10 +535,7 @@ def test_a_node_ends_once_another_nodes_command_is_interrupted(tmp_path, node):
                                                               "time.sleep(120)\n")
     procs = start_nodes(tmp_path, script)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"ran-{node}").exists() for node in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-            time.sleep(0.1)
+        wait_until_every_node_ran(tmp_path, procs)
         procs[node].send_signal(signal.SIGINT)
         _, err = procs[node].communicate(timeout=30)
         assert procs[node].returncode == 130, err
@@ -553,10 +558,7 @@ def test_a_node_ends_when_node_0s_launcher_is_killed(tmp_path):
                                                   "time.sleep(120)\n")
     procs = start_nodes(tmp_path, script)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"ran-{node}").exists() for node in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-            time.sleep(0.1)
+        wait_until_every_node_ran(tmp_path, procs)
         os.killpg(procs[0].pid, signal.SIGKILL)
         _, err1 = procs[1].communicate(timeout=30)
         assert procs[1].returncode == 1, err1
