@@ -530,8 +530,12 @@ def test_node_0_ends_once_another_nodes_ranks_failed(tmp_path):
 def test_a_node_ends_once_another_nodes_command_is_interrupted(tmp_path, node):
     """Ctrl-C of node 1's command (its ranks busy in the script, not talking to node 0's): node 1
     ended, 130, and node 0's command ran on, its rank never told. Node 0's: its store ended with
-    it before node 1 had read its line, which said node 0's launcher had ended."""
-    script = after_a_barrier(tmp_path, "busy_until_ctrl_c.py", "open(f'ran-{os.environ[\"GROUP_RANK\"]}', 'w').close()\n"
+    it before node 1 had read its line, which said node 0's launcher had ended. (The ranks end at
+    once at the signal: the node's store is then gone within milliseconds of its line, unless node
+    0 waits for the others to read it.)"""
+    script = after_a_barrier(tmp_path, "busy_until_ctrl_c.py", "import signal\n"
+                                                              "signal.signal(signal.SIGINT, lambda *_: os._exit(130))\n"
+                                                              "open(f'ran-{os.environ[\"GROUP_RANK\"]}', 'w').close()\n"
                                                               "time.sleep(120)\n")
     procs = start_nodes(tmp_path, script)
     try:
