@@ -442,7 +442,10 @@ def _nodes_end_together(prog: str):
                 _bounded(check_in)
             raise
         except SignalException as exc:  # Ctrl-C or SIGTERM of this node's command: the others end too
-            check_out(f"node {self._worker_group.group_rank} was interrupted ({signal.Signals(exc.sigval).name})")
+            # (not where its ranks have all succeeded, at torchrun's exit barrier: the others' ranks
+            # may still be saving, and their results stand)
+            if self._worker_group.state != api.WorkerState.SUCCEEDED:
+                check_out(f"node {self._worker_group.group_rank} was interrupted ({signal.Signals(exc.sigval).name})")
             raise
         finally:
             del self._monitor_workers
