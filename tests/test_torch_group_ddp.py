@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mp_harness import run_ranks
+from thread_harness import raise_first
 from test_ddp_support import make_model, perturbed, rank_batch, train
 
 pytestmark = pytest.mark.multiprocess
@@ -63,9 +64,7 @@ def _train_both(rank, world_size, port, name, hook_name, kwargs, made_by):
 
 
 def _check(results, atol: float):
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    raise_first(results)
     first = results[0][0]
     for rank, (ours, theirs) in enumerate(results):
         for i, (a, b) in enumerate(zip(first, ours)):
@@ -203,10 +202,7 @@ def _backend_join(rank, world_size, port, divide_by_initial_world_size):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("divide_by_initial_world_size", [True, False])
 def test_named_backend_with_join_matches_gloo(divide_by_initial_world_size):
-    results = run_ranks(_backend_join, 2, divide_by_initial_world_size, timeout=100.0)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    results = raise_first(run_ranks(_backend_join, 2, divide_by_initial_world_size, timeout=100.0))
     for rank, ((ours, theirs), value) in enumerate(results):
         assert value == 3.0
         for i, (a, b) in enumerate(zip(ours, theirs)):
@@ -243,10 +239,7 @@ def _destroy_a_subgroup(rank, world_size, port):
 def test_named_backend_subgroup_is_destroyed_by_name():
     # Before, a group of Python's had no name ("ProcessGroup name not set"): destroy_process_group
     # of a subgroup raised on its ranks, and the next call on the default group mismatched.
-    results = run_ranks(_destroy_a_subgroup, 3, timeout=80.0)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    results = raise_first(run_ranks(_destroy_a_subgroup, 3, timeout=80.0))
     assert [u for _, u in results] == [6.0] * 3
     assert results[0][0] == results[1][0] and results[0][0][0] != results[0][0][1], results
     assert results[2][0] is None
@@ -280,8 +273,5 @@ def test_named_backend_made_again_over_a_store_that_outlives_it():
     # torch gives the group made again the prefix of the one before ("default_pg/0/"), and the
     # store kept that group's keys: a rank read the last group's job identity (AuthError: 'could
     # not prove they hold this job's secret') or endpoints.
-    results = run_ranks(_made_again_on_one_store, 3, timeout=110.0)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    results = raise_first(run_ranks(_made_again_on_one_store, 3, timeout=110.0))
     assert results == [[6.0, 36.0, 66.0]] * 3, results
