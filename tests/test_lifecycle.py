@@ -121,3 +121,17 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_train_worker_whose_launcher_is_gone_ends_before_torch_loads(tmp_path):
+    # A `torch` that leaves a mark when it loads: the worker must be gone before. Workers still
+    # loading torch (minutes on an overloaded machine) when `ringtrain train` died ran on as orphans.
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(f"open({str(tmp_path / 'loaded')!r}, 'w').close()\n")
+    env = {k: v for k, v in os.environ.items() if k != LAUNCHER_ENV}
+    env.update({LAUNCHER_ENV: str(_dead_pid()), "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    proc = subprocess.run([sys.executable, "-m", "ringtrain.cli", "train", "--worker", "{}"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
+    assert not (tmp_path / "loaded").exists()

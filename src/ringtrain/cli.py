@@ -49,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     # Find the chosen subcommand first, then let its module add its own options.
     # Leaf parsers have add_help=False so that "--help" reaches the module's own parser.
     known, _ = parser.parse_known_args(argv)
+    if known.command == "train" and "--worker" in argv:
+        # A worker of `ringtrain train` ends with the command that started it from here on, before
+        # torch loads: on an overloaded machine that took minutes (`--workers 500` on 2 cores), and
+        # workers still loading it when the command died ran on as orphans until they were done.
+        from .lifecycle import die_with_parent
+
+        die_with_parent()
     try:
         module = importlib.import_module(known._module)
     except KeyboardInterrupt:  # Ctrl-C while torch loads (a second or so): the shell's 130, no traceback
