@@ -168,6 +168,12 @@ def _same(got, want, what, tol=None):
             torch.testing.assert_close(got[k], want[k], **tol, msg=lambda m: f"{what} {k}: {m}")
 
 
+def _same_on_every_rank(results, key, what):
+    """Every rank's ``results[rank][key]`` bitwise equal to rank 0's: the ranks hold one model."""
+    for rank, res in enumerate(results):
+        _same(res[key], results[0][key], f"{what}: rank {rank} against rank 0")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_uneven_inputs_as_torch_ddp_join(world_size):
@@ -182,10 +188,8 @@ def test_uneven_inputs_as_torch_ddp_join(world_size):
     tol = None if world_size == 2 else dict(rtol=1e-10, atol=1e-12)
     for name in names:
         ours = ("ours", "ours, torch Join") if name in THROUGH_TORCH_JOIN else ("ours",)
-        for rank, res in enumerate(results):
-            _same(res[name, "torch"], results[0][name, "torch"], f"{name}: torch's rank {rank} against rank 0")
-            for kind in ours:
-                _same(res[name, kind], results[0][name, kind], f"{name}, {kind}: rank {rank} against rank 0")
+        for kind in ("torch", *ours):
+            _same_on_every_rank(results, (name, kind), f"{name}, {kind}")
         for kind in ours:
             _same(results[0][name, kind], results[0][name, "torch"], f"{name}, {kind}: against torch", tol)
             planning = [res[name, kind, "planning"] for res in results]
@@ -264,9 +268,8 @@ def _torch_join_cases(rank, world_size, port):
 @pytest.mark.multiprocess
 def test_torch_join_beside_zero_redundancy_optimizer_throw_and_the_wrapper_second_as_torch_ddp():
     results = _run_saved(_torch_join_cases, 3)
-    for rank, res in enumerate(results):
-        for kind in ("torch", "ours"):
-            _same(res["zero", kind], results[0]["zero", kind], f"ZeRO, {kind}: rank {rank} against rank 0")
+    for kind in ("torch", "ours"):
+        _same_on_every_rank(results, ("zero", kind), f"ZeRO, {kind}")
     # 3 ranks: torch divides each gradient before gloo sums them, the ring sums then divides.
     _same(results[0]["zero", "ours"], results[0]["zero", "torch"], "ZeRO: against torch",
           dict(rtol=1e-10, atol=1e-12))
@@ -313,9 +316,8 @@ def test_torch_join_after_a_block_left_between_a_forward_and_its_backward_as_tor
     # forward (in the block the exception left) armed one that never came: before, rank 0 ran that
     # backward unannounced while rank 1, out of batches, waited in torch's Join (a CommTimeout).
     results = _run_saved(_after_an_exception_a_block_with_a_rank_out_at_once, 2)
-    for rank, res in enumerate(results):
-        for kind in ("torch", "ours"):
-            _same(res[kind], results[0][kind], f"{kind}: rank {rank} against rank 0")
+    for kind in ("torch", "ours"):
+        _same_on_every_rank(results, kind, kind)
     _same(results[0]["ours"], results[0]["torch"], "against torch")  # (bitwise: 2 ranks)
 
 
@@ -345,8 +347,7 @@ def test_torch_join_takes_two_forwards_into_one_backward_with_buffers_as_join():
     # start. Before, the forward announced the backward, so a joined rank ran the buckets' shadows
     # against that broadcast's announcement (a CommTimeout).
     results = _run_saved(_siamese_with_buffers_under_both_joins, 2)
-    for rank, res in enumerate(results):
-        _same(res["torch Join"], results[0]["torch Join"], f"rank {rank} against rank 0")
+    _same_on_every_rank(results, "torch Join", "torch Join")
     _same(results[0]["torch Join"], results[0]["join()"], "torch's Join against join()")  # (the same sums)
 
 
