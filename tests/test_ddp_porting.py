@@ -454,3 +454,18 @@ def test_a_torch_compiled_module_trains_as_the_mean_of_the_ranks():
     # Not bitwise: the compiled kernels sum in another order than eager autograd.
     for a, b in zip(results[0], model.parameters()):
         torch.testing.assert_close(torch.from_numpy(a), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_with_nothing_to_train_is_refused_on_every_rank_as_torch_does():
+    """Before: accepted, with an empty plan and a calibration sweep, and nothing ever averaged
+    (torch's DDP raises "DistributedDataParallel is not needed when a module doesn't have any
+    parameter that requires a gradient"). The parameter servers refuse it too."""
+    base = _made()
+    base.requires_grad_(False)
+
+    def body(comm):
+        with pytest.raises(ValueError, match="Branchy has no parameter that requires a gradient") as info:
+            DistributedDataParallel(copy.deepcopy(base), comm, **FAST)
+        return str(info.value)
+
+    raise_first(run_comms(2, body))

@@ -195,6 +195,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._broadcast_tensors([p.data for p in module.parameters()]
                                         + (self._module_buffers if opts.broadcast_buffers else []),
                                         "broadcast parameters")
+            if not self._params:  # (after the check: with init_sync, every rank refuses together)
+                raise ValueError(
+                    f"{type(module).__name__} has no parameter that requires a gradient, so there is nothing for "
+                    f"DistributedDataParallel to average (torch's DDP refuses it too): wrap a module with trainable "
+                    f"parameters, or run this one without the wrapper")
             if opts.cost is not None:
                 self.cost = opts.cost
             elif opts.alpha is not None:
