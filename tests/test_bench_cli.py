@@ -700,3 +700,30 @@ def test_a_run_stopped_before_any_row_names_its_partial_timelines(failure, monke
     else:  # (it said "nothing saved but the timelines in <folder>", every one of them partial)
         assert rc == 130 and err.splitlines() == [f"ringtrain bench train: interrupted; {kept}"], err
     assert out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["timelines"]
+
+
+def test_a_hold_left_by_a_run_killed_outright_is_removed_by_the_next_run_on_its_host(tmp_path):
+    # Before: a SIGKILLed bench's empty ``.<kind>-<stamp>.running`` stayed in benchmarks/ forever.
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    from ringtrain.bench.machine import reserve_stamp
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    left = tmp_path / ".train-none-2r-20261207T010326Z.running"
+    left.write_text(f"{platform.node()} {dead}\n")
+    elsewhere = tmp_path / ".train-none-2r-20261207T010327Z.running"
+    elsewhere.write_text(f"another-host-{platform.node()} {dead}\n")  # (its pid means nothing here)
+    alive = tmp_path / ".allreduce-none-20261207T010328Z.running"
+    alive.write_text(f"{platform.node()} {os.getpid()}\n")
+    starting = tmp_path / ".allreduce-none-20261207T010329Z.running"
+    starting.touch()  # (made, its holder not yet written)
+    with reserve_stamp(tmp_path, "train-none-2r", "20261207T020000Z") as mine:
+        held = tmp_path / f".train-none-2r-{mine}.running"
+        assert held.read_text() == f"{platform.node()} {os.getpid()}\n"
+        assert not left.exists()
+        assert elsewhere.exists() and alive.exists() and starting.exists()
+    assert not held.exists()

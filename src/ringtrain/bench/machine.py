@@ -118,21 +118,25 @@ def reserve_stamp(out_dir: Path | None, kind: str, stamp: str) -> Iterator[str]:
     """``stamp``, or ``<stamp>-<pid>`` where another run of ``kind`` has it (one started in the same
     second), for the names of this run's files in ``out_dir``: ``<kind>-<stamp>.json``, the charts
     and timelines ``<kind>-<stamp>-*``. Held until the block ends by an empty file
-    ``.<kind>-<stamp>.running`` in ``out_dir``, made exclusively (a run killed outright leaves it:
-    a name of a past second, never wanted again). Without ``out_dir``: ``stamp``, nothing held."""
+    ``.<kind>-<stamp>.running`` in ``out_dir``, made exclusively, holding the host and pid of its
+    run: one left by a run killed outright (SIGKILL, the OOM killer) is removed by the next run
+    on that host. Without ``out_dir``: ``stamp``, nothing held."""
     if out_dir is None:
         yield stamp
         return
     out_dir = Path(out_dir)
+    _remove_dead_holds(out_dir)
     # (after the pid, a count: several runs of one process in one second, as tests make)
     pid = os.getpid()
     for mine in itertools.chain([stamp, f"{stamp}-{pid}"], (f"{stamp}-{pid}-{k}" for k in itertools.count(2))):
         stem = f"{kind}-{mine}"
         try:
             held = out_dir / f".{stem}.running"
-            os.close(os.open(held, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            fd = os.open(held, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:  # (another run holds it now)
             continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{platform.node()} {pid}\n")
         # a run that ended holds nothing: its files say the name is taken
         if not ((out_dir / f"{stem}.json").exists() or any(out_dir.glob(f"{stem}-*"))
                 or any(out_dir.glob(f"timelines/{stem}-*"))):
@@ -143,6 +147,23 @@ def reserve_stamp(out_dir: Path | None, kind: str, stamp: str) -> Iterator[str]:
     finally:
         with contextlib.suppress(OSError):
             held.unlink()
+
+
+def _remove_dead_holds(out_dir: Path) -> None:
+    """Remove the ``.*.running`` files of ``out_dir`` that this host's runs left when killed
+    outright: those naming this host and a pid no process has. (Others, and a file not yet
+    written, are left: a run elsewhere, or one starting now.)"""
+    for held in out_dir.glob(".*.running"):
+        try:
+            host, pid = held.read_text().split()
+            if host != platform.node() or int(pid) <= 0:
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                held.unlink()
+        except (OSError, ValueError):  # (unreadable, being written, another's, alive: left)
+            continue
 
 
 def check_out_dir(out_dir: str | Path) -> Path:
