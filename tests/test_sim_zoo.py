@@ -101,3 +101,22 @@ def test_build_trace_takes_a_device_name_and_refuses_what_is_not_one():
     for bad in (2.5, True, 0, "8"):
         with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
             build_trace("vgg16", "v100", batch_size=bad)
+
+
+@pytest.mark.parametrize("field, value", [("peak_flops", float("nan")), ("memory_bw", float("nan")),
+                                          ("kernel_overhead_s", float("nan")), ("kernel_overhead_s", float("inf"))])
+def test_a_device_of_nan_numbers_is_refused_naming_the_device(field, value):
+    # Before: NaN passed the `<= 0` checks, and the error came later from the trace's first layer
+    # ("layer conv1: forward_s and backward_s must be finite and >= 0"), naming no device number.
+    numbers = dict(peak_flops=100.0, efficiency=0.5, memory_bw=10.0, kernel_overhead_s=1e-6)
+    numbers[field] = value
+    with pytest.raises(ValueError, match=rf"^device x: .*{field}.* must be (numbers|a finite number)"):
+        DeviceProfile("x", activation_bytes=4, precision="fp32", **numbers)
+
+
+def test_a_device_of_infinite_speed_costs_only_its_kernel_launches():
+    # (infinity is a question a user may ask: the step's time with compute or memory free)
+    d = DeviceProfile("x", peak_flops=float("inf"), efficiency=0.5, memory_bw=float("inf"), activation_bytes=4,
+                      precision="fp32", kernel_overhead_s=1e-6)
+    assert d.layer_time(flops=1e12, nbytes=1e9, kernels=3) == 3e-6
+    assert build_trace("resnet50", d).forward_s > 0

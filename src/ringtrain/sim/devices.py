@@ -21,6 +21,7 @@ input and to the weights), plus two overheads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -46,14 +47,17 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("device name must not be empty")
-        if self.peak_flops <= 0 or self.memory_bw <= 0:
-            raise ValueError(f"device {self.name}: peak_flops and memory_bw must be > 0")
+        # (infinity allowed: a device whose compute or memory costs nothing; NaN fails `> 0`)
+        if not (self.peak_flops > 0 and self.memory_bw > 0):
+            raise ValueError(f"device {self.name}: peak_flops and memory_bw must be numbers > 0, got "
+                             f"{self.peak_flops} and {self.memory_bw}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"device {self.name}: efficiency must be in (0, 1], got {self.efficiency}")
         if self.activation_bytes not in (2, 4):
             raise ValueError(f"device {self.name}: activation_bytes must be 2 or 4, got {self.activation_bytes}")
-        if self.kernel_overhead_s < 0:
-            raise ValueError(f"device {self.name}: kernel_overhead_s must be >= 0")
+        if not 0 <= self.kernel_overhead_s < math.inf:
+            raise ValueError(f"device {self.name}: kernel_overhead_s must be a finite number >= 0, got "
+                             f"{self.kernel_overhead_s}")
 
     def layer_time(self, flops: float, nbytes: float, kernels: int = 1) -> float:
         """Seconds for work of ``flops`` arithmetic and ``nbytes`` memory traffic."""
