@@ -247,12 +247,27 @@ def test_a_count_past_what_a_float_holds_is_named(tmp_path, where):
         load(tmp_path / "t.json")
 
 
-@pytest.mark.parametrize("name", ["#conv", "# model: x", "a\nb", "x\n#y", "a\u2028b", "a\r\nb"])
+@pytest.mark.parametrize("name", ["#conv", "# model: x", "a\nb", "x\n#y", "a\u2028b", "a\r\nb", "a\rb", "#a\rb",
+                                  " sp "])
 def test_csv_round_trips_layer_names_that_look_like_comments_or_break_lines(name):
     # '#conv' was written unquoted and read back as a comment: the layer and its gradient bytes
     # were dropped without a word; a quoted name over a line break was cut at the break.
     t = Trace("m", (Layer(name, 1.0, 2.0, 40, 10), Layer("z", 1.0, 1.0, 4, 1)), batch_size=3)
     assert loads_csv(dumps_csv(t)) == t
+
+
+@pytest.mark.parametrize("text", [" my model ", "a\nb", "a\rb", '"quoted"', '"', "plain: with colon"])
+def test_csv_round_trips_trace_names_and_sources_with_spaces_quotes_or_line_breaks(text):
+    # Before: a model or source with a line break broke its comment line ("layers[0] has 5 values
+    # for the 1 columns of the header (b)"), and spaces at its ends were stripped.
+    t = Trace(text, (Layer("a", 1.0, 2.0, 40, 10),), batch_size=3, sample_unit=text, source=text)
+    assert loads_csv(dumps_csv(t)) == t
+
+
+def test_hand_written_csv_meta_values_are_read_as_written():
+    text = '# model:  m  \n# batch_size: 2\n# source: "not json\nname,forward_s,backward_s,grad_bytes,params\na,1,1,4,1\n'
+    t = loads_csv(text)
+    assert (t.model, t.source) == ("m", '"not json')
 
 
 def test_a_quote_inside_an_unquoted_csv_value_opens_nothing():

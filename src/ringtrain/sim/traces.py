@@ -22,6 +22,7 @@ the model-level fields).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -228,14 +229,16 @@ def dumps_json(trace: Trace) -> str:
 def dumps_csv(trace: Trace) -> str:
     out = io.StringIO()
     for k in TRACE_FIELDS:
-        out.write(f"# {k}: {getattr(trace, k)}\n")
+        out.write(f"# {k}: {_meta_text(getattr(trace, k))}\n")
     csv.DictWriter(out, fieldnames=LAYER_FIELDS, lineterminator="\n").writeheader()
     for layer in trace.layers:
         line = io.StringIO()
         csv.DictWriter(line, fieldnames=LAYER_FIELDS, lineterminator="\n").writerow(
             {k: repr(v) if isinstance(v, float) else v for k, v in asdict(layer).items()})
         text = line.getvalue()
-        if text.startswith("#"):  # a name like '#conv': quoted, or loads_csv would read a comment
+        # A name like '#conv' quoted, or loads_csv would read a comment; one with a lone '\r' too
+        # (csv quotes the line terminator's characters, '\n' here, and reads '\r' as a line's end).
+        if not text.startswith('"') and (text.startswith("#") or "\r" in layer.name):
             text = f'"{layer.name}"{text[len(layer.name):]}'
         out.write(text)
     return out.getvalue()
@@ -250,7 +253,7 @@ def loads_csv(text: str) -> Trace:
         if not quoted and line.startswith("#"):
             key, _, value = line[1:].partition(":")
             if key.strip() in TRACE_FIELDS:
-                meta[key.strip()] = value.strip()
+                meta[key.strip()] = _meta_value(value.strip())
             continue
         if quoted or line.strip():
             body.append(line)
@@ -266,6 +269,25 @@ def loads_csv(text: str) -> Trace:
             raise ValueError(f"layers[{i}] has {columns + len(row[None])} values for the {columns} columns "
                              f"of the header ({', '.join(reader.fieldnames or ())})")
     return Trace.from_dict(meta)
+
+
+def _meta_text(value: Any) -> str:
+    """A trace field's value as its comment line writes it: as is, or as a JSON string where the
+    line would lose or break it (spaces at its ends, a line break, a leading quote)."""
+    text = str(value)
+    if text != text.strip() or text.startswith('"') or "\r" in text or "\n" in text:
+        return json.dumps(text)
+    return text
+
+
+def _meta_value(text: str) -> str:
+    """A comment line's value: the string a JSON string holds (see _meta_text), else as written."""
+    if len(text) >= 2 and text.startswith('"') and text.endswith('"'):
+        with contextlib.suppress(ValueError):
+            value = json.loads(text)
+            if isinstance(value, str):
+                return value
+    return text
 
 
 def _ends_quoted(line: str, quoted: bool) -> bool:
