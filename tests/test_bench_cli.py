@@ -616,7 +616,8 @@ def test_a_results_name_when_and_started_are_its_start_and_ended_its_end(argv, n
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how, status", [("sys.exit(3)", 3), ("os.kill(os.getpid(), 9)", -9)])
+@pytest.mark.parametrize("how, status", [("sys.exit(3)", "exited with status 3"),
+                                         ("os.kill(os.getpid(), 9)", "was killed by SIGKILL")])
 def test_a_failed_rank_0s_log_tail_shows_what_it_said_not_the_protocol(how, status, tmp_path, capsys):
     # The tail shown of a failed rank 0 was mostly its RESULT documents (a row list per line, kilobytes
     # each) and PROGRESS lines already shown: the traceback before them scrolled away.
@@ -638,7 +639,8 @@ def test_a_failed_rank_0s_log_tail_shows_what_it_said_not_the_protocol(how, stat
     kept = []
     with pytest.raises(RankFailed) as info:
         run_ranks("dier", [], 2, timeout=30, extra_env=env, on_result=kept.append)
-    assert str(info.value) == f"rank 0 exited with status {status}:\nreal output\nthe last words\n"
+    # (a signal named as ringtrain launch names it: it said "exited with status -9")
+    assert str(info.value) == f"rank 0 {status}:\nreal output\nthe last words\n"
     assert kept == [{"rows": [{"model": "mlp"}]}]  # (the protocol still reached this process)
     assert capsys.readouterr().err.splitlines() == ["# mlp: warming up"]
 
@@ -657,7 +659,7 @@ def test_a_run_stopped_in_a_model_names_its_partial_timelines(failure, monkeypat
     from ringtrain.bench.procs import RankFailed
 
     pytest.importorskip("matplotlib")
-    stop = RankFailed("rank 1 exited with status -9:\nboom") if failure == "rank" else KeyboardInterrupt()
+    stop = RankFailed("rank 1 was killed by SIGKILL:\nboom") if failure == "rank" else KeyboardInterrupt()
     ranks_that_write_timelines(monkeypatch, [], finished=["charlm"], partial=["mlp"], failure=stop)
     ours = bench_train._launch
 
@@ -686,7 +688,7 @@ def test_a_run_stopped_in_a_model_names_its_partial_timelines(failure, monkeypat
 def test_a_run_stopped_before_any_row_names_its_partial_timelines(failure, monkeypatch, tmp_path, capsys):
     from ringtrain.bench.procs import RankFailed
 
-    stop = RankFailed("rank 1 exited with status -9:\nboom") if failure == "rank" else KeyboardInterrupt()
+    stop = RankFailed("rank 1 was killed by SIGKILL:\nboom") if failure == "rank" else KeyboardInterrupt()
     ranks_that_write_timelines(monkeypatch, [], finished=[], partial=["mlp"], failure=stop)
     monkeypatch.setattr(bench_train, "run_stamp", lambda started=None: "20261207T010326Z")
     argv = [a if a != "single" else "optimal" for a in TRAIN] + ["--out", str(tmp_path)]
@@ -696,7 +698,7 @@ def test_a_run_stopped_before_any_row_names_its_partial_timelines(failure, monke
                                                       files="train-none-2r-20261207T010326Z-mlp.rank0.json")
     if failure == "rank":  # what was kept, then the error (as a run with rows: its notes, then the error)
         assert rc == 1 and err.splitlines() == [f"ringtrain bench train: {kept}",
-                                                "ringtrain bench train: rank 1 exited with status -9:", "boom"], err
+                                                "ringtrain bench train: rank 1 was killed by SIGKILL:", "boom"], err
     else:  # (it said "nothing saved but the timelines in <folder>", every one of them partial)
         assert rc == 130 and err.splitlines() == [f"ringtrain bench train: interrupted; {kept}"], err
     assert out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["timelines"]

@@ -36,7 +36,7 @@ def test_a_benchmark_whose_ranks_run_out_of_time_is_one_message_not_a_traceback(
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_failed_without_a_word_is_no_colon_and_blank_line():
-    # (kill -9 of a rank mid-run: "ringtrain bench allreduce: rank 2 exited with status -9:" then a blank line)
+    # (kill -9 of a rank mid-run: "ringtrain bench allreduce: rank 2 was killed by SIGKILL:" then a blank line)
     import subprocess
     import sys
     import tempfile

@@ -172,7 +172,7 @@ def launch(python: str, module_args: Sequence[str], p: int, *, rate: str, timeou
 
 
 def failure_note(exc: Exception) -> str:
-    """'Horovod anchor failed: rank 1 exited with status -9: <its last line>' (what went wrong
+    """'Horovod anchor failed: rank 1 was killed by SIGKILL: <its last line>' (what went wrong
     and the last line of the rank's output, often the exception)."""
     head, _, tail = str(exc).partition("\n")
     last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")

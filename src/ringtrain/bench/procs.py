@@ -164,6 +164,16 @@ class _Progress:
                 self.on_result(json.loads(line[len(RESULT_PREFIX):]))
 
 
+def exit_text(code: int) -> str:
+    """'exited with status 3', or 'was killed by SIGKILL' for a process a signal ended (a
+    negative returncode), as ``ringtrain launch`` and ``train`` name it."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
 def _wait_all(procs, logs, timeout: float, poll=lambda: None) -> None:
     end = time.monotonic() + timeout
     while True:
@@ -172,7 +182,7 @@ def _wait_all(procs, logs, timeout: float, poll=lambda: None) -> None:
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 poll()  # (what rank 0 sent between the last poll and this status)
-                raise RankFailed(f"rank {rank} exited with status {code}{_said(logs[rank])}")
+                raise RankFailed(f"rank {rank} {exit_text(code)}{_said(logs[rank])}")
         if all(c == 0 for c in codes):
             poll()  # (what rank 0 said before it left)
             return
