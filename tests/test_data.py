@@ -308,3 +308,22 @@ def test_rank_0_state_restores_every_rank():
         fresh = ShardedSampler(60, 2, rank=r, world_size=3, seed=2)
         fresh.load_state_dict(state)
         assert take(fresh, 5) == take(ranks[r], 5)
+
+
+def test_a_sampler_given_numpy_integers_keeps_a_state_a_checkpoint_takes(tmp_path):
+    """Arguments of numpy's integer types (a batch size from an array) are accepted, and were kept
+    as they came: state_dict() then held numpy.int64 and checkpoint.save refused the payload
+    ('got int64'), though state_dict promises plain ints."""
+    from ringtrain import checkpoint
+
+    n = np.int64
+    sampler = ShardedSampler(n(100), n(4), rank=n(1), world_size=n(2), seed=n(3))
+    sampler.seek(n(13))
+    loader = ShardedLoader(data.dataset("vectors", num_samples=64, in_features=4), batch_size=np.array([8])[0],
+                           seed=n(3))
+    loader.next_batch()
+    for state in (sampler.state_dict(), loader.state_dict()):
+        assert all(type(v) is int for v in state.values()), state
+    net = torch.nn.Linear(4, 2)
+    checkpoint.save(tmp_path, 1, checkpoint.training_state(1, net, loader=loader))
+    assert checkpoint.latest(tmp_path).payload["data"] == loader.state_dict()

@@ -98,6 +98,8 @@ class ShardedSampler:
         _check_int("num_samples", self.num_samples, 0)
         _check_int("epoch", self.epoch, 0)
         _check_int("position", self.position, 0)
+        for name in ("num_samples", "batch_size", "rank", "world_size", "seed", "epoch", "position"):
+            setattr(self, name, int(getattr(self, name)))  # (numpy's ints would reach state_dict's checkpoint)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.num_samples < self.global_batch_size:
@@ -146,7 +148,7 @@ class ShardedSampler:
         """Stand where ``steps`` calls of next_indices from the start leave the sampler (one global
         batch per step)."""
         _check_int("steps", steps, 0)
-        self.epoch, self.position = divmod(steps, self.batches_per_epoch)
+        self.epoch, self.position = divmod(int(steps), self.batches_per_epoch)
 
     def state_dict(self) -> dict[str, int]:
         """The resumable state plus what it is only valid for (plain ints: checkpoint-safe)."""
