@@ -126,7 +126,10 @@ def test_sampler_refuses_a_state_it_cannot_continue():
     (dict(num_samples=10, batch_size=True), "batch_size must be an integer >= 1"),
     (dict(num_samples=10, batch_size=2, rank=2, world_size=2), r"rank must be in \[0, world_size=2\)"),
     (dict(num_samples=10, batch_size=2, world_size=0), "world_size must be an integer >= 1"),
-    (dict(num_samples=10, batch_size=6, world_size=2), "smaller than one global batch"),
+    (dict(num_samples=10, batch_size=6, world_size=2), "smaller than one global batch.*use a smaller batch_size"),
+    # (no batch_size helps: it was told to use a smaller one all the same)
+    (dict(num_samples=3, batch_size=1, world_size=4), "at most 3 ranks"),
+    (dict(num_samples=0, batch_size=1), "the data set is empty"),
     (dict(num_samples=10, batch_size=2, seed=-1), "seed must be an integer >= 0"),
     # (a sampler standing at the end of an epoch would hand out empty batches for ever)
     (dict(num_samples=10, batch_size=2, position=5), "position must be < batches_per_epoch=5, got 5"),

@@ -103,9 +103,15 @@ class ShardedSampler:
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.num_samples < self.global_batch_size:
+            if self.num_samples == 0:
+                fix = "the data set is empty"
+            elif self.num_samples < self.world_size:  # (no batch_size helps)
+                fix = f"every rank needs a sample: use a larger data set or at most {self.num_samples} ranks"
+            else:
+                fix = "use a smaller batch_size"
             raise ValueError(
                 f"num_samples={self.num_samples} is smaller than one global batch "
-                f"(world_size {self.world_size} x batch_size {self.batch_size}); use a smaller batch_size"
+                f"(world_size {self.world_size} x batch_size {self.batch_size}); {fix}"
             )
         if self.position >= self.batches_per_epoch:
             raise ValueError(f"position must be < batches_per_epoch={self.batches_per_epoch}, got {self.position}")
