@@ -227,3 +227,14 @@ def test_buffers_are_few_and_of_wire_friendly_dtypes():
         assert list(models.build(name, **SMALL[name]).buffers()) == []
     dtypes = {b.dtype for b in models.build("resnet", norm="batch", widths=(4,), blocks_per_stage=1).buffers()}
     assert dtypes == {torch.float32, torch.int64}
+
+
+@pytest.mark.parametrize("widths, groups", [((12, 20), (6, 5)), ((6, 16), (6, 8)), ((9,), (3,))])
+def test_group_norm_resnet_takes_widths_that_are_not_multiples_of_8(widths, groups):
+    """GroupNorm took min(8, width) groups, which do not divide a width of 12, 20 or 9: the model
+    failed to build with torch's 'num_channels (12) must be divisible by num_groups (8)'."""
+    model = models.build("resnet", widths=widths, blocks_per_stage=1, image_size=8, norm="group")
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert sorted({(m.num_channels, m.num_groups) for m in norms}) == sorted(zip(widths, groups))
+    x, y = models.make_batch(model, batch_size=2)
+    model.loss(model(x), y).backward()

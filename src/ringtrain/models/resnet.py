@@ -18,7 +18,8 @@ Norms (``norm=``):
   rank's forward on its b samples differs from one process's forward on all p·b samples;
   data-parallel training is then *not* equal to single-process training on the
   concatenated batch (torch's DDP has the same property).
-- ``"group"``: GroupNorm (statistics per sample): data-parallel training equals
+- ``"group"``: GroupNorm (statistics per sample; 8 groups, or the most up to 8 that divide a
+  stage's width): data-parallel training equals
   single-process training on the concatenated batch up to floating-point reordering. Use
   this in correctness tests.
 - ``"none"``: no normalization (identity).
@@ -37,8 +38,8 @@ NORMS = ("batch", "group", "none")
 def _norm(kind: str, channels: int) -> nn.Module:
     if kind == "batch":
         return nn.BatchNorm2d(channels)
-    if kind == "group":
-        return nn.GroupNorm(min(8, channels), channels)
+    if kind == "group":  # up to 8 groups: the most of them, up to 8, that divide the channels
+        return nn.GroupNorm(max(g for g in range(1, 9) if channels % g == 0), channels)
     return nn.Identity()
 
 
