@@ -238,3 +238,10 @@ def test_group_norm_resnet_takes_widths_that_are_not_multiples_of_8(widths, grou
     assert sorted({(m.num_channels, m.num_groups) for m in norms}) == sorted(zip(widths, groups))
     x, y = models.make_batch(model, batch_size=2)
     model.loss(model(x), y).backward()
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_make_batch_of_size_0_is_refused_not_the_default(name):
+    """batch_size=0 (a computed size that came out 0) gave the default batch of 32 samples."""
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
+        models.make_batch(models.build(name, **SMALL[name]), batch_size=0)

@@ -115,7 +115,8 @@ def make_batch(model: str | ReferenceModel, batch_size: int | None = None, seed:
         model = build(model, **model_kwargs)
     else:
         s = spec(model.family)
-    return model.make_batch(batch_size or s.batch_size, seed=seed, **_batch_kwargs(s, model))
+    size = s.batch_size if batch_size is None else batch_size  # (0 is refused by the model, not the default)
+    return model.make_batch(size, seed=seed, **_batch_kwargs(s, model))
 
 
 def _batch_kwargs(s: ModelSpec, model: ReferenceModel) -> dict[str, Any]:
