@@ -295,3 +295,28 @@ def test_missing_or_zipped_stdlib_source_says_what_was_looked_for_and_what_to_do
     (stripped / "__pycache__").mkdir(parents=True)
     (stripped / "__pycache__" / "os.cpython-311.pyc").write_bytes(b"\0" * 8)
     assert "compiled .pyc files but no .py source" in _stdlib_error(monkeypatch, stripped)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_check_in_the_same_store_meets_the_others_second():
+    """Each worker checks its "train" text, then its "val" text, under the default key: rank 0's
+    second check read what rank 1 had put for its first (train against val: 'rank 1 read a
+    different text corpus'), since both checks used the same keys."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    corpus = data.TextCorpus(b"abcdefgh" * 40, ("a.py",), "/r")
+
+    def one(rank):
+        data.check_same_corpus_in_store(store, rank, 2, corpus.split("train"))
+        if rank == 1:
+            time.sleep(0.3)  # (a slower worker)
+        data.check_same_corpus_in_store(store, rank, 2, corpus.split("val"))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert [f.result() for f in [pool.submit(one, r) for r in range(2)]] == [None, None]

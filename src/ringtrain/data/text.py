@@ -29,6 +29,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -219,9 +220,24 @@ def check_same_corpus_in_store(store: Any, rank: int, world_size: int, text: Any
                                key: str = "ringtrain/corpus") -> None:
     """``check_same_corpus`` through a key-value store (``torch.distributed.TCPStore``: ``set``,
     and ``get`` that waits for the key within the store's timeout), for ranks with no
-    communicator among them (the workers of a parameter-server job)."""
+    communicator among them (the workers of a parameter-server job). A rank's n-th check with
+    ``key`` in one store compares with the others' n-th (the "val" split after "train": a rank
+    that checked its first never meets what a slower rank put for its first); a check that ran
+    out of time is not counted, so trying it again meets the others' same one."""
     mine = _fingerprint(text)
     if mine is None:
         return
-    store.set(f"{key}/{rank}", mine)
-    _raise_if_differ([store.get(f"{key}/{r}") for r in range(world_size)])
+    try:
+        done = _STORE_CHECKS.setdefault(store, {})
+    except TypeError:  # (a store that takes no weak reference: every check under ``key`` itself)
+        done = {}
+    n = done.get((key, rank), 0)
+    slot = key if n == 0 else f"{key}/{n + 1}"
+    store.set(f"{slot}/{rank}", mine)
+    rows = [store.get(f"{slot}/{r}") for r in range(world_size)]
+    done[(key, rank)] = n + 1
+    _raise_if_differ(rows)
+
+
+#: Per store, the checks each (key, rank) of this process completed in it (threads may be ranks).
+_STORE_CHECKS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, int], int]]" = weakref.WeakKeyDictionary()
