@@ -120,6 +120,21 @@ def test_draw_timeline_draws_files_of_both_id_schemes(tmp_path):
     rec.close()
 
 
+@pytest.mark.timeout(60)
+def test_draw_timeline_of_the_last_0_iterations_is_refused(tmp_path):
+    """iterations=0 drew every iteration (its[-0:] is the whole list), as None does."""
+    rec = TraceRecorder(tmp_path / "t.json", 0, 3, origin=0.0)
+    for i in range(3):
+        rec.span("forward", "forward", "compute", i, i + 0.5, iteration=i)
+        rec.end_iteration()
+    files = [tmp_path / "t.rank0.json"]
+    assert [len(spans) for _, spans in timeline_rows(files, 2)] == [2, 0]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"iterations must be a positive integer or None \\(all\\), got {bad}"):
+            timeline_rows(files, bad)
+    rec.close()
+
+
 def _comm_threads() -> set:
     return {t for t in threading.enumerate() if t.name.startswith("ringtrain-ddp-comm")}
 

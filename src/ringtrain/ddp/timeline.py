@@ -255,6 +255,8 @@ def timeline_rows(files: Sequence[str | os.PathLike], iterations: Optional[int] 
     row for each lane (compute, communication); ``iterations``: only the last that many. The
     names come from each file's metadata; files written before trace_pid (pid = rank, tids 0
     and 1) by the old lane numbers. Each file is read apart, so old and new ones mix."""
+    if iterations is not None and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1):
+        raise ValueError(f"iterations must be a positive integer or None (all), got {iterations!r}")
     rows: list[tuple[str, list[dict]]] = []
     for f in files:
         events = json.loads(Path(f).read_text())["traceEvents"]
