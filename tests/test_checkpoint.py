@@ -646,3 +646,14 @@ def test_ranks_that_find_different_checkpoints_all_raise_naming_who_found_what(t
     for text in map(str, results):  # (each names its own directory: the same path on every node in a real job)
         assert "rank 0: step 20" in text and said in text, text
         assert "file system every node shares" in text
+
+
+def test_a_saved_tensor_can_still_be_resized(tmp_path):
+    # Before: the checkpoint's digest hashed each tensor through Tensor.numpy(), which marks its
+    # storage non-resizable for good: a saved buffer's resize_ raised "Trying to resize storage
+    # that is not resizable".
+    buffer = torch.arange(6.0)
+    path = checkpoint.save(tmp_path, 1, {"buffer": buffer})
+    buffer.resize_(4, 3)
+    assert buffer.shape == (4, 3)
+    assert checkpoint.load(path).payload["buffer"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

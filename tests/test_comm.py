@@ -552,3 +552,33 @@ def test_buffers_not_laid_out_row_major_go_through_a_copy_and_come_back():
         assert np.array_equal(fortran, np.array([[0, 1, 2], [6, 8, 10]], dtype=np.float32))
         assert torch.equal(z.resolve_conj(), torch.tensor([2 - 4j, 6 + 2j], dtype=torch.complex64))
         assert torch.equal(x, torch.full((2, 3), 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_a_tensor_a_collective_wrote_can_still_be_resized_as_after_gloo(dtype):
+    # Before: the flat view was Tensor.numpy(), which marks the storage non-resizable for good: a
+    # reused buffer's resize_ (a comm hook's bucket, as torch's batched PowerSGD) then raised
+    # "Trying to resize storage that is not resizable".
+    def fn(comm):
+        buf = torch.arange(7, dtype=torch.int64).reshape(7, 1).to(dtype)
+        part = torch.zeros(9, dtype=dtype)[1:8]  # (a view at an offset into a larger storage)
+        part.copy_(buf.reshape(-1))
+        comm.allreduce(buf, op="max")
+        comm.broadcast(part, root=1)
+        buf.resize_(20, 2)
+        part.resize_(30)
+        return buf.shape, part.shape
+
+    for shapes in raise_first(run_comms(2, fn)):
+        assert shapes == ((20, 2), (30,))
+
+
+def test_a_flat_view_of_a_tensor_keeps_the_tensor_and_shares_its_memory():
+    from ringtrain.collectives.ops import flat_view
+
+    big = torch.arange(10, dtype=torch.float32)
+    view = flat_view(big[3:8]).array
+    del big  # (the array holds the tensor: its memory stays)
+    view[:] += 100
+    assert view.tolist() == [103.0, 104.0, 105.0, 106.0, 107.0] and view.base.tensor.tolist() == view.tolist()
+    assert flat_view(torch.zeros(0, 3)).array.shape == (0,)

@@ -862,3 +862,21 @@ def test_saves_asked_by_two_workers_at_once_are_both_made(tmp_path, background):
     assert out["stats"]["failed"] is None and server.write_error is None
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "server-0")] == [1, 2, 3]
     assert checkpoint.latest(tmp_path / "server-0").payload["version"] == 3
+
+
+def test_a_workers_parameters_and_gradients_can_still_be_resized_after_training():
+    # Before: the worker sent and received through Tensor.numpy() of its parameters' and
+    # gradients' slices, which marks their storage non-resizable for good ("Trying to resize
+    # storage that is not resizable" at a later resize_, which torch allows after gloo).
+    started = start_server(workers=1)
+    ps = worker([started[0].endpoint], 0, 1)
+    train(ps, 1)
+    ps.module(torch.ones(2, 4)).pow(2).sum().backward()
+    grads = [p.grad for p in ps.module.parameters()]  # (step() pushes, then lets go of them)
+    ps.step()
+    ps.wait()
+    ps.close()
+    join_all([started])
+    for p, grad in zip(ps.module.parameters(), grads):
+        p.data.resize_(p.numel() + 16)
+        grad.resize_(p.numel() + 16)

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .collectives.ops import numpy_of
 from .lifecycle import pid_alive
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ def _feed(h: "hashlib._Hash", obj: Any) -> None:
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
+            # hashed in place, no copy; the storage left resizable (Tensor.numpy() marks it not)
+            h.update(numpy_of(t.reshape(-1).view(torch.uint8)))
     elif isinstance(obj, dict):
         h.update(f"D{len(obj)};".encode())
         for key, value in obj.items():

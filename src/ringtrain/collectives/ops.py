@@ -29,6 +29,8 @@ _NUMPY_DTYPES = {
     np.dtype(np.bool_): "bool",
     np.dtype(np.complex64): "complex64",
 }
+#: The numpy dtype of each torch dtype that has one, by name.
+_NUMPY_OF_TORCH = {name: dtype for dtype, name in _NUMPY_DTYPES.items()}
 #: Dtypes without a mean (sum and divide), and without an order (no min or max).
 _INTEGRAL = ("int32", "int64", "uint8", "int8", "int16", "bool")
 _UNORDERED = ("complex64",)
@@ -141,13 +143,37 @@ def flat_view(buf: Any) -> FlatView:
         if not buf.is_contiguous():
             raise ValueError("tensor must be contiguous (call .contiguous() and copy back)")
         if buf.dtype == torch.bfloat16:
-            return FlatView(buf.view(torch.int16).numpy().reshape(-1).view(np.uint16), "bfloat16", tuple(buf.shape))
+            return FlatView(numpy_of(buf.view(torch.int16)).view(np.uint16), "bfloat16", tuple(buf.shape))
         try:
-            arr = buf.numpy()
+            arr = numpy_of(buf)
         except TypeError as exc:
             raise ValueError(f"unsupported tensor dtype {buf.dtype}: {exc}") from None
-        return flat_view(arr)
+        return FlatView(arr, _NUMPY_DTYPES[arr.dtype], tuple(buf.shape))
     raise ValueError(f"expected a numpy array or a CPU torch tensor, got {type(buf).__name__}")
+
+
+class _TensorMemory:
+    """A contiguous CPU tensor's memory as numpy's array interface, holding the tensor (the
+    array made from it keeps this object, so the tensor, alive)."""
+
+    def __init__(self, tensor: Any, dtype: np.dtype) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {"version": 3, "shape": (tensor.numel(),), "typestr": dtype.str,
+                                    "data": (tensor.data_ptr(), False)}
+
+
+def numpy_of(tensor: Any) -> np.ndarray:
+    """A 1-D numpy view of the contiguous CPU ``tensor``'s elements, its storage left resizable:
+    ``Tensor.numpy()`` marks it non-resizable for good, and a later ``resize_`` of the user's
+    tensor (a reused buffer; a comm hook's bucket, as torch's batched PowerSGD) then fails with
+    "Trying to resize storage that is not resizable" (gloo's collectives leave it resizable).
+    TypeError for a dtype numpy has not (bfloat16: view it as int16 first)."""
+    if tensor.numel() == 0:  # (no memory to point at: a null pointer numpy may refuse)
+        return tensor.detach().new_empty(0).numpy()
+    dtype = np.dtype(_NUMPY_OF_TORCH.get(str(tensor.dtype).removeprefix("torch."), "object"))
+    if dtype == object:
+        raise TypeError(f"numpy has no dtype for {tensor.dtype}")
+    return np.asarray(_TensorMemory(tensor, dtype))
 
 
 def mark_written(buf: Any) -> None:

@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from .. import plan as planner
-from ..collectives.ops import check_cpu_module
+from ..collectives.ops import check_cpu_module, numpy_of
 from ..errors import CommError, CommTimeout, MismatchError, PeerLost, ProtocolError, check_keywords, check_number
 from . import protocol as P
 from .server_config import OPTIMIZER_DEFAULTS, STRATEGIES, JoinTimeout
@@ -386,7 +386,7 @@ class ParameterServerTraining:
         return clocks.pop()
 
     def _send_values(self, link: _Link, kind: int) -> None:
-        views = [self._flat(self.params[p.param])[p.start: p.stop].numpy() for p in self._shards[link.k]]
+        views = [numpy_of(self._flat(self.params[p.param])[p.start: p.stop]) for p in self._shards[link.k]]
         link.ch.send(kind, worker=self.worker, ids=self._ids[link.k], values=views)
 
     @staticmethod
@@ -496,7 +496,7 @@ class ParameterServerTraining:
             for p in parts:
                 grad = self.params[p.param].grad
                 flat = torch.zeros(self.params[p.param].numel()) if grad is None else grad.detach().reshape(-1)
-                views.append(flat[p.start: p.stop].numpy())
+                views.append(numpy_of(flat[p.start: p.stop]))
             ids = np.array([p.id for p in parts], dtype=np.int64)
             # The version of the parameters these gradients come from: synchronous servers are at
             # this step (link.version may already be the next, streamed in during backward).
@@ -802,7 +802,7 @@ class ParameterServerTraining:
                             or head.body != 4 * len(ids) + 4 * sum(p.numel for p in parts)):
                         raise ProtocolError(f"{link.ch.peer} sent PARAMS that do not match its shard")
                     for p in parts:
-                        link.ch.recv_into(self._flat(self.params[p.param])[p.start: p.stop].numpy())
+                        link.ch.recv_into(numpy_of(self._flat(self.params[p.param])[p.start: p.stop]))
                         with self._cond:
                             self._arrived[p.id] = head.step
                             self._cond.notify_all()
