@@ -729,3 +729,15 @@ def test_a_hold_left_by_a_run_killed_outright_is_removed_by_the_next_run_on_its_
         assert not left.exists()
         assert elsewhere.exists() and alive.exists() and starting.exists()
     assert not held.exists()
+
+
+def test_a_runs_trace_files_are_taken_by_rank_number_not_by_name(tmp_path):
+    # Before: sorted by name, rank 10's lanes were drawn before rank 2's in the timeline picture.
+    from ringtrain.bench.train import rank_files
+
+    for r in (0, 1, 2, 10, 11):
+        (tmp_path / f"train-none-12r-20261207T010326Z-mlp.rank{r}.json").write_text("{}")
+    (tmp_path / "train-none-12r-20261207T010326Z-123-mlp.rank3.json").write_text("{}")  # (another run's)
+    (tmp_path / "train-none-12r-20261207T010326Z-mlp.rank4.json.tmp7").write_text("{}")  # (being written)
+    got = rank_files(tmp_path / "train-none-12r-20261207T010326Z-mlp.rank0.json")
+    assert [f.name.rpartition(".rank")[2] for f in got] == ["0.json", "1.json", "2.json", "10.json", "11.json"]

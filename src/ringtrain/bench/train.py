@@ -44,6 +44,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import glob
 import json
 import math
 import sys
@@ -240,7 +241,19 @@ def partial_timelines(timelines: Path | None, stem: str, models: list[str], rows
     if timelines is None:
         return []
     whole = {Path(r["timeline"]).name.partition(".rank")[0] for r in rows if r.get("timeline")}
-    return sorted(f for m in models if f"{stem}-{m}" not in whole for f in timelines.glob(f"{stem}-{m}.rank*.json"))
+    return [f for m in models if f"{stem}-{m}" not in whole for f in rank_files(timelines / f"{stem}-{m}.rank0.json")]
+
+
+def rank_files(rank0: Path) -> list[Path]:
+    """The trace files of every rank beside ``rank0`` (``<name>.rank0.json``), by rank: rank 2's
+    before rank 10's, as the timeline picture stacks their lanes."""
+    head = rank0.name.removesuffix("rank0.json")
+
+    def rank(path: Path) -> int:
+        middle = path.name[len(head):].removeprefix("rank").removesuffix(".json")
+        return int(middle) if middle.isdigit() else -1
+
+    return sorted((f for f in rank0.parent.glob(f"{glob.escape(head)}rank*.json") if rank(f) >= 0), key=rank)
 
 
 def _partial_note(files: list[Path]) -> str:
@@ -1103,7 +1116,7 @@ def _charts(rows: list[dict], stem: Path) -> list[str]:
 
     for r in rows:
         if r.get("timeline"):
-            files = sorted(Path(r["timeline"]).parent.glob(Path(r["timeline"]).name.replace("rank0", "rank*")))
+            files = rank_files(Path(r["timeline"]))
             png = stem.with_name(f"{stem.name}-{r['model']}-timeline.png")
             try:
                 title = f"{r['model']}, {r['schedule']} schedule, {r['world_size']} ranks, net {r['net']}"
