@@ -14,6 +14,11 @@ Words used by all transports:
   CommTimeout, or earlier with PeerLost when the peer is known to be gone.
 - *abort*: when a rank fails it tells every peer why (best effort), so that peers waiting on
   it raise the same kind of error instead of timing out.
+- *watching*: while an exchange waits, a transport also looks at the peers it does not wait
+  on: one that aborted is its error here, and a message of this call that waits unread with
+  another call header is a MismatchError (``check_unread``). Without it, ranks that disagree
+  about which peers a call talks to (different algorithms) wait on each other until the
+  deadline, and an abort reaches only the ranks that wait on the rank that failed.
 """
 
 from __future__ import annotations
@@ -134,6 +139,17 @@ class CallHeader:
             f"ranks disagree about the collective: rank {me} called {self.describe()} "
             f"but rank {peer} called {theirs.describe()}{detail}"
         )
+
+
+def check_unread(header: CallHeader, theirs: CallHeader, me: int, peer: int) -> None:
+    """A message from ``peer`` waits unread while this rank's exchange waits on other peers:
+    where it is of the same call (sequence number) as ``header`` and differs from it, the ranks
+    disagree about the call (each algorithm exchanges with its own peers, so ranks that chose
+    different algorithms, or lengths that make ``auto`` choose differently, can wait on each
+    other for ever with the proof unread): MismatchError, as header.check words it. A message of
+    a later call (a peer ahead) or one equal to ours is left for the exchange that wants it."""
+    if theirs.seq == header.seq:
+        header.check(theirs, me, peer)
 
 
 #: out[:] = op(out, incoming), elementwise, in place. Both are numpy arrays of one dtype.

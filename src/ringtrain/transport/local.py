@@ -15,10 +15,11 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import CLOSED_EARLY, ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, abort_reason
-from .base import CallHeader, Recv, Send, Transport
+from .base import CallHeader, Recv, Send, Transport, check_unread
 
 _ABORT = "abort"
 _CLOSED = "closed"
+WATCH_EVERY = 0.01  # seconds between looks at the peers a receive does not wait on
 
 
 class LocalHub:
@@ -56,13 +57,17 @@ class LocalTransport(Transport):
 
     def _recv(self, r: Recv, header: CallHeader, deadline: float) -> None:
         q = self.hub.queues[(r.peer, self.rank)]
-        timeout = deadline - time.monotonic()
-        try:
-            kind, theirs, payload = q.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            raise CommTimeout(
-                f"rank {self.rank}: no message from rank {r.peer} within the deadline during {header.describe()}"
-            ) from None
+        while True:
+            timeout = deadline - time.monotonic()
+            try:
+                kind, theirs, payload = q.get(timeout=min(max(timeout, 0.0), WATCH_EVERY))
+                break
+            except queue.Empty:
+                self._watch(r.peer, header)
+                if time.monotonic() >= deadline:
+                    raise CommTimeout(
+                        f"rank {self.rank}: no message from rank {r.peer} within the deadline during {header.describe()}"
+                    ) from None
         if kind == _ABORT:
             code, text = theirs
             raise ERROR_TYPES[code](f"rank {r.peer} aborted: {text}")
@@ -80,6 +85,21 @@ class LocalTransport(Transport):
             np.copyto(r.buf, incoming)
         else:
             r.reduce(r.buf, incoming)
+
+    def _watch(self, waited: int, header: CallHeader) -> None:
+        """The other peers' queues, while waiting on ``waited``'s (transport.base, *watching*)."""
+        for peer in range(self.world_size):
+            if peer in (self.rank, waited):
+                continue
+            q = self.hub.queues[(peer, self.rank)]
+            with q.mutex:
+                waiting = list(q.queue)
+            for kind, theirs, _ in waiting:
+                if kind == _ABORT:
+                    code, text = theirs
+                    raise ERROR_TYPES[code](f"rank {peer} aborted: {text}")
+                if kind == "data":
+                    check_unread(header, theirs, self.rank, peer)
 
     def abort(self, error: BaseException) -> None:
         code, text = abort_reason(error)  # (worded as the other transports word it)

@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import CLOSED_EARLY, ERROR_TYPES, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError, abort_reason
-from .base import CallHeader, Recv, Send, Transport
+from .base import CallHeader, Recv, Send, Transport, check_unread
 from .shm_sync import (
     ORDERING_OK,
     SLOT_ENTRY,
@@ -395,11 +395,29 @@ class ShmTransport(Transport):
             raise PeerLost(
                 f"rank {self.rank}: rank {peer} (pid {self._procs[peer].pid}) died during {header.describe()}"
             )
+        self._watch({i.peer for i in ins}, header)
         if time.monotonic() >= deadline:
             peer, _, _, what = waiting[0]
             raise CommTimeout(
                 f"rank {self.rank}: timed out waiting for rank {peer} to {what} during {header.describe()}"
             )
+
+    def _watch(self, receiving: set, header: CallHeader) -> None:
+        """The inboxes of the peers this exchange does not receive from (transport.base,
+        *watching*): a peer's abort is its error here; the first chunk of a message waiting
+        there is checked against this call (check_unread)."""
+        for peer, box in self._in.items():
+            if peer in receiving:
+                continue
+            info = box.abort_info()
+            if info is not None:
+                code, text = info
+                raise ERROR_TYPES.get(code, CommError)(f"rank {peer} aborted: {text}")
+            if box.ctl[W_HEAD] == box.count:
+                continue
+            theirs, _, offset, _ = _ENTRY.unpack_from(box.mm, SLOT_TABLE + (box.count % box.slots) * SLOT_ENTRY)
+            if offset == 0:
+                check_unread(header, CallHeader.unpack(theirs), self.rank, peer)
 
     # -- failure and shutdown -------------------------------------------------------------
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..errors import CLOSED_EARLY, CommError, CommTimeout, MismatchError, PeerLost, ProtocolError
 from . import wire
-from .base import CallHeader, Recv, Send, Transport, usable_cpus
+from .base import CallHeader, Recv, Send, Transport, check_unread, usable_cpus
 from .tcp_setup import build_mesh, remaining
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ DEFAULT_THREAD_SEND_BYTES: Optional[int] = 1 << 20
 RCVLOWAT_BYTES = 256 << 10
 #: abort() spends at most this long telling peers.
 ABORT_BUDGET = 1.0
+#: An exchange not done after this long also watches the connections it does not use
+#: (transport.base, *watching*); quick exchanges never pay for registering them.
+WATCH_AFTER = 0.05
 
 _IN = select.POLLIN | select.POLLPRI
 _OUT = select.POLLOUT
@@ -427,7 +430,8 @@ class TcpTransport(Transport):
              header: CallHeader, deadline: float) -> None:
         poller = select.poll()
         # Peers we only send to are watched for an ABORT frame; sends in threads report
-        # through the wake pipe.
+        # through the wake pipe. The other peers join them once the exchange has waited
+        # WATCH_AFTER (_watch_the_rest).
         watch_abort = (set(sends) | set(threaded)) - set(recvs)
 
         def interest(fd: int) -> int:
@@ -447,10 +451,14 @@ class TcpTransport(Transport):
     def _poll_loop(self, poller, interest, sends: dict[int, _SendState], recvs: dict[int, _RecvState],
                    threaded: dict[int, _SendState], watch_abort: set[int], header: CallHeader,
                    deadline: float) -> None:
+        watch_at: Optional[float] = time.monotonic() + WATCH_AFTER
         while sends or recvs or threaded:
             for st in recvs.values():
                 st.conn.set_lowat(max(1, min(RCVLOWAT_BYTES, st.wanted())))
-            left = remaining(deadline)
+            if watch_at is not None and time.monotonic() >= watch_at:
+                watch_at = None
+                self._watch_the_rest(poller, sends, recvs, threaded, watch_abort)
+            left = remaining(deadline) if watch_at is None else min(remaining(deadline), remaining(watch_at))
             events = poller.poll(max(0, math.ceil(left * 1000))) if left > 0 else poller.poll(0)
             if not events and remaining(deadline) <= 0:
                 raise self._timeout({**sends, **threaded}, recvs, header)
@@ -463,7 +471,8 @@ class TcpTransport(Transport):
                     if self._pump_recv(recvs[fd], header, deadline):
                         recvs.pop(fd).conn.reading = False
                 elif fd in watch_abort and ev & (_IN | _BAD):
-                    self._peek_abort((sends.get(fd) or threaded[fd]).conn, header, deadline)
+                    conn = sends[fd].conn if fd in sends else threaded[fd].conn if fd in threaded else self._by_fd(fd)
+                    self._peek_abort(conn, header, deadline, closed_ok=fd not in sends and fd not in threaded)
                     watch_abort.discard(fd)
                 if fd in sends and ev & (_OUT | _BAD):
                     if self._pump_send(sends[fd], header, deadline):
@@ -475,6 +484,18 @@ class TcpTransport(Transport):
                         poller.unregister(fd)
                     else:
                         poller.modify(fd, after)
+
+    def _watch_the_rest(self, poller, sends: dict, recvs: dict, threaded: dict, watch_abort: set[int]) -> None:
+        """Watch the connections this exchange does not use, at a frame boundary, for one
+        ABORT frame or DATA frame (_peek_abort): see WATCH_AFTER."""
+        for conn in self._conns.values():
+            fd = conn.fd
+            if conn.dead is None and not conn.reading and fd not in sends and fd not in recvs and fd not in threaded:
+                watch_abort.add(fd)
+                poller.register(fd, _IN)
+
+    def _by_fd(self, fd: int) -> _Conn:
+        return next(conn for conn in self._conns.values() if conn.fd == fd)
 
     def _collect(self, threaded: dict[int, _SendState], watch_abort: set[int], poller, header: CallHeader,
                  deadline: float) -> None:
@@ -524,10 +545,14 @@ class TcpTransport(Transport):
         conn.kill("reset while sending")
         return PeerLost(f"rank {self.rank}: rank {conn.peer} is gone ({exc.strerror or exc}) during {header.describe()}")
 
-    def _peek_abort(self, conn: _Conn, header: CallHeader, deadline: float, wait: bool = False) -> None:
+    def _peek_abort(self, conn: _Conn, header: CallHeader, deadline: float, wait: bool = False,
+                    closed_ok: bool = False) -> None:
         """If the next frame from ``conn`` is an ABORT, read it and raise its error.
 
-        A DATA frame (the peer is ahead of us) is left unread for the exchange that wants it.
+        A DATA frame (the peer is ahead of us) is left unread for the exchange that wants it;
+        one of this call with another call header is a MismatchError (check_unread).
+        ``closed_ok``: a peer this exchange neither sends to nor receives from may have closed
+        (it had no call left): nothing to say then.
         """
         if conn.reading:  # not at a frame boundary: nothing to learn here
             return
@@ -540,7 +565,7 @@ class TcpTransport(Transport):
             except OSError:
                 return
             if head == b"":
-                if not wait:
+                if not wait and not closed_ok:
                     conn.kill("closed by the peer")
                     raise PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection during {header.describe()}: "
                                    f"its process ended, or, if it ended without an error, {CLOSED_EARLY}")
@@ -555,6 +580,7 @@ class TcpTransport(Transport):
             conn.sock.recv(wire.FRAME_HEADER_SIZE)
             conn.reading = True
             raise self._read_abort(conn, fh, deadline)
+        check_unread(header, fh.call, self.rank, conn.peer)
 
     def _decode(self, conn: _Conn, head: bytes | bytearray) -> wire.FrameHeader:
         try:

@@ -1,0 +1,73 @@
+"""Ranks that disagree about which peers a call talks to (different algorithms, or lengths that
+make ``auto`` choose differently) raise MismatchError on every rank within moments, on every
+transport, instead of waiting on each other until the deadline (transport.base, *watching*;
+collectives.schedule, *first sends*)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from ringtrain.comm import Communicator
+from ringtrain.transport.local import LocalHub, on_threads
+
+TIMEOUT = 5.0  # the communicators' deadline: a rank that waits it out has not been told
+
+
+def _connect(kind: str, rank: int, world: int, store, prefix: str):
+    if kind == "local":
+        return store.transport(rank)
+    if kind == "shm":
+        from ringtrain.transport.shm import ShmTransport
+
+        return ShmTransport.connect(rank, world, store, timeout=10, prefix=prefix)
+    from ringtrain.transport.tcp import TcpTransport
+
+    return TcpTransport.connect(rank, world, store, secret=None, timeout=10, host_ids=["h"] * world, prefix=prefix)
+
+
+def _calls(kind: str, world: int, algorithm_of, length_of=lambda rank: 6):
+    """Each rank's (error type name, seconds, text) for one allreduce with its own algorithm and length."""
+    store = LocalHub(world) if kind == "local" else dist.HashStore()
+    prefix = f"t{time.monotonic_ns()}"
+
+    def body(rank: int):
+        t = _connect(kind, rank, world, store, prefix)
+        comm = Communicator(t, timeout=TIMEOUT)
+        start = time.monotonic()
+        try:
+            comm.allreduce(np.zeros(length_of(rank), np.float32), algorithm=algorithm_of(rank))
+            return "returned", time.monotonic() - start, ""
+        except Exception as exc:  # noqa: BLE001 - the result
+            return type(exc).__name__, time.monotonic() - start, str(exc)
+        finally:
+            comm.close()
+
+    return on_threads(world, body, timeout=60)
+
+
+def _told_at_once(results) -> None:
+    assert all(name == "MismatchError" and took < TIMEOUT / 2 for name, took, _ in results), results
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["local", "shm", "tcp"])
+def test_a_rank_on_the_ring_among_central_ones_is_a_mismatch_on_every_rank(kind):
+    """Rank 1 (ring) sends to rank 2 and waits on rank 0; rank 0 (central's master) waits on
+    rank 1, rank 2 on rank 0: rank 1's message waited unread at rank 2 until the deadline."""
+    results = _calls(kind, 3, lambda rank: "ring" if rank == 1 else "central")
+    _told_at_once(results)
+    said = " ".join(text for _, _, text in results)
+    assert "algorithm=ring" in said and "algorithm=central" in said, said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["local", "shm", "tcp"])
+def test_lengths_either_side_of_auto_s_threshold_are_a_mismatch_on_every_rank(kind):
+    """80 KB on rank 0 (auto: ring), 60 KB on the others (halving_doubling): rank 1 raised
+    MismatchError and told every peer, but ranks 0, 2 and 3 waited on each other, not on it."""
+    _told_at_once(_calls(kind, 4, lambda rank: "auto", lambda rank: 20000 if rank == 0 else 15000))
+
