@@ -71,3 +71,36 @@ def test_lengths_either_side_of_auto_s_threshold_are_a_mismatch_on_every_rank(ki
     MismatchError and told every peer, but ranks 0, 2 and 3 waited on each other, not on it."""
     _told_at_once(_calls(kind, 4, lambda rank: "auto", lambda rank: 20000 if rank == 0 else 15000))
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("odd", ["halving_doubling", "hierarchical"])
+def test_a_rank_that_waits_first_on_central_s_master_is_a_mismatch_on_every_rank(odd):
+    """Rank 1 waits first for rank 0 (halving_doubling: for its extra's fold; hierarchical, on
+    hosts a, b, b: rank 0 takes 1 for a cross-ring peer, 1 waits for its spare 2), and rank 0,
+    central's master, waits for rank 1's buffer: with nothing sent between them, nothing was
+    unread anywhere to tell them (schedule.py, *first sends*)."""
+    world = 3
+    store = LocalHub(world)
+
+    def body(rank: int):
+        comm = Communicator(store.transport(rank), timeout=TIMEOUT, host_ids=["a", "b", "b"])
+        start = time.monotonic()
+        try:
+            comm.allreduce(np.zeros(6, np.float32), algorithm=odd if rank == 1 else "central")
+            return "returned", time.monotonic() - start, ""
+        except Exception as exc:  # noqa: BLE001 - the result
+            return type(exc).__name__, time.monotonic() - start, str(exc)
+        finally:
+            comm.close()
+
+    _told_at_once(on_threads(world, body, timeout=60))
+
+
+@pytest.mark.parametrize("p", range(2, 10))
+def test_no_halving_doubling_rank_starts_by_only_receiving(p):
+    from ringtrain.collectives import schedule
+
+    for pos in range(p):
+        for n in (0, 1, 7):
+            assert schedule.halving_doubling_plan(n, p, pos)[0].sends, (p, pos, n)

@@ -33,12 +33,13 @@ def allreduce(
     if p == 1:
         return
     master = members[0]
-    if pos != 0:
-        t.exchange([Send(master, buf)], [], header, deadline)
+    if pos != 0:  # (the master's empty message: schedule.py, *first sends*)
+        t.exchange([Send(master, buf)], [Recv(master, buf[:0])], header, deadline)
         t.exchange([], [Recv(master, buf)], header, deadline)
         return
     scratch = np.empty((p - 1, buf.size), dtype=buf.dtype)
-    t.exchange([], [Recv(members[j], scratch[j - 1]) for j in range(1, p)], header, deadline)
+    t.exchange([Send(members[j], buf[:0]) for j in range(1, p)],
+               [Recv(members[j], scratch[j - 1]) for j in range(1, p)], header, deadline)
     for row in scratch:
         reduce(buf, row)
     t.exchange([Send(members[j], buf) for j in range(1, p)], [], header, deadline)

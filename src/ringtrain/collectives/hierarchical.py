@@ -51,11 +51,11 @@ def allreduce(
         raise ValueError(f"hosts must name a host for each of the {t.world_size} ranks, got {len(hosts)}")
     role = schedule.hierarchy_role(members, hosts, t.rank)
     if role.fold_into is not None:  # a spare: hand the buffer over, get the result back
-        t.exchange([Send(role.fold_into, buf)], [], header, deadline)
+        t.exchange([Send(role.fold_into, buf)], [Recv(role.fold_into, buf[:0])], header, deadline)
         t.exchange([], [Recv(role.fold_into, buf)], header, deadline)
         return
-    for spare in role.folded_from:
-        t.exchange([], [Recv(spare, buf, reduce)], header, deadline)
+    for spare in role.folded_from:  # (the empty sends: schedule.py, *first sends*)
+        t.exchange([Send(spare, buf[:0])], [Recv(spare, buf, reduce)], header, deadline)
     seg = {"max_segment_bytes": max_segment_bytes}
     ring.reduce_scatter(t, buf, reduce, header, deadline, group=role.local, **seg)
     lo, hi = schedule.chunk_bounds(buf.size, role.lanes)[role.lane]

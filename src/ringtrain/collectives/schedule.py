@@ -27,7 +27,15 @@ Invariants every plan keeps (and tests/test_schedule.py checks by simulation):
   (never by timing), and then only copied. Ranks therefore end with bitwise identical
   results, although floating-point reduction is not associative;
 - empty messages are sent, not skipped: they carry the call header, so ranks that disagree
-  about a call raise MismatchError even when their buffers are tiny or empty.
+  about a call raise MismatchError even when their buffers are tiny or empty;
+- *first sends*: no rank's first transfer of a call only receives. A rank that would wait for
+  a peer's message before it has sent anything (an extra's partner here, the master of
+  ``central``, a lane rank of ``hierarchical`` that folds spares in) sends that peer an empty
+  message in the same transfer, which the peer takes in its own first transfer. Ranks that
+  chose different algorithms would otherwise wait on each other with nothing sent (the
+  master of ``central`` for a rank that, under ``halving_doubling``, waits for the master's
+  fold) until the deadline; this way a message with the other call's header waits unread at
+  one of them, which the transport raises as a MismatchError (transport.base, *watching*).
 
 Plans are cached (they depend only on small integers) so a repeated call pays no planning.
 """
@@ -278,7 +286,7 @@ def halving_doubling_plan(n: int, p: int, pos: int) -> Plan:
     q = power_of_two_below(p)
     v = hd_virtual_rank(p, pos)
     if v is None:  # an extra: hand everything to the partner, get the result back
-        return (Transfer(sends=((pos + 1, 0, n),)), Transfer(recvs=((pos + 1, 0, n),)))
+        return (Transfer(((pos + 1, 0, n),), ((pos + 1, 0, 0),)), Transfer(recvs=((pos + 1, 0, n),)))
     bounds = chunk_bounds(n, q)
 
     def elems(blo: int, bhi: int) -> Range:
@@ -286,8 +294,8 @@ def halving_doubling_plan(n: int, p: int, pos: int) -> Plan:
 
     plan = []
     extra = pos - 1 if pos < 2 * (p - q) else None
-    if extra is not None:
-        plan.append(Transfer(recvs=((extra, 0, n),), reduce=True))
+    if extra is not None:  # (the empty send: see *first sends*)
+        plan.append(Transfer(((extra, 0, 0),), ((extra, 0, n),), reduce=True))
     blo, bhi = 0, q
     halving = []
     d = q // 2
