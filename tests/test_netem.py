@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -372,6 +373,50 @@ def test_two_networks_closed_first_in_first_out_keep_the_handler_and_leave_nothi
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     # /etc/netns, made by A, goes once empty, whichever network closes last
     _assert_left_as_found(before, prefix)
+
+
+SIGNALLED_IN_SETUP = textwrap.dedent("""
+    import signal, sys
+    sys.path.insert(0, sys.argv[2])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from ringtrain.bench.netem import EmulatedNetwork
+    with EmulatedNetwork(2, rate="1gbit", prefix=sys.argv[1]):
+        print("built", flush=True)
+""")
+
+
+@needs_root
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_as_a_namespace_is_made_leaves_none_behind(tmp_path, sig):
+    # `ip` as on the machine, but once host 0's namespace is made it signals the harness and
+    # lingers, so the signal comes before the harness can know of that namespace (a Ctrl-C
+    # during set-up; before: that namespace was left behind)
+    fake = tmp_path / "ip"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        if [ "$1 $2" = "netns add" ] && [ "${{3%-h0}}" != "$3" ]; then
+            {shutil.which("ip")} "$@" && kill -{sig.name[3:]} $PPID && sleep 0.5
+            exit
+        fi
+        exec {shutil.which("ip")} "$@"
+    """))
+    fake.chmod(0o755)
+    prefix = _prefix()
+    before = _root_state()
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED_IN_SETUP, prefix, SRC], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=45)
+        assert proc.returncode == -sig and "built" not in out, err
+        assert _ours(prefix) == []
+        _assert_left_as_found(before, prefix)
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+        cleanup_stale(prefix)
 
 
 TWO_NETWORKS = textwrap.dedent("""

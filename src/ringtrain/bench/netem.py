@@ -399,7 +399,6 @@ class EmulatedNetwork:
         self._owner_pid = os.getpid()  # a forked child inherits atexit and handlers, not the network
         self.tag = f"{prefix}-{self._owner_pid}-{next(_NETWORK_SEQ)}"
         self.switch_namespace, self.host_namespaces = namespace_names(self.tag, n_hosts)
-        self._made: list[str] = []              # namespaces created so far, in order
         self._processes: list[subprocess.Popen] = []
         self._lock_fd: int | None = None
         self._open = False
@@ -520,6 +519,9 @@ class EmulatedNetwork:
             self._build()
         except BaseException:
             self.close()
+            # (a signal's close() may have run while `ip netns add` was still making its namespace:
+            # what it made once close() had looked goes now, as the KeyboardInterrupt leaves)
+            self._remove_namespaces()
             raise
         return self
 
@@ -541,13 +543,7 @@ class EmulatedNetwork:
             self._open = False
             self._stop(self._processes)
             self._processes.clear()
-            existing = set(_list_namespaces())
-            made = [ns for ns in self._made if ns in existing]
-            _kill_namespace_processes(made)
-            _delete_namespaces(made)
-            for ns in self._made:
-                shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
-            self._made.clear()
+            self._remove_namespaces()
             try:  # whoever made it: the network that did may have closed while this one used it
                 os.rmdir(ETC_NETNS)  # only if empty: another network may be using it
             except OSError:
@@ -561,6 +557,20 @@ class EmulatedNetwork:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
     # ---- internals --------------------------------------------------------------------
+
+    def _remove_namespaces(self) -> None:
+        """Kill what runs in, and delete, every namespace named with this network's tag, with their
+        /etc/netns overrides.
+
+        By name, not by a list kept while building: a signal that came as `ip netns add` ended,
+        before its namespace was written down, left that namespace behind.
+        """
+        ours = [ns for ns in _list_namespaces()
+                if (parsed := parse_namespace_name(self.prefix, ns)) is not None and parsed[1] == self.tag]
+        _kill_namespace_processes(ours)
+        _delete_namespaces(ours)
+        for ns in (self.switch_namespace, *self.host_namespaces):
+            shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
 
     def _check_host(self, i: int) -> None:
         if not isinstance(i, int) or not 0 <= i < self.n_hosts:
@@ -598,7 +608,6 @@ class EmulatedNetwork:
     def _build(self) -> None:
         for ns in (self.switch_namespace, *self.host_namespaces):
             _command(["ip", "netns", "add", ns])
-            self._made.append(ns)
         self._write_hosts_files()
         switch = ["link add br0 type bridge stp_state 0", "link set br0 addrgenmode none", "link set br0 up"]
         for i, host_ns in enumerate(self.host_namespaces):
