@@ -483,6 +483,48 @@ def test_cleanup_stale_removes_only_dead_harnesses_leftovers():
     _assert_left_as_found(before, prefix)
 
 
+def _leftover(tag: str) -> list[str]:
+    """What a harness killed outright leaves of its network ``tag``: namespaces and a free lock."""
+    names = [f"{tag}-sw", f"{tag}-h0"]
+    for ns in names:
+        subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+    os.makedirs(netem.LOCK_DIR, mode=0o700, exist_ok=True)
+    open(netem._lock_path(tag), "w").close()
+    return names
+
+
+@needs_root
+@pytest.mark.timeout(30)
+def test_a_leftover_whose_pid_was_reused_is_removed(monkeypatch):
+    prefix = _prefix()
+    before = _root_state()
+    other = subprocess.Popen(["sleep", "60"])  # an unrelated process that got the dead harness's pid
+    try:
+        _leftover(f"{prefix}-{other.pid}-0")
+        # this very process had the pid: its next network's tag is the leftover's
+        monkeypatch.setattr(netem, "_NETWORK_SEQ", iter([5]))
+        _leftover(f"{prefix}-{os.getpid()}-5")
+        # before: both kept (pid alive), and the network failed: "... -sw": File exists
+        with EmulatedNetwork(1, prefix=prefix) as net:
+            assert net.tag == f"{prefix}-{os.getpid()}-5"
+            assert _ours(prefix) == sorted([net.switch_namespace, *net.host_namespaces])
+            assert cleanup_stale(prefix) == []  # (a live network's lock is held: kept)
+        assert _ours(prefix) == []
+    finally:
+        other.kill()
+        other.wait(timeout=5)
+        for ns in _ours(prefix):
+            subprocess.run(["ip", "netns", "delete", ns], timeout=10)
+        for tag in (f"{prefix}-{other.pid}-0", f"{prefix}-{os.getpid()}-5"):
+            if os.path.exists(netem._lock_path(tag)):
+                os.unlink(netem._lock_path(tag))
+        try:
+            os.rmdir(netem.LOCK_DIR)  # (only if empty)
+        except OSError:
+            pass
+    _assert_left_as_found(before, prefix)
+
+
 @needs_root
 @pytest.mark.timeout(20)
 def test_read_only_etc_warns_and_still_builds(monkeypatch):

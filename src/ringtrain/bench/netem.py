@@ -14,8 +14,9 @@ Words used below:
   no netem: bandwidth can be shaped, delay cannot.
 - **tag**: ``{prefix}-{pid}-{seq}``, the stem of every namespace one network made. The pid is
   the harness process; while it lives it also holds an flock on ``/run/ringtrain-netem/{tag}.lock``.
-  A tag whose pid is dead and whose lock is free is a leftover of a crashed run, and
-  :func:`cleanup_stale` removes it. Nothing without such a tag is ever touched.
+  A tag whose lock is free (without a lock file: whose pid is dead) is a leftover of a crashed
+  run, even when its pid has since been reused, and :func:`cleanup_stale` removes it. Nothing
+  without such a tag is ever touched.
 - **host identity**: ``net.host_id(i)``, set as ``RINGTRAIN_HOST_ID`` in every process
   started on host ``i``. Namespaces share the hostname and /dev/shm, so anything that
   decides "same host" from the hostname would silently bypass the shaped link; the
@@ -286,6 +287,19 @@ def _lock_is_free(tag: str) -> bool:
         os.close(fd)
 
 
+def _harness_gone(tag: str) -> bool:
+    """True when the harness that made ``tag``'s network is gone: its lock file is there and free,
+    or (no lock file: it died before taking it, or is closing) its pid is dead.
+
+    The lock decides where there is one: pids wrap, and the dead harness's pid may have been
+    given to another process since, this one even (whose network of the same tag then could
+    not be made: "File exists").
+    """
+    if os.path.exists(_lock_path(tag)):
+        return _lock_is_free(tag)
+    return not pid_alive(int(tag.rsplit("-", 2)[1]))
+
+
 def _kill_namespace_processes(namespaces: Sequence[str], deadline_s: float = KILL_GRACE_S) -> None:
     """SIGKILL every process still inside ``namespaces`` and wait (bounded) for them to go."""
     pids: set[int] = set()
@@ -332,7 +346,7 @@ def _delete_namespaces(namespaces: Sequence[str]) -> None:
 def cleanup_stale(prefix: str = "ringtrain") -> list[str]:
     """Remove what crashed networks with this ``prefix`` left behind; return the namespaces removed.
 
-    A network is a leftover when its harness pid is dead and its lock is free. Processes still
+    A network is a leftover when its harness is gone (:func:`_harness_gone`). Processes still
     running inside its namespaces are killed, then the namespaces are deleted (which removes
     their veth pairs and bridge), with their /etc/netns overrides and lock file. Namespaces
     of live harnesses, and namespaces whose names this harness does not make, are left alone.
@@ -349,8 +363,7 @@ def cleanup_stale(prefix: str = "ringtrain") -> list[str]:
             by_tag.setdefault(parsed[1], []).append(ns)
     removed: list[str] = []
     for tag, names in by_tag.items():
-        pid = int(tag.rsplit("-", 2)[1])
-        if pid_alive(pid) or not _lock_is_free(tag):
+        if not _harness_gone(tag):
             continue
         namespaces = [ns for ns in names if ns in existing]
         _kill_namespace_processes(namespaces)
