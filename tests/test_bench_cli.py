@@ -361,6 +361,36 @@ def test_a_rank_failing_in_the_last_world_size_keeps_the_sizes_finished_and_name
 
 
 @pytest.mark.timeout(60)
+def test_a_network_not_made_for_a_later_world_size_keeps_the_sizes_finished(monkeypatch, tmp_path, capsys):
+    # Before: the error alone (exit 2), and world size 2's rows, timed, were lost.
+    from ringtrain.bench.netem import NetemUnavailable
+
+    failed = "`ip netns add ringtrain-7-1-sw` failed (exit 2): RTNETLINK answers: Cannot allocate memory"
+    ranks_that_fail(monkeypatch, {4: 0}, NetemUnavailable(failed))
+    argv = ALLREDUCE[:3] + ["2,4", *ALLREDUCE[4:5], "4K,64K", *ALLREDUCE[6:]]
+    rc = cli.main(argv + ["--out", str(tmp_path), "--json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 1 and err.strip().endswith(f"ringtrain bench allreduce: {failed}"), err
+    assert [(r["world_size"], r["nbytes"]) for r in doc["rows"]] == [(2, 4 << 10), (2, 64 << 10)]
+    assert doc["notes"][-1] == (f"stopped ({failed}) before the run ended: the rows finished by then, "
+                                "for world size 2 at 4K, 64K (2 of 2 sizes)")
+    assert len(list(tmp_path.glob("allreduce-*.json"))) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_network_not_made_before_any_size_is_the_refusal_it_was(monkeypatch, tmp_path, capsys):
+    from ringtrain.bench.netem import NetemUnavailable
+
+    ranks_that_fail(monkeypatch, {2: 0}, NetemUnavailable("network emulation needs root (running as uid 1000)"))
+    rc = cli.main(ALLREDUCE + ["--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.strip().endswith("ringtrain bench allreduce: network emulation needs root "
+                                            "(running as uid 1000)"), err
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
 def test_a_rank_failing_before_any_size_is_the_one_line_error_it_was(monkeypatch, tmp_path, capsys):
     from ringtrain.bench.procs import RankFailed
 

@@ -228,6 +228,21 @@ def test_a_failure_is_a_one_line_note_with_the_ranks_last_words():
         "Horovod anchor failed: ranks [0, 1] still running after 1s")
 
 
+def test_a_network_not_made_for_the_anchor_is_a_note(monkeypatch):
+    # Before: the anchor's network failing (after the main launch's minutes) ended the whole run,
+    # its rows lost, where a failing anchor is the run's note.
+    from ringtrain.bench.netem import NetemUnavailable
+
+    def emulated(rate, hosts):
+        raise NetemUnavailable("`ip netns add ringtrain-7-1-sw` failed (exit 2): RTNETLINK answers: File exists")
+
+    monkeypatch.setattr(bench_horovod, "emulated", emulated)
+    note = bench_horovod.launch(sys.executable, ["bench", "allreduce", "--horovod-worker", "{}"], 2, rate="1gbit",
+                                timeout=5, on_result=lambda doc: None)
+    assert note == ("Horovod anchor failed: `ip netns add ringtrain-7-1-sw` failed (exit 2): RTNETLINK answers: "
+                    "File exists")
+
+
 # --- the launch, a stand-in playing Horovod's interpreter ------------------------------------
 
 

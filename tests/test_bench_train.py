@@ -267,6 +267,32 @@ def test_a_rank_failing_after_a_model_keeps_that_models_rows_and_names_the_failu
     assert json.loads(Path(doc["saved_to"]).read_text())["rows"] == doc["rows"]
 
 
+def test_a_network_not_made_for_a_parameter_server_job_keeps_the_ring_jobs_rows(monkeypatch, tmp_path, capsys):
+    # Each job has an emulated network of its own; one that could not be made (after the ring
+    # job's minutes) lost every row before: the error alone, exit 2.
+    from ringtrain import cli
+    from ringtrain.bench import train
+    from ringtrain.bench.netem import NetemUnavailable
+
+    failed = "`ip netns add ringtrain-7-1-sw` failed (exit 2): RTNETLINK answers: Cannot allocate memory"
+
+    def launch(module, module_args, nprocs, args, on_result=None):
+        if module != "ringtrain.cli":  # a parameter-server job
+            raise NetemUnavailable(failed)
+        on_result({"rows": [{"model": "mlp", "impl": "alone", "schedule": "no communication",
+                             "median_iter_s": 0.1, "iter_s": [0.1], "world_size": 2}]})
+        return []
+
+    monkeypatch.setattr(train, "_launch", launch)
+    rc = cli.main(["bench", "train", "--models", "mlp", "--world-size", "2", "--no-horovod", "--strategies",
+                   "ring,ps-sync", "--out", str(tmp_path), "--json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 1 and err.strip().endswith(f"ringtrain bench train: {failed}"), err
+    assert [r["model"] for r in doc["rows"]] == ["mlp"]
+    assert doc["notes"][-1] == f"stopped ({failed}) before the run ended: the rows finished by then, of mlp"
+
+
 def test_a_rank_failing_before_any_row_is_the_one_line_error_it_was(monkeypatch, tmp_path, capsys):
     from ringtrain import cli
     from ringtrain.bench import train

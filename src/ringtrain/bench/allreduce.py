@@ -34,6 +34,7 @@ import numpy as np
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import plural, utc_now
+from .netem import NetemUnavailable
 from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, interruption, network, progress, run_ranks, signals_held
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         _measure(world_sizes, cfg, args, notes, rows, horovod)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
         stopped = f"interrupted ({interruption()})"
-    except RankFailed as exc:
+    except (RankFailed, NetemUnavailable) as exc:  # (or a later world size's network that could not be made)
         stopped, failure = f"stopped ({str(exc).splitlines()[0].rstrip(':')})", exc  # (the log tail left out)
     if stopped and not rows:
         if failure is not None:

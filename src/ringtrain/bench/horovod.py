@@ -38,6 +38,7 @@ import time
 from typing import Callable, Iterator, Optional, Sequence
 
 from ..lifecycle import LAUNCHER_ENV
+from .netem import NetemUnavailable
 from .procs import RankFailed, emulated, run_ranks
 
 #: The line the rendezvous helper prints once it listens: ``PORT <number>``.
@@ -155,7 +156,8 @@ def launch(python: str, module_args: Sequence[str], p: int, *, rate: str, timeou
     """Run ``python -m ringtrain.cli <module_args>`` as ``p`` Horovod workers over gloo, on an
     emulated network of ``rate`` ("none": on this host); rank 0's RESULT documents go to
     ``on_result`` as they come. None when every rank ended well, else the note saying what went
-    wrong (a failed rank, the deadline, a rendezvous that did not start): the anchor's failure
+    wrong (a failed rank, the deadline, a rendezvous that did not start, an emulated network that
+    could not be made): the anchor's failure
     is the run's note, not its end. Ctrl-C ends everything and goes on up."""
     env = {"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     try:
@@ -166,7 +168,7 @@ def launch(python: str, module_args: Sequence[str], p: int, *, rate: str, timeou
                 run_ranks("ringtrain.cli", list(module_args), p, timeout=timeout, net=net, extra_env=env,
                           on_result=on_result, python=python,
                           rank_env=lambda rank: worker_env(slots[rank], addr, port, iface))
-    except (RankFailed, RendezvousFailed) as exc:
+    except (RankFailed, RendezvousFailed, NetemUnavailable) as exc:
         return failure_note(exc)
     return None
 

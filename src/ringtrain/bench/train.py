@@ -58,6 +58,7 @@ from ..train import COMPRESSION, check_batch_fits, use_power_sgd
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import check_out_dir, check_ranks, plural, reserve_stamp, run_stamp, utc_now
+from .netem import NetemUnavailable
 from .procs import RankFailed, emit, emulated, interrupted, interruption, network, progress, run_ranks, signals_held
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
@@ -183,7 +184,8 @@ def _run(args: argparse.Namespace, names: list[str], schedules: list[str], strat
         _measure(cfg, names, strategies, args, rows, ps_runs, horovod, notes)
     except KeyboardInterrupt:  # the ranks and namespaces are gone with the with-blocks that made them
         stopped = f"interrupted ({interruption()})"
-    except RankFailed as exc:  # (a rank that failed, or --timeout: its first line says which)
+    except (RankFailed, NetemUnavailable) as exc:  # (a rank that failed, --timeout, or a later job's
+        # network that could not be made: its first line says which)
         stopped, failure = f"stopped ({str(exc).splitlines()[0].rstrip(':')})", exc  # (the log tail left out)
     finally:
         if timelines is not None:
