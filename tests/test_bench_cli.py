@@ -174,6 +174,26 @@ def test_what_the_machine_cannot_hold_is_refused_before_any_rank_starts(argv, me
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, message", [
+    (ALLREDUCE[:3] + ["2,251", *ALLREDUCE[4:]], "--world-sizes: under --net 1gbit each rank is a host of its own, "
+                                                "at most 250 on the emulated network; a job here needs 251"),
+    (TRAIN[:7] + ["249", *TRAIN[8:]] + ["--strategies", "ring,ps-sharded:2"],
+     "--world-size: under --net 1gbit each rank is a host of its own, at most 250 on the emulated network; "
+     "a job here needs 251"),
+])
+def test_more_ranks_than_an_emulated_network_has_hosts_are_refused_before_any_rank_starts(
+        argv, message, monkeypatch, no_ranks, capsys):
+    # Before: a traceback (EmulatedNetwork's ValueError) when the network was made, after the
+    # world sizes (jobs) before it had run, on a machine whose memory holds that many ranks.
+    from ringtrain.bench import machine
+
+    monkeypatch.setattr(machine, "memory_bytes", lambda: 1 << 40)
+    said = refusal(argv + ["--net", "1gbit", "--out", ""], capsys)
+    assert said == f"ringtrain bench {argv[1]}: {message}", said
+    assert no_ranks == []
+
+
+@pytest.mark.timeout(60)
 def test_sizes_take_a_t_suffix():
     assert bench_allreduce.parse_size("1T") == 1 << 40 and bench_allreduce.parse_size("2TiB") == 2 << 40
 

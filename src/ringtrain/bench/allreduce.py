@@ -35,7 +35,8 @@ from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import plural, utc_now
 from .netem import NetemUnavailable
-from .procs import RESULT_PREFIX, RankFailed, emit, emulated, interrupted, interruption, network, progress, run_ranks, signals_held
+from .procs import (RESULT_PREFIX, RankFailed, check_hosts, emit, emulated, interrupted, interruption, network, progress,
+                    run_ranks, signals_held)
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M,64M"
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         return _horovod_worker(json.loads(args.horovod_worker))
     try:
         world_sizes, sizes, algorithms, transports, repeats = _settings(args)
+        check_hosts("--world-sizes", max(world_sizes), args.net)
         warning = _check_machine(world_sizes, sizes)
     except ValueError as exc:
         raise SystemExit(f"ringtrain bench allreduce: {exc}")

@@ -119,6 +119,8 @@ LOCK_DIR = "/run/ringtrain-netem"
 ETC_NETNS = "/etc/netns"
 #: The first three octets of every host address (a /24 that exists only inside the namespaces).
 SUBNET = "10.213.0"
+#: The most hosts one network has (host i is SUBNET.(i+1)).
+MAX_HOSTS = 250
 #: Deadline for one `ip`/`tc` command.
 COMMAND_TIMEOUT_S = 30.0
 #: How long started processes get after SIGTERM before SIGKILL.
@@ -402,8 +404,8 @@ class EmulatedNetwork:
 
     def __init__(self, n_hosts: int, rate: str | None = None, *, prefix: str = "ringtrain",
                  burst_bytes: int | None = None, queue_ms: float = 5.0) -> None:
-        if not isinstance(n_hosts, int) or not 1 <= n_hosts <= 250:
-            raise ValueError(f"n_hosts must be an integer in [1, 250], got {n_hosts!r}")
+        if not isinstance(n_hosts, int) or not 1 <= n_hosts <= MAX_HOSTS:
+            raise ValueError(f"n_hosts must be an integer in [1, {MAX_HOSTS}], got {n_hosts!r}")
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,31}", prefix):
             raise ValueError(f"prefix must be a letter then up to 31 letters, digits or '_', got {prefix!r}")
         self.n_hosts = n_hosts

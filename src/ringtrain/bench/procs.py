@@ -56,6 +56,17 @@ def emulated(rate: str, hosts: int) -> AbstractContextManager:
     return EmulatedNetwork(hosts, rate=rate)
 
 
+def check_hosts(option: str, hosts: int, rate: str) -> None:
+    """Refuse (ValueError naming ``option``) a job of ``hosts`` processes that :func:`emulated` at
+    ``rate`` cannot give a host each: before, the run failed with a traceback when it came to it,
+    after the jobs before it had run."""
+    from .netem import MAX_HOSTS
+
+    if rate != "none" and hosts > MAX_HOSTS:
+        raise ValueError(f"{option}: under --net {rate} each rank is a host of its own, at most {MAX_HOSTS} "
+                         f"on the emulated network; a job here needs {hosts}")
+
+
 def network(rate: str) -> dict | None:
     """What a result file records of the network :func:`emulated` makes at ``rate``: each link's
     shaping (``netem.LinkShape.to_dict``, the defaults EmulatedNetwork takes), so that the run can be

@@ -59,7 +59,8 @@ from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import check_out_dir, check_ranks, plural, reserve_stamp, run_stamp, utc_now
 from .netem import NetemUnavailable
-from .procs import RankFailed, emit, emulated, interrupted, interruption, network, progress, run_ranks, signals_held
+from .procs import (RankFailed, check_hosts, emit, emulated, interrupted, interruption, network, progress, run_ranks,
+                    signals_held)
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 WARMUP_STEPS = 5
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         names, schedules, strategies = _settings(args)
         # the most processes one job starts: the ring's ranks, or the workers and servers of a ps job
         nprocs = args.world_size + max([servers for _, servers in strategies.get("ps", [])], default=0)
+        check_hosts("--world-size", nprocs, args.net)
         warning = check_ranks("--world-size", nprocs)
         out_dir = check_out_dir(args.out) if args.out else None
     except ValueError as exc:
