@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 
 import pytest
 
@@ -408,6 +410,44 @@ def test_a_network_not_made_before_any_size_is_the_refusal_it_was(monkeypatch, t
     assert rc == 2 and err.strip().endswith("ringtrain bench allreduce: network emulation needs root "
                                             "(running as uid 1000)"), err
     assert out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def hangup_ignored():
+    """SIGHUP ignored, as nohup starts a command."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGHUP, before)
+
+
+@pytest.mark.timeout(60)
+def test_under_nohup_a_hang_up_neither_stops_a_benchmark_nor_marks_it_interrupted(
+        monkeypatch, tmp_path, capsys, hangup_ignored):
+    # Before: `nohup ringtrain bench ... &` then the terminal closed: "interrupted; nothing saved",
+    # exit 129 (the command put its own handler over the ignored SIGHUP); and a hang-up while
+    # the result was saved made a finished run's exit 129.
+    from ringtrain.bench import machine
+
+    save = machine.save_result
+
+    def save_hung_up(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGHUP)
+        return save(*args, **kwargs)
+
+    def run_ranks(module, module_args, p, *, timeout, net=None, on_result=None):
+        os.kill(os.getpid(), signal.SIGHUP)  # the terminal closes mid-run
+        doc = {"rows": [{"impl": "gloo", "transport": "gloo", "algorithm": "torch.distributed", "world_size": p,
+                         "nbytes": 4096, "median_s": 1e-4, "times_s": [1e-4], "busbw_GBps": 0.04}]}
+        on_result(doc)
+        return [doc]
+
+    monkeypatch.setattr(bench_allreduce, "run_ranks", run_ranks)
+    monkeypatch.setattr(machine, "save_result", save_hung_up)
+    rc = cli.main(ALLREDUCE + ["--out", str(tmp_path), "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "interrupted" not in err, err
+    assert len(json.loads(out)["rows"]) == 1 and len(list(tmp_path.glob("allreduce-*.json"))) == 1
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 
 @pytest.mark.timeout(60)

@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.procs import AS_INTERRUPT, RankFailed, as_interrupt, interrupted_status
 
     # SIGTERM, SIGHUP (`timeout` ran out, say): a benchmark keeps the rows it finished, as on Ctrl-C.
-    stops = (signal.SIGTERM, signal.SIGHUP) if known.command == "bench" else ()
+    # One ignored stays ignored: under nohup the terminal's hang-up must not stop the run.
+    stops = [sig for sig in ((signal.SIGTERM, signal.SIGHUP) if known.command == "bench" else ())
+             if signal.getsignal(sig) != signal.SIG_IGN]
     AS_INTERRUPT.clear()
     before = {sig: signal.signal(sig, as_interrupt) for sig in stops}
     try:

@@ -218,12 +218,12 @@ def signals_held():
     """Until the block ends, Ctrl-C (and SIGTERM, SIGHUP) is noted instead of acted on, so that a
     run's results are saved whole: a Ctrl-C just after the ranks ended lost every row (and the
     file could be left half-written). Yields the list of the signals that came; on the main thread
-    only (elsewhere the block runs as it is)."""
+    only (elsewhere the block runs as it is). An ignored signal stays ignored (SIGHUP under nohup)."""
     came: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield came
         return
-    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    held = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN]
     previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
     try:
         yield came
