@@ -51,3 +51,29 @@ def test_a_rank_that_failed_without_a_word_is_no_colon_and_blank_line():
             with pytest.raises(RankFailed) as caught:
                 _wait_all([proc], [log], timeout=30)
         assert str(caught.value) == expected
+
+
+@pytest.mark.timeout(60)
+def test_ranks_on_emulated_hosts_use_the_hosts_interface_whatever_this_machine_names(monkeypatch, tmp_path):
+    # GLOO_SOCKET_IFNAME=ens5, right for this machine, went on to the ranks under --net, where each
+    # host has eth0 alone: gloo failed in every rank ("Unable to find address for: ens5").
+    import subprocess
+
+    from ringtrain.bench.procs import run_ranks
+
+    class Hosts:  # stands in for an EmulatedNetwork: what run_ranks asks of it, the ranks started here
+        def addr(self, i):
+            return "127.0.0.1"
+
+        def host_id(self, i):
+            return f"host{i}"
+
+        def popen(self, i, argv, *, env, **kwargs):
+            return subprocess.Popen(argv, env=env, **kwargs)
+
+    (tmp_path / "ifname.py").write_text(
+        "import os\nfrom ringtrain.bench.procs import emit\n"
+        "if os.environ['RANK'] == '0':\n    emit({'ifname': os.environ.get('GLOO_SOCKET_IFNAME')})\n")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ens5")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    assert run_ranks("ifname", [], 2, timeout=30, net=Hosts(), extra_env=env) == [{"ifname": "eth0"}]

@@ -121,6 +121,8 @@ ETC_NETNS = "/etc/netns"
 SUBNET = "10.213.0"
 #: The most hosts one network has (host i is SUBNET.(i+1)).
 MAX_HOSTS = 250
+#: Every host's one interface besides loopback (its end of the link).
+HOST_IFNAME = "eth0"
 #: Deadline for one `ip`/`tc` command.
 COMMAND_TIMEOUT_S = 30.0
 #: How long started processes get after SIGTERM before SIGKILL.
@@ -459,7 +461,7 @@ class EmulatedNetwork:
             raise RuntimeError("EmulatedNetwork is not open: use it as `with EmulatedNetwork(...) as net:`")
         full_env = dict(os.environ if env is None else env)
         full_env[HOST_ID_ENV] = self.host_id(i)
-        full_env.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        full_env.setdefault("GLOO_SOCKET_IFNAME", HOST_IFNAME)
         kwargs["start_new_session"] = True
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *argv], env=full_env, **kwargs)
         self._processes.append(proc)

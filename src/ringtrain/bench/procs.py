@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..lifecycle import LAUNCHER_ENV
+from .netem import HOST_IFNAME
 
 RESULT_PREFIX = "RESULT "
 #: A line rank 0 prints for the user while it runs (see :func:`progress`); shown on stderr at once.
@@ -120,6 +121,8 @@ def run_ranks(
                 renv.update(rank_env(rank) if rank_env is not None else {})
                 if net is not None:
                     renv["RINGTRAIN_HOST_ID"] = net.host_id(rank)
+                    # the host's own interface: one this machine's environment names (ens5) is not there
+                    renv["GLOO_SOCKET_IFNAME"] = HOST_IFNAME
                     procs.append(net.popen(rank, argv, env=renv, stdout=logs[rank], stderr=subprocess.STDOUT))
                 else:
                     procs.append(subprocess.Popen(argv, env=renv, stdout=logs[rank], stderr=subprocess.STDOUT))
