@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 
@@ -534,6 +535,30 @@ def test_read_only_etc_warns_and_still_builds(monkeypatch):
         with EmulatedNetwork(2, prefix=prefix) as net:
             out = net.run(0, ["printenv", "GLOO_SOCKET_IFNAME"], capture_output=True, text=True).stdout
             assert out.strip() == "eth0" and len(_ours(prefix)) == 3
+    assert _ours(prefix) == []
+
+
+@needs_root
+@pytest.mark.timeout(20)
+def test_etc_netns_removed_by_another_network_meanwhile_still_gets_the_hosts_files(monkeypatch):
+    # Another network's close() removes /etc/netns once empty; when that fell between makedirs
+    # making it and making the host's directory in it, this network went on without hosts files.
+    makedirs = os.makedirs
+    raced = []
+
+    def racing(path, *args, **kwargs):
+        if path.startswith(netem.ETC_NETNS + os.sep) and not raced:
+            raced.append(path)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        return makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(netem.os, "makedirs", racing)
+    prefix = _prefix()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with EmulatedNetwork(2, prefix=prefix) as net:
+            assert raced and all(os.path.isfile(os.path.join(netem.ETC_NETNS, ns, "hosts"))
+                                 for ns in net.host_namespaces)
     assert _ours(prefix) == []
 
 

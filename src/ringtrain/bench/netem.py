@@ -304,6 +304,19 @@ def _harness_gone(tag: str) -> bool:
     return not pid_alive(int(tag.rsplit("-", 2)[1]))
 
 
+def _make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, once more when its parent went in between: another
+    network's close() removes /etc/netns once it is empty, which it is until this one's host
+    directory is made in it (before: this network went on without its hosts files, warning)."""
+    for attempt in range(3):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
 def _kill_namespace_processes(namespaces: Sequence[str], deadline_s: float = KILL_GRACE_S) -> None:
     """SIGKILL every process still inside ``namespaces`` and wait (bounded) for them to go."""
     pids: set[int] = set()
@@ -647,7 +660,7 @@ class EmulatedNetwork:
         hostname = socket.gethostname()
         try:
             for i, ns in enumerate(self.host_namespaces):
-                os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
+                _make_dirs(os.path.join(ETC_NETNS, ns))
                 with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
                     f.write(hosts_file(hostname, self.addr(i), identities))
         except OSError as exc:
