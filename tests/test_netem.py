@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -46,18 +47,25 @@ def _root_state() -> tuple:
             listing(netem.ETC_NETNS), listing(netem.LOCK_DIR))
 
 
+def _stable(names: set[str]) -> set[str]:
+    """``names`` without those of other harnesses' networks (namespaces, /etc/netns entries, lock
+    files: ``<prefix>-<pid>-<seq>...``), which those harnesses make and remove while a test runs."""
+    return {n for n in names if not re.fullmatch(r"[A-Za-z]\w*-\d+-\d+(-sw|-h\d+|\.lock)", n)}
+
+
 def _assert_left_as_found(before: tuple, prefix: str) -> None:
     """Root links and qdiscs unchanged; nothing of ``prefix`` left; nothing of others removed.
 
-    (Other sessions may create namespaces meanwhile, so only our own names are compared exactly.)
+    (Other sessions may create namespaces meanwhile, so only our own names are compared exactly;
+    and other harnesses' networks may end meanwhile, so only names no harness makes must stay.)
     """
     after = _root_state()
     assert after[:2] == before[:2]
-    assert before[2] <= after[2] and not [ns for ns in after[2] if ns.startswith(prefix)]
+    assert _stable(before[2]) <= after[2] and not [ns for ns in after[2] if ns.startswith(prefix)]
     for was, now in zip(before[3:], after[3:]):
         assert now is None or not [e for e in now if e.startswith(prefix)]
         assert now is None or was is not None or now  # a directory we created is removed once empty
-        assert was is None or now is not None and was - {e for e in was if e.startswith(prefix)} <= now
+        assert was is None or _stable(was - {e for e in was if e.startswith(prefix)}) <= (now or set())
 
 
 def _gone(pid: int) -> bool:
