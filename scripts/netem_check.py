@@ -5,9 +5,10 @@ Usage (root):  .venv/bin/python scripts/netem_check.py [--mib 128] [--quick] [--
 
 For each configuration it builds a fresh two-host EmulatedNetwork, starts a receiver on
 host 1 and a sender on host 0 (plain Python sockets, one TCP stream, 1 MiB writes) and
-reports the goodput. A fully used link carries TCP payload at 1448/1514 = 95.6% of its
-line rate (tbf counts whole Ethernet frames at MTU 1500), so "of line" near 95.6% means the
-link is saturated; "of frames" divides that share out (100% = every bit of line rate used).
+reports the goodput. A fully used link carries TCP payload at 1448/1538 = 94.1% of its
+line rate (whole Ethernet frames at MTU 1500 and the 24 bytes a real link sends with each:
+bench.netem.ETHERNET_OVERHEAD_BYTES), so "of line" near 94.1% means the link is saturated;
+"of frames" divides that share out (100% = every bit of line rate used).
 Round trips: 1-byte TCP ping-pong, inside one namespace over loopback and between two hosts.
 """
 
@@ -27,7 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ringtrain.bench.netem import EmulatedNetwork, NetemUnavailable  # noqa: E402
 
 PORT = 5201
-PAYLOAD_SHARE = 1448 / 1514  # TCP payload per Ethernet frame: MSS 1448 (timestamps on), frame 1514
+# TCP payload per Ethernet frame on the line: MSS 1448 (timestamps on), frame 1514 + 24 (preamble, FCS, gap)
+PAYLOAD_SHARE = 1448 / 1538
 CHUNK = 1 << 20
 
 

@@ -530,8 +530,8 @@ def test_a_stopped_open_mpi_anchor_gets_sigterm_and_is_waited_for(stops, monkeyp
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv", [ALLREDUCE, TRAIN], ids=["allreduce", "train"])
-@pytest.mark.parametrize("net, tc", [("1gbit", "tbf rate 1000000000bit burst 131072b latency 5ms"),
-                                     ("10gbit", "tbf rate 10000000000bit burst 1310720b latency 5ms"),
+@pytest.mark.parametrize("net, tc", [("1gbit", "tbf rate 984395319bit burst 131072b latency 5ms"),
+                                     ("10gbit", "tbf rate 9843953186bit burst 1310720b latency 5ms"),
                                      ("none", None)])
 def test_the_result_records_the_emulated_links_shaping(argv, net, tc, no_ranks, capsys):
     # The result said "net": "1gbit" and nothing of the tbf burst and queue that decide what small

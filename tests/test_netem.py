@@ -100,10 +100,15 @@ def test_default_burst_meets_the_measured_minimum():
 def test_link_shape_validates_and_writes_tbf():
     shape = LinkShape.for_rate("1gbit")
     assert shape.tbf_command("eth0") == (
-        "qdisc replace dev eth0 root tbf rate 1000000000bit burst 131072b latency 5ms")
+        "qdisc replace dev eth0 root tbf rate 984395319bit burst 131072b latency 5ms")
+    # (the line rate less real Ethernet's 24 bytes per full frame, which tbf does not see)
+    assert shape.rate_bps == 10**9 and shape.frame_rate_bps == round(10**9 * 1514 / 1538)
     assert LinkShape.for_rate("none") is None
     fast = LinkShape.for_rate("10gbit", burst_bytes=8192, queue_ms=2)
-    assert fast.tbf_command("p1").endswith("rate 10000000000bit burst 8192b latency 2ms")
+    assert fast.tbf_command("p1").endswith("rate 9843953186bit burst 8192b latency 2ms")
+    assert LinkShape(rate_bps=10**9, burst_bytes=131072, overhead_bytes=0).tbf().startswith("tbf rate 1000000000bit ")
+    with pytest.raises(ValueError, match="overhead_bytes"):
+        LinkShape(rate_bps=10**9, burst_bytes=131072, overhead_bytes=-1)
     with pytest.raises(ValueError, match="burst_bytes"):
         LinkShape(rate_bps=10**9, burst_bytes=100)
     with pytest.raises(ValueError, match="queue_ms"):

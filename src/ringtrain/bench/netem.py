@@ -164,6 +164,19 @@ def parse_rate(rate: str | None) -> int | None:
     return int(float(match.group(1)) * _RATE_UNITS[match.group(2)])
 
 
+#: What a real Ethernet link sends with each frame beyond the frame the kernel hands it: the
+#: preamble and start delimiter (8), the frame check sequence (4) and the gap (12). With it a
+#: full 1500-byte-MTU link carries TCP payload at 1448/1538 = 94.1% of its rate, as real Gigabit
+#: Ethernet does; tbf counting frames alone carried 1448/1514 = 95.6% (1.6% more than a real
+#: link). tbf's own ``overhead`` cannot count it: it adds it once per packet the qdisc sees,
+#: and a veth hands it GSO packets of up to 45 frames. So the rate tbf enforces is the line
+#: rate scaled by FULL_FRAME_BYTES / (FULL_FRAME_BYTES + overhead): exact for full frames
+#: (bulk transfers), a little generous for small ones.
+ETHERNET_OVERHEAD_BYTES = 24
+#: An Ethernet frame at MTU 1500 as the kernel hands it to the link (header 14, no FCS).
+FULL_FRAME_BYTES = 1514
+
+
 def default_burst_bytes(rate_bps: int) -> int:
     """One millisecond of line rate, rounded up to 64 KiB (128 KiB at 1 Gbit/s, 1.25 MiB at 10 Gbit/s)."""
     one_ms = rate_bps / 8 / 1000
@@ -175,11 +188,13 @@ class LinkShape:
     """How each direction of every host's link is shaped (one tbf qdisc per direction)."""
 
     rate_bps: int
-    """Line rate in bits per second, counted over whole Ethernet frames."""
+    """Line rate in bits per second, counted over whole Ethernet frames and their overhead."""
     burst_bytes: int
     """Token bucket depth: how many bytes may leave back to back at more than the rate."""
     queue_ms: float = 5.0
     """How long a frame may wait in the queue (tbf ``latency``); frames beyond it are dropped."""
+    overhead_bytes: int = ETHERNET_OVERHEAD_BYTES
+    """Bytes a frame costs on the line beyond what the kernel hands the link (ETHERNET_OVERHEAD_BYTES)."""
 
     def __post_init__(self) -> None:
         if self.rate_bps <= 0:
@@ -188,6 +203,8 @@ class LinkShape:
             raise ValueError(f"burst_bytes must be at least 2048 (one frame), got {self.burst_bytes}")
         if not 0 < self.queue_ms <= 1000:
             raise ValueError(f"queue_ms must be in (0, 1000], got {self.queue_ms}")
+        if not 0 <= self.overhead_bytes <= 64:
+            raise ValueError(f"overhead_bytes must be in [0, 64], got {self.overhead_bytes}")
 
     @classmethod
     def for_rate(cls, rate: str | None, *, burst_bytes: int | None = None,
@@ -199,9 +216,16 @@ class LinkShape:
         burst = default_burst_bytes(rate_bps) if burst_bytes is None else burst_bytes
         return cls(rate_bps=rate_bps, burst_bytes=burst, queue_ms=queue_ms)
 
+    @property
+    def frame_rate_bps(self) -> int:
+        """The rate tbf enforces over the frames the kernel hands the link: the line rate less
+        the per-frame overhead of full frames (see ETHERNET_OVERHEAD_BYTES)."""
+        return round(self.rate_bps * FULL_FRAME_BYTES / (FULL_FRAME_BYTES + self.overhead_bytes))
+
     def tbf(self) -> str:
-        """The qdisc and its settings as tc takes them: 'tbf rate 1000000000bit burst 131072b latency 5ms'."""
-        return f"tbf rate {self.rate_bps}bit burst {self.burst_bytes}b latency {self.queue_ms:g}ms"
+        """The qdisc and its settings as tc takes them: 'tbf rate 984395319bit burst 131072b
+        latency 5ms' for 1 Gbit/s."""
+        return f"tbf rate {self.frame_rate_bps}bit burst {self.burst_bytes}b latency {self.queue_ms:g}ms"
 
     def tbf_command(self, dev: str) -> str:
         """The tc batch line that puts this shape on the egress of ``dev``."""
@@ -210,7 +234,8 @@ class LinkShape:
     def to_dict(self) -> dict:
         """What a result file records of the shaping, enough to apply it again by hand."""
         return {"qdisc": "tbf", "rate_bps": self.rate_bps, "burst_bytes": self.burst_bytes,
-                "latency_ms": self.queue_ms, "tc": self.tbf(),
+                "latency_ms": self.queue_ms, "overhead_bytes": self.overhead_bytes,
+                "frame_rate_bps": self.frame_rate_bps, "tc": self.tbf(),
                 "applied_to": "the egress of both ends of every host's link (its eth0 and its switch port)"}
 
 
