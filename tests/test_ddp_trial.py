@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ringtrain import plan as planner
-from ringtrain.ddp.trial import CANDIDATES, VERIFY_MARGIN, VERIFY_ROUNDS, PlanTrial
+from ringtrain.ddp.trial import CANDIDATES, DROP_AFTER, DROP_FACTOR, VERIFY_MARGIN, VERIFY_ROUNDS, PlanTrial
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -203,3 +203,47 @@ def test_every_other_schedule_is_a_candidate_and_wins_where_it_is_fastest():
         trial = fake.trial(times, probe=False, interference=planner.Interference(1e-3, 0.0), bucket_cap_mb=2.0)
         run_trial(trial, fake, {label: 0.2 for label in CANDIDATES} | {winner: 0.1})
         assert trial.kept == winner and len(fake.installed[-1]) == len(by_label[winner]), (trial.kept, fake.installed[-1])
+
+
+def run_counting(trial: PlanTrial, fake: FakeWrapper, forward_backward: dict) -> dict:
+    """run_trial, counting the verify iterations each candidate ran."""
+    counts: dict[str, int] = {}
+
+    class Counting(dict):
+        def __getitem__(self, label):
+            counts[label] = counts.get(label, 0) + 1
+            return forward_backward[label]
+
+    run_trial(trial, fake, Counting())
+    return counts
+
+
+@pytest.mark.parametrize("iterations", [5, 2])
+def test_a_candidate_far_slower_than_the_fastest_is_dropped_and_takes_no_more_turns(iterations):
+    """WFBP over thousands of small parameters runs many times slower than the others: after
+    DROP_AFTER iterations (or its first round, where that is all) it takes no more turns, while
+    the near-equal others run every round."""
+    times, sizes = many_layers()
+    fake = FakeWrapper(sizes)
+    trial = fake.trial(times, iterations=iterations)
+    within = 1 + VERIFY_MARGIN / 2
+    seconds = {label: 0.1 * within for label in CANDIDATES} | {"plan": 0.1, "wfbp": 0.5}
+    counts = run_counting(trial, fake, seconds)
+    assert counts.pop("wfbp") == min(DROP_AFTER, iterations), counts
+    assert set(counts.values()) == {VERIFY_ROUNDS * iterations}, counts
+    assert trial.kept == "plan"
+    wfbp, = [c for c in trial.record if c["label"] == "wfbp"]
+    assert wfbp["rounds"] == 1 and wfbp["median_s"] == pytest.approx(0.5) and not wfbp["kept"]
+    assert any("dropped from the trial" in line for line in fake.logged)
+    assert fake.in_force == len(fake.installed) - 1 and len(fake.installed[-1]) == trial.record[0]["groups"]
+
+
+def test_a_candidate_within_drop_factor_is_timed_to_the_end():
+    times, sizes = many_layers()
+    fake = FakeWrapper(sizes)
+    trial = fake.trial(times, iterations=5)
+    within = 1 + VERIFY_MARGIN / 2
+    seconds = {label: 0.1 * within for label in CANDIDATES} | {"plan": 0.1, "wfbp": 0.1 * DROP_FACTOR}
+    counts = run_counting(trial, fake, seconds)
+    assert set(counts.values()) == {VERIFY_ROUNDS * 5}, counts
+    assert not any("dropped" in line for line in fake.logged)
