@@ -527,14 +527,14 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
     g = 1  # the count of groups of the plans this pass makes (every count at once without per_message)
     while True:
         before = passes[-1]
-        made = {key: [] for key in root} if counted else {key: [value] for key, value in root.items()}
+        made = _Columns(root, keep=not counted)
         delay_messages = slow.per_message * (g - 1)
         for j in range(1, n + 1):
             if counted:  # the plans of g - 1 groups over prefixes < j
                 upto = int(np.searchsorted(before["covers"], j))
                 e_before, q_before, i = before["push"][:upto], before["pull"][:upto], before["covers"][:upto]
             else:  # every plan kept so far
-                e_before, q_before, i = (np.concatenate(made[key]) for key in ("push", "pull", "covers"))
+                e_before, q_before, i = (made.view(key) for key in ("push", "pull", "covers"))
             if not len(i):
                 continue
             if table is None:
@@ -554,10 +554,8 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
                 order = np.lexsort((q, e))
                 lows = np.minimum.accumulate(np.concatenate(([np.inf], q[order][:-1])))
                 kept = order[q[order] < lows]
-            for key, value in (("push", e[kept]), ("pull", q[kept]), ("covers", np.full(len(kept), j)),
-                               ("first", i[kept]), ("parent", kept)):
-                made[key].append(value)
-        this = {key: np.concatenate(value) if value else root[key][:0] for key, value in made.items()}
+            made.append(push=e[kept], pull=q[kept], covers=np.full(len(kept), j), first=i[kept], parent=kept)
+        this = {key: made.view(key) for key in root}
         passes.append(this)
         whole = np.flatnonzero(this["covers"] == n)
         if len(whole):
@@ -588,6 +586,32 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
         if counted:
             p -= 1
     return groups[::-1]
+
+
+class _Columns:
+    """The plans one pass of :func:`_optimal_groups_drained` keeps, column by column, appended in
+    place (capacity doubled as needed), so that the plans kept so far are a view, not a
+    concatenation of every prefix's arrays at every prefix: that made the pass without counts
+    quadratic in Python calls (3,000 layers: 2.2 s of 3.9 s in ``np.concatenate``)."""
+
+    __slots__ = ("cols", "size")
+
+    def __init__(self, root: dict, keep: bool):
+        self.size = len(root["push"]) if keep else 0
+        self.cols = {key: np.concatenate((value[:self.size], np.empty(16, dtype=value.dtype)))
+                     for key, value in root.items()}
+
+    def append(self, **values: np.ndarray) -> None:
+        n, end = len(values["push"]), self.size + len(values["push"])
+        for key, value in values.items():
+            col = self.cols[key]
+            if end > len(col):
+                col = self.cols[key] = np.concatenate((col[:self.size], np.empty(2 * end, dtype=col.dtype)))
+            col[self.size:end] = value
+        self.size += n
+
+    def view(self, key: str) -> np.ndarray:
+        return self.cols[key][:self.size]
 
 
 def _last_group(ends: np.ndarray, backward: np.ndarray, tail: float) -> int:
