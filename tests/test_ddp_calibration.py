@@ -498,21 +498,44 @@ def test_without_interference_takes_out_the_modelled_delays():
 
 
 def test_fit_comm_slowdown_recovers_the_factor():
-    from ringtrain.plan import Interference, evaluate
+    from ringtrain.plan import Interference, LinearCost, end_times, evaluate
 
     times, sizes = [1e-3] * 12, [4e5] * 12
     slow = Interference(2e-4, 1e-9)
     probes = [cal.probe_groups(12, 24), cal.probe_groups(12, 3)]
+    calls = []
+
+    def model_ends(grid, groups):
+        calls.append(len(grid))
+        return end_times(times, sizes, groups, grid, cost=LinearCost(1e-4, 1e-8), interference=slow)
 
     def model_end(s, groups):
         return evaluate(times, sizes, groups, 1e-4, 1e-8, interference=Interference(2e-4, 1e-9, s)).end_time
 
     measured = [model_end(0.8, g) for g in probes]
-    fit = cal.fit_comm_slowdown(model_end, probes, measured, slow)
+    fit = cal.fit_comm_slowdown(model_ends, probes, measured, slow)
     assert fit.comm_slowdown == pytest.approx(0.8) and fit.per_message == 2e-4 and fit.per_byte == 1e-9
+    # The whole grid in one call per probe (one evaluation per slowdown and probe took 1 s on
+    # 3,000 parameters: 903 of them).
+    assert calls == [len(cal.COMM_SLOWDOWN_GRID)] * len(probes)
     # no slowdown measured: none fitted; a probe without a measurement: left as it was
-    assert cal.fit_comm_slowdown(model_end, probes, [model_end(0.0, g) for g in probes], slow).comm_slowdown == 0.0
-    assert cal.fit_comm_slowdown(model_end, probes, [float("nan"), 1.0], slow) is slow
+    assert cal.fit_comm_slowdown(model_ends, probes, [model_end(0.0, g) for g in probes], slow).comm_slowdown == 0.0
+    assert cal.fit_comm_slowdown(model_ends, probes, [float("nan"), 1.0], slow) is slow
+
+
+def test_end_times_are_evaluates_end_time_for_every_slowdown_bit_for_bit():
+    from ringtrain.plan import Interference, LinearCost, SplitCost, end_times, evaluate
+
+    rng = np.random.default_rng(5)
+    times, sizes = rng.uniform(1e-5, 1e-3, 300), rng.uniform(1e2, 1e6, 300)
+    cost = SplitCost(LinearCost(7e-5, 2e-10), LinearCost(4e-5, 1.8e-10), 65536)
+    for groups in (cal.probe_groups(300, 96), cal.probe_groups(300, 3), [(0, 299)], [(k, k) for k in range(300)]):
+        for slow in (Interference(), Interference(1e-4, 3e-9, 7.0)):
+            got = end_times(times, sizes, groups, cal.COMM_SLOWDOWN_GRID, cost=cost, interference=slow)
+            want = [evaluate(times, sizes, groups, cost=cost, interference=Interference(slow.per_message, slow.per_byte,
+                                                                                        float(s))).end_time
+                    for s in cal.COMM_SLOWDOWN_GRID]
+            assert got.tolist() == want
 
 
 def test_a_model_of_many_layers_gets_a_third_probe(caplog):

@@ -18,7 +18,9 @@ Words used here:
 - *timing model*: communication is one stream. Group g starts at
   ``max(ready[last of g], end of group g-1)`` and ends ``cost(bytes of g)`` later. The
   plan's ``end_time`` is the end of its last allreduce. :func:`evaluate` is the only place
-  this model is written down; every method builds a grouping and asks evaluate for its timing.
+  this model is written down (its walk of the groups, ``_stream``, also gives
+  :func:`end_times` for many slowdowns at once); every method builds a grouping and asks
+  evaluate for its timing.
 - *drain* (optional, ``drain(nbytes) -> seconds``): what an exchange takes after it leaves the
   stream, overlapping the next one: a parameter server's pull of the last partitions of a push
   (``ringtrain.sim.costs``, ``AllreduceCost.drain``; ``cost`` is then its occupancy of the
@@ -686,23 +688,11 @@ def _evaluate(
     costs = _cost_array(cost, nbytes)
     drains = None if drain is None else _cost_array(drain, nbytes)
     starts, ends = [], []
-    prev_end = pull_end = 0.0
-    end0 = float(ready[-1]) if len(ready) else 0.0  # backward's end from compute alone
-    last_group = len(groups) - 1
-    for g, (first, last) in enumerate(zip(firsts, lasts)):
-        if not slow.is_zero:  # the interference of groups 0..g-1 (module docstring)
-            ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
-        start = max(ready[last], prev_end)
-        # Backward's end as known at this launch: delayed by the launches up to this one (the
-        # last group, launched after backward, by those before it: it is not slowed).
-        if g < last_group:
-            until = end0 + (slow.per_message * (g + 1) + slow.per_byte * prefix[last + 1])
-        else:
-            until = end0 + (slow.per_message * g + slow.per_byte * prefix[first])
-        prev_end = _end(start, costs[g], until, slow.comm_slowdown)
-        end = prev_end
+    pull_end = 0.0
+    for g, start, push_end in _stream(ready, prefix, firsts, lasts, costs, slow, slow.comm_slowdown):
+        end = push_end
         if drains is not None:  # the pulls' stream (the drained program's expressions)
-            pull_end = end = max(pull_end, prev_end) + drains[g]
+            pull_end = end = max(pull_end, push_end) + drains[g]
         starts.append(float(start))
         ends.append(float(end))
     return Plan(
@@ -717,11 +707,58 @@ def _evaluate(
     )
 
 
+def _stream(ready: np.ndarray, prefix: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, costs: np.ndarray,
+            slow: Interference, comm_slowdown):
+    """Each group's ``(g, start, end)`` on the one stream (the module docstring's model), with
+    ``slow``'s launch delays added to ``ready`` in place and ``comm_slowdown`` (a float, or an
+    array: then starts and ends are arrays, one value per slowdown, with the same float
+    operations element by element)."""
+    prev_end = 0.0
+    end0 = float(ready[-1]) if len(ready) else 0.0  # backward's end from compute alone
+    last_group = len(firsts) - 1
+    later = np.maximum if isinstance(comm_slowdown, np.ndarray) else max  # (the builtin: faster on scalars)
+    for g, (first, last) in enumerate(zip(firsts, lasts)):
+        if not slow.is_zero:  # the interference of groups 0..g-1 (module docstring)
+            ready[first:last + 1] += slow.per_message * g + slow.per_byte * prefix[first]
+        start = later(ready[last], prev_end)
+        # Backward's end as known at this launch: delayed by the launches up to this one (the
+        # last group, launched after backward, by those before it: it is not slowed).
+        if g < last_group:
+            until = end0 + (slow.per_message * (g + 1) + slow.per_byte * prefix[last + 1])
+        else:
+            until = end0 + (slow.per_message * g + slow.per_byte * prefix[first])
+        prev_end = _end(start, costs[g], until, comm_slowdown)
+        yield g, start, prev_end
+
+
+def end_times(backward_times: Sequence[float], sizes_bytes: Sequence[float], groups: Sequence[tuple[int, int]],
+              comm_slowdowns: Sequence[float], *, cost: CostFn, interference: Interference | None = None) -> np.ndarray:
+    """``evaluate(...).end_time`` of ``groups`` for every ``comm_slowdown`` in
+    ``comm_slowdowns`` (``interference``'s own ignored), bit for bit, in one walk of the groups
+    (a fit over a grid of slowdowns: :func:`ringtrain.ddp.calibration.fit_comm_slowdown`)."""
+    times, sizes = _check_layers(backward_times, sizes_bytes)
+    pairs = _group_pairs(groups)
+    _check_groups(pairs, len(times))
+    slowdowns = np.array([_float_or_inf(s) for s in comm_slowdowns], dtype=np.float64)
+    if not (np.all(np.isfinite(slowdowns)) and np.all(slowdowns >= 0.0)):
+        raise ValueError(f"comm_slowdowns must be finite and >= 0, got {list(comm_slowdowns)!r}")
+    given = _check_interference(interference)
+    slow = Interference(given.per_message, given.per_byte)  # (the slowdowns are the array's)
+    ready, prefix = np.cumsum(times), _prefix(sizes)
+    firsts = np.array([g[0] for g in pairs], dtype=np.int64)
+    lasts = np.array([g[1] for g in pairs], dtype=np.int64)
+    costs = _cost_array(cost, prefix[lasts + 1] - prefix[firsts])
+    end = np.zeros(len(slowdowns))
+    for _, _, end in _stream(ready, prefix, firsts, lasts, costs, slow, slowdowns):
+        pass
+    return np.broadcast_to(end, slowdowns.shape).astype(np.float64)
+
+
 def _end(start, cost, backward_end, comm_slowdown: float):
     """End of an allreduce of ``cost`` started at ``start``: ``comm_slowdown`` times slower until
     ``backward_end``, full speed after (module docstring). Scalars or arrays, the same float
     operations either way (the planner's program and _evaluate must agree to the bit)."""
-    if not comm_slowdown:
+    if not isinstance(comm_slowdown, np.ndarray) and not comm_slowdown:
         return start + cost
     during = np.minimum(cost, np.maximum(backward_end - start, 0.0) / (1.0 + comm_slowdown))
     return start + cost + comm_slowdown * during

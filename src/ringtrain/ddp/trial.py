@@ -36,7 +36,6 @@ interference fitted on rank 0 and broadcast), so every rank lays out the same bu
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
@@ -279,8 +278,7 @@ class PlanTrial:
                                             medians[:k] - medians[k])
         times, sizes = self.times, self.sizes
         slow = calibration.fit_comm_slowdown(
-            lambda s, groups: planner.evaluate(times, sizes, groups, cost=self.cost,
-                                               interference=dataclasses.replace(slow, comm_slowdown=s)).end_time,
+            lambda grid, groups: planner.end_times(times, sizes, groups, grid, cost=self.cost, interference=slow),
             [p.groups for p in probes], medians[k + 1:], slow)
         fitted = np.array([slow.per_message, slow.per_byte, slow.comm_slowdown], dtype=np.float64)
         self._agree("interference fit", fitted, "broadcast")
