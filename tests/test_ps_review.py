@@ -914,3 +914,38 @@ def test_a_push_reads_its_own_groups_partitions_not_every_shard():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     ps.close()
     join_all(started)
+
+
+def test_a_push_of_many_small_partitions_is_stepped_in_runs_not_one_by_one(monkeypatch):
+    """Before: a synchronous server counted, stepped, copied for undo and streamed back every
+    partition of a push alone (one optimizer step and one PARAMS message each: 1,500 a step per
+    server at 3,000 small parameters). Now runs of at least STEP_RUN_BYTES: one here, where the
+    whole model is smaller; runs of that size where it is set lower. The parameters are torch SGD's."""
+    from ringtrain.ps import server as server_module
+
+    for run_bytes, runs in ((None, [40]), (200, [4] * 10)):  # 40 partitions of 64 B
+        if run_bytes is not None:
+            monkeypatch.setattr(server_module, "STEP_RUN_BYTES", run_bytes, raising=False)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4, bias=False) for _ in range(40)])
+        ref = torch.nn.Sequential(*[torch.nn.Linear(4, 4, bias=False) for _ in range(40)])
+        ref.load_state_dict(model.state_dict())
+        server, thread, out = start_server()
+        applied = []
+        apply = server._apply
+        monkeypatch.setattr(server, "_apply", lambda ids, *a: (applied.append(len(ids)), apply(ids, *a))[1])
+        ps = worker([server.endpoint], model=model, momentum=0.9, schedule="single")
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for s in range(3):
+            x = torch.full((2, 4), float(s + 1)) / 10
+            ref.zero_grad(set_to_none=True)
+            ref(x).pow(2).sum().backward()
+            opt.step()
+            model(x).pow(2).sum().backward()
+            ps.step()
+        ps.wait()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        ps.close()
+        thread.join(10)
+        assert sum(applied) == 3 * 40
+        assert applied[-2 * len(runs):] == runs * 2, applied  # the last two steps: one push each, in runs

@@ -82,6 +82,11 @@ from .sharding import layout_digest, make_layout, partition_count
 log = logging.getLogger(__name__)
 
 _NOTHING = object()  # (the send loop: no item taken ahead)
+#: A synchronous push's partitions are counted (stepped, streamed back) as they arrive, in runs
+#: of at least this many bytes: a partition of 4 MiB alone, 64 KiB of small ones together. One
+#: at a time, a push of many small tensors took one optimizer step, undo copy and PARAMS message
+#: per partition: 1,500 a step per server at 3,000 parameters (server CPU 300-600 ms a step).
+STEP_RUN_BYTES = 64 << 10
 
 
 class _SaveRefused(Exception):
@@ -599,10 +604,15 @@ class ParameterServer:
             got.update(ids)
             self._took(w, head, ids)
             return
-        for i in ids:  # each partition counts the moment it is in: it may complete now
+        run, nbytes = [], 0
+        for k, i in enumerate(ids):  # each run of partitions counts the moment it is in: it may complete now
             self._read_values(ch, [i], self._grads[w])
-            got.add(i)
-            self._took(w, head, [i])
+            run.append(i)
+            nbytes += 4 * self.numel_of[i]
+            if nbytes >= STEP_RUN_BYTES or k == len(ids) - 1:
+                got.update(run)
+                self._took(w, head, run)
+                run, nbytes = [], 0
 
     def _check_lr(self, w: int, head, lr: float) -> None:
         """Every message of one step carries the same learning rate: synchronous, every worker's
