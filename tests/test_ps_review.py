@@ -949,3 +949,30 @@ def test_a_push_of_many_small_partitions_is_stepped_in_runs_not_one_by_one(monke
         thread.join(10)
         assert sum(applied) == 3 * 40
         assert applied[-2 * len(runs):] == runs * 2, applied  # the last two steps: one push each, in runs
+
+
+def test_the_first_step_pushes_once_after_backward_so_the_plan_times_backward_alone(monkeypatch):
+    """Before: the first step pushed every parameter alone from its gradient hook, and that work
+    went into the backward gaps the plan is made from: 3,000 small parameters were planned into
+    ~900-1,300 pushes a step. Now the first step's gradients go out in one push once backward
+    has ended (as DistributedDataParallel profiles with one bucket)."""
+    server, thread, out = start_server()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(10)])
+    ps = worker([server.endpoint], model=model, momentum=0.9)
+    pushes = []
+    push = ps._push_group
+
+    def counted(g):
+        pushes.append((ps.step_count, len(ps._groups[g]), len(ps._stamps)))
+        push(g)
+
+    monkeypatch.setattr(ps, "_push_group", counted)
+    for s in range(2):
+        model(torch.full((2, 4), float(s + 1))).pow(2).sum().backward()
+        ps.step()
+    ps.wait()
+    first = [p for p in pushes if p[0] == 0]
+    assert first == [(0, 20, 20)], first  # one push of the 20 parameters, after the last gradient's stamp
+    ps.close()
+    thread.join(10)
