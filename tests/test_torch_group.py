@@ -435,6 +435,31 @@ def test_closed_group_refuses_calls():
     assert on_group(2, fn) == [True, True]
 
 
+def test_a_group_dropped_unclosed_ends_its_worker_thread():
+    """A group let go without close() (a notebook cell that makes one again) ends its worker
+    when collected: each left a thread waiting for ever on its queue (20 groups, 20 threads)."""
+    import gc
+
+    def fn(comm):
+        for _ in range(20):
+            pg = TorchProcessGroup(comm)
+            dist.all_reduce(torch.ones(2), group=pg)
+            del pg
+        gc.collect()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and _pg_threads(comm.rank):
+            time.sleep(0.01)
+        return _pg_threads(comm.rank)
+
+    assert raise_first(run_comms(2, fn)) == [0, 0]
+
+
+def _pg_threads(rank: int) -> int:
+    import threading
+
+    return sum(t.name == f"ringtrain-pg-rank{rank}" for t in threading.enumerate())
+
+
 def test_the_group_holds_a_work_until_it_has_run_and_been_asked_for(monkeypatch):
     """torch before 2.13 (seen with 2.4.1) reaches a Python work's get_future only while the Python
     object lives (C++'s reference does not keep it): there the group holds each work until it has

@@ -33,6 +33,7 @@ import queue
 from collections import deque
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -261,6 +262,9 @@ class TorchProcessGroup(dist.ProcessGroup):
         self.algorithm = algorithm
         self._owns_comm = owns_comm
         self._worker: Optional[_Worker] = _Worker(f"ringtrain-pg-rank{comm.rank}")
+        # A group dropped unclosed ends its worker when collected (the worker holds no reference
+        # to the group); without, each such group's thread waited for ever on its empty queue.
+        self._finalizer = weakref.finalize(self, self._worker.stop, 0.0)
         self._name: Optional[str] = None  # (set by torch for the groups it registers: setGroupName)
         self._desc = ""
 
@@ -453,6 +457,7 @@ class TorchProcessGroup(dist.ProcessGroup):
         the group owns it. Idempotent."""
         worker, self._worker = self._worker, None
         if worker is not None:
+            self._finalizer.detach()
             worker.stop(self.comm.timeout if timeout is None else timeout)
             if self._owns_comm:
                 self.comm.close()
