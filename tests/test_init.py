@@ -101,6 +101,29 @@ def _check(results, p, user_group=False):
             np.testing.assert_array_equal(out["user_group"], np.full(3, p, dtype=np.float32))
 
 
+def _after_a_job_elsewhere_job(rank, world_size, port):
+    """Rank 0's process first ran a job at another endpoint (a job whose peer died, say; here one
+    of one rank); rank 1 is a fresh process. They meet at ``port``."""
+    import ringtrain
+    from mp_harness import free_port
+
+    if rank == 0:
+        ringtrain.init(0, 1, "127.0.0.1", free_port(), transport="tcp", timeout=5).close()
+    comm = ringtrain.init(rank, world_size, "127.0.0.1", port, transport="tcp", timeout=5, join_timeout=5)
+    buf = np.full(3, rank + 1.0)
+    comm.allreduce(buf)
+    comm.close()
+    return buf.tolist()
+
+
+@pytest.mark.timeout(40)
+def test_a_job_at_a_new_endpoint_meets_fresh_processes_whatever_this_process_made_before():
+    # The communicators were counted in all, not by endpoint: rank 0 keyed its second one "2" and
+    # the fresh rank 1 its first "1", and both waited out the join timeout ("rank 1 of 2 never
+    # arrived"): a process that outlives its peers (a notebook, a driver) could make no new job.
+    assert run_ranks(_after_a_job_elsewhere_job, 2, timeout=30) == [[3.0] * 3] * 2
+
+
 @pytest.mark.timeout(30)
 def test_a_rank_that_never_arrives_is_a_comm_timeout_after_the_join_timeout():
     import time

@@ -31,7 +31,7 @@ from . import store_probe
 from .errors import CommTimeout, RendezvousError
 
 _HANDSHAKE_GRACE = 0.5  # seconds past the deadline that torch's client may take to give up itself
-_generation = 0  # how many communicators this process has created (equal on every rank)
+_generations: dict[tuple[str, int], int] = {}  # communicators this process made per endpoint (equal on every rank)
 _stores: dict[tuple[str, int], dist.Store] = {}  # one TCPStore per master endpoint, reused
 
 
@@ -105,11 +105,13 @@ def _int_arg(name: str, value, env_value, default=None) -> int:
 def connect_store(info: JobInfo, timeout: float) -> dist.Store:
     """A store shared by all ranks of the job, prefixed for one new communicator.
 
-    Every rank must call it the same number of times (the prefix counts the calls).
+    Every rank must call it the same number of times for this endpoint (the prefix counts the
+    calls). Counted by endpoint, not in all: a job on a new MASTER_PORT, whose ranks are new
+    processes (a peer that died, restarted), starts at 1 on every rank, as they do.
     """
-    global _generation
-    _generation += 1
-    return dist.PrefixStore(f"ringtrain/{_generation}/", job_store(info, timeout))
+    key = (info.master_addr, info.master_port)
+    _generations[key] = generation = _generations.get(key, 0) + 1
+    return dist.PrefixStore(f"ringtrain/{generation}/", job_store(info, timeout))
 
 
 def job_store(info: JobInfo, timeout: float) -> dist.Store:
