@@ -73,3 +73,37 @@ def test_a_worker_that_raises_without_close_exits_1_not_aborted(tmp_path):
         assert "terminate called" not in err and done.returncode == 1, f"run {run}: exit {done.returncode}\n{err[-3000:]}"
         assert "ValueError: the worker gives up" in err, err[-3000:]
         assert "link threads alive at exit: []" in err, f"run {run}:\n{err[-3000:]}"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_dropped_without_close_lets_go_of_its_threads_connection_and_hooks():
+    """A worker the script lets go unclosed (a notebook cell run again) is collected: its link
+    threads end, its connection closes (the server ends, its worker gone) and its hooks leave the
+    module. Before, the threads held the worker: each dropped worker kept its 2 threads and a
+    socket per server for ever, and its hooks on a module still in use."""
+    import gc
+    import threading
+    import time
+
+    import torch
+    from torch import nn
+
+    from ringtrain.ps import ParameterServerTraining
+
+    server, thread, _ = start_server(SECRET.encode(), timeout=10.0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    pst = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=1, secret=SECRET.encode(),
+                                  lr=0.05, timeout=10.0)
+    for _ in range(2):
+        pst(torch.randn(16, 4)).pow(2).mean().backward()
+        pst.step()
+    del pst
+    gc.collect()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(t.name.startswith("ps-w") for t in threading.enumerate()):
+        time.sleep(0.02)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("ps-w")] == []
+    thread.join(15)
+    assert not thread.is_alive(), "the server still waits for the dropped worker"
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())

@@ -303,7 +303,9 @@ def test_a_send_refused_by_a_closed_server_raises_what_the_server_said_before_cl
     import socket
     import threading
 
-    from ringtrain.ps.worker import PSOptions, _Link
+    import weakref
+
+    from ringtrain.ps.worker import PSOptions, _Link, _link_loop
     from ringtrain.transport import wire
 
     ours, servers_end = socket.socketpair()
@@ -315,14 +317,14 @@ def test_a_send_refused_by_a_closed_server_raises_what_the_server_said_before_cl
     worker.worker, worker.opts, worker._shards = 0, PSOptions(), [[]]
     worker._cond, worker._error, worker._closed = threading.Condition(), None, False
 
-    def late_receiver(link):
+    def late_receiver(me, link, sending):
         time.sleep(0.3)
-        worker._receiver(link)
+        _link_loop(me, link, sending)
 
     link.jobs.put(("bye",))
     link.jobs.put(None)
-    for target in (worker._sender, late_receiver):  # (started, then listed: as the worker does)
-        link.threads.append(threading.Thread(target=target, args=(link,), daemon=True))
+    for target, sending in ((_link_loop, True), (late_receiver, False)):  # (started, then listed: as the worker does)
+        link.threads.append(threading.Thread(target=target, args=(weakref.ref(worker), link, sending), daemon=True))
         link.threads[-1].start()
     for t in link.threads:
         t.join(10)

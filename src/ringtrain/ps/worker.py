@@ -231,6 +231,53 @@ def _stop_links(links: list[_Link], *, close: bool = True) -> None:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+def _let_go(handles: list, links: list[_Link]) -> None:
+    """A worker never closed, collected or at the interpreter's exit: its hooks off the module,
+    its links' threads ended (``_stop_links(close=False)``; a thread that finds the worker
+    collected closes its link's connection, ``_link_loop``)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+    _stop_links(links, close=False)
+
+
+def _call(me: weakref.ref, name: str, *args: Any) -> Any:
+    """Method ``name`` of the worker ``me`` holds weakly (a hook on the user's module, which must
+    not keep a worker alive); nothing once it is gone."""
+    worker = me()
+    return None if worker is None else getattr(worker, name)(*args)
+
+
+def _link_loop(me: weakref.ref, link: _Link, sending: bool) -> None:
+    """A link's sender or receiver thread. It holds the worker weakly while it waits (for a job
+    to send, or a message to read), so that a worker dropped unclosed is collected and its
+    finalizer ends the thread; held by its threads, such a worker kept them, its connections
+    and its hooks on the module for ever."""
+    try:
+        while True:
+            item = link.jobs.get() if sending else _next_header(link)
+            worker = me()
+            if worker is None:  # collected unclosed (its finalizer woke this thread): the connection goes now
+                link.ch.close()
+                return
+            if item is None:
+                return
+            if not (worker._send(link, item) if sending else worker._receive(link, item)):
+                return
+            del worker
+    finally:
+        if not sending:
+            link.received_all.set()
+
+
+def _next_header(link: _Link) -> Any:
+    """The next message's header from ``link``'s server, or the exception reading it raised."""
+    try:
+        return link.ch.recv_header(None)
+    except (EOFError, CommError, OSError) as exc:
+        return exc
+
+
 class ParameterServerTraining:
     """Train ``module`` against parameter servers; see the module docstring for the loop."""
 
@@ -297,7 +344,7 @@ class ParameterServerTraining:
         self._step_lr: Optional[float] = None  # the learning rate this step's pushes carry (from its forward)
         self._links = self._connect(servers)
         # Stops the link threads at exit where close() never came (_stop_links).
-        self._at_exit = weakref.finalize(self, _stop_links, self._links, close=False)
+        self._at_exit = weakref.finalize(self, _let_go, self._handles, self._links)
         # (until then a wait may be on a worker still connecting: _deadline)
         self._joining_until = time.monotonic() + self.opts.join_s + 2 * self.opts.timeout
         try:
@@ -308,9 +355,9 @@ class ParameterServerTraining:
             bounds = [link.max_staleness for link in self._links]
             self._joined_after = self.step_count + (0 if None in bounds else max(bounds) + 1)
             for link in self._links:
-                for target in (self._sender, self._receiver):
-                    t = threading.Thread(target=target, args=(link,), daemon=True,
-                                         name=f"ps-w{worker}-s{link.k}-{target.__name__}")
+                for role in ("_sender", "_receiver"):
+                    t = threading.Thread(target=_link_loop, args=(weakref.ref(self), link, role == "_sender"),
+                                         daemon=True, name=f"ps-w{worker}-s{link.k}-{role}")
                     t.start()
                     link.threads.append(t)
             self._reset_groups()
@@ -404,16 +451,17 @@ class ParameterServerTraining:
 
     def _install_hooks(self) -> None:
         index = {id(p): i for i, p in enumerate(self.params)}
+        me = weakref.ref(self)  # (the module's hooks hold the worker weakly: _call)
         for i, p in enumerate(self.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: _call(me, "_grad_ready", i)))
         self._owners: list[set[int]] = [set() for _ in self.params]  # ids of the modules holding each
-        self._handles.append(self.module.register_forward_pre_hook(lambda _m, _args: self._wait_outside()))
+        self._handles.append(self.module.register_forward_pre_hook(lambda _m, _args: _call(me, "_wait_outside")))
         for m in self.module.modules():
             own = sorted({index[id(p)] for p in m.parameters(recurse=False) if id(p) in index})
             for i in own:
                 self._owners[i].add(id(m))
             if own:
-                self._handles.append(m.register_forward_pre_hook(partial(self._module_called, own)))
+                self._handles.append(m.register_forward_pre_hook(partial(_call, me, "_module_called", own)))
 
     def _module_called(self, own: list[int], module: nn.Module, _args: Any) -> None:
         """A module's forward pre-hook: wait for its own parameters (returns None: the inputs stay)."""
@@ -762,7 +810,7 @@ class ParameterServerTraining:
         self._closed = True
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles.clear()  # (the list the finalizer holds)
         self._at_exit.detach()
         _stop_links(self._links)
 
@@ -779,73 +827,73 @@ class ParameterServerTraining:
                 pass
 
     # --- threads --------------------------------------------------------------------------------
-    def _sender(self, link: _Link) -> None:
+    def _send(self, link: _Link, job: tuple) -> bool:
+        """Send one of ``link``'s jobs (``_link_loop``); False once the link failed (told)."""
         try:
-            while True:
-                job = link.jobs.get()
-                if job is None:
-                    return
-                kind = job[0]
-                if kind == "push":
-                    _, step, version, ids, views, lr = job
-                    link.ch.send(P.PUSH, worker=self.worker, step=step, version=version, lr=lr, ids=ids, values=views)
-                elif kind == "pull":
-                    link.ch.send(P.PULL, worker=self.worker, step=job[1])
-                elif kind == "save":
-                    link.ch.send(P.SAVE, worker=self.worker, step=job[1], extra=job[2])
-                elif kind == "bye":
-                    link.ch.send(P.BYE, worker=self.worker)
+            kind = job[0]
+            if kind == "push":
+                _, step, version, ids, views, lr = job
+                link.ch.send(P.PUSH, worker=self.worker, step=step, version=version, lr=lr, ids=ids, values=views)
+            elif kind == "pull":
+                link.ch.send(P.PULL, worker=self.worker, step=job[1])
+            elif kind == "save":
+                link.ch.send(P.SAVE, worker=self.worker, step=job[1], extra=job[2])
+            elif kind == "bye":
+                link.ch.send(P.BYE, worker=self.worker)
+            return True
         except (CommError, OSError) as exc:
             error = exc if isinstance(exc, CommError) else PeerLost(f"{link.ch.peer} is gone ({exc})")
             if isinstance(error, PeerLost):  # (the receiver reads the server's last word, if it said one)
                 link.received_all.wait(min(REASON_GRACE_S, self.opts.timeout))
             self._fail(error, link)
+            return False
 
-    def _receiver(self, link: _Link) -> None:
+    def _receive(self, link: _Link, head: Any) -> bool:
+        """Take one message from ``link``'s server (``head``: its header, or the exception that
+        reading it raised; ``_link_loop``); False once the receiver is done."""
         shard = self._shards[link.k]
         try:
-            while True:
-                try:
-                    head = link.ch.recv_header(None)
-                except EOFError:
-                    if link.bye is not None or self._closed:
-                        return
-                    raise PeerLost(f"{link.ch.peer} closed the connection (the server died or was stopped)") from None
-                if head.kind == P.PARAMS:
-                    ids = link.ch.recv_ids(head, len(shard)).tolist()
-                    parts = [self._part.get(j) for j in ids]
-                    if (len(set(ids)) != len(ids) or any(p is None or p.server != link.k for p in parts)
-                            or head.body != 4 * len(ids) + 4 * sum(p.numel for p in parts)):
-                        raise ProtocolError(f"{link.ch.peer} sent PARAMS that do not match its shard")
-                    for p in parts:
-                        link.ch.recv_into(numpy_of(self._flat(self.params[p.param])[p.start: p.stop]))
-                        with self._cond:
-                            self._arrived[p.id] = head.step
-                            self._cond.notify_all()
-                    link.version = head.version
-                    self._note_live(head.extra, link)
-                elif head.kind == P.SAVED:
-                    why = None
-                    if head.extra or head.body:  # a save that failed, and why
-                        why = str(link.ch.recv_json(head).get("error"))[:2000]
+            if isinstance(head, EOFError):
+                if link.bye is not None or self._closed:
+                    return False
+                raise PeerLost(f"{link.ch.peer} closed the connection (the server died or was stopped)") from None
+            if isinstance(head, BaseException):
+                raise head
+            if head.kind == P.PARAMS:
+                ids = link.ch.recv_ids(head, len(shard)).tolist()
+                parts = [self._part.get(j) for j in ids]
+                if (len(set(ids)) != len(ids) or any(p is None or p.server != link.k for p in parts)
+                        or head.body != 4 * len(ids) + 4 * sum(p.numel for p in parts)):
+                    raise ProtocolError(f"{link.ch.peer} sent PARAMS that do not match its shard")
+                for p in parts:
+                    link.ch.recv_into(numpy_of(self._flat(self.params[p.param])[p.start: p.stop]))
                     with self._cond:
-                        link.save_error = why
-                        link.saved = head.step
+                        self._arrived[p.id] = head.step
                         self._cond.notify_all()
-                elif head.kind == P.BYE:
-                    stats = link.ch.recv_json(head)
-                    with self._cond:
-                        link.bye = stats
-                        self._cond.notify_all()
-                    return
-                else:
-                    raise ProtocolError(f"{link.ch.peer} sent {head.name}, which servers do not send")
+                link.version = head.version
+                self._note_live(head.extra, link)
+            elif head.kind == P.SAVED:
+                why = None
+                if head.extra or head.body:  # a save that failed, and why
+                    why = str(link.ch.recv_json(head).get("error"))[:2000]
+                with self._cond:
+                    link.save_error = why
+                    link.saved = head.step
+                    self._cond.notify_all()
+            elif head.kind == P.BYE:
+                stats = link.ch.recv_json(head)
+                with self._cond:
+                    link.bye = stats
+                    self._cond.notify_all()
+                return False
+            else:
+                raise ProtocolError(f"{link.ch.peer} sent {head.name}, which servers do not send")
+            return True
         except CommError as exc:
             self._fail(exc, link)
         except OSError as exc:
             self._fail(PeerLost(f"{link.ch.peer} is gone ({exc})"), link)
-        finally:
-            link.received_all.set()
+        return False
 
     def _note_live(self, live: int, link: _Link) -> None:
         if live < self._live:
