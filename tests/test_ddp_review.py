@@ -239,6 +239,36 @@ def test_a_dropped_wrapper_is_collected_its_thread_ends_and_its_hooks_go():
         assert all(not h for h in hooks)
 
 
+def test_a_wrapper_dropped_after_a_failed_backward_is_collected_and_its_thread_ends():
+    """A script that starts again after a peer's failure (a new communicator and wrapper; the old
+    ones dropped) leaves no thread behind. The communication thread held its last job while it
+    waited for the next: the failed job's error, raised through the wrapper's frames, held the
+    wrapper, so it was never collected and its thread never ended, one per failure."""
+    from ringtrain.comm import Communicator
+    from ringtrain.transport.local import run_threads
+
+    def body(transport):
+        comm = Communicator(transport, timeout=10.0)
+        model = make_model("mlp")
+        ddp = DistributedDataParallel(model, comm, **FAST)
+        x, y = rank_batch("mlp", 0, 2, comm.rank)
+        error = None
+        if comm.rank == 1:
+            comm.abort(ValueError("rank 1 gives up"))
+        else:
+            try:
+                nn.functional.mse_loss(ddp(x), y).backward()
+            except CommError as exc:
+                error = type(exc).__name__
+        ref, thread = weakref.ref(ddp), ddp._thread._thread
+        del ddp, comm
+        gc.collect()
+        thread.join(5.0)
+        return error, ref() is None, thread.is_alive()
+
+    assert raise_first(run_threads(2, body, timeout=60.0)) == [("CommError", True, False), (None, True, False)]
+
+
 # --- 5. a trace file that cannot be written ---------------------------------------------------------
 
 def test_a_trace_file_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path):

@@ -100,6 +100,9 @@ class CommThread:
             job.ended = time.perf_counter()
             job.fn = None  # drop references to buffers once done
             job._done.set()
+            # Not held while waiting for the next: a failed job's error, raised in the wrapper's
+            # frames too, holds the wrapper, which then was never collected, nor this thread ended.
+            del job
 
 
 def settle_all(jobs: Sequence[Job], timeout: float) -> None:
