@@ -454,6 +454,41 @@ def test_a_group_dropped_unclosed_ends_its_worker_thread():
     assert raise_first(run_comms(2, fn)) == [0, 0]
 
 
+def test_a_group_dropped_after_a_failed_call_is_collected_and_its_worker_ends():
+    """A script that starts again after a peer's failure (a new communicator and group, the old
+    ones dropped) leaves nothing behind. The failed call's error reached the group through its
+    frames (the job's closure; the caller's, where wait() raised it) and was kept where the
+    garbage collector does not look (torch's future, and the error its callback raised, whose
+    context it was) and by the worker as its latest work: the group was never collected."""
+    import gc
+    import weakref
+
+    from ringtrain.comm import Communicator
+    from ringtrain.transport.local import run_threads
+
+    def body(transport):
+        comm = Communicator(transport, timeout=10.0)
+        pg = TorchProcessGroup(comm)
+        error = None
+        if comm.rank == 1:
+            comm.abort(ValueError("rank 1 gives up"))
+        else:
+            try:
+                dist.all_reduce(torch.ones(3), group=pg)
+            except CommError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        ref = weakref.ref(pg)
+        del pg, comm
+        gc.collect()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and _pg_threads(transport.rank):
+            time.sleep(0.01)
+        return error, ref() is None, _pg_threads(transport.rank)
+
+    assert raise_first(run_threads(2, body, timeout=60.0)) == [("CommError: rank 1 aborted: ValueError: rank 1 gives up", True, 0),
+                                                                   (None, True, 0)]
+
+
 def _pg_threads(rank: int) -> int:
     import threading
 

@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import math
 import queue
 from collections import deque
@@ -65,13 +66,15 @@ class _Work(dist._Work):
     """One call's work. ``future`` is torch's own, for DDP and ``then`` chains; ``raw`` holds the
     job's result or its exception object, which ``wait()`` raises as it was."""
 
-    def __init__(self, result, worker: threading.Thread, drain: Callable[[], None], live: dict):
+    def __init__(self, result, worker: threading.Thread, drain: Callable[[], None], live: dict,
+                 forget: Callable[["_Work"], None]):
         super().__init__()
         self._result = result
         self._worker = worker
         self._drain = drain  # runs the queued jobs, on the worker thread (see wait)
         self.done = threading.Event()  # set once raw is: a wait on it, unlike torch's, ends on Ctrl-C
         self.raw: torch.futures.Future = torch.futures.Future()
+        self.error: Optional[Exception] = None  # the job's, raised by wait() (raw holds a copy: _detached)
         # A callback that raises marks the future it returns as failed in torch's C++ sense, which
         # DDP's reducer and then() chains see; raw.set_exception alone would read there as success.
         self.future = self.raw.then(lambda f: f.value())
@@ -83,6 +86,7 @@ class _Work(dist._Work):
         # garbage collector would take) until it has run and been asked for (get_future, wait).
         # (Not under the torch versions checked to need none: a work dropped unasked is freed.)
         self._live = live
+        self._forget = forget  # (the worker lets go of its latest work once it has run and been asked for)
         if HOLD_WORKS:
             live[id(self)] = self
         self._asked = False
@@ -90,6 +94,7 @@ class _Work(dist._Work):
     def _release_if_done(self) -> None:
         if self._asked and self.raw.done():
             self._live.pop(id(self), None)
+            self._forget(self)
 
     def wait(self, timeout: Optional[timedelta | float] = None) -> bool:
         """Until the job has run (each job is bounded by the communicator's timeout, those queued
@@ -112,7 +117,8 @@ class _Work(dist._Work):
                 raise CommTimeout(f"ringtrain's process group: the call did not finish within {seconds:g} s "
                                   "(work.wait's timeout)")
         self._release_if_done()
-        self.raw.wait()  # (raises the job's error)
+        if self.error is not None:
+            raise self.error
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -125,13 +131,7 @@ class _Work(dist._Work):
 
     def exception(self) -> Optional[BaseException]:
         """The job's error once it has run (None: none, or not run yet), as torch's deprecated call."""
-        if not self.raw.done():
-            return None
-        try:
-            self.raw.value()
-        except Exception as exc:  # noqa: BLE001 - handed back, not raised
-            return exc
-        return None
+        return self.error if self.raw.done() else None
 
     def is_success(self) -> bool:
         """Whether the job has run without error (torch's deprecated call)."""
@@ -140,6 +140,17 @@ class _Work(dist._Work):
     def result(self):
         self.wait()
         return self._result
+
+
+def _detached(error: Exception) -> Exception:
+    """``error`` for torch's future: a copy of the same type and text, without the traceback.
+    The future keeps what it is given where the garbage collector does not look, and the error
+    itself reaches the group through its frames (the job's closure; the caller's, once wait()
+    raised it): a group dropped after a failed call was never collected, nor its thread ended."""
+    try:
+        return copy.copy(error)  # (args and attributes; not the traceback, cause or context)
+    except Exception:  # noqa: BLE001 - an exception type that does not copy: its name and text
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _seconds(timeout: Optional[timedelta | float]) -> float:
@@ -178,7 +189,7 @@ class _Worker:
         with self._lock:
             if self._stopped:
                 raise RuntimeError(closed)
-            work = _Work(result, self._thread, self._run_queued, self._live)
+            work = _Work(result, self._thread, self._run_queued, self._live, self._forget)
             # A work not asked for (wait, get_future) by the next call may be asked later from
             # C++ (RECENT_WORKS): held. One asked at once (a synchronous call, a comm hook's
             # bucket, whose tensors can be large) is not.
@@ -192,6 +203,13 @@ class _Worker:
         self._run_queued()  # (a call from a callback on this thread: see the class docstring)
         self._run_one(job, work)
         return work
+
+    def _forget(self, work: _Work) -> None:
+        """``work`` has run and been asked for: no longer held as the latest (its error, raised in
+        the caller's frames, holds them, the group among them)."""
+        with self._lock:
+            if self._last is work:
+                self._last = None
 
     def wait_idle(self, timeout: float) -> bool:
         """Until every job submitted so far has run and its future completed (callbacks
@@ -229,9 +247,13 @@ class _Worker:
             job()
         except BaseException as exc:  # noqa: BLE001 - kept for the caller's wait()
             # (torch's futures carry an Exception; a job's SystemExit, say, goes as a RuntimeError)
-            work.raw.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-        else:
+            work.error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+        # (out of the except block: the future's callbacks run in set_exception, and an error they
+        # raised there would hold this one as its context)
+        if work.error is None:
             work.raw.set_result(work._result)
+        else:
+            work.raw.set_exception(_detached(work.error))
         work.done.set()
         work._release_if_done()
         with self._idle:
