@@ -496,3 +496,19 @@ def test_the_host_id_is_the_hostname_with_the_node_rank_where_torchrun_started_s
     assert host_id(GROUP_RANK="0", GROUP_WORLD_SIZE="1") == host  # one node: the hostname, as before
     assert host_id(GROUP_RANK="1", GROUP_WORLD_SIZE="2") == f"{host}/node1"
     assert host_id(GROUP_RANK="1", GROUP_WORLD_SIZE="2", RINGTRAIN_HOST_ID="rack3-a") == "rack3-a"
+
+
+def test_the_unauthenticated_warning_is_given_once_per_job_endpoint_in_a_process(monkeypatch, caplog):
+    # Before: a loop making communicators without RINGTRAIN_SECRET warned at every init() (150
+    # copies in a loop of 150); another endpoint is another job, and is warned of again.
+    import logging
+
+    from ringtrain import rendezvous, session
+
+    monkeypatch.setattr(session, "_WARNED_UNAUTHENTICATED", set())
+    caplog.set_level(logging.WARNING, logger="ringtrain.session")
+    for port in (29611, 29611, 29611, 29612):
+        session.warn_if_unauthenticated(rendezvous.JobInfo(0, 2, "127.0.0.1", port, "h", None))
+    session.warn_if_unauthenticated(rendezvous.JobInfo(0, 2, "127.0.0.1", 29613, "h", b"secret"))
+    said = [r.getMessage() for r in caplog.records if r.name == "ringtrain.session"]
+    assert [m.split("reach ")[1].split(" ")[0] for m in said] == ["127.0.0.1:29611", "127.0.0.1:29612"], said

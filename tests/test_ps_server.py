@@ -282,9 +282,11 @@ def test_rank_0_of_a_parameter_server_job_warns_where_the_ranks_do_not_authentic
     # The ring's rank 0 warned (ringtrain.init()); a parameter-server job without RINGTRAIN_SECRET said nothing.
     import logging
 
+    from ringtrain import session
     from ringtrain.ps import worker_from_env
 
     as_torchrun_rank_0(monkeypatch, world_size=2)
+    monkeypatch.setattr(session, "_WARNED_UNAUTHENTICATED", set())  # (warned once per endpoint in a process)
     if secret is None:
         monkeypatch.delenv("RINGTRAIN_SECRET", raising=False)
     else:

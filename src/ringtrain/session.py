@@ -86,9 +86,15 @@ def agree_on_setup(store, info: rendezvous.JobInfo, transport: str) -> None:
                             f"({ranks_by_value(nodes)}); give every node's launcher the same --nnodes")
 
 
+_WARNED_UNAUTHENTICATED: set[tuple[str, int]] = set()  # the endpoints warned of in this process
+
+
 def warn_if_unauthenticated(info: rendezvous.JobInfo) -> None:
-    """On rank 0 of a job of several ranks without RINGTRAIN_SECRET, one warning saying so."""
-    if info.secret is None and info.world_size > 1 and info.rank == 0:
+    """On rank 0 of a job of several ranks without RINGTRAIN_SECRET, one warning saying so: once
+    per job endpoint in a process (a loop making communicators there repeated it at each)."""
+    endpoint = (info.master_addr, info.master_port)
+    if info.secret is None and info.world_size > 1 and info.rank == 0 and endpoint not in _WARNED_UNAUTHENTICATED:
+        _WARNED_UNAUTHENTICATED.add(endpoint)
         log.warning("RINGTRAIN_SECRET is not set: the %d ranks do not authenticate each other, so anyone who "
                     "can reach %s:%d and the ranks' ports can join or feed this job (`ringtrain launch` "
                     "sets a secret; under torchrun set the same RINGTRAIN_SECRET on every node)",
