@@ -107,3 +107,61 @@ def test_a_worker_dropped_without_close_lets_go_of_its_threads_connection_and_ho
     assert not thread.is_alive(), "the server still waits for the dropped worker"
     assert not any(m._forward_pre_hooks for m in model.modules())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_collected_on_its_own_receiver_thread_lets_go_quietly(monkeypatch):
+    """A worker let go unclosed is collected where the garbage collector happens to run: often on
+    its receiver thread, which allocates for every message. Its finalizer then runs there. Before:
+    it joined every link thread, that one too ('Exception ignored in: <finalize object ...>
+    RuntimeError: cannot join current thread'; the threads listed after it not waited for)."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from ringtrain.ps import ParameterServerTraining
+    from ringtrain.ps import worker as worker_module
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.exc_value}"))
+    armed, dropped, collected = threading.Event(), threading.Event(), threading.Event()
+    next_header = worker_module._next_header
+
+    def collecting_next_header(link):  # (the receiver, between messages: a collection there)
+        if armed.is_set():
+            dropped.wait(10)
+            gc.collect()
+            collected.set()
+        return next_header(link)
+
+    monkeypatch.setattr(worker_module, "_next_header", collecting_next_header)
+    server, thread, _ = start_server(SECRET.encode(), timeout=10.0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    pst = ParameterServerTraining(model, servers=[server.endpoint], worker=0, workers=1, secret=SECRET.encode(),
+                                  lr=0.05, timeout=10.0)
+    me = weakref.ref(pst)
+    gc.disable()  # (collections on the receiver thread only)
+    try:
+        for step in range(2):
+            if step:
+                armed.set()
+            pst(torch.randn(16, 4)).pow(2).mean().backward()
+            pst.step()
+            pst.wait()
+        del pst
+        dropped.set()
+        assert collected.wait(10)
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(t.name.startswith("ps-w") for t in threading.enumerate()):
+        time.sleep(0.02)
+    assert me() is None and [t.name for t in threading.enumerate() if t.name.startswith("ps-w")] == []
+    assert unraisable == []
+    thread.join(15)
+    assert not thread.is_alive(), "the server still waits for the dropped worker"

@@ -226,9 +226,11 @@ def _stop_links(links: list[_Link], *, close: bool = True) -> None:
         else:
             link.ch.shut_reading()
     deadline = time.monotonic() + JOIN_S
+    here = threading.current_thread()  # (a worker collected on one of its own link threads: not waited for)
     for link in links:
         for t in link.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            if t is not here:
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _let_go(handles: list, links: list[_Link]) -> None:
