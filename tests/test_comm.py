@@ -582,3 +582,14 @@ def test_a_flat_view_of_a_tensor_keeps_the_tensor_and_shares_its_memory():
     view[:] += 100
     assert view.tolist() == [103.0, 104.0, 105.0, 106.0, 107.0] and view.base.tensor.tolist() == view.tolist()
     assert flat_view(torch.zeros(0, 3)).array.shape == (0,)
+
+
+def test_a_flat_view_of_a_conjugated_or_negated_view_is_refused_not_its_raw_memory():
+    # (Tensor.numpy() refused them; numpy_of, which replaced it, read the raw memory: z.conj()
+    # gave the unconjugated values. The collectives resolve such a buffer before (writable_buffer).)
+    from ringtrain.collectives.ops import flat_view
+
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    for view in (z.conj(), torch.tensor([1.0, 2.0])._neg_view()):
+        with pytest.raises(ValueError, match="conjugate or negative bit"):
+            flat_view(view)

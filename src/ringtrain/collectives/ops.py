@@ -168,6 +168,9 @@ def numpy_of(tensor: Any) -> np.ndarray:
     tensor (a reused buffer; a comm hook's bucket, as torch's batched PowerSGD) then fails with
     "Trying to resize storage that is not resizable" (gloo's collectives leave it resizable).
     TypeError for a dtype numpy has not (bfloat16: view it as int16 first)."""
+    if tensor.is_conj() or tensor.is_neg():  # (its memory holds other values than it shows)
+        raise ValueError("a tensor whose conjugate or negative bit is set has no numpy view of its values: "
+                         "pass t.resolve_conj().resolve_neg() and copy the result back")
     if tensor.numel() == 0:  # (no memory to point at: a null pointer numpy may refuse)
         return tensor.detach().new_empty(0).numpy()
     dtype = np.dtype(_NUMPY_OF_TORCH.get(str(tensor.dtype).removeprefix("torch."), "object"))
