@@ -882,6 +882,20 @@ def test_a_workers_parameters_and_gradients_can_still_be_resized_after_training(
         grad.resize_(p.numel() + 16)
 
 
+def _three_steps_as_torch_sgd(ps, model, ref, x) -> None:
+    """Three steps of ``ps`` (training ``model``) on x, 2x, 3x, and of torch's SGD (lr 0.1,
+    momentum 0.9) on ``ref``, a copy of ``model``: the parameters must end bitwise equal."""
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for s in range(3):
+        ref.zero_grad(set_to_none=True)
+        ref(x * (s + 1)).pow(2).sum().backward()
+        opt.step()
+        model(x * (s + 1)).pow(2).sum().backward()
+        ps.step()
+    ps.wait()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
 def test_a_push_reads_its_own_groups_partitions_not_every_shard():
     """Before: each push walked every server's whole shard for its group's partitions, so a step
     of P parameters pushed one group each (the first step; plans of many small groups after it)
@@ -901,17 +915,8 @@ def test_a_push_reads_its_own_groups_partitions_not_every_shard():
             return super().__iter__()
 
     ps._shards = [Counting(shard) for shard in ps._shards]
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for s in range(3):
-        x = torch.full((2, 3), float(s + 1))
-        ref.zero_grad(set_to_none=True)
-        ref(x).pow(2).sum().backward()
-        opt.step()
-        model(x).pow(2).sum().backward()
-        ps.step()
-    ps.wait()
+    _three_steps_as_torch_sgd(ps, model, ref, torch.ones(2, 3))
     assert walks[0] == 0, f"the shards were walked {walks[0]} times in 3 steps"
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     ps.close()
     join_all(started)
 
@@ -935,16 +940,7 @@ def test_a_push_of_many_small_partitions_is_stepped_in_runs_not_one_by_one(monke
         apply = server._apply
         monkeypatch.setattr(server, "_apply", lambda ids, *a: (applied.append(len(ids)), apply(ids, *a))[1])
         ps = worker([server.endpoint], model=model, momentum=0.9, schedule="single")
-        opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        for s in range(3):
-            x = torch.full((2, 4), float(s + 1)) / 10
-            ref.zero_grad(set_to_none=True)
-            ref(x).pow(2).sum().backward()
-            opt.step()
-            model(x).pow(2).sum().backward()
-            ps.step()
-        ps.wait()
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        _three_steps_as_torch_sgd(ps, model, ref, torch.full((2, 4), 0.1))
         ps.close()
         thread.join(10)
         assert sum(applied) == 3 * 40
