@@ -104,3 +104,43 @@ def test_no_halving_doubling_rank_starts_by_only_receiving(p):
     for pos in range(p):
         for n in (0, 1, 7):
             assert schedule.halving_doubling_plan(n, p, pos)[0].sends, (p, pos, n)
+
+
+def _composite_calls(hosts: list[str], algorithm_of):
+    """As _calls, over the ``auto`` transport of a cluster: shm among a host's ranks, tcp between hosts."""
+    from ringtrain.transport.composite import CompositeTransport
+    from ringtrain.transport.shm import ShmTransport
+    from ringtrain.transport.tcp import TcpTransport
+
+    world, store, prefix = len(hosts), dist.HashStore(), f"c{time.monotonic_ns()}"
+
+    def body(rank: int):
+        same = [r for r in range(world) if hosts[r] == hosts[rank]]
+        shm = ShmTransport.connect(rank, world, store, timeout=10, prefix=prefix + "shm/", peers=same)
+        tcp = TcpTransport.connect(rank, world, store, secret=None, timeout=10, host_ids=hosts, prefix=prefix + "tcp/")
+        comm = Communicator(CompositeTransport(rank, world, {r: shm for r in same if r != rank}, tcp),
+                            timeout=TIMEOUT, host_ids=hosts)
+        start = time.monotonic()
+        try:
+            comm.allreduce(np.zeros(6, np.float32), algorithm=algorithm_of(rank))
+            return "returned", time.monotonic() - start, ""
+        except Exception as exc:  # noqa: BLE001 - the result
+            return type(exc).__name__, time.monotonic() - start, str(exc)
+        finally:
+            comm.close()
+
+    return on_threads(world, body, timeout=60)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hosts, odd, theirs, ours", [("aabb", 3, "ring", "halving_doubling"),
+                                                      ("aabb", 2, "central", "hierarchical"),
+                                                      ("aabbb", 3, "central", "ring"),
+                                                      ("aabbb", 4, "halving_doubling", "central")])
+def test_over_the_auto_transport_across_hosts_a_mismatch_is_told_over_the_idle_half_too(hosts, odd, theirs, ours):
+    """An exchange over one half of the auto transport (shm within a host, tcp between hosts)
+    watched only that half: a mismatched message or an abort waiting on the other half was not
+    seen, and ranks waited out the deadline (transport.base, also_watch)."""
+    results = _composite_calls(list(hosts), lambda rank: ours if rank == odd else theirs)
+    assert all(name in ("MismatchError", "PeerLost") and took < TIMEOUT / 2 for name, took, _ in results), results
+    assert any(name == "MismatchError" for name, _, _ in results), results

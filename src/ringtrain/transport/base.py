@@ -180,6 +180,15 @@ class Transport(abc.ABC):
     name: str = "?"
     rank: int
     world_size: int
+    #: Called with the call header while an exchange waits (local: every 10 ms; shm: its idle
+    #: checks; tcp: every 10 ms once the exchange has waited WATCH_AFTER): CompositeTransport
+    #: sets it to its idle half's :meth:`watch` during an exchange over the other half alone.
+    also_watch: Optional[Callable[[CallHeader], None]] = None
+
+    def watch(self, header: CallHeader) -> None:
+        """Look at every peer without blocking, outside any exchange of this transport: a peer's
+        abort is its error here, a message of this call waiting with another call header a
+        MismatchError (*watching*). Only while no exchange of this transport runs."""
 
     @abc.abstractmethod
     def exchange(

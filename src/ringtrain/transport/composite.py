@@ -31,9 +31,9 @@ class CompositeTransport(Transport):
         far_s = [s for s in sends if s.peer not in self.near]
         far_r = [r for r in recvs if r.peer not in self.near]
         if not (near_s or near_r):
-            return self.far.exchange(far_s, far_r, header, deadline)
+            return self._alone(self.far, self.near_transport, far_s, far_r, header, deadline)
         if not (far_s or far_r):
-            return self.near_transport.exchange(near_s, near_r, header, deadline)
+            return self._alone(self.near_transport, self.far, near_s, near_r, header, deadline)
         errors: list[BaseException] = []
 
         def far_part() -> None:
@@ -54,6 +54,21 @@ class CompositeTransport(Transport):
         worker.join()
         if errors:
             raise errors[0]
+
+    @staticmethod
+    def _alone(used: Transport, idle: Transport | None, sends: Sequence[Send], recvs: Sequence[Recv],
+               header: CallHeader, deadline: float) -> None:
+        """An exchange over one half: while it waits it also watches the idle half's peers
+        (transport.base, *watching*), which no other thread uses meanwhile; without that, ranks
+        that disagree about a call's peers (different algorithms) could wait on each other with
+        the proof unread on the other half until the deadline."""
+        if idle is None:
+            return used.exchange(sends, recvs, header, deadline)
+        used.also_watch = idle.watch
+        try:
+            used.exchange(sends, recvs, header, deadline)
+        finally:
+            used.also_watch = None
 
     def abort(self, error: BaseException) -> None:
         for t in (self.near_transport, self.far):

@@ -64,6 +64,8 @@ class LocalTransport(Transport):
                 break
             except queue.Empty:
                 self._watch(r.peer, header)
+                if self.also_watch is not None:
+                    self.also_watch(header)
                 if time.monotonic() >= deadline:
                     raise CommTimeout(
                         f"rank {self.rank}: no message from rank {r.peer} within the deadline during {header.describe()}"
@@ -85,6 +87,9 @@ class LocalTransport(Transport):
             np.copyto(r.buf, incoming)
         else:
             r.reduce(r.buf, incoming)
+
+    def watch(self, header: CallHeader) -> None:
+        self._watch(-1, header)
 
     def _watch(self, waited: int, header: CallHeader) -> None:
         """The other peers' queues, while waiting on ``waited``'s (transport.base, *watching*)."""

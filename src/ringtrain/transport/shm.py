@@ -396,11 +396,16 @@ class ShmTransport(Transport):
                 f"rank {self.rank}: rank {peer} (pid {self._procs[peer].pid}) died during {header.describe()}"
             )
         self._watch({i.peer for i in ins}, header)
+        if self.also_watch is not None:
+            self.also_watch(header)
         if time.monotonic() >= deadline:
             peer, _, _, what = waiting[0]
             raise CommTimeout(
                 f"rank {self.rank}: timed out waiting for rank {peer} to {what} during {header.describe()}"
             )
+
+    def watch(self, header: CallHeader) -> None:
+        self._watch(set(), header)
 
     def _watch(self, receiving: set, header: CallHeader) -> None:
         """The inboxes of the peers this exchange does not receive from (transport.base,

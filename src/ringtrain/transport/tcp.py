@@ -72,6 +72,9 @@ ABORT_BUDGET = 1.0
 #: (transport.base, *watching*); quick exchanges never pay for registering them.
 WATCH_AFTER = 0.05
 
+#: How often an exchange that has waited WATCH_AFTER calls ``also_watch`` (transport.base).
+ALSO_WATCH_EVERY = 0.01
+
 _IN = select.POLLIN | select.POLLPRI
 _OUT = select.POLLOUT
 _BAD = select.POLLERR | select.POLLHUP | select.POLLNVAL
@@ -459,6 +462,9 @@ class TcpTransport(Transport):
                 watch_at = None
                 self._watch_the_rest(poller, sends, recvs, threaded, watch_abort)
             left = remaining(deadline) if watch_at is None else min(remaining(deadline), remaining(watch_at))
+            if watch_at is None and self.also_watch is not None:  # (the other transport's peers too)
+                self.also_watch(header)
+                left = min(left, ALSO_WATCH_EVERY)
             events = poller.poll(max(0, math.ceil(left * 1000))) if left > 0 else poller.poll(0)
             if not events and remaining(deadline) <= 0:
                 raise self._timeout({**sends, **threaded}, recvs, header)
@@ -493,6 +499,11 @@ class TcpTransport(Transport):
             if conn.dead is None and not conn.reading and fd not in sends and fd not in recvs and fd not in threaded:
                 watch_abort.add(fd)
                 poller.register(fd, _IN)
+
+    def watch(self, header: CallHeader) -> None:
+        for conn in list(self._conns.values()):
+            if conn.dead is None:
+                self._peek_abort(conn, header, time.monotonic(), closed_ok=True)
 
     def _by_fd(self, fd: int) -> _Conn:
         return next(conn for conn in self._conns.values() if conn.fd == fd)
