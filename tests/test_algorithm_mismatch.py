@@ -29,6 +29,18 @@ def _connect(kind: str, rank: int, world: int, store, prefix: str):
     return TcpTransport.connect(rank, world, store, secret=None, timeout=10, host_ids=["h"] * world, prefix=prefix)
 
 
+def _allreduce_once(comm: Communicator, algorithm: str, length: int = 6):
+    """(error type name or "returned", seconds, text) of one allreduce on ``comm``, which it closes."""
+    start = time.monotonic()
+    try:
+        comm.allreduce(np.zeros(length, np.float32), algorithm=algorithm)
+        return "returned", time.monotonic() - start, ""
+    except Exception as exc:  # noqa: BLE001 - the result
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    finally:
+        comm.close()
+
+
 def _calls(kind: str, world: int, algorithm_of, length_of=lambda rank: 6):
     """Each rank's (error type name, seconds, text) for one allreduce with its own algorithm and length."""
     store = LocalHub(world) if kind == "local" else dist.HashStore()
@@ -37,14 +49,7 @@ def _calls(kind: str, world: int, algorithm_of, length_of=lambda rank: 6):
     def body(rank: int):
         t = _connect(kind, rank, world, store, prefix)
         comm = Communicator(t, timeout=TIMEOUT)
-        start = time.monotonic()
-        try:
-            comm.allreduce(np.zeros(length_of(rank), np.float32), algorithm=algorithm_of(rank))
-            return "returned", time.monotonic() - start, ""
-        except Exception as exc:  # noqa: BLE001 - the result
-            return type(exc).__name__, time.monotonic() - start, str(exc)
-        finally:
-            comm.close()
+        return _allreduce_once(comm, algorithm_of(rank), length_of(rank))
 
     return on_threads(world, body, timeout=60)
 
@@ -85,14 +90,7 @@ def test_a_rank_that_waits_first_on_central_s_master_is_a_mismatch_on_every_rank
 
     def body(rank: int):
         comm = Communicator(store.transport(rank), timeout=TIMEOUT, host_ids=["a", "b", "b"])
-        start = time.monotonic()
-        try:
-            comm.allreduce(np.zeros(6, np.float32), algorithm=odd if rank == 1 else "central")
-            return "returned", time.monotonic() - start, ""
-        except Exception as exc:  # noqa: BLE001 - the result
-            return type(exc).__name__, time.monotonic() - start, str(exc)
-        finally:
-            comm.close()
+        return _allreduce_once(comm, odd if rank == 1 else "central")
 
     _told_at_once(on_threads(world, body, timeout=60))
 
@@ -120,14 +118,7 @@ def _composite_calls(hosts: list[str], algorithm_of):
         tcp = TcpTransport.connect(rank, world, store, secret=None, timeout=10, host_ids=hosts, prefix=prefix + "tcp/")
         comm = Communicator(CompositeTransport(rank, world, {r: shm for r in same if r != rank}, tcp),
                             timeout=TIMEOUT, host_ids=hosts)
-        start = time.monotonic()
-        try:
-            comm.allreduce(np.zeros(6, np.float32), algorithm=algorithm_of(rank))
-            return "returned", time.monotonic() - start, ""
-        except Exception as exc:  # noqa: BLE001 - the result
-            return type(exc).__name__, time.monotonic() - start, str(exc)
-        finally:
-            comm.close()
+        return _allreduce_once(comm, algorithm_of(rank))
 
     return on_threads(world, body, timeout=60)
 
