@@ -173,8 +173,8 @@ def numpy_of(tensor: Any) -> np.ndarray:
                          "pass t.resolve_conj().resolve_neg() and copy the result back")
     if tensor.numel() == 0:  # (no memory to point at: a null pointer numpy may refuse)
         return tensor.detach().new_empty(0).numpy()
-    dtype = np.dtype(_NUMPY_OF_TORCH.get(str(tensor.dtype).removeprefix("torch."), "object"))
-    if dtype == object:
+    dtype = _NUMPY_OF_TORCH.get(str(tensor.dtype).removeprefix("torch."))
+    if dtype is None:
         raise TypeError(f"numpy has no dtype for {tensor.dtype}")
     return np.asarray(_TensorMemory(tensor, dtype))
 
