@@ -840,3 +840,41 @@ def test_overhead_tool_refuses_counts_below_one_naming_the_option(argv, capsys):
         overhead.main(["--models", "tiny", "--out", "", *argv])
     assert exc.value.code == 2
     assert f"{argv[0]} must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_gradient_laid_out_unlike_its_slot_gets_the_mean_in_its_own_layout(as_view):
+    # A channels_last convolution's gradient is channels_last (autograd matches the parameter's
+    # strides); its bucket slot is contiguous. Under gradient_as_bucket_view it stays its own
+    # tensor and gets the mean copied back, as every gradient does without it; the linear
+    # layer's gradients become views of their bucket.
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 2)).state_dict()
+    xs = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+
+    def model():
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 2))
+        m.load_state_dict(init)
+        return m.to(memory_format=torch.channels_last)
+
+    def train(comm):
+        m = model()
+        ddp = DistributedDataParallel(m, comm, schedule="single", gradient_as_bucket_view=as_view, **FAST)
+        for _ in range(3):  # (past the first plan, which lays the buckets out anew)
+            m.zero_grad(set_to_none=True)
+            ddp(xs[comm.rank]).square().sum().backward()
+        bufs = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in ddp._bufs]
+        inside = [any(lo <= p.grad.data_ptr() < hi for lo, hi in bufs) for p in m.parameters()]
+        grads = [p.grad.clone(memory_format=torch.preserve_format) for p in m.parameters()]
+        ddp.close()
+        return inside, grads
+
+    ref = model()
+    for x in xs:
+        ref(x).square().sum().backward()  # (the sum of both ranks' gradients)
+    for inside, grads in raise_first(run_comms(2, train)):
+        assert inside == ([False, True, True, True] if as_view else [False] * 4)
+        assert grads[0].is_contiguous(memory_format=torch.channels_last) and not grads[0].is_contiguous()
+        for got, p in zip(grads, ref.parameters()):
+            torch.testing.assert_close(got, p.grad / 2)  # (tolerance: the ring sums in another order)

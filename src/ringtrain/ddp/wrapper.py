@@ -689,8 +689,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._end_backward()
 
     def _into_slot(self, pid: int, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Copy ``grad`` into the parameter's bucket slot, which becomes its ``.grad`` where the
-        layouts agree (``gradient_as_bucket_view``)."""
+        """Queue ``grad`` to be copied into the parameter's bucket slot when its bucket is launched
+        (:meth:`_fill`: one ``torch._foreach_copy_`` a bucket, not a copy a parameter)."""
         if grad.is_sparse:
             raise ValueError(f"parameter {self._names[pid]!r} has a sparse gradient; "
                              "ringtrain.DistributedDataParallel reduces dense gradients only")
@@ -703,12 +703,30 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"shape {tuple(grad.shape)}, but was {slot.dtype} of shape {tuple(slot.shape)} when the wrapper was "
                 "made, and its bucket was laid out so. Convert or resize the module before wrapping it (or close "
                 "this wrapper and wrap the module again).")
-        slot.copy_(grad)
-        if self.options.gradient_as_bucket_view and grad.stride() == slot.stride():
-            # The slot becomes the gradient: when the bucket's allreduce ends, .grad already
-            # holds the mean, with no copy back (torch's gradient_as_bucket_view).
-            param.grad = slot
-            self._s.retired.append(grad)  # freed at the next forward (see _State.retired)
+        self._s.inbox[self._bucket_index[pid]].append((param, grad, slot))
+
+    def _fill(self, bucket: int) -> None:
+        """Copy the gradients queued for ``bucket`` into their slots, before its reduction is
+        launched. A slot laid out as its gradient becomes the ``.grad`` under
+        ``gradient_as_bucket_view`` (when the bucket's allreduce ends, ``.grad`` holds the mean,
+        with no copy back); the other gradients are copied back at the end of backward."""
+        st = self._s
+        queued = st.inbox[bucket]
+        if not queued:
+            return
+        grads = [g for _, g, _ in queued]
+        slots = [s for _, _, s in queued]
+        torch._foreach_copy_(slots, grads)
+        if not self.options.gradient_as_bucket_view:
+            return
+        kept = []
+        for param, grad, slot in queued:
+            if grad.stride() == slot.stride():
+                param.grad = slot
+                st.retired.append(grad)  # freed at the next forward (see _State.retired)
+            else:
+                kept.append((param, grad, slot))
+        st.inbox[bucket] = kept
 
     def _begin_backward(self, now: float) -> None:
         st = self._s
@@ -751,6 +769,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         while st.launched < len(self._specs) and st.pending[st.launched] == 0:
             k = st.launched
             spec = self._specs[k]
+            self._fill(k)
             job = self._thread.submit(self._reduction_label(k), self._reduction(spec, self._bufs[k]),
                                       spec.numel * self._wire_dtype(spec.dtype).itemsize)
             st.jobs.append(job)
@@ -866,28 +885,27 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._recorder.end_iteration()
 
     def _needs_copy(self, spec: bucketing.BucketSpec, unused: set[int]) -> bool:
-        """Whether some parameter of the bucket needs ``_copy_back`` (a ``.grad`` that is not
-        its slot; ``unused``: the parameters no rank has a gradient for, left alone)."""
-        for pid in spec.pids:
-            grad = self._params[pid].grad
-            if grad is None:
-                if pid not in unused:
-                    return True
-            elif grad.data_ptr() != self._slots[pid].data_ptr():
-                return True
-        return False
+        """Whether some parameter of the bucket needs ``_copy_back``: a ``.grad`` that is not its
+        slot, or none where some rank has a gradient (``unused``: the parameters no rank has a
+        gradient for, left alone)."""
+        st = self._s
+        if st.inbox[spec.index]:
+            return True
+        return any(self._params[pid].grad is None and pid not in unused and self._bucket_index[pid] == spec.index
+                   for pid in st.unused)
 
     def _copy_back(self, spec: bucketing.BucketSpec, unused: set[int]) -> None:
         """Every parameter of the bucket gets the mean over ranks as its ``.grad``, but those
         in ``unused`` (no rank has a gradient for them: their ``.grad`` stays None)."""
+        queued = self._s.inbox[spec.index]
         with torch.no_grad():
-            for pid in spec.pids:
-                p, slot = self._params[pid], self._slots[pid]
-                if p.grad is None:  # find_unused_parameters: unused here, maybe used elsewhere
-                    if pid not in unused:
-                        p.grad = slot if self.options.gradient_as_bucket_view else slot.clone()
-                elif p.grad.data_ptr() != slot.data_ptr():  # a gradient laid out unlike its slot
-                    p.grad.copy_(slot)
+            if queued:
+                torch._foreach_copy_([g for _, g, _ in queued], [s for _, _, s in queued])
+            for pid in self._s.unused:  # find_unused_parameters: unused here, maybe used elsewhere
+                p = self._params[pid]
+                if p.grad is None and pid not in unused and self._bucket_index[pid] == spec.index:
+                    slot = self._slots[pid]
+                    p.grad = slot if self.options.gradient_as_bucket_view else slot.clone()
 
     # --- bookkeeping ---------------------------------------------------------------------------
 
@@ -897,6 +915,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         st.active = False
         st.armed = False  # a backward not begun by this wrapper's forward stays local, as with torch's DDP
         st.pending = list(self._counts)
+        st.inbox = [[] for _ in self._counts]
         st.launched = 0
         st.jobs = []
         st.used_job = None
@@ -1120,7 +1139,7 @@ class _State:
 
     __slots__ = ("sync", "sync_buffers", "armed", "generation", "first_armed", "decided", "incoming", "expected", "unused", "forward_span", "iteration",
                  "failed", "active", "pending", "launched", "jobs", "used", "used_job", "ready", "got", "stamps",
-                 "bwd_start", "first", "last", "broadcast_s", "hooks_s", "retired")
+                 "bwd_start", "first", "last", "broadcast_s", "hooks_s", "retired", "inbox")
 
     def __init__(self, n: int):
         self.sync = True  # False inside no_sync()
@@ -1150,6 +1169,9 @@ class _State:
         # for the forward's activations. Freed mid-backward instead, glibc handed the memory back
         # to the kernel and forward faulted it in again (the LM at 2 ranks: forward +3 ms, 2%).
         self.retired: list[torch.Tensor] = []
+        # By bucket, (parameter, gradient, slot) of each gradient to copy into its slot when the
+        # bucket is launched (``_fill``), then of those to copy back at the end of backward.
+        self.inbox: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
 
 
 def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list, groups: list) -> None:
