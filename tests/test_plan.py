@@ -379,6 +379,18 @@ def test_invalid_options():
         merge(T3, S3, 1.0, 1.0, method="optimal", bucket_cap_mb=float("nan"))
     with pytest.raises(ValueError, match="cost"):
         merge(T3, S3, cost=lambda b: -1.0 + 0 * b)
+    # (a TypeError from inside the planner before: "'int' object is not callable", "float()
+    # argument must be a string or a real number, not 'NoneType'")
+    for method in ("optimal", "wfbp"):
+        with pytest.raises(ValueError, match="drain must be a callable"):
+            merge(T3, S3, 1.0, 1.0, method=method, drain=3)
+    with pytest.raises(ValueError, match="drain must be a callable"):
+        evaluate(T3, S3, [(0, 2)], 1.0, 1.0, drain="pull")
+    for bad in (None, [1.0], "1", {}):
+        with pytest.raises(ValueError, match="the cost of an allreduce of .* bytes came out"):
+            merge(T3, S3, cost=lambda b, bad=bad: bad)
+        with pytest.raises(ValueError, match="the cost of an allreduce of .* bytes came out"):
+            merge(T3, S3, 1.0, 1.0, drain=lambda b, bad=bad: bad)
 
 
 @pytest.mark.parametrize(

@@ -328,7 +328,7 @@ def evaluate(
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
     pairs = _group_pairs(groups)
     _check_groups(pairs, len(times))
-    return _evaluate(times, sizes, pairs, cost_fn, method, _check_interference(interference), drain)
+    return _evaluate(times, sizes, pairs, cost_fn, method, _check_interference(interference), _check_drain(drain))
 
 
 def merge(
@@ -367,6 +367,7 @@ def merge(
     cost_fn = _resolve_cost(alpha, beta, gamma, cost)
     slow = _check_interference(interference)
     planning = slow if planned_with is None else _check_interference(planned_with)
+    _check_drain(drain)
     _check_scalar("tail", tail)
     n = len(times)
     ready = np.cumsum(times)
@@ -792,17 +793,31 @@ def _prefix(sizes: np.ndarray) -> np.ndarray:
 def _cost_array(cost: CostFn, nbytes: np.ndarray) -> np.ndarray:
     """cost applied element-wise to a float64 array; checked to be finite and non-negative."""
     try:
-        out = np.asarray(cost(nbytes), dtype=np.float64)
+        raw = np.asarray(cost(nbytes))
+        out = raw.astype(np.float64) if raw.dtype.kind in "iuf" else None  # ('1', True, None: per element)
     except (TypeError, ValueError):
         out = None
     if out is None or out.shape != nbytes.shape:
-        out = np.array([float(cost(float(b))) for b in nbytes], dtype=np.float64)
+        out = np.array([_seconds_of(cost, float(b)) for b in nbytes], dtype=np.float64)
     if out.size and not (np.all(np.isfinite(out)) and np.all(out >= 0.0)):
         bad = int(np.flatnonzero(~(np.isfinite(out) & (out >= 0.0)))[0])
         raise ValueError(f"the cost of an allreduce of {float(nbytes[bad]):.0f} bytes came out {float(out[bad])!r} "
                          f"seconds ({cost!r}); it must be finite and >= 0: are the cost's numbers (alpha, beta, "
                          "gamma) or the sizes out of any real range?")
     return out
+
+
+def _seconds_of(cost: CostFn, nbytes: float) -> float:
+    """``cost(nbytes)`` as a float, or a ValueError naming the size and what came out (None, a
+    list, a string: a TypeError from float() before, or the string's number)."""
+    value = cost(nbytes)
+    if not isinstance(value, (str, bytes, bool, np.bool_)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"the cost of an allreduce of {nbytes:.0f} bytes came out {value!r} ({cost!r}); it must be a "
+                     "number of seconds")
 
 
 # --- validation --------------------------------------------------------------------------
@@ -818,6 +833,12 @@ def _resolve_cost(alpha: float | None, beta: float | None, gamma: float, cost: C
     if alpha is None or beta is None:
         raise ValueError("alpha and beta are required (or give cost=)")
     return LinearCost(alpha, beta, gamma)
+
+
+def _check_drain(drain: CostFn | None) -> CostFn | None:
+    if drain is not None and not callable(drain):
+        raise ValueError(f"drain must be a callable nbytes -> seconds or None, got {drain!r}")
+    return drain
 
 
 def _check_interference(value: Interference | None) -> Interference:
