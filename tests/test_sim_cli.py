@@ -106,6 +106,12 @@ def test_simulate_plots_every_model_when_names_differ_only_in_unsafe_characters(
     (["--model", "resnet50", "--gpus", "4", "--csv", "/proc/x.csv"], "--csv /proc/x.csv: cannot write in /proc"),
     (["--model", "resnet50", "--gpus", "4", "--csv", "/tmp"], "--csv /tmp: a folder, not a file"),
     (["--model", "nope", "--csv", "/nonexistent/dir/x.csv"], "--csv"),  # (said before the model is read)
+    # (said after the sweep, exit 1: "cannot write /proc/version: File exists")
+    (["--model", "resnet50", "--gpus", "4", "--plot", "/proc/version"], "--plot /proc/version: a file, not a folder"),
+    (["--model", "resnet50", "--gpus", "4", "--plot", "/proc/version/plots"],
+     "--plot /proc/version/plots: /proc/version is a file, not a folder"),
+    (["--model", "resnet50", "--gpus", "4", "--plot", "/proc/plots"], "--plot /proc/plots: cannot write in /proc"),
+    (["--model", "nope", "--plot", "/proc/version"], "--plot"),
     # (an integer of 400 digits: "OverflowError: int too large to convert to float" tracebacks)
     (["--model", "vgg16", "--gpus", "4", "--algorithms", "ps", "--cluster", f"alpha=1e-5,beta=1e-9,servers={10**400}"],
      "--cluster: servers must be an integer >= 1 and at most 1e+15"),

@@ -199,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.csv:
             check_output_file(args.csv, "--csv")  # (before the sweep, not after it)
+        if args.plot:
+            check_output_folder(args.plot, "--plot")
         traces = load_traces(args.model, args.device)
         device = zoo_device(args.model, args.device)
         clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], check_gpus_per_node(args.gpus_per_node))
@@ -275,6 +277,22 @@ def check_output_file(path: str, option: str) -> None:
             pass
     except OSError as exc:
         raise ValueError(f"{option} {path}: cannot write in {target.parent} ({exc.strerror or exc})") from None
+
+
+def check_output_folder(path: str, option: str) -> None:
+    """ValueError naming ``option`` unless ``path`` is a folder, or can be made as one, that takes
+    files (a file made in it, or in the nearest folder above it that exists, and removed)."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{option} {path}: a file, not a folder")
+    above = next(p for p in (target, *target.parents) if p.exists())
+    if not above.is_dir():
+        raise ValueError(f"{option} {path}: {above} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=above):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot write in {above} ({exc.strerror or exc})") from None
 
 
 def write_csv(predictions: list[Prediction], path: str | Path) -> None:
