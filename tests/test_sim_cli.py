@@ -61,6 +61,18 @@ def test_simulate_plots(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
+def test_simulate_gantt_chart_is_drawn_where_something_is_communicated(tmp_path, capsys):
+    # --gpus 1,64 drew one iteration on 1 GPU: no allreduce in the chart of allreduce groups.
+    for gpus, expected in (("1,64", 64), ("1,8,64", 8), ("1", 1)):
+        out = tmp_path / gpus
+        rc = main(["simulate", "--model", "vgg16", "--cluster", "10GbE", "--gpus", gpus, "--schedules", "optimal",
+                   "--plot", str(out), "--json"])
+        assert rc == 0
+        capsys.readouterr()
+        assert [p.name for p in out.glob("gantt_*.png")] == [f"gantt_vgg16_{expected}gpus_10GbE.png"]
+
+
+@pytest.mark.timeout(120)
 def test_simulate_plots_every_model_when_names_differ_only_in_unsafe_characters(tmp_path, capsys):
     # "my model" and "my_model" both wrote scaling_my_model.png: the second overwrote the first.
     trace = build_trace("vgg16", DEVICES["v100"])

@@ -3,7 +3,7 @@
 * **scaling curves** — one file per model: a panel per cluster x algorithm, scaling
   efficiency against GPU count (log scale), one line per schedule.
 * **Gantt chart** — one file per model: one iteration on the middle cluster x algorithm of
-  the sweep (10GbE by default) at its middle GPU count (64 by default); for each schedule a compute row (forward, each gradient
+  the sweep (10GbE by default) at its middle GPU count above 1 (64 by default); for each schedule a compute row (forward, each gradient
   layer's backward, optimizer) and a communication row (each allreduce group).
 """
 
@@ -96,7 +96,8 @@ def write_all(predictions: Sequence[Prediction], traces: Sequence[Trace], cluste
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    gpus = sorted({p.world_size for p in predictions})
+    # (the middle of the counts that communicate: --gpus 1,64 drew 1 GPU, no allreduce in the chart)
+    gpus = sorted({p.world_size for p in predictions if p.world_size > 1}) or [1]
     mid = gpus[(len(gpus) - 1) // 2]
     pairs = list(dict.fromkeys((p.cluster, p.algorithm) for p in predictions))
     cluster, algorithm = pairs[(len(pairs) - 1) // 2]
