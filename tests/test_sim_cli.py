@@ -367,3 +367,29 @@ def test_plan_on_one_gpu_lists_no_groups(capsys):
     out = capsys.readouterr().out
     assert "nothing is communicated on 1 GPU" in out
     assert "groups in backward order" not in out
+
+
+def test_trace_and_csv_files_are_utf8_whatever_the_locale(tmp_path):
+    # Under a locale whose encoding is not UTF-8 (POSIX without coercion here; cp1252 on Windows)
+    # sim.traces.save and simulate --csv wrote with it: "UnicodeEncodeError: 'ascii' codec can't
+    # encode characters" for a model or layer named in Cyrillic, where load() reads UTF-8 only.
+    env = dict(os.environ, LC_ALL="POSIX", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0")
+    script = (
+        "import sys; from ringtrain.cli import main; from ringtrain.sim.traces import Layer, Trace, save\n"
+        "save(Trace('\\u043c\\u043e\\u0434\\u0435\\u043b\\u044c', (Layer('\\u0441\\u043b\\u043e\\u0439', 1e-3, 2e-3, "
+        "4000, 1000),), batch_size=4), sys.argv[1])\n"  # (model 'модель', layer 'слой': ASCII on the command line)
+        "sys.exit(main(['simulate', '--model', sys.argv[1], '--gpus', '4', '--cluster', '10GbE', '--csv', "
+        "sys.argv[2], '--json']))\n")
+    trace, rows = tmp_path / "t.csv", tmp_path / "rows.csv"
+    proc = subprocess.run([sys.executable, "-c", script, str(trace), str(rows)], env=env, capture_output=True,
+                          text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert "# model: модель" in trace.read_text(encoding="utf-8")
+    assert next(csv.DictReader(rows.read_text(encoding="utf-8").splitlines()))["model"] == "модель"
+    bench = tmp_path / "bench.json"  # (a bench file is read as UTF-8 too, and one that is not is named)
+    bench.write_bytes(b'{"rows": [\xff]}')
+    proc = subprocess.run([sys.executable, "-m", "ringtrain.cli", "simulate", "--model", "resnet50", "--cluster",
+                           str(bench)], env=env, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"ringtrain simulate: --cluster {bench}: cannot read a bench JSON file: not UTF-8 text "
+                           "(invalid start byte at byte 10)\n")

@@ -297,7 +297,7 @@ def check_output_folder(path: str, option: str) -> None:
 
 def write_csv(predictions: list[Prediction], path: str | Path) -> None:
     rows = [p.to_dict() for p in predictions]
-    with open(path, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8") as f:  # (not the locale's: a model named 'модель')
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

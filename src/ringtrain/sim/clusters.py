@@ -163,7 +163,10 @@ def auto_name(fields: dict[str, Any], gpus_per_node: int = 8) -> str:
 def load_bench_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a ``bench allreduce --json`` document (extra keys are kept and ignored)."""
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = json.loads(Path(path).read_text(encoding="utf-8-sig"))  # (UTF-8 as the traces, not the locale's)
+    except UnicodeDecodeError as e:  # (was the codec's message alone, naming neither option nor file)
+        raise ValueError(f"--cluster {path}: cannot read a bench JSON file: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--cluster {path}: cannot read a bench JSON file: {e}") from None
     rows = doc.get("rows") if isinstance(doc, dict) else doc

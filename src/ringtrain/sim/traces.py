@@ -317,7 +317,8 @@ def save(trace: Trace, path: str | Path) -> None:
     """Write ``trace`` as JSON or CSV, chosen by the file's suffix."""
     path = Path(path)
     fmt = _format(path)
-    path.write_text(dumps_json(trace) if fmt == "json" else dumps_csv(trace))
+    # (UTF-8, as load reads it, whatever the locale: a POSIX or cp1252 one could not write 'модель')
+    path.write_text(dumps_json(trace) if fmt == "json" else dumps_csv(trace), encoding="utf-8")
 
 
 def load(path: str | Path) -> Trace:
