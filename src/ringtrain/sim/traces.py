@@ -261,6 +261,9 @@ def loads_csv(text: str) -> Trace:
     reader = csv.DictReader(body)
     if reader.fieldnames:  # 'name, forward_s, ...' (values may have the spaces too: float() strips them)
         reader.fieldnames = [f.strip() for f in reader.fieldnames]
+        for k, column in enumerate(reader.fieldnames):  # (DictReader keeps the last one's values, silently)
+            if column and column in reader.fieldnames[:k]:  # (empty ones, a spreadsheet's trailing commas: unread)
+                raise ValueError(f"the header names the column {column!r} twice")
     meta["layers"] = list(reader)
     for i, row in enumerate(meta["layers"]):
         # DictReader keeps a row's values beyond the header under None (empty ones: a trailing comma)
