@@ -251,3 +251,15 @@ def test_a_world_size_is_a_whole_number_of_gpus_kept_as_a_python_int():
     for bad in (4.5, True, 0, "4"):
         with pytest.raises(ValueError, match="--gpus: world size must be an integer >= 1, got"):
             predict_with_cost(toy(), cost, bad)
+
+
+def test_a_throughput_past_what_a_float_holds_is_refused_in_words():
+    # A trace of 1e-320 s: its one-GPU row's samples_per_s was inf, which simulate --json wrote as
+    # Infinity (not JSON); a batch of 1e308 samples on 4 GPUs the same.
+    tiny = Trace("tiny", (Layer("x", 1e-320, 0.0, 4, 1),), batch_size=1)
+    with pytest.raises(ValueError, match=r"tiny at 1 GPUs: 1 x 1 samples in 1e-320 s is past what a float holds"):
+        predict_with_cost(tiny, cost, 1)
+    huge = Trace("huge", (Layer("x", 1.0, 1.0, 4, 1),), batch_size=10**308)
+    with pytest.raises(ValueError, match="huge at 4 GPUs: 4 x 1e\\+308 samples in .* s is past what a float holds"):
+        predict_with_cost(huge, cost, 4)
+    assert predict_with_cost(tiny, cost, 4).samples_per_s == 4 / 1.0625  # (with communication: finite)

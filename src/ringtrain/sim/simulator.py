@@ -194,7 +194,10 @@ def predict_with_cost(
         raise ValueError(f"{trace.model} at {world_size} GPUs: the predicted iteration takes {iteration:.3g} s, over "
                          f"{MAX_ITERATION_S:.0e} s (30 years); are the cost's numbers ({cost!r}) or the trace's "
                          "sizes out of any real range?")
-    throughput = world_size * trace.batch_size / iteration
+    throughput = world_size * float(trace.batch_size) / iteration
+    if not math.isfinite(throughput):  # (a one-GPU iteration of 1e-320 s: --json wrote Infinity, not JSON)
+        raise ValueError(f"{trace.model} at {world_size} GPUs: {world_size} x {trace.batch_size:.3g} samples in "
+                         f"{iteration:.3g} s is past what a float holds; give the layers' times in seconds")
     speedup = base / iteration * world_size
     return Prediction(
         model=trace.model,
