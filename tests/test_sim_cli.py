@@ -289,6 +289,18 @@ def test_a_sweep_without_zoo_models_names_no_gpu_profile(tmp_path, capsys):
     assert "zoo models timed on v100" in capsys.readouterr().out.splitlines()[0]
 
 
+def test_the_gpu_profile_is_named_as_the_zoo_names_it(capsys):
+    # --device ' H100' was taken (names are read in any case) but written as given: '"device": " H100"',
+    # 'timed on  H100', a second resnet50 called 'resnet50@ H100'.
+    assert main(["simulate", "--model", "resnet50,resnet50", "--device", " H100", "--cluster", "1GbE", "--gpus", "4",
+                 "--schedules", "optimal", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["device"] == "h100"
+    assert [m["model"] for m in doc["models"]] == ["resnet50", "resnet50@h100"]
+    assert main(["simulate", "--model", "vgg16", "--device", "A100", "--cluster", "1GbE", "--gpus", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("zoo models timed on a100")
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

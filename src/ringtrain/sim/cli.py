@@ -162,7 +162,7 @@ def load_traces(value: str, device_name: str) -> list[Trace]:
                 trace = build_trace(n, device)
             except ValueError as e:
                 raise ValueError(f"--model: {e}") from None
-            tag = device_name
+            tag = device.name  # (as the zoo names it, not as given)
         taken = {t.model for t in out}  # rows are keyed by model name
         if trace.model in taken:
             name, k = f"{trace.model}@{tag}", 2
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             check_output_folder(args.plot, "--plot")
         traces = load_traces(args.model, args.device)
-        device = zoo_device(args.model, args.device)
+        device = zoo_device(args.model, get_device(args.device).name)  # (as the zoo names it: ' H100' is h100)
         clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], check_gpus_per_node(args.gpus_per_node))
         gpus = parse_gpus(args.gpus)
         schedules = split(args.schedules, "--schedules", SCHEDULES)
