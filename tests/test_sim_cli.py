@@ -389,7 +389,7 @@ def test_trace_and_csv_files_are_utf8_whatever_the_locale(tmp_path):
     script = (
         "import sys; from ringtrain.cli import main; from ringtrain.sim.traces import Layer, Trace, save\n"
         "save(Trace('\\u043c\\u043e\\u0434\\u0435\\u043b\\u044c', (Layer('\\u0441\\u043b\\u043e\\u0439', 1e-3, 2e-3, "
-        "4000, 1000),), batch_size=4), sys.argv[1])\n"  # (model 'модель', layer 'слой': ASCII on the command line)
+        "4000, 1000),), batch_size=4), sys.argv[1])\n"  # (model 'модель', layer 'слой', in ASCII)
         "sys.exit(main(['simulate', '--model', sys.argv[1], '--gpus', '4', '--cluster', '10GbE', '--csv', "
         "sys.argv[2], '--json']))\n")
     trace, rows = tmp_path / "t.csv", tmp_path / "rows.csv"

@@ -155,7 +155,8 @@ def test_a_short_csv_row_and_a_binary_file_are_named(tmp_path):
 
 def test_a_csv_header_that_names_a_column_twice_is_refused():
     # (the last column of the name was read: grad_bytes 999999999 where the first said 4000, silently)
-    text = "# model: m\n# batch_size: 4\nname,forward_s,backward_s,grad_bytes,params,grad_bytes\na,0.1,0.1,4000,1,999999999\n"
+    text = ("# model: m\n# batch_size: 4\nname,forward_s,backward_s,grad_bytes,params,grad_bytes\n"
+            "a,0.1,0.1,4000,1,999999999\n")
     with pytest.raises(ValueError, match="the header names the column 'grad_bytes' twice"):
         loads_csv(text)
     with pytest.raises(ValueError, match="the header names the column 'name' twice"):  # (spaces are stripped)

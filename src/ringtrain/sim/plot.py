@@ -3,8 +3,9 @@
 * **scaling curves** — one file per model: a panel per cluster x algorithm, scaling
   efficiency against GPU count (log scale), one line per schedule.
 * **Gantt chart** — one file per model: one iteration on the middle cluster x algorithm of
-  the sweep (10GbE by default) at its middle GPU count above 1 (64 by default); for each schedule a compute row (forward, each gradient
-  layer's backward, optimizer) and a communication row (each allreduce group).
+  the sweep (10GbE by default) at its middle GPU count above 1 (64 by default); for each
+  schedule a compute row (forward, each gradient layer's backward, optimizer) and a
+  communication row (each allreduce group).
 """
 
 from __future__ import annotations
