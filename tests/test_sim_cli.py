@@ -405,3 +405,17 @@ def test_trace_and_csv_files_are_utf8_whatever_the_locale(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == (f"ringtrain simulate: --cluster {bench}: cannot read a bench JSON file: not UTF-8 text "
                            "(invalid start byte at byte 10)\n")
+
+
+def test_csv_output_never_replaces_an_input_file(tmp_path, capsys):
+    # simulate --csv naming the --model trace file wrote the predictions over the user's trace.
+    trace_path = tmp_path / "mine.csv"
+    save(build_trace("googlenet", DEVICES["a100"]), trace_path)
+    before = trace_path.read_bytes()
+    for name in (str(trace_path), str(tmp_path / "." / "mine.csv")):
+        assert main(["simulate", "--model", f"resnet50,{name}", "--gpus", "4", "--csv", name]) == 2
+        assert f"--csv {name}: that is the input file" in capsys.readouterr().err
+    assert trace_path.read_bytes() == before
+    out = tmp_path / "out.csv"  # (another file: written)
+    assert main(["simulate", "--model", str(trace_path), "--gpus", "4", "--csv", str(out)]) == 0
+    assert out.exists()

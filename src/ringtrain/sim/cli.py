@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.csv:
             check_output_file(args.csv, "--csv")  # (before the sweep, not after it)
+            check_not_an_input(args.csv, "--csv", model_names(args.model) + list(args.cluster or []))
         if args.plot:
             check_output_folder(args.plot, "--plot")
         traces = load_traces(args.model, args.device)
@@ -277,6 +278,23 @@ def check_output_file(path: str, option: str) -> None:
             pass
     except OSError as exc:
         raise ValueError(f"{option} {path}: cannot write in {target.parent} ({exc.strerror or exc})") from None
+
+
+def check_not_an_input(path: str, option: str, inputs: list[str]) -> None:
+    """ValueError naming ``option`` where ``path`` is one of the files ``inputs`` names (a
+    trace file of --model, a bench file of --cluster): the output would replace it."""
+    target = Path(path)
+    if not target.exists():
+        return
+    for item in inputs:
+        source = Path(item.strip())
+        try:
+            same = source.exists() and source.samefile(target)
+        except OSError:
+            continue
+        if same:
+            raise ValueError(f"{option} {path}: that is the input file {item.strip()!r}, which the output would "
+                             "replace; name another file")
 
 
 def check_output_folder(path: str, option: str) -> None:
