@@ -410,6 +410,58 @@ def test_forward_sync_buffers_is_broadcast_buffers_and_false_leaves_them_at_cons
         DistributedDataParallel(_made(), None, forward_sync_buffers=True, broadcast_buffers=False)
 
 
+class _WithLocal(nn.Module):
+    """A shared layer, a rank-local layer (an expert of this rank's own) and a rank-local count."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(3, 4)
+        self.local = nn.Linear(4, 2)
+        self.register_buffer("count", torch.zeros(1))
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x):
+        self.count += 1
+        return self.local(self.shared(x)) * self.scale
+
+
+def test_parameters_and_buffers_torch_is_told_to_ignore_stay_each_ranks_own():
+    """torch's DDP._set_params_and_buffers_to_ignore_for_model(module, names) leaves those out of
+    the broadcasts and the averaging (rank-local experts, counters). They were taken as any other:
+    rank 0's values overwrote the others' at construction and the gradients were averaged. The
+    parameter check (here at every iteration) leaves them out too: they are apart by design."""
+    def body(comm):
+        torch.manual_seed(0)  # (the same layers on every rank, then each rank's own local ones)
+        model = _WithLocal()
+        with torch.no_grad():
+            model.local.weight.fill_(comm.rank)
+            model.local.bias.fill_(comm.rank)
+            model.scale.fill_(1 + comm.rank)
+            model.shared.bias.add_(comm.rank)  # (not ignored: rank 0's is broadcast)
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ["local.weight", "local.bias", "count"])
+        local = [model.local.weight.detach().clone(), model.local.bias.detach().clone()]
+        ddp = DistributedDataParallel(model, comm, parameter_check_interval=1, **FAST)
+        try:
+            assert all(torch.equal(a, b) for a, b in zip(local, [model.local.weight, model.local.bias]))
+            model.count.fill_(10 * comm.rank)
+            for step in range(3):
+                model.zero_grad()
+                ddp(_rank_x(comm.rank, step)[:, :3]).sum().backward()
+            return ({n: p.grad.clone() for n, p in model.named_parameters()}, float(model.count),
+                    float(model.scale), model.shared.bias.detach().clone())
+        finally:
+            ddp.close()
+
+    (g0, count0, scale0, bias0), (g1, count1, scale1, bias1) = raise_first(run_comms(2, body))
+    assert (count0, count1) == (3.0, 13.0)  # each rank's own
+    assert (scale0, scale1) == (1.0, 1.0)  # rank 0's, broadcast at each forward
+    assert torch.equal(bias0, bias1)
+    for name in ("shared.weight", "shared.bias"):
+        assert torch.equal(g0[name], g1[name]), name  # averaged
+    assert not torch.equal(g0["local.weight"], g1["local.weight"])  # each rank's own
+
+
 def _compiled(rank, world_size, port):
     """torch.compile'd module, wrapped: 6 SGD steps of this rank's batches; the parameters."""
     import ringtrain

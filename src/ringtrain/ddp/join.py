@@ -179,7 +179,7 @@ class Join:
     def finish(self) -> None:
         """Every rank has joined: take the final model from the highest rank of those that joined last."""
         ddp = self.ddp
-        params = [p.data for p in ddp.module.parameters()]
+        params = ddp._states  # (not those torch's DDP was told to ignore: each rank's own)
         buffers = ddp._module_buffers if ddp.options.broadcast_buffers else []
         ddp._broadcast_tensors(params + buffers, "join: final model", max(self.last_active))
         # The next forward broadcasts the buffers where the one before it synchronized, and that

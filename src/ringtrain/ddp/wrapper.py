@@ -176,11 +176,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._groups: list = []  # the process_group, once made (closed with the wrapper)
         self._group_lock = threading.Lock()
         try:
-            names = {id(p): n for n, p in module.named_parameters()}
-            self._params = [p for p in module.parameters() if p.requires_grad]
+            # What torch's DDP._set_params_and_buffers_to_ignore_for_model named (rank-local ones)
+            # is each rank's own, as with torch: never broadcast, averaged, checked or compared.
+            self._ignored = _ignored_names(module)
+            named = _kept(module.named_parameters(remove_duplicate=False), self._ignored)
+            names: dict[int, str] = {}
+            for n, p in named:
+                names.setdefault(id(p), n)  # (a tied weight's first name, as named_parameters gives it)
+            self._states = [p.data for p in module.parameters() if id(p) in names]  # (broadcast)
+            self._params = [p for p in module.parameters() if id(p) in names and p.requires_grad]
             self._names = [names[id(p)] for p in self._params]
             # Frozen at construction: no hook, no slot. One that requires a gradient later is refused.
-            self._frozen = [(names[id(p)], p) for p in module.parameters() if not p.requires_grad]
+            self._frozen = [(names[id(p)], p) for p in module.parameters() if id(p) in names and not p.requires_grad]
             self._pid_of = {id(p): i for i, p in enumerate(self._params)}
             # Bytes on the wire per gradient (what the plan and the sweep size by): half precision
             # for float32 and float64 ones under compression.
@@ -188,12 +195,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._scratch: Optional[torch.Tensor] = None  # the half-precision copy of a bucket on the wire
             self._sizes = np.array([p.numel() * self._wire_dtype(p.dtype).itemsize for p in self._params],
                                    dtype=np.float64)
-            self._module_buffers = [b for b in module.buffers() if b.numel()]
+            kept = {id(b) for _, b in _kept(module.named_buffers(remove_duplicate=False), self._ignored)}
+            self._module_buffers = [b for b in module.buffers() if b.numel() and id(b) in kept]
 
             if opts.init_sync:  # (the buffers too unless broadcast_buffers=False, as torch's DDP)
                 self._check_same_model(module)
-                self._broadcast_tensors([p.data for p in module.parameters()]
-                                        + (self._module_buffers if opts.broadcast_buffers else []),
+                self._broadcast_tensors(self._states + (self._module_buffers if opts.broadcast_buffers else []),
                                         "broadcast parameters")
             if not self._params:  # (after the check: with init_sync, every rank refuses together)
                 raise ValueError(
@@ -1067,8 +1074,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         sizes, which named no option."""
         if self.world_size == 1:
             return
-        mine = [["parameter", n, list(t.shape), str(t.dtype), t.requires_grad] for n, t in module.named_parameters()]
-        mine += [["buffer", n, list(t.shape), str(t.dtype), False] for n, t in module.named_buffers()]
+        mine = [["parameter", n, list(t.shape), str(t.dtype), t.requires_grad] for n, t in module.named_parameters()
+                if n not in self._ignored]
+        mine += [["buffer", n, list(t.shape), str(t.dtype), False] for n, t in module.named_buffers()
+                 if n not in self._ignored]
         mine += [["option", name, _option_text(getattr(self.options, name)), "", False] for name in _SAME_OPTIONS]
         text = json.dumps(mine).encode()
         digest = np.frombuffer(hashlib.sha256(text).digest(), dtype=np.uint8).copy()
@@ -1172,6 +1181,20 @@ class _State:
         # By bucket, (parameter, gradient, slot) of each gradient to copy into its slot when the
         # bucket is launched (``_fill``), then of those to copy back at the end of backward.
         self.inbox: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+
+
+def _ignored_names(module: nn.Module) -> frozenset:
+    """The names torch's ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+    set on ``module`` (its attribute ``_ddp_params_and_buffers_to_ignore``): none by default."""
+    return frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", None) or ())
+
+
+def _kept(named, ignored: frozenset) -> list:
+    """``named``'s (name, tensor) pairs of the tensors not ignored: a tensor under several names
+    (tied weights) is kept where one of its names is not ignored, as torch's DDP keeps it."""
+    named = list(named)
+    kept = {id(t) for n, t in named if n not in ignored}
+    return [(n, t) for n, t in named if id(t) in kept]
 
 
 def _shutdown(thread: CommThread, recorder: Optional[TraceRecorder], hooks: list, groups: list) -> None:
