@@ -372,6 +372,32 @@ def test_require_backward_grad_sync_false_accumulates_locally_as_no_sync():
             torch.testing.assert_close(g, per_rank[rank][k])  # this rank's own, not the mean
 
 
+def test_torchs_attributes_of_the_settings_read_as_torchs_ddp_gives_them():
+    """Code written for torch's DDP reads its settings back (``model.find_unused_parameters``,
+    ``model.device_ids``...) and calls ``model._set_static_graph()``, which torch's own errors
+    recommend: each was an AttributeError."""
+    def body(comm):
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["1.running_var"])
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, gradient_as_bucket_view=True,
+                                      broadcast_buffers=False, **FAST)
+        plain = DistributedDataParallel(nn.Linear(3, 4), comm, static_graph=True, **FAST)
+        try:
+            got = (ddp.find_unused_parameters, ddp.gradient_as_bucket_view, ddp.broadcast_buffers,
+                   ddp.forward_sync_buffers, ddp.static_graph, ddp.device_ids, ddp.output_device, ddp.dim,
+                   ddp.parameters_to_ignore, plain.static_graph, plain.find_unused_parameters)
+            ddp._set_static_graph()  # (a hint, as the keyword: nothing changes)
+            assert ddp.static_graph
+            ddp(torch.ones(2, 3)).sum().backward()
+            return got
+        finally:
+            ddp.close()
+            plain.close()
+
+    for got in raise_first(run_comms(2, body)):
+        assert got == (True, True, False, False, False, None, None, 0, {"1.running_var"}, True, False)
+
+
 def test_copying_or_pickling_the_wrapper_says_to_copy_the_module():
     """It was "cannot pickle 'mmap.mmap' object" (the shared-memory transport, deep inside)."""
     import pickle

@@ -139,7 +139,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                  algorithm: str = "auto", timeline=None, find_unused_parameters: bool = False, **options: Any):
         super().__init__()
         Joinable.__init__(self)  # (torch's Join([model]): join_hook)
+        static_graph = options.get("static_graph", False)
         take_torch_keywords(options)
+        self.static_graph = static_graph  # (torch's hint, read back as torch's attribute; changes nothing)
         check_keywords("ringtrain.DistributedDataParallel", options, (f.name for f in dataclasses.fields(DDPOptions)))
         opts = DDPOptions(schedule=schedule, bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeline=timeline,
                           find_unused_parameters=find_unused_parameters, **options)
@@ -317,6 +319,21 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def timeline_path(self):
         return None if self._recorder is None else self._recorder.path
+
+    # torch's DDP's attributes of its settings, for code that reads them back: this wrapper's,
+    # and torch's values for a CPU module in one process per rank.
+    find_unused_parameters = property(lambda self: self.options.find_unused_parameters)
+    gradient_as_bucket_view = property(lambda self: self.options.gradient_as_bucket_view)
+    broadcast_buffers = property(lambda self: self.options.broadcast_buffers)
+    forward_sync_buffers = broadcast_buffers  # (newer torch's name)
+    parameters_to_ignore = property(lambda self: set(self._ignored))
+    device_ids = output_device = property(lambda self: None)
+    dim = property(lambda self: 0)
+
+    def _set_static_graph(self) -> None:
+        """torch's DDP's way of saying ``static_graph=True`` after construction (its errors
+        recommend it): a hint here, as the keyword is; the wrapper handles either graph."""
+        self.static_graph = True
 
     @property
     def process_group(self):
