@@ -1002,3 +1002,41 @@ def test_processes_peer_stopped_times_out_naming_it():
     assert status == "CommTimeout" and "receiving from rank 2" in text, out[0]
     assert took < 2 + 2
     assert out[1][0] in ("CommTimeout", "PeerLost"), out[1]
+
+
+@pytest.mark.parametrize("ends", ["sent", "closed"])
+def test_a_watched_peer_whose_frame_header_comes_in_parts(mesh, ends):
+    # Rank 0 waits on rank 1 and, after WATCH_AFTER, watches rank 2 for an ABORT frame. The
+    # frame's header comes in two parts: the watch saw part of it, stopped watching rank 2 for
+    # the rest of the exchange, and its abort surfaced only at the deadline. Now the watch wakes
+    # once the whole header is there; a peer that ends mid-header does not make it spin.
+    ts = mesh(3, host_ids=["a", "b", "c"])  # (TCP connections, not Unix sockets)
+    frame = wire.encode_abort(MismatchError("rank 2 saw rank 7 call broadcast"))
+
+    def step(r):
+        if r == 1:
+            return None
+        if r == 2:
+            sock = ts[2]._conns[0].sock
+            time.sleep(0.2)
+            sock.sendall(frame[:10])
+            time.sleep(0.3)
+            if ends == "sent":
+                sock.sendall(frame[10:])
+            else:
+                sock.shutdown(socket.SHUT_WR)
+            return None
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        try:
+            ts[0].exchange([], [Recv(1, np.zeros(4, np.float32))], CALL, deadline(2.0 if ends == "sent" else 1.5))
+        finally:
+            took.append((time.monotonic() - t0, time.thread_time() - cpu0))
+
+    took: list = []
+    res = on_threads(3, step)
+    if ends == "sent":
+        assert isinstance(res[0], MismatchError) and "rank 2 aborted: rank 2 saw rank 7" in str(res[0]), res[0]
+        assert took[0][0] < 1.5, took
+    else:
+        assert isinstance(res[0], CommTimeout), res[0]
+        assert took[0][1] < 0.5, took  # (waited in poll, not in a loop around it)

@@ -445,14 +445,15 @@ class TcpTransport(Transport):
         if threaded:
             poller.register(self._wake.fd, _IN)
         receiving = [st.conn for st in recvs.values()]
+        raised: list[_Conn] = []  # watched connections whose low-water mark the watch raised
         try:
-            self._poll_loop(poller, interest, sends, recvs, threaded, watch_abort, header, deadline)
+            self._poll_loop(poller, interest, sends, recvs, threaded, watch_abort, raised, header, deadline)
         finally:  # outside an exchange any byte wakes (an ABORT frame is short)
-            for conn in receiving:
+            for conn in receiving + raised:
                 conn.set_lowat(1)
 
     def _poll_loop(self, poller, interest, sends: dict[int, _SendState], recvs: dict[int, _RecvState],
-                   threaded: dict[int, _SendState], watch_abort: set[int], header: CallHeader,
+                   threaded: dict[int, _SendState], watch_abort: set[int], raised: list[_Conn], header: CallHeader,
                    deadline: float) -> None:
         watch_at: Optional[float] = time.monotonic() + WATCH_AFTER
         while sends or recvs or threaded:
@@ -478,8 +479,12 @@ class TcpTransport(Transport):
                         recvs.pop(fd).conn.reading = False
                 elif fd in watch_abort and ev & (_IN | _BAD):
                     conn = sends[fd].conn if fd in sends else threaded[fd].conn if fd in threaded else self._by_fd(fd)
-                    self._peek_abort(conn, header, deadline, closed_ok=fd not in sends and fd not in threaded)
-                    watch_abort.discard(fd)
+                    whole = self._peek_abort(conn, header, deadline, closed_ok=fd not in sends and fd not in threaded)
+                    if whole or ev & _BAD or conn in raised:  # (raised and still short: it ended mid-header)
+                        watch_abort.discard(fd)
+                    else:  # nothing yet, or part of a frame header: wake once the whole of it is there
+                        conn.set_lowat(wire.FRAME_HEADER_SIZE)
+                        raised.append(conn)
                 if fd in sends and ev & (_OUT | _BAD):
                     if self._pump_send(sends[fd], header, deadline):
                         del sends[fd]
@@ -557,16 +562,17 @@ class TcpTransport(Transport):
         return PeerLost(f"rank {self.rank}: rank {conn.peer} is gone ({exc.strerror or exc}) during {header.describe()}")
 
     def _peek_abort(self, conn: _Conn, header: CallHeader, deadline: float, wait: bool = False,
-                    closed_ok: bool = False) -> None:
+                    closed_ok: bool = False) -> bool:
         """If the next frame from ``conn`` is an ABORT, read it and raise its error.
 
         A DATA frame (the peer is ahead of us) is left unread for the exchange that wants it;
         one of this call with another call header is a MismatchError (check_unread).
         ``closed_ok``: a peer this exchange neither sends to nor receives from may have closed
-        (it had no call left): nothing to say then.
+        (it had no call left): nothing to say then. Returns False where there is nothing, or
+        only part of a frame header, to read yet (without ``wait``): a watch goes on then.
         """
         if conn.reading:  # not at a frame boundary: nothing to learn here
-            return
+            return True
         head = b""
         while True:
             try:
@@ -574,17 +580,17 @@ class TcpTransport(Transport):
             except (BlockingIOError, InterruptedError):
                 head = None
             except OSError:
-                return
+                return True
             if head == b"":
                 if not wait and not closed_ok:
                     conn.kill("closed by the peer")
                     raise PeerLost(f"rank {self.rank}: rank {conn.peer} closed its connection during {header.describe()}: "
                                    f"its process ended, or, if it ended without an error, {CLOSED_EARLY}")
-                return
+                return True
             if head is not None and len(head) == wire.FRAME_HEADER_SIZE:
                 break
             if not wait or remaining(deadline) <= 0:
-                return
+                return False
             _wait_fd(conn.fd, _IN, min(0.02, remaining(deadline)))
         fh = self._decode(conn, head)
         if fh.kind == wire.ABORT:
@@ -592,6 +598,7 @@ class TcpTransport(Transport):
             conn.reading = True
             raise self._read_abort(conn, fh, deadline)
         check_unread(header, fh.call, self.rank, conn.peer)
+        return True
 
     def _decode(self, conn: _Conn, head: bytes | bytearray) -> wire.FrameHeader:
         try:
