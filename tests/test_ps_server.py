@@ -719,6 +719,11 @@ def test_sync_server_streams_each_partition_as_soon_as_it_has_stepped_it():
     ids = np.arange(len(layout.partitions))
     start = np.arange(23, dtype=np.float32)
     ch = raw_worker(server, layout, 0, 1, lr=0.5)
+    if hasattr(socket, "TCP_CONGESTION"):  # a worker's connection keeps the kernel's (tcp_setup.TCP_CONGESTION)
+        plain = socket.socket()
+        assert ch.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16) == \
+            plain.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+        plain.close()
     ch.send(P.INIT, worker=0, ids=ids, values=[start])
     ch.send(P.PULL, worker=0, step=0)
     step, got = recv_params(ch, layout)

@@ -309,7 +309,8 @@ def dial(endpoint: Sequence, me: tcp_setup.Identity, server: int, timeout: float
     rank, which a torchrun user would read as a worker's."""
     host, port = str(endpoint[0]), int(endpoint[1])
     return tcp_setup.dial({"tcp": [host, port]}, False, me, server, time.monotonic() + timeout,
-                          peer_name=f"parameter server {server} at {host}:{port}" if name is None else name)
+                          peer_name=f"parameter server {server} at {host}:{port}" if name is None else name,
+                          congestion=False)  # (the kernel's: see tcp_setup.TCP_CONGESTION)
 
 
 def encode_json(obj: dict) -> bytes:

@@ -380,7 +380,6 @@ class ParameterServer:
     def _connection(self, sock: socket.socket, addr) -> None:
         """Handshake, HELLO, then this worker's messages in order, until BYE or loss."""
         K = self.cfg.servers
-        tcp_setup.set_congestion_control(sock)  # (as the worker's end: tcp_setup.dial)
         with self._cond:  # (a lost or connected one too: it is told why it is not taken, below)
             expected = {K + w for w, s in enumerate(self._status) if s in ("waiting", "lost", "connected")}
         try:

@@ -52,7 +52,9 @@ SOCKET_BUFFER_BYTES = 4 << 20
 #: ring allreduces of 16 MiB with gloo beside them): under BBR one exchange in several took 12-18 ms
 #: longer than the link needs (no loss, no retransmission; the ring's exchanges leave a sender idle
 #: between them), p90 157.5 ms against gloo's 144.0; with cubic p90 143.2 and at most 143.4 (gloo
-#: 144.7, 149.5), and the MLP's schedules at 1 Gbit/s 847-862 ms a step, not 864-889.
+#: 144.7, 149.5), and the MLP's schedules at 1 Gbit/s 847-862 ms a step, not 864-889. Not for
+#: parameter servers' connections (``tune_socket(congestion=False)``): 4 workers pushing to 2
+#: servers at once ran faster under BBR (the MLP, 2 sharded servers: 1.85x one against 1.60x).
 TCP_CONGESTION = "cubic"
 #: A listener gives any one incoming handshake at most this long.
 HANDSHAKE_TIMEOUT = 5.0
@@ -77,8 +79,9 @@ def congestion_control() -> Optional[str]:
 _refused_congestion: set[str] = set()  # (names the kernel refused: said once a process)
 
 
-def tune_socket(sock: socket.socket) -> None:
-    """TCP only: no Nagle delay, the socket buffers and the congestion control above."""
+def tune_socket(sock: socket.socket, congestion: bool = True) -> None:
+    """TCP only: no Nagle delay, the socket buffers and (``congestion``) the congestion control
+    above."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -87,7 +90,8 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
         except OSError:  # pragma: no cover - some platforms refuse; defaults still work
             pass
-    set_congestion_control(sock)
+    if congestion:
+        set_congestion_control(sock)
 
 
 def set_congestion_control(sock: socket.socket) -> None:
@@ -488,19 +492,20 @@ def _address(endpoints: dict, same_host: bool, peer: int) -> tuple[int, object]:
 
 
 def dial(endpoints: dict, same_host: bool, me: Identity, peer: int, deadline: float,
-         refresh: Optional[Callable[[], dict]] = None, *, peer_name: Optional[str] = None) -> socket.socket:
+         refresh: Optional[Callable[[], dict]] = None, *, peer_name: Optional[str] = None,
+         congestion: bool = True) -> socket.socket:
     """Connect to ``peer``'s listener (Unix socket if on the same host) and authenticate.
 
     A refused connection is retried until the deadline, asking ``refresh`` (if given) for
     the peer's endpoints again each time, in case a stale one was read. ``peer_name``: as
-    ``connect_handshake``'s.
+    ``connect_handshake``'s; ``congestion``: as ``tune_socket``'s.
     """
     them = f"rank {peer}" if peer_name is None else peer_name
     while True:
         family, address = _address(endpoints, same_host, peer)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            tune_socket(sock)
+            tune_socket(sock, congestion)
             left = remaining(deadline)
             if left <= 0:
                 raise CommTimeout(f"rank {me.rank}: could not reach {them} before the deadline")
