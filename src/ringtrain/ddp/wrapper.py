@@ -912,11 +912,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Whether some parameter of the bucket needs ``_copy_back``: a ``.grad`` that is not its
         slot, or none where some rank has a gradient (``unused``: the parameters no rank has a
         gradient for, left alone)."""
-        st = self._s
-        if st.inbox[spec.index]:
-            return True
-        return any(self._params[pid].grad is None and pid not in unused and self._bucket_index[pid] == spec.index
-                   for pid in st.unused)
+        return bool(self._s.inbox[spec.index] or self._without_grad(spec, unused))
 
     def _copy_back(self, spec: bucketing.BucketSpec, unused: set[int]) -> None:
         """Every parameter of the bucket gets the mean over ranks as its ``.grad``, but those
@@ -925,11 +921,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         with torch.no_grad():
             if queued:
                 torch._foreach_copy_([g for _, g, _ in queued], [s for _, _, s in queued])
-            for pid in self._s.unused:  # find_unused_parameters: unused here, maybe used elsewhere
-                p = self._params[pid]
-                if p.grad is None and pid not in unused and self._bucket_index[pid] == spec.index:
-                    slot = self._slots[pid]
-                    p.grad = slot if self.options.gradient_as_bucket_view else slot.clone()
+            for pid in self._without_grad(spec, unused):
+                slot = self._slots[pid]
+                self._params[pid].grad = slot if self.options.gradient_as_bucket_view else slot.clone()
+
+    def _without_grad(self, spec: bucketing.BucketSpec, unused: set[int]) -> list[int]:
+        """find_unused_parameters: the bucket's parameters unused here and without a ``.grad``
+        that some rank has a gradient for (``unused``: those no rank has): they take the slot."""
+        return [pid for pid in self._s.unused if self._bucket_index[pid] == spec.index
+                and self._params[pid].grad is None and pid not in unused]
 
     # --- bookkeeping ---------------------------------------------------------------------------
 

@@ -91,14 +91,14 @@ def tune_socket(sock: socket.socket, congestion: bool = True) -> None:
         except OSError:  # pragma: no cover - some platforms refuse; defaults still work
             pass
     if congestion:
-        set_congestion_control(sock)
+        _set_congestion_control(sock)
 
 
-def set_congestion_control(sock: socket.socket) -> None:
-    """A TCP socket takes :func:`congestion_control`'s where the kernel lets it (Linux); a name
+def _set_congestion_control(sock: socket.socket) -> None:
+    """The TCP socket takes :func:`congestion_control`'s where the kernel lets it (Linux); a name
     it refuses is said once a process (unless it is the default, not named by the user)."""
     name = congestion_control()
-    if name is None or not hasattr(socket, "TCP_CONGESTION") or sock.family not in (socket.AF_INET, socket.AF_INET6):
+    if name is None or not hasattr(socket, "TCP_CONGESTION"):
         return
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
