@@ -461,6 +461,21 @@ def test_a_worker_dropped_for_connecting_late_hears_why_when_it_comes(strategy):
     thread.join(10)
 
 
+def test_the_servers_end_of_a_connection_sends_without_nagles_delay():
+    # Was: the accepted socket kept Nagle's algorithm, so the short last segment of each streamed
+    # answer waited for the ACK of everything before it (the workers' ends had TCP_NODELAY).
+    from ringtrain.ps.sharding import make_layout
+
+    server, thread, out = start_server(workers=1, timeout=1.5)
+    layout = make_layout([12, 3], 1, 16)
+    worker = raw_worker(server, layout, 0, 1, lr=0.5)
+    with server._cond:
+        sock = server._channels[0].sock
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    worker.close()
+    thread.join(10)
+
+
 def server_and_silent_worker(strategy: str):
     """A server for 2 workers (timeout 1.5 s) serving on a thread, and worker 1 that says HELLO by
     hand and then nothing: (server, thread, out, worker 1's channel)."""

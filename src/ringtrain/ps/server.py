@@ -380,6 +380,10 @@ class ParameterServer:
     def _connection(self, sock: socket.socket, addr) -> None:
         """Handshake, HELLO, then this worker's messages in order, until BYE or loss."""
         K = self.cfg.servers
+        # No Nagle delay: answers stream out as partitions are applied, and a message's last short
+        # segment must not wait for the ACK of everything before it. (The kernel's buffer sizes
+        # and congestion control stay: see tcp_setup.TCP_CONGESTION.)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._cond:  # (a lost or connected one too: it is told why it is not taken, below)
             expected = {K + w for w, s in enumerate(self._status) if s in ("waiting", "lost", "connected")}
         try:
