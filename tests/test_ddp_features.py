@@ -392,6 +392,50 @@ def test_a_parameter_counted_unused_that_gets_a_gradient_is_named():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+class ReturnsAParameter(nn.Module):
+    """A forward that returns one of its parameters as it is, beside a layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.ones(3))
+        self.spare = nn.Linear(4, 3)  # never used
+
+    def forward(self, x):
+        return self.lin(x), self.scale
+
+
+@pytest.mark.parametrize("uses_it", [True, False])
+def test_a_parameter_the_forward_returns_as_it_is_is_used_exactly_when_the_loss_uses_it(uses_it):
+    # Was: only outputs with a graph were walked, so the returned parameter counted as unused and
+    # its gradient was an error ("got a gradient, but the forward's outputs ... do not reach it").
+    torch.manual_seed(0)
+    base = ReturnsAParameter()
+    x = torch.arange(8.0).reshape(2, 4) / 8
+
+    def loss_of(out, scale):
+        return (out * scale).sum() if uses_it else out.sum()
+
+    def body(comm):
+        import copy
+
+        model = copy.deepcopy(base)
+        ddp = DistributedDataParallel(model, comm, find_unused_parameters=True, **FAST)
+        for _ in range(3):  # through profiling into the planned layout
+            ddp.zero_grad()
+            out, scale = ddp(x)
+            loss_of(out, scale).backward()
+        ddp.close()
+        return model.scale.grad, model.lin.weight.grad.clone(), model.spare.weight.grad
+
+    results = raise_first(run_comms(2, body))
+    alone = __import__("copy").deepcopy(base)
+    loss_of(*alone(x)).backward()
+    for scale, weight, spare in results:
+        assert spare is None and torch.equal(weight, alone.lin.weight.grad)
+        assert torch.equal(scale, alone.scale.grad) if uses_it else scale is None
+
+
 def test_a_backward_the_wrappers_forward_did_not_begin_stays_local():
     """As with torch's DDP: after an averaged iteration, a backward through the module itself (one
     rank's diagnostic, say) launches nothing, so the ranks stay in step."""

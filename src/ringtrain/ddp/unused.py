@@ -70,10 +70,11 @@ def with_tensors(out: Any, tensors: Iterator[torch.Tensor]) -> Any:
 
 
 class OutputSink(torch.autograd.Function):
-    """find_unused_parameters: the outputs that have a graph pass through one node (cloned, as
-    torch's DDP's ``_DDPSink`` does), whose backward runs before any node of the forward's graph
-    and sees which outputs the loss used (a gradient) and which it did not (None). It calls
-    ``on_backward(roots)`` with the graph nodes of the used outputs (None: all were used)."""
+    """find_unused_parameters: the outputs that have a graph (and parameters returned as they are)
+    pass through one node (cloned, as torch's DDP's ``_DDPSink`` does), whose backward runs before
+    any node of the forward's graph and sees which outputs the loss used (a gradient) and which it
+    did not (None). It calls ``on_backward(roots)`` with the graph nodes of the used outputs (None:
+    all were used)."""
 
     @staticmethod
     def forward(ctx, on_backward, *outputs):
@@ -93,7 +94,7 @@ class OutputSink(torch.autograd.Function):
 def reachable_params(outputs: list[torch.Tensor], pid_of: dict[int, int], nodes: Sequence = ()) -> set[int]:
     """Ids of the parameters whose gradient-accumulation nodes the outputs' graph (or the graph
     from ``nodes``) reaches."""
-    found: set[int] = set()
+    found = {pid_of[id(t)] for t in outputs if t.grad_fn is None and id(t) in pid_of}  # (a parameter returned as is)
     seen: set = set()
     stack = [t.grad_fn for t in outputs] + list(nodes)
     while stack:

@@ -468,7 +468,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             for t in outputs:
                 t.register_hook(partial(_backward_start_hook, me))
             return out
-        if not outputs:  # no tensor with a graph in the output: nothing to walk, all are expected
+        # A parameter returned as it is goes through the sink as well: whether the loss used it is
+        # known there (a graph's outputs only, it counted as unused, and its gradient was an error).
+        outputs = [t for t in found if t.grad_fn is not None or (t.requires_grad and id(t) in self._pid_of)]
+        if not outputs:  # no output with a graph or a parameter: nothing to walk, all are expected
             st.expected, st.unused, st.decided = len(self._params), set(), st.generation
             return out
         return self._arm_sink(out, found, outputs)
@@ -479,7 +482,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     @torch.compiler.disable
     def _arm_sink(self, out: Any, found: list[torch.Tensor], outputs: list[torch.Tensor]) -> Any:
         """find_unused_parameters: ``out`` (whose tensors are ``found``) with its ``outputs`` (those
-        of them with a graph) passed through an OutputSink."""
+        of them with a graph, and parameters returned as they are) passed through an OutputSink."""
         st = self._s
         # What the outputs reach (a reentrant checkpoint is refused here, at the forward). The
         # backward decides, at the sink, what is unused: what the outputs the loss used reach.
@@ -1256,9 +1259,9 @@ def _backward_start_hook(ddp: weakref.ref, grad: torch.Tensor) -> None:
 
 def _through_sink(out: Any, found: list[torch.Tensor], outputs: list[torch.Tensor], on_backward) -> Any:
     """``out`` (whose tensors are ``found``, in output_tensors' order) with its ``outputs`` (those of
-    them with a graph) passed through an OutputSink."""
-    sunk = iter(OutputSink.apply(on_backward, *outputs))
-    return with_tensors(out, (next(sunk) if t.grad_fn is not None else t for t in found))
+    them with a graph, and parameters returned as they are) passed through an OutputSink."""
+    sunk, through = iter(OutputSink.apply(on_backward, *outputs)), {id(t) for t in outputs}
+    return with_tensors(out, (next(sunk) if id(t) in through else t for t in found))
 
 
 def _sink_hook(ddp: weakref.ref, generation: int, reached: frozenset, roots: Optional[list]) -> None:
