@@ -40,6 +40,17 @@ STEPS = 6
 LONGEST_TRIAL = 1 + plan_trial.longest(1, probes=2)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread in this process while a test runs: the thread tests compare two
+    trainings bitwise, and with a thread pool shared by two rank threads a matmul's reduction can
+    be split differently from one run to the next (last-bit differences seen under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _mlp():
     return make_model("mlp")  # (seeded and drawn under a lock: the thread tests' ranks share the generator)
 
