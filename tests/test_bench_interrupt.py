@@ -172,12 +172,25 @@ def test_two_runs_in_one_second_keep_both_results_whole(tmp_path):
 
 
 def test_an_out_folder_root_cannot_write_is_refused_before_the_run():
-    from ringtrain.bench.machine import check_writable_dir
+    from ringtrain.bench.machine import check_out_dir
 
     if os.geteuid() != 0 or not os.path.isdir("/sys/kernel"):
         pytest.skip("needs root and /sys (os.access says yes to root there)")
-    with pytest.raises(ValueError, match="--out /sys/kernel: not writable"):
-        check_writable_dir(Path("/sys/kernel"), "--out")
+    with pytest.raises(ValueError, match="--out /sys/kernel: cannot write in /sys/kernel"):
+        check_out_dir("/sys/kernel")
+
+
+def test_an_out_folder_below_a_file_is_refused_naming_the_file(tmp_path):
+    # (was "cannot make it (Not a directory)", naming no file; simulate --plot's words now)
+    from ringtrain.bench.machine import check_out_dir
+
+    (tmp_path / "afile").touch()
+    with pytest.raises(ValueError) as caught:
+        check_out_dir(tmp_path / "afile" / "out")
+    assert str(caught.value) == f"--out {tmp_path}/afile/out: {tmp_path}/afile is a file, not a folder"
+    with pytest.raises(ValueError, match=f"--out {tmp_path}/afile: a file, not a folder"):
+        check_out_dir(tmp_path / "afile")
+    assert check_out_dir(tmp_path / "new" / "out").is_dir()  # (made now, parents too)
 
 
 def test_a_ctrl_c_before_the_benchmarks_own_handling_is_one_line(monkeypatch, capsys):

@@ -630,7 +630,8 @@ def test_an_unwritable_timeline_is_refused_before_training(tmp_path, launches, c
     (tmp_path / "afile").touch()
     message = refusal(train_argv(tmp_path / "ck", "--timeline", str(tmp_path / "afile" / "trace.json")),
                       launches, capsys)
-    assert "--timeline" in message and "not a directory" in message, message
+    assert f"--timeline {tmp_path}/afile/trace.json: its directory {tmp_path}/afile: a file, not a folder" in message, \
+        message
 
 
 def test_a_ranks_trace_file_that_cannot_be_written_is_refused_before_training(tmp_path, launches, capsys):

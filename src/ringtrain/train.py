@@ -383,9 +383,9 @@ def _check_server_folders(cfg: TrainConfig) -> None:
 def _check_writable(directory: Path, what: str) -> None:
     """Make ``directory`` now, so that a path that cannot hold checkpoints (or traces) is an error
     before training, not after the first ``checkpoint_every`` steps."""
-    from .bench.machine import check_writable_dir
+    from .outputs import check_folder
 
-    check_writable_dir(directory, what)
+    check_folder(directory, what, make=True)
 
 
 def _check_trace_files(timeline: str, workers: int) -> None:

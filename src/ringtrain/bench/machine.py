@@ -11,7 +11,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -169,24 +168,9 @@ def _remove_dead_holds(out_dir: Path) -> None:
 def check_out_dir(out_dir: str | Path) -> Path:
     """Make ``--out`` now and check it takes files: a run that cannot be saved fails before it
     runs, not after (its results lost)."""
-    return check_writable_dir(Path(out_dir), "--out")
+    from ..outputs import check_folder
 
-
-def check_writable_dir(directory: Path, what: str) -> Path:
-    """Make ``directory`` (``what`` names it in errors) and check it takes files: ValueError if
-    it is not a directory, cannot be made or is not writable."""
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{what} {directory}: not a directory")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{what} {directory}: cannot make it ({exc.strerror or exc})") from None
-    try:  # (a file made and removed: os.access says yes to root where writes fail, /sys say)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{what} {directory}: not writable ({exc.strerror or exc})") from None
-    return directory
+    return check_folder(out_dir, "--out", make=True)
 
 
 def result_document(kind: str, doc: dict, started: _dt.datetime | None = None) -> dict:

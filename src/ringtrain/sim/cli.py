@@ -22,11 +22,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..cli import REFUSED
+from ..outputs import check_file, check_folder
 from . import clusters as clusters_mod
 from . import costs
 from .devices import DEVICES, get_device
@@ -198,10 +198,10 @@ def run(args: argparse.Namespace) -> int:
         return REFUSED
     try:
         if args.csv:
-            check_output_file(args.csv, "--csv")  # (before the sweep, not after it)
+            check_file(args.csv, "--csv")  # (before the sweep, not after it)
             check_not_an_input(args.csv, "--csv", model_names(args.model) + list(args.cluster or []))
         if args.plot:
-            check_output_folder(args.plot, "--plot")
+            check_folder(args.plot, "--plot")  # (made by the plots, after the sweep)
         traces = load_traces(args.model, args.device)
         device = zoo_device(args.model, get_device(args.device).name)  # (as the zoo names it: ' H100' is h100)
         clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], check_gpus_per_node(args.gpus_per_node))
@@ -265,21 +265,6 @@ def document(predictions: list[Prediction], traces: list[Trace], clusters: list[
     }
 
 
-def check_output_file(path: str, option: str) -> None:
-    """ValueError naming ``option`` unless ``path`` can be written: not a folder, in a folder that
-    exists and takes files (a file made there and removed)."""
-    target = Path(path)
-    if target.is_dir():
-        raise ValueError(f"{option} {path}: a folder, not a file")
-    if not target.parent.is_dir():
-        raise ValueError(f"{option} {path}: no folder {target.parent}")
-    try:
-        with tempfile.TemporaryFile(dir=target.parent):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{option} {path}: cannot write in {target.parent} ({exc.strerror or exc})") from None
-
-
 def check_not_an_input(path: str, option: str, inputs: list[str]) -> None:
     """ValueError naming ``option`` where ``path`` is one of the files ``inputs`` names (a
     trace file of --model, a bench file of --cluster): the output would replace it."""
@@ -295,22 +280,6 @@ def check_not_an_input(path: str, option: str, inputs: list[str]) -> None:
         if same:
             raise ValueError(f"{option} {path}: that is the input file {item.strip()!r}, which the output would "
                              "replace; name another file")
-
-
-def check_output_folder(path: str, option: str) -> None:
-    """ValueError naming ``option`` unless ``path`` is a folder, or can be made as one, that takes
-    files (a file made in it, or in the nearest folder above it that exists, and removed)."""
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"{option} {path}: a file, not a folder")
-    above = next(p for p in (target, *target.parents) if p.exists())
-    if not above.is_dir():
-        raise ValueError(f"{option} {path}: {above} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=above):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{option} {path}: cannot write in {above} ({exc.strerror or exc})") from None
 
 
 def write_csv(predictions: list[Prediction], path: str | Path) -> None:
