@@ -29,7 +29,7 @@ from ..cli import REFUSED
 from ..outputs import check_file, check_folder
 from . import clusters as clusters_mod
 from . import costs
-from .devices import DEVICES, get_device
+from .devices import DEVICES, DeviceProfile, get_device
 from .models_zoo import MODELS, build_trace
 from .simulator import DEFAULT_GPUS, SCHEDULES, Prediction, sweep
 from .traces import Trace, load, profile_reference
@@ -134,13 +134,17 @@ def check_bucket_mb(value: float) -> float:
     return value
 
 
-def load_traces(value: str, device_name: str) -> list[Trace]:
-    """Zoo models on ``device_name``, trace files, or ``profile:NAME`` (a ringtrain.models model
-    profiled on this machine's CPU)."""
+def resolve_device(name: str) -> DeviceProfile:
+    """``--device``'s GPU profile (any case, spaces around it taken); ValueError naming the option."""
     try:
-        device = get_device(device_name)
+        return get_device(name)
     except ValueError as e:
         raise ValueError(f"--device: {e}") from None
+
+
+def load_traces(value: str, device: DeviceProfile) -> list[Trace]:
+    """Zoo models on ``device`` (:func:`resolve_device`), trace files, or ``profile:NAME`` (a
+    ringtrain.models model profiled on this machine's CPU)."""
     out: list[Trace] = []
     for n in model_names(value):
         if n.lower().endswith((".json", ".csv")):
@@ -202,8 +206,9 @@ def run(args: argparse.Namespace) -> int:
             check_not_an_input(args.csv, "--csv", model_names(args.model) + list(args.cluster or []))
         if args.plot:
             check_folder(args.plot, "--plot")  # (made by the plots, after the sweep)
-        traces = load_traces(args.model, args.device)
-        device = zoo_device(args.model, get_device(args.device).name)  # (as the zoo names it: ' H100' is h100)
+        profile = resolve_device(args.device)
+        traces = load_traces(args.model, profile)
+        device = zoo_device(args.model, profile.name)  # (as the zoo names it: ' H100' is h100)
         clusters = clusters_mod.resolve_many(args.cluster or [DEFAULT_CLUSTERS], check_gpus_per_node(args.gpus_per_node))
         gpus = parse_gpus(args.gpus)
         schedules = split(args.schedules, "--schedules", SCHEDULES)

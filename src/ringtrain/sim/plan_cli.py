@@ -18,7 +18,8 @@ import sys
 from ..cli import REFUSED
 from . import clusters as clusters_mod
 from . import costs
-from .cli import MAX_GPUS, add_common, check_bucket_mb, check_gpus_per_node, emit, load_traces, split
+from .cli import (MAX_GPUS, add_common, check_bucket_mb, check_gpus_per_node, emit, load_traces,
+                  resolve_device, split)
 from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
 
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         check_gpus_per_node(args.gpus_per_node)
         if args.algorithm not in costs.ALGORITHMS:
             raise ValueError(f"--algorithm: unknown algorithm {args.algorithm!r}; choose from {', '.join(costs.ALGORITHMS)}")
-        trace = load_traces(args.model, args.device)[0]
+        trace = load_traces(args.model, resolve_device(args.device))[0]
         cluster = _cluster(args)
         methods = split(args.methods, "--methods", SCHEDULES)
         cost = cluster.cost(args.gpus, args.algorithm)
