@@ -137,6 +137,19 @@ def test_simulate_bad_options_exit_2_naming_the_option(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+def test_algorithms_and_schedules_are_taken_in_any_case_as_models_devices_and_networks(capsys):
+    # ('Ring' was refused while 'ResNet50', 'V100' and '10gbe' were taken)
+    argv = ["--model", "ResNet50", "--device", "V100", "--cluster", "10gbe", "--gpus", "4", "--json"]
+    assert main(["simulate", *argv, "--algorithms", "Ring,HIERARCHICAL", "--schedules", "Optimal"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["algorithm"], r["schedule"]) for r in rows] == [("ring", "optimal"), ("hierarchical", "optimal")]
+    assert main(["simulate", *argv, "--algorithms", "Ring,ring"]) == 2
+    assert "--algorithms: ring given twice" in capsys.readouterr().err
+    assert main(["plan", "--model", "resnet50", "--gpus", "4", "--algorithm", "Ring", "--methods", "WFBP", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["algorithm"] == "ring" and [m["schedule"] for m in doc["methods"]] == ["wfbp"]
+
+
 def test_plan_prints_every_method_with_layer_names(capsys):
     rc = main(["plan", "--model", "densenet121", "--cluster", "10GbE", "--gpus", "64", "--max-groups", "3"])
     assert rc == 0

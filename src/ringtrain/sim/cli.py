@@ -83,19 +83,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def split(value: str, option: str, accepted: Sequence[str] | None = None) -> list[str]:
-    """``value``'s comma-separated items; with ``accepted``, each one of those, at most once (a
-    schedule or algorithm given twice would repeat every row of --json and --csv)."""
+    """``value``'s comma-separated items; with ``accepted``, each one of those (:func:`choice`),
+    at most once (a schedule or algorithm given twice would repeat every row of --json and --csv)."""
     items = [v.strip() for v in value.split(",")]
     if not any(items):
         raise ValueError(f"{option}: needs at least one value")
     if not all(items):
         raise ValueError(f"{option}: {value!r} has an empty value (two commas in a row, or one at an end)")
     if accepted is not None:
-        for v in items:
-            if v not in accepted:
-                raise ValueError(f"{option}: unknown value {v!r}; choose from {', '.join(accepted)}")
+        items = [choice(v, option, accepted) for v in items]
         _refuse_repeats(items, option)
     return items
+
+
+def choice(value: str, option: str, accepted: Sequence[str], what: str = "value") -> str:
+    """The one of ``accepted`` that ``value`` names, in any case, as the models, devices and
+    networks are taken ('Ring' is ring); ValueError naming ``option`` (and ``what`` it is) else."""
+    found = {a.lower(): a for a in accepted}.get(value.strip().lower())
+    if found is None:
+        raise ValueError(f"{option}: unknown {what} {value!r}; choose from {', '.join(accepted)}")
+    return found
 
 
 def _refuse_repeats(items: Sequence[Any], option: str) -> None:

@@ -18,7 +18,7 @@ import sys
 from ..cli import REFUSED
 from . import clusters as clusters_mod
 from . import costs
-from .cli import (MAX_GPUS, add_common, check_bucket_mb, check_gpus_per_node, emit, load_traces,
+from .cli import (MAX_GPUS, add_common, check_bucket_mb, check_gpus_per_node, choice, emit, load_traces,
                   resolve_device, split)
 from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
@@ -50,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-groups: the groups listed per method must be >= 0, got {args.max_groups}")
         check_bucket_mb(args.bucket_mb)
         check_gpus_per_node(args.gpus_per_node)
-        if args.algorithm not in costs.ALGORITHMS:
-            raise ValueError(f"--algorithm: unknown algorithm {args.algorithm!r}; choose from {', '.join(costs.ALGORITHMS)}")
+        args.algorithm = choice(args.algorithm, "--algorithm", costs.ALGORITHMS, "algorithm")
         trace = load_traces(args.model, resolve_device(args.device))[0]
         cluster = _cluster(args)
         methods = split(args.methods, "--methods", SCHEDULES)
