@@ -165,6 +165,20 @@ def test_a_csv_header_that_names_a_column_twice_is_refused():
     assert loads_csv("# model: m\n# batch_size: 4\nname,forward_s,backward_s,grad_bytes,params,,\n"
                      "a,0.1,0.1,4,1,,\n").layers[0].grad_bytes == 4
 
+def test_a_csv_whose_metadata_gives_a_key_twice_is_refused_naming_the_key_and_lines(tmp_path):
+    # (the last batch_size, 64, was kept silently where the first said 4, as a column named twice was)
+    text = "# model: m\n# batch_size: 4\n# source: x\n# batch_size: 64\nname,forward_s,backward_s,grad_bytes,params\n" \
+           "a,0.1,0.1,4000,1\n"
+    with pytest.raises(ValueError, match="line 4 gives the metadata 'batch_size' again \\(line 2 gave it first\\)"):
+        loads_csv(text)
+    (tmp_path / "t.csv").write_text(text)
+    with pytest.raises(ValueError, match="t.csv: .*line 4 gives the metadata 'batch_size' again"):
+        load(tmp_path / "t.csv")
+    # (comments that are not metadata keys may still repeat)
+    assert loads_csv("# note: a\n# note: b\n# model: m\n# batch_size: 4\n"
+                     "name,forward_s,backward_s,grad_bytes,params\na,0.1,0.1,4,1\n").batch_size == 4
+
+
 class _Net(torch.nn.Module):
     """A conv, a parameter-free ReLU, a linear layer and a functional op outside any leaf."""
 

@@ -246,14 +246,20 @@ def dumps_csv(trace: Trace) -> str:
 
 def loads_csv(text: str) -> Trace:
     meta: dict[str, Any] = {}
+    given_on: dict[str, int] = {}  # each metadata key's line
     body = []
     quoted = False  # inside a quoted value that goes on over a line break (a layer named 'a\nb')
     # (lines as csv reads them: str.splitlines also broke them at \u2028, \x1c..., quoted or not)
-    for line in io.StringIO(text, newline=""):
+    for number, line in enumerate(io.StringIO(text, newline=""), start=1):
         if not quoted and line.startswith("#"):
             key, _, value = line[1:].partition(":")
-            if key.strip() in TRACE_FIELDS:
-                meta[key.strip()] = _meta_value(value.strip())
+            key = key.strip()
+            if key in TRACE_FIELDS:
+                if key in given_on:  # (as a column named twice: the last one was kept, silently)
+                    raise ValueError(f"line {number} gives the metadata {key!r} again (line {given_on[key]} "
+                                     "gave it first); keep one")
+                given_on[key] = number
+                meta[key] = _meta_value(value.strip())
             continue
         if quoted or line.strip():
             body.append(line)
