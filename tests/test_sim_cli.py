@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import unicodedata
 
 import pytest
 
@@ -342,6 +343,17 @@ def test_simulate_table_columns_line_up_with_long_algorithm_names(capsys):
                  "--algorithms", "ring,hierarchical,recursive_doubling"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert len(lines) == 7 and len({len(line) for line in lines}) == 1, lines
+
+
+def test_simulate_table_columns_line_up_with_double_width_names(tmp_path, capsys):
+    # A model named in Chinese (each character two columns wide on a terminal) pushed its row's
+    # numbers one column right per character; a cluster named so did the same.
+    save(dataclasses.replace(build_trace("resnet50", DEVICES["v100"]), model="残差网络五十"), tmp_path / "t.json")
+    assert main(["simulate", "--model", f"{tmp_path / 't.json'},vgg16", "--gpus", "4",
+                 "--cluster", "alpha=1e-5,beta=1e-9,name=集群", "--cluster", "10GbE"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    columns = {sum(2 if unicodedata.east_asian_width(c) == "W" else 1 for c in line) for line in lines}
+    assert len(lines) == 5 and len(columns) == 1, lines
 
 
 def test_the_best_column_names_optimal_where_schedules_tie_exactly(capsys):

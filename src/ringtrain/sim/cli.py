@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -308,8 +309,8 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
     cells: dict[tuple, dict[str, Prediction]] = {}
     for p in predictions:
         cells.setdefault((p.model, p.cluster, p.algorithm, p.world_size), {})[p.schedule] = p
-    mw = max([12] + [len(p.model) for p in predictions])
-    cw = max([16] + [len(p.cluster) for p in predictions])
+    mw = max([12] + [width(p.model) for p in predictions])
+    cw = max([16] + [width(p.cluster) for p in predictions])
     aw = max([10] + [len(p.algorithm) for p in predictions])  # (hierarchical, halving_doubling...)
     # (a cell keeps a space before it however long its number: 2048 GPUs on 1GbE run to 1e8 ms)
     nw = max([10] + [len(f"{p.iteration_s * 1e3:.1f}") + 1 for p in predictions])
@@ -320,7 +321,7 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
         head + f"  {'best':<8} {'samples/s':>10}",
     ]
     for (model, cluster, algorithm, p), by_schedule in cells.items():
-        row = f"{model:<{mw}} {cluster:<{cw}} {algorithm:<{aw}} {p:>5}"
+        row = f"{pad(model, mw)} {pad(cluster, cw)} {algorithm:<{aw}} {p:>5}"
         for s in schedules:
             pr = by_schedule[s]
             row += f"{pr.iteration_s * 1e3:>{nw}.1f} ({pr.efficiency:>4.0%})"
@@ -330,3 +331,14 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
         best = next((pr for pr in tied if pr.schedule == "optimal"), tied[0])
         lines.append(row + f"  {best.schedule:<8} {best.samples_per_s:>10.0f}")
     return "\n".join(lines)
+
+
+def width(text: str) -> int:
+    """The columns ``text`` takes on a terminal: 2 for a wide character (CJK: '模型'), 0 for a
+    combining mark, else 1 (str.ljust counts characters, and a table of such names lost its columns)."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def pad(text: str, columns: int) -> str:
+    """``text`` with spaces after it to fill ``columns`` terminal columns (:func:`width`)."""
+    return text + " " * max(0, columns - width(text))
