@@ -27,6 +27,7 @@ from ringtrain.transport.base import CallHeader
 from ringtrain.transport.local import on_threads
 import ps_harness
 from ps_harness import both_take_step_0, recv_params, tiny
+from sockets import congestion
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = b"test-secret"
@@ -735,10 +736,8 @@ def test_sync_server_streams_each_partition_as_soon_as_it_has_stepped_it():
     start = np.arange(23, dtype=np.float32)
     ch = raw_worker(server, layout, 0, 1, lr=0.5)
     if hasattr(socket, "TCP_CONGESTION"):  # a worker's connection keeps the kernel's (tcp_setup.TCP_CONGESTION)
-        plain = socket.socket()
-        assert ch.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16) == \
-            plain.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
-        plain.close()
+        with socket.socket() as plain:
+            assert congestion(ch.sock) == congestion(plain)
     ch.send(P.INIT, worker=0, ids=ids, values=[start])
     ch.send(P.PULL, worker=0, step=0)
     step, got = recv_params(ch, layout)

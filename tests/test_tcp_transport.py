@@ -27,6 +27,7 @@ from ringtrain.transport import local, tcp, tcp_setup, wire
 from ringtrain.transport.base import CallHeader, Recv, Send
 from ringtrain.transport.tcp import TcpTransport
 from ringtrain.transport.tcp_setup import Listener
+from sockets import congestion
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1042,10 +1043,6 @@ def test_a_watched_peer_whose_frame_header_comes_in_parts(mesh, ends):
         assert took[0][1] < 0.5, took  # (waited in poll, not in a loop around it)
 
 
-def _congestion(sock):
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
-
-
 @pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="TCP_CONGESTION is Linux's")
 @pytest.mark.parametrize("setting", [None, "reno", "system", "nosuch"])
 def test_tcp_connections_take_the_congestion_control_asked_for(mesh, monkeypatch, caplog, setting):
@@ -1055,7 +1052,7 @@ def test_tcp_connections_take_the_congestion_control_asked_for(mesh, monkeypatch
     if setting is not None:
         monkeypatch.setenv("RINGTRAIN_TCP_CONGESTION", setting)
     plain = socket.socket()
-    system = _congestion(plain)
+    system = congestion(plain)
     try:
         plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
         cubic = "cubic"
@@ -1064,7 +1061,7 @@ def test_tcp_connections_take_the_congestion_control_asked_for(mesh, monkeypatch
     plain.close()
     caplog.set_level(logging.WARNING, logger="ringtrain.transport.tcp_setup")
     ts = mesh(2, host_ids=["a", "b"])
-    got = {_congestion(conn.sock) for t in ts for conn in t._conns.values()}
+    got = {congestion(conn.sock) for t in ts for conn in t._conns.values()}
     assert got == {{None: cubic, "reno": "reno", "system": system, "nosuch": system}[setting]}
     warned = [r.getMessage() for r in caplog.records if "congestion" in r.getMessage()]
     assert bool(warned) == (setting == "nosuch") and all("'nosuch' is not available here" in w for w in warned)
