@@ -406,6 +406,24 @@ def test_plan_on_one_gpu_lists_no_groups(capsys):
     assert "groups in backward order" not in out
 
 
+def test_one_gpu_rows_say_nothing_is_communicated_as_plan_does(tmp_path, capsys):
+    # A 1-GPU row's comm_end_s was backward's end (38.8 ms for resnet50) beside comm_s 0 and
+    # groups 0; the table had no word of it where plan says "nothing is communicated on 1 GPU".
+    argv = ["simulate", "--model", "resnet50", "--cluster", "10GbE", "--gpus", "1,4", "--csv", str(tmp_path / "r.csv")]
+    assert main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[-1] == "nothing is communicated on 1 GPU: every schedule's iteration is compute alone", table
+    rows = list(csv.DictReader((tmp_path / "r.csv").read_text(encoding="utf-8").splitlines()))
+    assert main(argv[:-2] + ["--json"]) == 0
+    for row in rows + json.loads(capsys.readouterr().out)["rows"]:
+        one = int(row["world_size"]) == 1
+        assert (float(row["comm_end_s"]) == 0.0) == one and (int(row["groups"]) == 0) == one, row
+    assert main(["plan", "--model", "resnet50", "--gpus", "1", "--json"]) == 0
+    assert {m["comm_end_s"] for m in json.loads(capsys.readouterr().out)["methods"]} == {0.0}
+    assert main(["simulate", "--model", "resnet50", "--cluster", "10GbE", "--gpus", "4"]) == 0
+    assert "nothing is communicated" not in capsys.readouterr().out
+
+
 def test_trace_and_csv_files_are_utf8_whatever_the_locale(tmp_path):
     # Under a locale whose encoding is not UTF-8 (POSIX without coercion here; cp1252 on Windows)
     # sim.traces.save and simulate --csv wrote with it: "UnicodeEncodeError: 'ascii' codec can't

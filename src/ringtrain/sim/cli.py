@@ -67,6 +67,9 @@ def add_common(parser: argparse.ArgumentParser, one_cluster: str | None = None) 
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of the fixed schedule, MiB (default 25)")
 
 
+#: The line under a table with 1-GPU rows (``what``: schedule or method).
+ONE_GPU = "nothing is communicated on 1 GPU: every {what}'s iteration is compute alone"
+
 #: The most GPUs a prediction is made for (no cluster has more; beyond, the numbers mean nothing).
 MAX_GPUS = 1 << 20
 
@@ -330,6 +333,8 @@ def format_table(predictions: list[Prediction], schedules: Sequence[str], device
         # (an exact tie, e.g. every schedule one group at few GPUs, names the default planner)
         best = next((pr for pr in tied if pr.schedule == "optimal"), tied[0])
         lines.append(row + f"  {best.schedule:<8} {best.samples_per_s:>10.0f}")
+    if any(p.world_size == 1 for p in predictions):
+        lines.append(ONE_GPU.format(what="schedule"))
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import sys
 from ..cli import REFUSED
 from . import clusters as clusters_mod
 from . import costs
-from .cli import (MAX_GPUS, add_common, check_bucket_mb, check_gpus_per_node, choice, emit, load_traces,
+from .cli import (MAX_GPUS, ONE_GPU, add_common, check_bucket_mb, check_gpus_per_node, choice, emit, load_traces,
                   resolve_device, split)
 from .simulator import SCHEDULES, Prediction, predict_with_cost
 from .traces import Trace
@@ -101,7 +101,7 @@ def describe(trace: Trace, preds: list[Prediction], names: list[str], max_groups
         lines.append(f"{p.schedule:<8} {p.groups:>6} {p.iteration_s * 1e3:>13.2f} {p.comm_s * 1e3:>9.2f} "
                      f"{p.exposed_s * 1e3:>11.2f} {p.samples_per_s:>10.1f} {p.efficiency:>10.1%}")
     if first.world_size == 1:
-        lines += ["", "nothing is communicated on 1 GPU: every method's iteration is compute alone"]
+        lines += ["", ONE_GPU.format(what="method")]
         return "\n".join(lines)
     for p in preds:
         lines += ["", f"{p.schedule}: groups in backward order (layer 0 is ready first)"]

@@ -64,7 +64,7 @@ class Prediction:
     comm_s: float
     """Sum of the allreduce times (some of it hidden behind backward)."""
     comm_end_s: float
-    """End of the last allreduce, counted from the start of backward."""
+    """End of the last allreduce, counted from the start of backward (0 on one GPU, where there is none)."""
     optimizer_s: float
     """The workers' optimizer step (0 with parameter servers: the servers step)."""
     iteration_s: float
@@ -209,7 +209,7 @@ def predict_with_cost(
         forward_s=trace.forward_s,
         backward_s=backward,
         comm_s=plan.comm_time,
-        comm_end_s=plan.end_time,
+        comm_end_s=plan.end_time if world_size > 1 else 0.0,  # (not backward's end: nothing is sent)
         optimizer_s=optimizer,
         iteration_s=iteration,
         samples_per_s=throughput,
