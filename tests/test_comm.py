@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -201,6 +203,46 @@ def test_abort_breaks_the_communicator_and_ends_the_peers_calls_at_once():
     for p in (2, 3):
         seconds = [s for s in raise_first(run_comms(p, fn, timeout=30.0)) if s is not None]
         assert len(seconds) == p - 1 and max(seconds) < 10.0, seconds
+
+
+def test_a_broken_communicator_does_not_keep_the_failed_callers_tensors_alive():
+    """The error it keeps for later calls is a copy without the traceback: the original's frames
+    held the caller's locals (a batch, activations) as long as the communicator lived. Later
+    calls still name it, and show it as their cause."""
+    kept = []
+
+    def failing_step(comm):  # a training step whose collective fails
+        batch = torch.zeros(1000)
+        kept.append(weakref.ref(batch))
+        comm.allreduce(np.ones(3 + comm.rank, dtype=np.float32), algorithm="ring")
+
+    def fn(comm):
+        with pytest.raises(MismatchError):
+            failing_step(comm)
+        with pytest.raises(MismatchError, match="broken by an earlier error .ranks disagree") as later:
+            comm.allreduce(np.ones(3, dtype=np.float32))
+        cause = later.value.__cause__
+        assert isinstance(cause, MismatchError) and cause.__traceback__ is None, cause
+        return comm
+
+    comms = raise_first(run_comms(2, fn))
+    alone = Communicator(LocalHub(1).transport(0))
+
+    def step_aborted():  # a failure of the caller's own, told through abort()
+        batch = torch.zeros(1000)
+        kept.append(weakref.ref(batch))
+        try:
+            raise ValueError("bad batch")
+        except ValueError as exc:
+            alone.abort(exc)
+
+    step_aborted()
+    gc.collect()
+    assert [ref() for ref in kept] == [None] * 3, "a broken communicator keeps the failed call's tensors alive"
+    assert type(alone.broken) is ValueError and str(alone.broken) == "bad batch", repr(alone.broken)
+    with pytest.raises(CommError, match=r"broken by an earlier error \(bad batch\)"):
+        alone.barrier()
+    assert all(c.broken is not None for c in comms)  # (alive until here)
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .collectives.ops import (NATIVE_DTYPES, FlatView, as_bfloat16, check_op_dtype, finish_mean, flat_view,
                               mark_written, op_name, reducer, staged)
-from .errors import CommError, check_seconds
+from .errors import CommError, check_seconds, without_frames
 from .transport.base import CallHeader, Transport, shape_digest
 from .transport.ctrl_c import Breaker
 
@@ -179,7 +179,9 @@ class Communicator:
 
     @property
     def broken(self) -> Optional[BaseException]:
-        """The error that broke this communicator (a failed call, or :meth:`abort`), else None."""
+        """The error that broke this communicator (a failed call, or :meth:`abort`), else None: a copy
+        of it without its traceback (which would keep the failed call's frames, and the caller's
+        tensors in them, alive as long as the communicator); the failed call raised the original."""
         return self._broken
 
     def abort(self, error: BaseException) -> None:
@@ -191,7 +193,7 @@ class Communicator:
         in progress, which then fails. Nothing to do once broken (the peers were told) or closed."""
         if self._broken is not None or self._closed:
             return
-        self._broken = error
+        self._broken = without_frames(error)
         try:
             self.transport.abort(error)
         except Exception:  # noqa: BLE001 - best effort, as after a failed call; the error is kept
@@ -265,7 +267,7 @@ class Communicator:
                 refusal = type(self._broken)(message) if isinstance(self._broken, CommError) else CommError(message)
             except Exception:  # noqa: BLE001 - a subclass of the caller's that takes other arguments
                 refusal = CommError(message)
-            raise refusal
+            raise refusal from self._broken  # (shown above it, without the frames it was raised through)
         if fn is None:
             return
         if not self._lock.acquire(blocking=False):
@@ -278,7 +280,7 @@ class Communicator:
             if self._closed and isinstance(exc, Exception):  # close() from another thread, under the call
                 error = CommError(f"rank {self.rank}: the communicator was closed during {header.describe()} (by "
                                   f"close() in another thread; the call then failed with {type(exc).__name__}: {exc})")
-            self._broken = error
+            self._broken = without_frames(error)
             try:
                 self.transport.abort(error)
             except Exception:  # noqa: BLE001 - best effort; the original error matters

@@ -70,6 +70,23 @@ def abort_reason(error: BaseException) -> tuple[int, str]:
     return code, f"{name}: {text}" if text else name
 
 
+def without_frames(error: BaseException) -> BaseException:
+    """``error`` as something that may be kept for a long time: a copy of it (its class, args and
+    attributes) without its traceback, cause or context, which hold the frames it passed through
+    and so every local of the callers' (tensors, batches). Where the class cannot be copied so,
+    the CommError a peer would be told (its type and text)."""
+    cls = type(error)
+    try:
+        clone = cls.__new__(cls, *error.args)
+        clone.__dict__.update(vars(error))
+        if str(clone) == str(error):
+            return clone
+    except Exception:  # noqa: BLE001 - a class of the caller's with a __new__ or __str__ of its own
+        pass
+    code, text = abort_reason(error)  # ("ValueError: bad", as the peers are told)
+    return ERROR_TYPES[code](text)
+
+
 def abort_payload(error: BaseException, limit: int) -> tuple[int, bytes]:
     """:func:`abort_reason` with its text as UTF-8 of at most ``limit`` bytes, never cut inside a
     character (what the tcp and torch transports send)."""

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, without_frames
 from .buckets import bucket_of
 
 
@@ -262,7 +262,7 @@ class CommHook:
         except BaseException as exc:
             error = error or exc  # (the hook's own error is the news, not the wait after it)
         if error is not None:
-            self.failed = error
+            self.failed = without_frames(error)  # (type and text: its frames held the bucket and the hook's state)
             failure = self._failure(error, index)
             self.comm.abort(failure)  # (as a failed allreduce would: no peer waits out its deadline)
             raise failure from error
