@@ -489,6 +489,33 @@ def test_a_group_dropped_after_a_failed_call_is_collected_and_its_worker_ends():
                                                                    (None, True, 0)]
 
 
+def test_a_group_dropped_with_failed_async_works_never_asked_for_is_collected():
+    """Async calls that failed (a mismatch, then a later call refused by the broken communicator)
+    whose works were dropped without wait() or get_future(): the worker holds the latest works
+    left unasked, and their errors' tracebacks held the group (the job's frames): the group was
+    never collected, nor its thread ended."""
+    import gc
+    import weakref
+
+    from ringtrain.comm import Communicator
+    from ringtrain.transport.local import run_threads
+
+    def body(transport):
+        pg = TorchProcessGroup(Communicator(transport, timeout=10.0))
+        dist.all_reduce(torch.ones(3 + transport.rank), group=pg, async_op=True)  # a mismatch
+        dist.all_reduce(torch.ones(3), group=pg, async_op=True)  # refused: broken
+        assert pg.wait_idle(10.0)
+        ref = weakref.ref(pg)
+        del pg
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and (ref() is not None or _pg_threads(transport.rank)):
+            gc.collect()
+            time.sleep(0.01)
+        return ref() is None, _pg_threads(transport.rank)
+
+    assert raise_first(run_threads(2, body, timeout=60.0)) == [(True, 0), (True, 0)]
+
+
 def _pg_threads(rank: int) -> int:
     import threading
 

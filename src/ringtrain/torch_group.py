@@ -19,9 +19,10 @@ Invariants:
   on the caller's thread, and a refused call queues nothing); a call made from a callback of a
   future, which runs on that worker, runs at once, there, after the calls queued before it
   (waited for in the callback, as PowerSGD's hook does, it would otherwise never run);
-- a job's error is kept, never swallowed: ``work.wait()`` raises it as it was (PeerLost,
-  CommTimeout, MismatchError), ``work.get_future()`` completes with it as torch's futures carry
-  errors (a RuntimeError naming it, "PeerLost: ..."), which is what DDP's backward raises;
+- a job's error is kept, never swallowed: ``work.wait()`` raises it with its type and text
+  (PeerLost, CommTimeout, MismatchError; not the worker's frames), ``work.get_future()``
+  completes with it as torch's futures carry errors (a RuntimeError naming it, "PeerLost: ..."),
+  which is what DDP's backward raises;
 - nothing waits without a bound: every job is a communicator call, bounded by its timeout; after
   one fails, the communicator is broken and every later job fails at once.
 """
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from .collectives.ops import OPS, check_op_dtype, flat_view, op_name
 from .comm import ALGORITHMS, Communicator
-from .errors import CommTimeout
+from .errors import CommTimeout, without_frames
 
 BACKEND = "ringtrain"
 """The name under which torch.distributed knows this group (``init_process_group(BACKEND)``)."""
@@ -74,7 +75,7 @@ class _Work(dist._Work):
         self._drain = drain  # runs the queued jobs, on the worker thread (see wait)
         self.done = threading.Event()  # set once raw is: a wait on it, unlike torch's, ends on Ctrl-C
         self.raw: torch.futures.Future = torch.futures.Future()
-        self.error: Optional[Exception] = None  # the job's, raised by wait() (raw holds a copy: _detached)
+        self.error: Optional[Exception] = None  # the job's, without frames, raised by wait() (raw: a copy)
         # A callback that raises marks the future it returns as failed in torch's C++ sense, which
         # DDP's reducer and then() chains see; raw.set_exception alone would read there as success.
         self.future = self.raw.then(lambda f: f.value())
@@ -246,8 +247,12 @@ class _Worker:
         try:
             job()
         except BaseException as exc:  # noqa: BLE001 - kept for the caller's wait()
-            # (torch's futures carry an Exception; a job's SystemExit, say, goes as a RuntimeError)
-            work.error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+            # (torch's futures carry an Exception; a job's SystemExit, say, goes as a RuntimeError).
+            # Kept without its traceback: the job's frames hold the group (its closure's ``self``),
+            # and this thread holds the latest works left unasked (RECENT_WORKS): a group dropped
+            # with its failed async call's work never asked for was never collected, nor its
+            # thread ended.
+            work.error = without_frames(exc) if isinstance(exc, Exception) else RuntimeError(repr(exc))
         # (out of the except block: the future's callbacks run in set_exception, and an error they
         # raised there would hold this one as its context)
         if work.error is None:
