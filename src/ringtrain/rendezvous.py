@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -32,7 +33,10 @@ from .errors import CommTimeout, RendezvousError
 
 _HANDSHAKE_GRACE = 0.5  # seconds past the deadline that torch's client may take to give up itself
 _generations: dict[tuple[str, int], int] = {}  # communicators this process made per endpoint (equal on every rank)
-_stores: dict[tuple[str, int], dist.Store] = {}  # one TCPStore per master endpoint, reused
+_stores: dict[tuple[str, int], dist.Store] = {}  # one TCPStore per master endpoint, reused (see _release_idle)
+_users: dict[tuple[str, int], list] = {}  # per endpoint: weak references to its communicators' prefixed stores
+_pinned: set[tuple[str, int]] = set()  # endpoints whose store job_store handed out (kept for the process's life)
+_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +111,50 @@ def connect_store(info: JobInfo, timeout: float) -> dist.Store:
 
     Every rank must call it the same number of times for this endpoint (the prefix counts the
     calls). Counted by endpoint, not in all: a job on a new MASTER_PORT, whose ranks are new
-    processes (a peer that died, restarted), starts at 1 on every rank, as they do.
+    processes (a peer that died, restarted), starts at 1 on every rank, as they do. The store of
+    an endpoint no communicator uses any more is let go once one is made at another
+    (_release_idle).
     """
     key = (info.master_addr, info.master_port)
     _generations[key] = generation = _generations.get(key, 0) + 1
-    return dist.PrefixStore(f"ringtrain/{generation}/", job_store(info, timeout))
+    with _lock:
+        _release_idle(keep=key)
+        users = _users.setdefault(key, [])
+        users.append(_opening)  # (a user while the store is made, unlocked: not let go meanwhile)
+    store = None
+    try:
+        store = dist.PrefixStore(f"ringtrain/{generation}/", _endpoint_store(info, timeout))
+    finally:
+        with _lock:
+            users.remove(_opening)
+            if store is not None:
+                users.append(weakref.ref(store))
+    return store
+
+
+def _opening() -> bool:
+    """Stands in a list of weak references for a store being made: a reference that is alive."""
+    return True
+
+
+def _release_idle(keep: tuple[str, int]) -> None:
+    """Let go of the stores of the endpoints other than ``keep`` that no communicator uses (their
+    prefixed stores are closed or collected) and that job_store did not hand out: rank 0's server
+    holds a port and about ten file descriptors, and a process that made communicators on many
+    endpoints (a driver or a notebook that starts job after job) kept every one until it ran out
+    of descriptors. Not at a communicator's close: a peer that closed first may already be meeting
+    the others again at the same endpoint, in the store it still reaches. Called under ``_lock``."""
+    for key in list(_stores):
+        refs = _users.get(key, [])
+        refs[:] = [r for r in refs if r() is not None]
+        if key != keep and key not in _pinned and not refs:
+            del _stores[key]
+            _users.pop(key, None)
 
 
 def job_store(info: JobInfo, timeout: float) -> dist.Store:
-    """The job's own store, without a communicator prefix (made once per endpoint, then reused).
+    """The job's own store, without a communicator prefix, kept for the process's life (made once
+    per endpoint, then reused). Roles that meet outside a communicator take it here.
 
     Rank 0 serves a TCPStore at MASTER_ADDR:MASTER_PORT unless someone already does: torchrun's
     agent (TORCHELASTIC_USE_AGENT_STORE) or the user's own init_process_group. Everyone else
@@ -124,6 +163,13 @@ def job_store(info: JobInfo, timeout: float) -> dist.Store:
     attempt's keys are its own, as torch's are (``attempt_<n>/``): the agent's store outlives an
     attempt, and a restarted rank would read the last attempt's job identity (an AuthError).
     """
+    with _lock:
+        _pinned.add((info.master_addr, info.master_port))
+    return _endpoint_store(info, timeout)
+
+
+def _endpoint_store(info: JobInfo, timeout: float) -> dist.Store:
+    """The store at the job's endpoint (job_store's, without pinning it), made or reused."""
     key = (info.master_addr, info.master_port)
     if info.world_size == 1:
         store: dist.Store = _stores.setdefault(key, dist.HashStore())
