@@ -245,3 +245,19 @@ def test_make_batch_of_size_0_is_refused_not_the_default(name):
     """batch_size=0 (a computed size that came out 0) gave the default batch of 32 samples."""
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         models.make_batch(models.build(name, **SMALL[name]), batch_size=0)
+
+
+@pytest.mark.parametrize("seed, words", [
+    (2**70, r"seed must be an integer in \[-2\*\*63, 2\*\*64\) .*got 1180591620717411303424"),
+    (2**64, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+    (1.5, "seed must be an integer, got 1.5"),  # (torch took it as 1: another seed's weights)
+    (True, "seed must be an integer, got True"),
+])
+def test_a_seed_torch_cannot_take_is_a_value_error_naming_the_seed(seed, words):
+    """torch's own error was "Overflow when unpacking long long", naming neither the seed nor the range."""
+    with pytest.raises(ValueError, match=words):
+        models.build("mlp", seed=seed)
+    with pytest.raises(ValueError, match=words):
+        models.make_batch("mlp", batch_size=2, seed=seed)
+    for fits in (2**64 - 1, -(2**63)):
+        models.build("mlp", seed=fits)

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from .. import data
-from .base import ReferenceModel
+from .base import ReferenceModel, check_seed
 from .charlm import CharLSTM, CharTransformer
 from .mlp import MLP
 from .resnet import ResNet
@@ -99,6 +99,7 @@ def spec(name: str) -> ModelSpec:
 def build(name: str, seed: int = 0, **kwargs: Any) -> ReferenceModel:
     """Build model ``name`` with weights drawn from ``seed``; ``kwargs`` go to its constructor."""
     s = spec(name)
+    seed = check_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:

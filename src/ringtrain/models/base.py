@@ -17,6 +17,8 @@ only kernels whose backward does not depend on thread scheduling.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -65,6 +67,21 @@ def check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_seed(seed) -> int:
+    """``seed`` as an int, where torch's generators take it (64 bits: -2**63 to 2**64 - 1; an int
+    or a numpy integer, not a bool or a float that would be truncated); else a ValueError
+    naming it (torch's own said "Overflow when unpacking long long", from deep in the call)."""
+    try:
+        if isinstance(seed, bool):
+            raise TypeError
+        value = operator.index(seed)
+    except TypeError:
+        raise ValueError(f"seed must be an integer, got {seed!r}") from None
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's generators take 64 bits), got {seed}")
+    return value
+
+
 def generator(seed: int) -> torch.Generator:
     """A CPU generator seeded with ``seed``; leaves torch's global generator alone."""
-    return torch.Generator().manual_seed(int(seed))
+    return torch.Generator().manual_seed(check_seed(seed))
