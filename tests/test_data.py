@@ -188,6 +188,20 @@ def test_text_windows_are_exact_slices_with_shifted_targets():
         TextWindows(text, seq_len=0)
 
 
+@pytest.mark.parametrize("indices", [[[0, 5], [7, 2]], np.array([[3]]), 4, np.int64(4)])
+def test_text_windows_read_indices_of_any_shape_flat_as_the_other_data_sets(indices):
+    """A 2-D array of indices was a RuntimeError of torch's ("The size of tensor a (2) must
+    match ..."), a (1, 1) one a batch of shape (1, 0, 11), and a single index an IndexError;
+    the synthetic data sets read every one of them flat."""
+    ds = TextWindows(bytes(range(256)) * 3, seq_len=10)
+    flat = np.asarray(indices).reshape(-1).tolist()
+    x, y = ds.batch(indices)
+    want_x, want_y = ds.batch(flat)
+    assert x.shape == y.shape == (len(flat), 10), (x.shape, y.shape)
+    assert torch.equal(x, want_x) and torch.equal(y, want_y)
+    assert data.dataset("vectors", num_samples=10, in_features=3).batch(indices)[0].shape == (len(flat), 3)
+
+
 def test_text_dataset_splits_do_not_overlap():
     corpus = data.text_corpus(max_bytes=200_000)
     train, val = corpus.split("train"), corpus.split("val")

@@ -153,8 +153,10 @@ class TextWindows:
         return hashlib.sha256(self.tokens.numpy()).hexdigest()
 
     def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets, both ``(len(indices), seq_len)`` int64."""
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        """Inputs and targets, both ``(n, seq_len)`` int64, for the ``n`` indices read flat (of any
+        shape, a single index too, as the other data sets' ``batch`` reads them: a 2-D array of
+        indices was a RuntimeError of torch's, or a batch with no columns)."""
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1))
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             raise IndexError(f"sample index out of range [0, {len(self)})")
         windows = self.tokens[idx[:, None] * self.seq_len + self._offsets].long()
