@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -171,6 +173,30 @@ def test_text_corpus_walk_order_cap_and_skips(tmp_path):
         data.text_corpus(max_bytes=0, root=str(tmp_path))
     with pytest.raises(ValueError, match="root must be a directory"):
         data.text_corpus(root=str(tmp_path / "missing"))
+
+
+def test_text_corpus_reads_a_directory_again_once_it_changed(tmp_path, monkeypatch):
+    """Cached by its arguments, text_corpus returned the old text after a file under root was
+    edited, added or removed, and a relative root named the directory it named at the first
+    call, after a chdir. A read is now returned again only while nothing it walked changed."""
+    (tmp_path / "a" / "pkg").mkdir(parents=True)
+    (tmp_path / "a" / "m.py").write_bytes(b"x = 1\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "m.py").write_bytes(b"other\n")
+    monkeypatch.chdir(tmp_path)
+    first = data.text_corpus(root="a")
+    assert first.data == b"x = 1\n" and data.text_corpus(root="a") is first  # (unchanged: the same read)
+    (tmp_path / "a" / "m.py").write_bytes(b"x = 22\n")
+    assert data.text_corpus(root="a").data == b"x = 22\n"
+    time.sleep(0.02)  # (a directory's time may tick every few ms: the file is added on a later tick)
+    (tmp_path / "a" / "pkg" / "n.py").write_bytes(b"y\n")
+    assert data.text_corpus(root="a").data == b"x = 22\ny\n"
+    (tmp_path / "a" / "pkg" / "n.py").unlink()
+    assert data.text_corpus(root="a").data == b"x = 22\n"
+    monkeypatch.chdir(tmp_path / "b")
+    (tmp_path / "b" / "a").mkdir()
+    (tmp_path / "b" / "a" / "z.py").write_bytes(b"z = 0\n")
+    assert data.text_corpus(root="a").data == b"z = 0\n"
 
 
 def test_text_windows_are_exact_slices_with_shifted_targets():

@@ -29,7 +29,9 @@ import hashlib
 import os
 import sys
 import sysconfig
+import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -74,8 +76,11 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _walk_py_files(root: Path):
+def _walk_py_files(root: Path, dirs: list[str]):
+    """The ``.py`` files under ``root`` in reading order; each directory is added to ``dirs`` as
+    it is listed."""
     for dirpath, dirnames, filenames in os.walk(root):
+        dirs.append(dirpath)
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(_SKIP_DIR_PREFIXES))
         for name in sorted(filenames):
             if name.endswith(".py") and name not in _SKIP_FILES and not name.startswith(_SKIP_FILE_PREFIXES):
@@ -103,9 +108,20 @@ def _no_stdlib_source(base: Path) -> str:
     )
 
 
-@functools.lru_cache(maxsize=4)
+#: The last reads of text_corpus, by (max_bytes, the directory's real path): each with the paths
+#: it walked (directories as listed, files as read) and their stats then (see _stats).
+_reads: OrderedDict[tuple[int, str], tuple[tuple[str, ...], tuple, TextCorpus]] = OrderedDict()
+_reads_lock = threading.Lock()
+_READS_KEPT = 4
+
+
 def text_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> TextCorpus:
-    """Read up to ``max_bytes`` of ``.py`` source under ``root`` (default: the stdlib)."""
+    """Read up to ``max_bytes`` of ``.py`` source under ``root`` (default: the stdlib).
+
+    The last few reads are kept and one is returned again (the same object) while none of the
+    directories and files it walked has changed since: a file edited, added or removed there is
+    read anew, and a relative ``root`` is the directory it names now (after a chdir). A cache by
+    the arguments alone returned the old text after either."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2:
         raise ValueError(f"max_bytes must be an integer >= 2, got {max_bytes!r}")
     base = Path(root) if root is not None else stdlib_dir()
@@ -113,14 +129,25 @@ def text_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> 
         raise ValueError(_no_stdlib_source(base))
     if not base.is_dir():
         raise ValueError(f"root must be a directory, got {str(base)!r}")
+    key = (max_bytes, os.path.realpath(base))
+    with _reads_lock:
+        kept = _reads.get(key)
+    if kept is not None and _stats(kept[0]) == kept[1]:
+        return kept[2]
+    dirs: list[str] = []
+    read: list[str] = []
+    read_stats: list = []
     chunks: list[bytes] = []
     files: list[str] = []
     size = 0
-    for path in _walk_py_files(base):
+    for path in _walk_py_files(base, dirs):
+        stat = _stats([path])  # (before the read: a change during it is seen at the next call)
         try:
             content = path.read_bytes()
         except OSError:  # unreadable file: skip it, the walk order stays fixed
             continue
+        read.append(str(path))
+        read_stats.extend(stat)
         content = content[:max_bytes - size]
         chunks.append(content)
         files.append(path.relative_to(base).as_posix())
@@ -129,7 +156,28 @@ def text_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> 
             break
     if size < 2:
         raise ValueError(_no_stdlib_source(base) if root is None else f"no .py source found under {str(base)!r}")
-    return TextCorpus(b"".join(chunks), tuple(files), str(base))
+    corpus = TextCorpus(b"".join(chunks), tuple(files), str(base))
+    with _reads_lock:
+        _reads[key] = ((*dirs, *read), (*_stats(dirs), *read_stats), corpus)
+        _reads.move_to_end(key)
+        while len(_reads) > _READS_KEPT:
+            _reads.popitem(last=False)
+    return corpus
+
+
+def _stats(paths) -> tuple:
+    """Each path's modification time (ns) and size; None for one that is gone."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+text_corpus.cache_clear = _reads.clear  # type: ignore[attr-defined]  # (as functools' caches have)
 
 
 class TextWindows:
