@@ -558,8 +558,9 @@ def _interrupts_held():
 
 class _Checkpoints:
     """Rank 0's checkpoints, written in the background: ``with _Checkpoints(cfg, rank, state_at) as
-    ckpt`` around the training and the job's last communication, ``ckpt.save`` for _loop. No writer
-    (all of it a no-op) on the other ranks, or without --checkpoint-every.
+    ckpt`` around the training and the job's last communication, ``ckpt.save`` for _loop on every
+    rank. No writer on the other ranks, or without --checkpoint-every: there a save only takes part
+    in ``collect`` (what the ranks gather into rank 0's checkpoint: PowerSGD's state), if any.
 
     In the background rather than a save in the loop or a barrier with a deadline long enough for
     it: the other ranks wait for rank 0 in the next step's communication, and a write longer than
@@ -589,8 +590,9 @@ class _Checkpoints:
     servers lack is never read; before their first save it would be refused by the next run, which
     finds worker files and no servers' (resume), so then nothing is written."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, state_at, before_save=None, servers_saved: bool = False):
-        self.cfg, self.state_at, self.before_save = cfg, state_at, before_save
+    def __init__(self, cfg: TrainConfig, rank: int, state_at, before_save=None, servers_saved: bool = False,
+                 collect=None):
+        self.cfg, self.state_at, self.before_save, self.collect = cfg, state_at, before_save, collect
         self._servers_saved = servers_saved
         self.writer = None
         self._said = False
@@ -606,7 +608,9 @@ class _Checkpoints:
         """``state_at(step)`` copied now and written in the background, the last one queued behind
         the write in flight. A save that must wait for the write before it (a disk slower than
         --checkpoint-every steps) says so first, once: the other workers wait for rank 0
-        meanwhile, and fail the run after --timeout."""
+        meanwhile, and fail the run after --timeout. ``collect(step)``, on every rank first: what
+        the ranks gather into rank 0's checkpoint (a collective), added to its state."""
+        more = self.collect(step) if self.collect is not None else None
         if self.writer is None:
             return
         servers_failed = None
@@ -626,7 +630,9 @@ class _Checkpoints:
                   f"it before it saves again, and the other workers wait for rank 0 (up to --timeout "
                   f"{cfg.timeout:g} s); the disk is slower than --checkpoint-every {cfg.checkpoint_every} steps: save "
                   "less often, or give a longer --timeout", file=sys.stderr)
-        self.writer.save(step, self.state_at(step), wait=not last)
+        state = self.state_at(step)
+        state.update(more or {})
+        self.writer.save(step, state, wait=not last)
         if servers_failed is not None:
             raise servers_failed
 
@@ -666,7 +672,7 @@ class _Checkpoints:
 
 def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save, desc: str):
     """Steps ``start`` .. cfg.steps: ``step_fn(x, y) -> loss`` on each batch, a progress bar and
-    ``save(step, last)`` every cfg.checkpoint_every steps and after the last on rank 0 (``last``:
+    ``save(step, last)`` every cfg.checkpoint_every steps and after the last, on every rank (``last``:
     the save of the last step, whose write the caller waits for once the job's last communication
     is done, so that no rank waits for the disk). Returns step times and losses; Ctrl-C raises
     _Interrupted with the steps done (the caller's _Checkpoints then waits for the write in flight)."""
@@ -690,10 +696,10 @@ def _loop(cfg: TrainConfig, rank: int, p: int, start: int, loader, step_fn, save
             if bar is not None:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{p * len(x) / times[-1]:.0f}", refresh=False)
                 bar.update(1)  # (redraws at most every mininterval)
-            if rank == 0 and cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 with _interrupts_held():
                     save(done, done == cfg.steps)
-        if rank == 0 and cfg.checkpoint_every and start < cfg.steps and cfg.steps % cfg.checkpoint_every:
+        if cfg.checkpoint_every and start < cfg.steps and cfg.steps % cfg.checkpoint_every:
             with _interrupts_held():
                 save(cfg.steps, True)  # the last step too, so that the same command run again has nothing to do
     except KeyboardInterrupt:
@@ -724,7 +730,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     data.check_same_corpus(comm, loader.dataset)  # the stdlib text differs between Python builds
     opt = _optimizer(cfg)(model.parameters())
 
-    start = 0
+    start, found = 0, None
     if cfg.resume:
         # (the parent named the damaged ones; comm: every rank must find the same one)
         found = checkpoint.latest(cfg.checkpoint_dir, warn=False, comm=comm)
@@ -747,8 +753,11 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         timeline=cfg.timeline or None, compression=None if cfg.compression in ("none", "powersgd") else cfg.compression,
         gradient_as_bucket_view=True,  # (this loop keeps no .grad across steps: no copy back)
     )
-    if cfg.compression == "powersgd":
-        use_power_sgd(ddp)
+    power_sgd = use_power_sgd(ddp) if cfg.compression == "powersgd" else None
+    if found is not None:
+        _resume_power_sgd(cfg, found.payload, start, rank, p, power_sgd, ddp)
+    # (every rank's error feedback is its own: gathered at each checkpoint, into rank 0's file)
+    collect = None if power_sgd is None else partial(_power_sgd_entry, comm, power_sgd, ddp)
 
     ran = []  # per step: the plan in force, whether it had settled, the step's IterationStats
 
@@ -761,7 +770,7 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
         ran.append((plan, settled, ddp.last_stats))
         return loss
 
-    with _Checkpoints(cfg, rank, lambda step: _training_state(cfg, step, model, opt, loader)) as ckpt:
+    with _Checkpoints(cfg, rank, lambda step: _training_state(cfg, step, model, opt, loader), collect=collect) as ckpt:
         times, losses = _loop(cfg, rank, p, start, loader, step_fn, ckpt.save, f"{cfg.model} x{p}")
         if rank == 0 and cfg.timeline and ran and not any(settled for _, settled, _ in ran):
             print(f"warning: --timeline {ddp.timeline_path}: no step traced: the trace starts at the first step run "
@@ -785,12 +794,40 @@ def worker(cfg: TrainConfig, json_summary: bool = False) -> int:
     return 0
 
 
-def use_power_sgd(ddp) -> None:
-    """Reduce ``ddp``'s buckets with torch's powerSGD_hook (``POWER_SGD``) over its own process group."""
+def use_power_sgd(ddp):
+    """Reduce ``ddp``'s buckets with torch's powerSGD_hook (``POWER_SGD``) over its own process
+    group; returns the hook's PowerSGDState."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
 
-    ddp.register_comm_hook(power_sgd.PowerSGDState(process_group=ddp.process_group, **POWER_SGD),
-                           power_sgd.powerSGD_hook)
+    state = power_sgd.PowerSGDState(process_group=ddp.process_group, **POWER_SGD)
+    ddp.register_comm_hook(state, power_sgd.powerSGD_hook)
+    return state
+
+
+def _resume_power_sgd(cfg: TrainConfig, payload: dict, step: int, rank: int, p: int, state, ddp) -> None:
+    """Resuming at ``step``: PowerSGD goes on with the checkpoint's state where it is this job's
+    (powersgd_state.restore), or begins anew; rank 0 says which. A run without --compression
+    powersgd says that it leaves the checkpoint's PowerSGD state unused."""
+    from . import powersgd_state
+
+    if state is not None:
+        said = powersgd_state.restore(payload, step, rank, p, POWER_SGD, state, ddp)
+    elif payload.get(powersgd_state.KEY) is not None:
+        said = (f"note: the checkpoint's PowerSGD state goes unused: this run's gradients are sent with "
+                f"--compression {cfg.compression}")
+    else:
+        return
+    if rank == 0:
+        print(said, file=sys.stderr)
+
+
+def _power_sgd_entry(comm, state, ddp, step: int) -> dict:
+    """The checkpoint's PowerSGD entry at ``step``: every rank's state gathered (a collective,
+    between a step and the next forward, when the wrapper's communicator is idle)."""
+    from . import powersgd_state
+
+    every = powersgd_state.gather(comm, state)
+    return {powersgd_state.KEY: powersgd_state.entry(step, state, ddp.comm_hook_layout, every, POWER_SGD)}
 
 
 def ps_worker(cfg: TrainConfig, json_summary: bool = False) -> int:

@@ -106,11 +106,11 @@ class Planning:
         buckets by size are not re-planned: ``plan.method`` says how those were made.)"""
         return self.kept if self.kept in METHOD_CANDIDATES else self.options.schedule
 
-    def start(self) -> None:
-        """Put the first layout in force: one bucket, in reverse registration order, as torch's
-        DDP starts."""
+    def start(self, order: Optional[list[int]] = None) -> None:
+        """Put the first layout in force: one bucket, in reverse registration order as torch's
+        DDP starts, or in ``order`` (a resumed comm hook's state keyed by one bucket so ordered)."""
         n = len(self.sizes)
-        first = list(range(n - 1, -1, -1))
+        first = list(range(n - 1, -1, -1)) if order is None else list(order)
         self._install(first, planner.merge([0.0] * n, self.sizes[first], cost=self.cost, method="single"))
 
     def after_iteration(self, it: int, stamps: list[float], bwd_start: Optional[float], last: IterationStats) -> None:

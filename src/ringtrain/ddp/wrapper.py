@@ -407,6 +407,35 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._planning.replans = False  # (a hook's state by bucket index stays valid once settled)
         self._log(f"comm hook {self._comm_hook.name} registered")
 
+    @property
+    def comm_hook_layout(self) -> Optional[list]:
+        """The buckets (a list of ``buckets.BucketSpec``) by whose index the registered hook's
+        state keeps what it keeps (PowerSGD's error feedback and warm-start vectors): those of
+        the last bucket it reduced; None before that, or without a hook. Saved with such a state
+        and set on a new wrapper with the state loaded (after ``register_comm_hook``, before the
+        first synchronizing backward), it lets the hook go on with that state: all of it kept
+        where this wrapper lays its buckets out alike, otherwise as at any new layout (the error
+        feedback moved parameter by parameter, the rest emptied: :func:`.comm_hook.forget_buckets`).
+        A layout of one bucket holding every parameter becomes this wrapper's first one (that of
+        its profiling iterations, which needs one bucket in some order), so that a job of one
+        bucket (``schedule="single"``, or ``"fixed"`` with every gradient in one) keeps all of its
+        state from the first iteration on. Unset, a loaded state has all it kept by bucket emptied
+        at the first bucket."""
+        return None if self._comm_hook is None else self._comm_hook.layout
+
+    @comm_hook_layout.setter
+    def comm_hook_layout(self, layout: Optional[list]) -> None:
+        if self._comm_hook is None:
+            raise RuntimeError("comm_hook_layout: no comm hook is registered (register_comm_hook first)")
+        if self._s.iteration or self._s.active:
+            raise RuntimeError("comm_hook_layout: set it before the first synchronizing backward, with the hook's "
+                               "state loaded (afterwards the hook's state is keyed by this wrapper's own buckets)")
+        if layout is not None and not all(isinstance(spec, bucketing.BucketSpec) for spec in layout):
+            raise TypeError("comm_hook_layout: a list of ringtrain.ddp.buckets.BucketSpec, or None")
+        if layout is not None and len(layout) == 1 and sorted(layout[0].pids) == list(range(len(self._params))):
+            self._planning.start(list(layout[0].pids))
+        self._comm_hook.layout = None if layout is None else list(layout)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError("ringtrain.DistributedDataParallel: this wrapper was closed; its gradients would no "
