@@ -657,3 +657,61 @@ def test_a_saved_tensor_can_still_be_resized(tmp_path):
     buffer.resize_(4, 3)
     assert buffer.shape == (4, 3)
     assert checkpoint.load(path).payload["buffer"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_powersgd_state_of_every_rank_is_gathered_saved_and_restored_bitwise_to_its_own_rank(tmp_path, world_size):
+    """powersgd_state on threads: each rank's error feedback distinct (value = j*stride + rank*n + i,
+    in float32 and float64 buckets: gathered as bytes), its warm-start matrices, PowerSGD's iteration
+    and generator. Rank 0's entry, saved and loaded as a checkpoint, gives each rank of a fresh
+    state its own tensors back exactly, the generator's next draw the same, and the layout to the
+    wrapper; another world size or step is refused with the reason."""
+    from types import SimpleNamespace
+
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    from ringtrain import powersgd_state
+    from ringtrain.ddp.buckets import BucketSpec
+
+    settings = dict(matrix_approximation_rank=1, start_powerSGD_iter=2)
+    layout = [BucketSpec(index=0, pids=(1, 0), offsets=(0, 3), numel=5, dtype=torch.float32, itemsize=4),
+              BucketSpec(index=1, pids=(2,), offsets=(0,), numel=4, dtype=torch.float64, itemsize=8)]
+
+    def state_of(rank: int) -> PowerSGDState:
+        state = PowerSGDState(process_group=None, **settings)
+        state.error_dict = {0: torch.arange(5, dtype=torch.float32) + rank * 5,
+                            1: torch.arange(4, dtype=torch.float64) + 100 + rank * 4}
+        state.p_memory_dict = {0: torch.full((2,), 7.0)}
+        state.q_memory_dict = {0: torch.full((2,), 9.0)}  # (20 + 8 + 8 bytes: bucket 1's float64 at no multiple of 8)
+        state.iter = 11
+        state.rng.randint(1000, size=rank + 3)  # (its position: alike on every rank in a real job, any here)
+        return state
+
+    def body(comm):
+        state = state_of(comm.rank)
+        every = powersgd_state.gather(comm, state)
+        return powersgd_state.entry(11, state, layout, every, settings), state.rng.randint(1 << 30)
+
+    results = run_comms(world_size, body)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    entry, next_draw = results[0]
+    path = checkpoint.save(tmp_path, 11, {"step": 11, powersgd_state.KEY: entry})
+    payload = checkpoint.load(path).payload
+    for rank in range(world_size):
+        mine, fresh, ddp = state_of(rank), PowerSGDState(process_group=None, **settings), SimpleNamespace()
+        said = powersgd_state.restore(payload, 11, rank, world_size, settings, fresh, ddp)
+        assert said.startswith("resumed PowerSGD's state of step 11 (iteration 11;"), said
+        for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+            want, got = getattr(mine, name), getattr(fresh, name)
+            assert want.keys() == got.keys(), (rank, name)
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (rank, name, k)
+        assert fresh.iter == 11 and fresh.rng.randint(1 << 30) == next_draw
+        assert ddp.comm_hook_layout == layout
+    fresh = PowerSGDState(process_group=None, **settings)
+    said = powersgd_state.restore(payload, 11, 0, world_size + 1, settings, fresh, SimpleNamespace())
+    assert f"of {world_size} worker" in said and f"this run has {world_size + 1}" in said and fresh.iter == 0
+    assert "not of its step 12" in powersgd_state.restore(payload, 12, 0, world_size, settings, fresh, None)
+    assert "holds no PowerSGD state" in powersgd_state.restore({}, 11, 0, world_size, settings, fresh, None)

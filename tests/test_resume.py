@@ -317,3 +317,61 @@ def test_ctrl_c_ends_the_run_in_one_line_with_status_130_and_leaves_no_process(t
     assert "death signal" not in err and "closing signal" not in err, err[-3000:]
     assert proc.returncode == 130, err[-3000:]
     assert not left, f"processes {left} of the job still running after it ended"
+
+
+POWER_SGD = ("--compression", "powersgd", "--schedule", "single")
+
+
+@pytest.mark.timeout(200)
+def test_powersgd_run_stopped_and_resumed_is_bitwise_equal_to_an_uninterrupted_one(tmp_path):
+    """--compression powersgd: 16 steps at once against 8, stopped, then the same command to 16. The
+    resumed run goes on with each worker's error feedback, the warm-start matrices, the iteration
+    count and PowerSGD's generator as they were at step 8, so parameters, optimizer state and the
+    PowerSGD state of step 16 are bitwise equal. --schedule single: its layout (one bucket, rank 0's
+    observed backward order) depends on nothing measured, and the resumed wrapper lays it out from
+    its first step (comm_hook_layout); the optimal schedule's plan depends on timings, so two of its
+    uninterrupted runs differ already (PowerSGD's matrices are drawn per bucket)."""
+    import torch
+
+    from ringtrain import checkpoint
+
+    ref, resumed = tmp_path / "reference", tmp_path / "resumed"
+    reference = start(ref, 16, *POWER_SGD)
+    try:
+        finish(start(resumed, 8, *POWER_SGD))
+        out = finish(start(resumed, 16, *POWER_SGD))
+        finish(reference)
+    finally:
+        end_job(reference, set())
+    assert "resumed from" in out and "resumed PowerSGD's state of step 8 (iteration 8;" in out, out[-3000:]
+    want, got = (checkpoint.latest(d).payload for d in (ref, resumed))
+    assert want["step"] == got["step"] == 16
+    for part in ("model", "optimizer", "power_sgd"):
+        a, b = flatten(want[part]), flatten(got[part])
+        assert a.keys() == b.keys(), part
+        for key in a:
+            same = torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
+            assert same, f"{part} {key} differs after the resume"
+    assert want["power_sgd"]["world_size"] == 2 and want["power_sgd"]["iter"] == 16
+    errors = [want["power_sgd"]["ranks"][r][0]["error"] for r in range(2)]
+    assert not torch.equal(errors[0], errors[1])  # (each worker's own: the test would miss a rank's state lost)
+
+
+@pytest.mark.timeout(200)
+def test_powersgd_resume_of_another_job_begins_anew_and_says_why(tmp_path):
+    """A checkpoint without PowerSGD state (a run without --compression powersgd), then one of 2
+    workers resumed on 1 (the same global batch): each resume trains on, PowerSGD begun anew with
+    a line that says why; a run without --compression powersgd says it leaves the state unused."""
+    run_to_end(command(tmp_path, 4))
+    out = run_to_end(command(tmp_path, 8, *POWER_SGD))
+    assert "note: PowerSGD begins anew: the checkpoint holds no PowerSGD state (it was made by a run without " \
+           "--compression powersgd" in out, out[-3000:]
+    one = command(tmp_path, 12, *POWER_SGD)
+    one[one.index("--workers") + 1], one[one.index("--batch-size") + 1] = "1", "8"
+    out = run_to_end(one)
+    assert "note: PowerSGD begins anew: the checkpoint's PowerSGD state is of 2 workers and this run has 1 " \
+           "(each worker's error feedback is its own)" in out, out[-3000:]
+    assert "to step 12" in out, out[-3000:]
+    out = run_to_end(command(tmp_path, 14))  # (the 1-worker run's state: one worker's, saved all the same)
+    assert "note: the checkpoint's PowerSGD state goes unused: this run's gradients are sent with --compression " \
+           "none" in out, out[-3000:]

@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .bench.machine import plural
+
 KEY = "power_sgd"
 #: What is kept per bucket index, as the entry names it: the state's attribute.
 PER_BUCKET = {"error": "error_dict", "p": "p_memory_dict", "q": "q_memory_dict"}
@@ -82,10 +84,14 @@ def gather(comm: Any, state: Any) -> list[dict[int, dict[str, torch.Tensor]]]:
         comm.allgather(buf)
     every = []
     for r in range(p):
-        chunk, at, theirs = torch.from_numpy(buf[r * n:(r + 1) * n].copy()), 0, {}
+        chunk, at, theirs = torch.from_numpy(buf[r * n:(r + 1) * n]), 0, {}
         for index, short, dtype, shape in structure:
             size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-            theirs.setdefault(index, {})[short] = chunk[at:at + size].view(dtype).reshape(shape)
+            # (copied into a tensor of its own: a view's byte offset need not suit the dtype, and
+            # torch.save refuses views of one storage as several types)
+            tensor = torch.empty(shape, dtype=dtype)
+            tensor.reshape(-1).view(torch.uint8).copy_(chunk[at:at + size])
+            theirs.setdefault(index, {})[short] = tensor
             at += size
         every.append(theirs)
     return every
@@ -133,8 +139,8 @@ def check(payload: dict, step: int, world_size: int, settings: dict) -> str | No
     if saved.get("step") != step:
         return f"the checkpoint's PowerSGD state is of step {saved.get('step')}, not of its step {step}"
     if saved.get("world_size") != world_size or len(saved.get("ranks", ())) != world_size:
-        return (f"the checkpoint's PowerSGD state is of {saved.get('world_size')} workers and this run has "
-                f"{world_size} (each worker's error feedback is its own)")
+        return (f"the checkpoint's PowerSGD state is of {plural(int(saved.get('world_size') or 0), 'worker')} and "
+                f"this run has {world_size} (each worker's error feedback is its own)")
     if saved.get("settings") != settings:
         return f"the checkpoint's PowerSGD state was made with {saved.get('settings')}, this run uses {settings}"
     return None
