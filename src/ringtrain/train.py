@@ -9,6 +9,17 @@ and the strategy of the checkpoints it continues; ``--no-resume`` starts afresh 
 directory's checkpoints into a ``superseded-<time>`` subdirectory. One run at a time holds a
 checkpoint directory (``ringtrain.dirlock``: a second is refused, naming the first's pid).
 
+With ``--compression powersgd`` the checkpoints hold PowerSGD's state too (``powersgd_state``):
+every worker's error feedback, gathered into rank 0's file at the step, the warm-start matrices,
+the iteration count and generator, and a resume goes on with it. Bitwise as if the run had never
+stopped where the job's gradients form one bucket (``--schedule single``; ``fixed`` where they fit
+in ``--bucket-cap-mb``): the resumed wrapper lays that bucket out from its first step. Under a plan
+of several buckets the resumed wrapper profiles on one bucket first, as every run does: the error
+feedback moves parameter by parameter and the warm-start matrices are drawn anew (as at the run's
+own changes of plan). Each checkpoint grows by the error feedback of every worker (a model's worth
+of gradients each). A checkpoint of another number of workers, or of a run without powersgd:
+PowerSGD begins anew, which the run says in one line.
+
 The parent starts the workers through torch's own launcher (torch.distributed.run). Each
 worker joins with ``ringtrain.init``, wraps the model in ``ringtrain.DistributedDataParallel``
 and trains on its slice of every global batch. Rank 0 shows a progress bar (loss, samples/s),
@@ -90,8 +101,11 @@ class TrainConfig:
     compression: str = "none"
     """Gradients on the wire compressed (the ring only): fp16 or bf16 halve the bytes of each allreduce at a
     rounding of every gradient, as torch's compression hooks (docs/ddp.md); powersgd sends rank-1 approximations
-    of each bucket's matrices with torch's powerSGD_hook (error feedback kept by each worker and begun anew on a
-    resume; fewer bytes by far, a slower loss per step); none sends them as they are."""
+    of each bucket's matrices with torch's powerSGD_hook (fewer bytes by far, a slower loss per step; each worker's
+    error feedback, the warm-start matrices and the iteration count are saved in the checkpoints and a resume goes
+    on with them, bitwise as if never stopped where the gradients form one bucket, as with --schedule single (the
+    description above --help's options says more), or begins anew, said in one line, from a checkpoint of another
+    number of workers or of a run without powersgd); none sends them as they are."""
     checkpoint_dir: str = ""
     """Where checkpoints go; '' = runs/<canonical model name>, -<strategy> added for parameter servers (ps-sharded
     shares ps-sync's): --model charlm saves to runs/charlm-transformer (runs/charlm-transformer-ps-sync), or to
