@@ -281,6 +281,63 @@ def test_power_sgd_gives_torch_ddps_parameters():
     assert any(not torch.equal(a, b) for a, b in zip(ours, results[0]["uncompressed"]))
 
 
+def _power_sgd_moved(rank, world_size, port):
+    """8 steps on one wrapper, and 4 + 4 with PowerSGD's state (a copy: tensors, iteration,
+    generator) taken to a new wrapper of the same module, with and without ``comm_hook_layout``;
+    one optimizer throughout. And its refusals: no hook; after the first backward."""
+    one_bucket = dict(schedule="fixed", **{**FAST, "bucket_cap_mb": 25})
+
+    def steps(ddp, opt, which):
+        for step in which:
+            x, y = rank_batch("mlp", step, world_size, rank)
+            opt.zero_grad()
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+
+    out = {}
+    with _session(rank, world_size, port) as comm:
+        for how in ("at once", "moved with its layout", "moved without"):
+            module = _mlp()
+            opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+            ddp = DistributedDataParallel(module, comm, **one_bucket)
+            state = _power_sgd_state(ddp.process_group)
+            ddp.register_comm_hook(state, powerSGD_hook)
+            steps(ddp, opt, range(4 if how != "at once" else 8))
+            if how != "at once":
+                layout = ddp.comm_hook_layout
+                assert len(layout) == 1, layout  # (one bucket: 25 MB holds the MLP)
+                ddp.close()
+                ddp = DistributedDataParallel(module, comm, **one_bucket)
+                fresh = _power_sgd_state(ddp.process_group)
+                for name in ("error_dict", "p_memory_dict", "q_memory_dict"):
+                    setattr(fresh, name, {k: v.clone() for k, v in getattr(state, name).items()})
+                fresh.iter = state.iter
+                fresh.rng.set_state(state.rng.get_state())
+                with pytest.raises(RuntimeError, match="no comm hook is registered"):
+                    ddp.comm_hook_layout = layout
+                ddp.register_comm_hook(fresh, powerSGD_hook)
+                if how == "moved with its layout":
+                    ddp.comm_hook_layout = layout
+                steps(ddp, opt, range(4, 8))
+                with pytest.raises(RuntimeError, match="before the first synchronizing backward"):
+                    ddp.comm_hook_layout = layout
+            out[how] = [p.detach().clone() for p in module.parameters()]
+            ddp.close()
+    return _saved(out)
+
+
+@pytest.mark.multiprocess
+def test_a_power_sgd_state_taken_to_a_new_wrapper_with_its_layout_goes_on_bitwise():
+    """One bucket: with ``comm_hook_layout`` set, the new wrapper keeps the state (error feedback
+    and warm-start matrices) from its first backward and ends bitwise where one wrapper does (2
+    ranks: sums in any order, the same bits); without it, the state's buckets are forgotten."""
+    results = _loaded(run_ranks(_power_sgd_moved, 2, timeout=110.0))
+    _same_on_every_rank(results)
+    out = results[0]
+    _bitwise(out["moved with its layout"], out["at once"], "moved with its layout")
+    assert any(not torch.equal(a, b) for a, b in zip(out["moved without"], out["at once"]))
+
+
 # --- join() --------------------------------------------------------------------------------------
 
 COUNTS = [7, 3]  # batches per rank: rank 1 joins after 3 iterations, during the first plan
