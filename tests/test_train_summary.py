@@ -192,7 +192,7 @@ def test_a_wfbp_run_that_ended_while_profiling_reports_no_allreduce_count(tmp_pa
 def test_powersgd_trains_resumes_and_reduces_otherwise_than_the_plain_allreduce(tmp_path):
     # The same run without compression and with torch's powerSGD_hook: both train, and the hook's
     # rank-1 approximations change the loss (the hook is really what reduces). A resume takes the
-    # checkpoint and starts the hook's state anew.
+    # checkpoint and goes on with the hook's state saved in it (test_resume: bitwise).
     for name in ("plain", "psgd"):
         (tmp_path / name).mkdir()
     plain = json.loads(run_train(tmp_path / "plain", "--model", "mlp", "--steps", "4", "--json").stdout)
@@ -200,7 +200,9 @@ def test_powersgd_trains_resumes_and_reduces_otherwise_than_the_plain_allreduce(
     first = json.loads(run_train(tmp_path / "psgd", *argv, "--steps", "4").stdout)
     assert first["compression"] == "powersgd" and first["steps_run"] == 4
     assert math.isfinite(first["last_loss"]) and first["last_loss"] != plain["last_loss"], (first, plain)
-    again = json.loads(run_train(tmp_path / "psgd", *argv, "--steps", "6").stdout)
+    proc = run_train(tmp_path / "psgd", *argv, "--steps", "6")
+    assert "resumed PowerSGD's state of step 4 (iteration 4;" in proc.stderr, proc.stderr[-3000:]
+    again = json.loads(proc.stdout)
     assert again["resumed_at"] == 4 and again["steps_run"] == 2 and math.isfinite(again["last_loss"]), again
 
 
