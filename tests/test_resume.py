@@ -7,7 +7,9 @@ at a random moment after its second or third checkpoint, then run again with the
 command, which resumes from its newest valid checkpoint. The final checkpoints' model and
 optimizer tensors must be bitwise equal: with 2 workers each gradient element is the sum of
 two floats, which does not depend on the order, so nothing but a wrong resume (data order,
-RNG state, optimizer state) can make them differ.
+RNG state, optimizer state) can make them differ. With ``--compression powersgd`` (one bucket)
+every worker's PowerSGD state must be bitwise equal too: it is in rank 0's checkpoint, written
+with the rest at once, so no kill leaves a checkpoint with another step's or a partial one.
 
 The random draw is printed (and shown on failure) so that a failing moment can be replayed
 with ``RINGTRAIN_RESUME_SEED``.
@@ -28,6 +30,8 @@ import pytest
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 STEPS, EVERY = 24, 4
+#: PowerSGD on one bucket, whose layout depends on nothing measured (test_powersgd_run_stopped_...).
+POWER_SGD = ("--compression", "powersgd", "--schedule", "single")
 
 
 def command(directory: Path, steps: int = STEPS, *more: str) -> list[str]:
@@ -96,8 +100,10 @@ def final_tensors(directory: Path) -> dict:
     return found.payload
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])  # (momentum buffers; Adam's moments and step count)
-def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path, optimizer):
+# (momentum buffers; Adam's moments and step count; each worker's PowerSGD error feedback and warm start)
+@pytest.mark.parametrize("optimizer, more", [("sgd", ()), ("adamw", ()), ("sgd", POWER_SGD)],
+                         ids=["sgd", "adamw", "sgd-powersgd"])
+def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_path, optimizer, more):
     import torch
 
     seed = int(os.environ.get("RINGTRAIN_RESUME_SEED", random.randrange(1 << 30)))
@@ -108,7 +114,7 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
     why = f"RINGTRAIN_RESUME_SEED={seed}: kill {fraction:.2f} checkpoint periods after checkpoint {wait_for}"
 
     ref_dir, victim_dir = tmp_path / "reference", tmp_path / "victim"
-    flags = ("--optimizer", optimizer)
+    flags = ("--optimizer", optimizer, *more)
     reference = start(ref_dir, STEPS, *flags)
     victim = start(victim_dir, STEPS, *flags)
     try:
@@ -128,6 +134,7 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
         resumed = start(victim_dir, STEPS, *flags)
         out = finish(resumed)
         assert "resumed from" in out and f"to step {STEPS}" in out, out[-3000:]
+        assert not more or "resumed PowerSGD's state of step" in out, out[-3000:]
         finish(reference)
     finally:
         for proc in (reference, victim):
@@ -135,7 +142,7 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
                 kill_job(proc, job_pids(proc.pid))
 
     want, got = final_tensors(ref_dir), final_tensors(victim_dir)
-    for part in ("model", "optimizer"):
+    for part in ("model", "optimizer") + (("power_sgd",) if more else ()):
         a, b = flatten(want[part]), flatten(got[part])
         assert a.keys() == b.keys(), part
         for key in a:
@@ -145,7 +152,8 @@ def test_killed_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_pat
                 assert a[key] == b[key], f"{why}: {part} {key} differs after the resume"
     assert flatten(want["data"]) == flatten(got["data"])
     print(f"{why} ({period:.2f} s): checkpoints at the kill {killed_at}; resumed run bitwise equal "
-          f"({len(flatten(want['model']))} model tensors, optimizer state and data position)")
+          f"({len(flatten(want['model']))} model tensors, optimizer state{', PowerSGD state' if more else ''} and data "
+          "position)")
 
 
 def flatten(obj, prefix: str = "") -> dict:
@@ -318,8 +326,6 @@ def test_ctrl_c_ends_the_run_in_one_line_with_status_130_and_leaves_no_process(t
     assert proc.returncode == 130, err[-3000:]
     assert not left, f"processes {left} of the job still running after it ended"
 
-
-POWER_SGD = ("--compression", "powersgd", "--schedule", "single")
 
 
 @pytest.mark.timeout(200)
