@@ -71,8 +71,8 @@ def gather(comm: Any, state: Any) -> list[dict[int, dict[str, torch.Tensor]]]:
     structure, mine = _flat(capture(state))
     p = comm.world_size
     sizes = np.zeros(2 * p, np.int64)
-    shape = int.from_bytes(hashlib.sha256(repr(structure).encode()).digest()[:7], "little")  # (not hash(): salted)
-    sizes[2 * comm.rank:2 * comm.rank + 2] = (mine.numel(), shape)
+    form = int.from_bytes(hashlib.sha256(repr(structure).encode()).digest()[:7], "little")  # (not hash(): salted)
+    sizes[2 * comm.rank:2 * comm.rank + 2] = (mine.numel(), form)
     comm.allgather(sizes)
     if len(set(sizes[0::2].tolist())) != 1 or len(set(sizes[1::2].tolist())) != 1:
         raise RuntimeError(f"PowerSGD state: the ranks keep differently laid out states (bytes per rank "
