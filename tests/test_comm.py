@@ -245,6 +245,29 @@ def test_a_broken_communicator_does_not_keep_the_failed_callers_tensors_alive():
     assert all(c.broken is not None for c in comms)  # (alive until here)
 
 
+def test_a_communicator_aborted_with_a_file_error_keeps_it_as_that_oserror():
+    """An OSError that names a file (what open() and a full disk raise) keeps its file name and
+    errno outside its args, so the copy without frames lost them, and comm.broken became a
+    CommError reading 'OSError: ...': errno gone, and an ``except OSError`` missed it."""
+    import errno as errnos
+
+    class SaveFailed(OSError):  # (a subclass whose __init__ takes other arguments)
+        def __init__(self, path):
+            super().__init__(errnos.ENOSPC, "No space left on device", path)
+
+    for error in (OSError(errnos.ENOSPC, "No space left on device", "/data/ckpt.pt"),
+                  FileNotFoundError(errnos.ENOENT, "No such file or directory", "/a", "/b"), SaveFailed("/x")):
+        comm = Communicator(LocalHub(1).transport(0))
+        comm.abort(error)
+        kept = comm.broken
+        assert type(kept) is type(error) and str(kept) == str(error), repr(kept)
+        assert (kept.errno, kept.strerror, kept.filename, kept.filename2) == (
+            error.errno, error.strerror, error.filename, error.filename2), repr(kept)
+        with pytest.raises(CommError, match="No space left|No such file") as later:
+            comm.barrier()
+        assert later.value.__cause__ is kept
+
+
 @pytest.mark.parametrize(
     "call, match",
     [

@@ -79,6 +79,10 @@ def without_frames(error: BaseException) -> BaseException:
     try:
         clone = cls.__new__(cls, *error.args)
         clone.__dict__.update(vars(error))
+        if isinstance(error, OSError):  # (kept outside args and __dict__: a file's error lost them)
+            for name in ("errno", "strerror", "filename", "filename2"):
+                if getattr(error, name) is not None:  # (a filename2 of None set reads "-> None")
+                    setattr(clone, name, getattr(error, name))
         if str(clone) == str(error):
             return clone
     except Exception:  # noqa: BLE001 - a class of the caller's with a __new__ or __str__ of its own
