@@ -72,6 +72,7 @@ import torch
 
 from .collectives.ops import numpy_of
 from .lifecycle import pid_alive
+from .paths import user_path
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ def _umask() -> int:
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save(obj)`` to ``path`` atomically and durably (temp file, fsync, rename, fsync dir)."""
-    path = Path(path)
+    path = Path(user_path(path))
     directory = path.parent
     prefix = f".{path.name}.{_host()}.{os.getpid()}."
     tmp = None
@@ -221,7 +222,7 @@ def save(directory: str | os.PathLike[str], step: int, payload: dict[str, Any], 
         raise ValueError(f"keep must be a positive integer, got {keep!r}")
     if not isinstance(payload, dict):
         raise ValueError(f"payload must be a dict, got {type(payload).__name__}")
-    directory = Path(directory)
+    directory = Path(user_path(directory))
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -252,7 +253,7 @@ def warn_of_later_steps(directory: str | os.PathLike[str], step: int, later: lis
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """``(step, path)`` of every file named like a checkpoint, lowest step first (not validated)."""
-    directory = Path(directory)
+    directory = Path(user_path(directory))
     if not directory.is_dir():
         return []
     found = []
@@ -265,7 +266,7 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
 
 def load(path: str | os.PathLike[str]) -> Checkpoint:
     """Load and verify one checkpoint file; raise :class:`CheckpointError` if it is not whole."""
-    path = Path(path)
+    path = Path(user_path(path))
     try:
         record = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a truncated or foreign file
@@ -306,6 +307,7 @@ def latest(directory: str | os.PathLike[str], *, warn: bool = True, comm: Any = 
     On several nodes each reads its own disk: a rank that found none, or an older one, would
     train on from another step with other optimizer state, and nothing would say so (its
     parameters drift from the others')."""
+    directory = user_path(directory)
     found = None
     for step, path in reversed(list_checkpoints(directory)):
         try:
@@ -341,7 +343,7 @@ def supersede(directory: str | os.PathLike[str], also: tuple[str, ...] = ()) -> 
     subdirectory of other checkpoints) into a new ``superseded-<UTC time>`` subdirectory, so that
     a fresh run there overwrites nothing and a later resume finds only its checkpoints.
     Returns that subdirectory and the steps moved, or None when there was nothing to move."""
-    directory = Path(directory)
+    directory = Path(user_path(directory))
     moving = [path for _, path in list_checkpoints(directory)]
     moving += [directory / name for name in also if (directory / name).exists()]
     if not moving:

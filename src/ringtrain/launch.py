@@ -49,6 +49,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
+from .paths import user_path
 
 #: The rendezvous port of a job of several nodes unless given (torchrun's default): every node
 #: must name the same one. A job of one node takes a free port instead.
@@ -63,10 +64,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=None,
                    help=f"port of the rendezvous store on node 0 (default: a free port on one node, so that "
                         f"jobs side by side do not collide; {MULTI_NODE_PORT} with several nodes, which must agree)")
-    p.add_argument("--secret-file", default=None, help="file holding the job's shared secret (multi-node)")
+    p.add_argument("--secret-file", default=None, type=user_path, help="file holding the job's shared secret (multi-node)")
     p.add_argument("--join-timeout", type=float, default=600.0,
                    help="seconds the nodes wait for each other at the start (default 600, torchrun's)")
-    p.add_argument("script", nargs="?", help="the training script")  # (nargs: else argparse's error names
+    p.add_argument("script", nargs="?", type=user_path, help="the training script")  # (nargs: else argparse's error names
     # script_args as required too)
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 

@@ -143,8 +143,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         from . import models
         from .comm import ALGORITHMS
+        from .paths import user_path
         from .transport import TRANSPORTS
 
+        self.checkpoint_dir, self.timeline = user_path(self.checkpoint_dir), user_path(self.timeline)
         try:
             models.spec(self.model)
         except ValueError:

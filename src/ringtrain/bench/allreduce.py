@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from ..paths import user_path
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
 from .machine import plural, utc_now
@@ -102,13 +103,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "lets smaller messages through faster than the line rate")
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI anchor")
     p.add_argument("--no-horovod", action="store_true", help="skip the Horovod anchor")
-    p.add_argument("--horovod-python", default=None, metavar="PYTHON",
+    p.add_argument("--horovod-python", default=None, metavar="PYTHON", type=user_path,
                    help="the interpreter that runs the Horovod anchor, one that imports horovod.torch (default: "
                         "this one; scripts/horovod/install.sh builds Horovod into .venv-horovod/); its workers are "
                         "started without horovodrun, on the emulated hosts under --net")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--out", default="benchmarks", help="directory for the result file (default %(default)s; '' to skip saving)")
+    p.add_argument("--out", default="benchmarks", type=user_path, help="directory for the result file (default %(default)s; '' to skip saving)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mpi-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--horovod-worker", default=None, help=argparse.SUPPRESS)

@@ -45,6 +45,8 @@ import time
 from collections import Counter
 from typing import Optional
 
+from ..paths import user_path
+
 SECRET = b"fuzz-secret-0123456789abcdef"
 JOB = "fuzz"
 PS_JOB = f"ringtrain-ps/{JOB}"
@@ -458,7 +460,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {TARGETS}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--out", default="", help="also write the JSON document to this file")
+    parser.add_argument("--out", default="", type=user_path, help="also write the JSON document to this file")
     args = parser.parse_args(argv)
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     bad = [t for t in targets if t not in TARGETS]

@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 
 from ..collectives.ops import OPS
+from ..paths import user_path
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 ALGORITHMS = ("ring", "naive", "central", "halving_doubling", "hierarchical", "native", "auto")
@@ -263,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-elems", type=int, default=1 << 18)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--every", type=int, default=1000)
-    parser.add_argument("--out", default="", help="also write the JSON documents to this file")
+    parser.add_argument("--out", default="", type=user_path, help="also write the JSON documents to this file")
     parser.add_argument("--json", action="store_true", help="print one JSON document per transport")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

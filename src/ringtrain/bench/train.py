@@ -54,6 +54,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..paths import user_path
 from ..train import COMPRESSION, check_batch_fits, use_power_sgd
 from .horovod import anchor_python
 from .horovod import launch as launch_horovod
@@ -106,7 +107,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-torch-ddp", action="store_true", help="leave out torch's DDP anchor (of the main launch; "
                    "the Horovod launch keeps its own)")
     p.add_argument("--no-horovod", action="store_true", help="skip the Horovod anchor")
-    p.add_argument("--horovod-python", default=None, metavar="PYTHON",
+    p.add_argument("--horovod-python", default=None, metavar="PYTHON", type=user_path,
                    help="the interpreter that runs the Horovod anchor, one that imports horovod.torch (default: "
                         "this one; scripts/horovod/install.sh builds Horovod into .venv-horovod/): a launch of its "
                         "own after the ring job, Horovod and torch DDP taking turns")
@@ -126,7 +127,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "(parameter-server jobs: one job per configuration per round) (default %(default)s)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed (default %(default)g)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    p.add_argument("--out", default="benchmarks", help="directory for results and charts (default %(default)s; '' to skip)")
+    p.add_argument("--out", default="benchmarks", type=user_path, help="directory for results and charts (default %(default)s; '' to skip)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--horovod-worker", default=None, help=argparse.SUPPRESS)
 

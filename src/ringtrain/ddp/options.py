@@ -14,6 +14,7 @@ from typing import Optional
 
 from .. import plan as planner
 from ..comm import ALGORITHMS
+from ..paths import user_path
 
 SCHEDULES = planner.METHODS
 #: ``compression`` values: the dtype gradients cross the network in.
@@ -161,6 +162,8 @@ class DDPOptions:
             raise ValueError(f"drift_threshold={self.drift_threshold!r}: it must be a number > 0")
         if self.timeline is not None and not isinstance(self.timeline, (str, os.PathLike)):
             raise ValueError(f"timeline={self.timeline!r}: it must be a file name (str or os.PathLike) or None")
+        if self.timeline is not None:
+            self.timeline = user_path(self.timeline)
         for name in ("find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view", "init_sync"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..paths import user_path
+
 TINY = "tiny"
 
 
@@ -105,7 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of lines")
-    parser.add_argument("--out", default="benchmarks", help="directory for the result file ('' to skip)")
+    parser.add_argument("--out", default="benchmarks", type=user_path, help="directory for the result file ('' to skip)")
     args = parser.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [m for m in names if m not in model_names()]

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..paths import user_path
+
 # Trace ids: pid rank + 1 and tids from 1 (Perfetto treats pid and tid 0 as the kernel's idle task;
 # its maintainers advise against them in a synthesized trace). Files written before used pid rank
 # and tids 0 and 1: draw_timeline reads the names of the metadata events, so it draws both.
@@ -291,7 +293,7 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    files = [trace_files] if isinstance(trace_files, (str, os.PathLike)) else list(trace_files)
+    files = [user_path(f) for f in ([trace_files] if isinstance(trace_files, (str, os.PathLike)) else trace_files)]
     if not files:
         raise ValueError("draw_timeline needs at least one trace file")
     rows = timeline_rows(files, iterations)
@@ -310,7 +312,7 @@ def draw_timeline(trace_files: str | os.PathLike | Sequence[str | os.PathLike], 
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper center",
               bbox_to_anchor=(0.5, -0.45 / (0.4 + 0.45 * len(rows))), fontsize=8, ncol=len(_COLORS), frameon=False)
     fig.tight_layout()
-    out = Path(png_path)
+    out = Path(user_path(png_path))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)

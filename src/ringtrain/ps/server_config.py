@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ProtocolError, check_join_timeout, check_number
+from ..paths import user_path
 from .server_optimizer import OPTIMIZERS
 from .sharding import ITEMSIZE
 
@@ -115,6 +116,7 @@ class ServerConfig(JoinTimeout):
         check_number("timeout", self.timeout, unit=" of seconds")
         if self.join_timeout is not None:
             self.join_timeout = check_number("join_timeout", self.join_timeout, unit=" of seconds")
+        self.checkpoint_dir = user_path(self.checkpoint_dir)
 
     @property
     def synchronous(self) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from ..cli import REFUSED
 from ..outputs import check_file, check_folder
+from ..paths import user_path, user_paths
 from . import clusters as clusters_mod
 from . import costs
 from .devices import DEVICES, DeviceProfile, get_device
@@ -45,22 +46,22 @@ def add_common(parser: argparse.ArgumentParser, one_cluster: str | None = None) 
     cluster it uses by default: its --model and --cluster then take exactly one each (no default model).
     """
     if one_cluster is None:
-        parser.add_argument("--model", default="all",
+        parser.add_argument("--model", default="all", type=user_paths,
                             help=f"comma-separated zoo models ({', '.join(MODELS)}), 'all' (every zoo model), trace files "
                                  "(.json/.csv), or profile:NAME to profile a ringtrain.models model on this CPU")
     else:
-        parser.add_argument("--model", default=None,
+        parser.add_argument("--model", default=None, type=user_paths,
                             help=f"exactly one (required): a zoo model ({', '.join(MODELS)}), a trace file "
                                  "(.json/.csv), or profile:NAME to profile a ringtrain.models model on this CPU")
     parser.add_argument("--device", default="v100", help=f"GPU profile for zoo models: {', '.join(DEVICES)} (default v100)")
     clusters = ("'alpha=S,beta=S_PER_BYTE[,gamma=..,gpus_per_node=..,nics_per_node=..,intra_alpha=..,intra_beta=..,"
                 "servers=..,name=..]', or a 'bench allreduce --json' file")
     if one_cluster is None:
-        parser.add_argument("--cluster", action="append", default=None,
+        parser.add_argument("--cluster", action="append", default=None, type=user_paths,
                             help=f"network name ({', '.join(costs.NETWORKS)}; comma-separated for several), "
                                  f"{clusters}; repeatable (default {DEFAULT_CLUSTERS})")
     else:
-        parser.add_argument("--cluster", action="append", default=None,
+        parser.add_argument("--cluster", action="append", default=None, type=user_paths,
                             help=f"exactly one: a network name ({', '.join(costs.NETWORKS)}), {clusters} "
                                  f"(default {one_cluster}; or --alpha/--beta instead)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node for hierarchical (default 8)")
@@ -82,8 +83,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated: {', '.join(SCHEDULES)}")
     parser.add_argument("--algorithms", default="ring", help=f"comma-separated: {', '.join(costs.ALGORITHMS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    parser.add_argument("--csv", metavar="FILE", help="also write every prediction as a CSV row")
-    parser.add_argument("--plot", metavar="DIR", help="also write PNG scaling curves and Gantt charts to DIR")
+    parser.add_argument("--csv", metavar="FILE", type=user_path, help="also write every prediction as a CSV row")
+    parser.add_argument("--plot", metavar="DIR", type=user_path, help="also write PNG scaling curves and Gantt charts to DIR")
 
 
 def split(value: str, option: str, accepted: Sequence[str] | None = None) -> list[str]:

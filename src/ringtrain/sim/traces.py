@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..paths import user_path
+
 LAYER_FIELDS = ("name", "forward_s", "backward_s", "grad_bytes", "params")
 TRACE_FIELDS = ("model", "batch_size", "sample_unit", "optimizer_s", "source")
 
@@ -324,7 +326,7 @@ def _ends_quoted(line: str, quoted: bool) -> bool:
 
 def save(trace: Trace, path: str | Path) -> None:
     """Write ``trace`` as JSON or CSV, chosen by the file's suffix."""
-    path = Path(path)
+    path = Path(user_path(path))
     fmt = _format(path)
     # (UTF-8, as load reads it, whatever the locale: a POSIX or cp1252 one could not write 'модель')
     path.write_text(dumps_json(trace) if fmt == "json" else dumps_csv(trace), encoding="utf-8")
@@ -332,7 +334,7 @@ def save(trace: Trace, path: str | Path) -> None:
 
 def load(path: str | Path) -> Trace:
     """Read a trace written by ``save`` (JSON or CSV, chosen by the suffix)."""
-    path = Path(path)
+    path = Path(user_path(path))
     fmt = _format(path)
     try:
         text = path.read_text(encoding="utf-8-sig")  # (a BOM, as Excel's "CSV UTF-8" writes, is not text)
