@@ -14,8 +14,8 @@ Words:
   ``--schedule optimal``) moves the error feedback parameter by parameter and draws new
   warm-start matrices, as the run does at its own layout changes (``ddp.comm_hook.forget_buckets``).
 - *entry*: ``payload["power_sgd"]`` of rank 0's checkpoint: every rank's state, gathered to
-  every rank at the step (:func:`gather`, one allgather of bytes) and written by rank 0 in the
-  checkpoint itself, so it is atomic with the model and optimizer state it goes with: a job
+  rank 0 at the step (:func:`gather`, one allgather of bytes that only rank 0 unpacks) and written
+  by rank 0 in the checkpoint itself, so it is atomic with the model and optimizer state it goes with: a job
   killed mid-checkpoint leaves the checkpoint before, whole, never a model of one step with
   another step's PowerSGD state. Tensors, ints, floats and strings only (``checkpoint``'s
   payload types: loaded with ``weights_only=True``).
@@ -64,10 +64,14 @@ def _flat(mine: dict[int, dict[str, torch.Tensor]]) -> tuple[list[tuple[int, str
     return structure, torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
 
 
-def gather(comm: Any, state: Any) -> list[dict[int, dict[str, torch.Tensor]]]:
-    """Every rank's :func:`capture`, on every rank (a collective: every rank calls it at the same
-    step, between a backward and the next forward, when the wrapper's communicator is idle). The
-    ranks' states have one structure (the same buckets on every rank): checked."""
+def gather(comm: Any, state: Any) -> list[dict[int, dict[str, torch.Tensor]]] | None:
+    """Every rank's :func:`capture` on rank 0, which writes them; None on the other ranks (a
+    collective: every rank calls it at the same step, between a backward and the next forward,
+    when the wrapper's communicator is idle). The ranks' states have one structure (the same
+    buckets on every rank): checked on every rank.
+
+    The communicator has no gather to one rank: the bytes come by one allgather, and only rank 0
+    unpacks them; the others drop the buffer at once (they kept p states each, at every checkpoint)."""
     structure, mine = _flat(capture(state))
     p = comm.world_size
     sizes = np.zeros(2 * p, np.int64)
@@ -80,21 +84,27 @@ def gather(comm: Any, state: Any) -> list[dict[int, dict[str, torch.Tensor]]]:
     n = mine.numel()
     buf = np.zeros(p * n, np.uint8)
     buf[comm.rank * n:(comm.rank + 1) * n] = mine.numpy()
+    del mine
     if n:
         comm.allgather(buf)
-    every = []
-    for r in range(p):
-        chunk, at, theirs = torch.from_numpy(buf[r * n:(r + 1) * n]), 0, {}
-        for index, short, dtype, shape in structure:
-            size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-            # (copied into a tensor of its own: a view's byte offset need not suit the dtype, and
-            # torch.save refuses views of one storage as several types)
-            tensor = torch.empty(shape, dtype=dtype)
-            tensor.reshape(-1).view(torch.uint8).copy_(chunk[at:at + size])
-            theirs.setdefault(index, {})[short] = tensor
-            at += size
-        every.append(theirs)
-    return every
+    if comm.rank != 0:
+        return None
+    return [_unpack(torch.from_numpy(buf[r * n:(r + 1) * n]), structure) for r in range(p)]
+
+
+def _unpack(chunk: torch.Tensor, structure: list[tuple[int, str, torch.dtype, tuple]]) -> dict[int, dict[str, torch.Tensor]]:
+    """One rank's bytes (``chunk``, laid out as :func:`_flat`'s ``structure``) back as its :func:`capture`."""
+    theirs: dict[int, dict[str, torch.Tensor]] = {}
+    at = 0
+    for index, short, dtype, shape in structure:
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        # (copied into a tensor of its own: a view's byte offset need not suit the dtype, and
+        # torch.save refuses views of one storage as several types)
+        tensor = torch.empty(shape, dtype=dtype)
+        tensor.reshape(-1).view(torch.uint8).copy_(chunk[at:at + size])
+        theirs.setdefault(index, {})[short] = tensor
+        at += size
+    return theirs
 
 
 def layout_entry(layout: list | None) -> list[dict] | None:

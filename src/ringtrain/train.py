@@ -837,12 +837,15 @@ def _resume_power_sgd(cfg: TrainConfig, payload: dict, step: int, rank: int, p: 
         print(said, file=sys.stderr)
 
 
-def _power_sgd_entry(comm, state, ddp, step: int) -> dict:
-    """The checkpoint's PowerSGD entry at ``step``: every rank's state gathered (a collective,
-    between a step and the next forward, when the wrapper's communicator is idle)."""
+def _power_sgd_entry(comm, state, ddp, step: int) -> dict | None:
+    """The checkpoint's PowerSGD entry at ``step``, on rank 0 (which writes it): every rank's state
+    gathered there (a collective, between a step and the next forward, when the wrapper's
+    communicator is idle). None on the other ranks."""
     from . import powersgd_state
 
     every = powersgd_state.gather(comm, state)
+    if every is None:
+        return None
     return {powersgd_state.KEY: powersgd_state.entry(step, state, ddp.comm_hook_layout, every, POWER_SGD)}
 
 
