@@ -103,6 +103,14 @@ _COST_TABLE_LIMIT_LINEAR = 1 << 17  # the same for the linear cost (up to ~500 l
 #: Layers up to which the program with a drain plans around a per-message cost (one pass per
 #: group count, each a loop over the layers: 0.7 s at 200 layers, 37 s at 700).
 _DRAINED_COUNT_LIMIT = 200
+#: A new front is sorted out of more plans than 4 times this only after those that a sample
+#: of them (this many, with every prefix's first and last) beats have been left out, bucket by
+#: bucket of push ends (``_FRONT_BUCKETS``); a test sets it to 1 to take that path on few layers.
+_FRONT_SAMPLE = 256
+_FRONT_BUCKETS = 1024
+#: Plans a prefix (on average) from which :func:`_candidates` looks for each prefix's run; with
+#: fewer it extends them all (a zoo model's fronts hold a plan or two: the look-ups cost more).
+_RUNS_FROM = 4
 
 #: ``cost(nbytes) -> seconds``. Called with a float64 numpy array where it can take one
 #: (the element-wise result is used), else once per element with a Python float.
@@ -509,7 +517,11 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
     prefix keeps every plan that no other of it beats in both (a Pareto front): exact. The front
     holds one plan per prefix or a few with the simulator's server costs (10-20 where pulls are
     slower than pushes), but can grow with the layers where a drain's start-up dominates (290
-    per prefix at 300 equal layers, the program then about cubic). Interference as in the other
+    per prefix at 300 equal layers, the program then about cubic). So a group extends only the
+    plans of a prefix that can make a new front's plan (:func:`_candidates`), and the new front
+    is sorted out of those the others do not plainly beat (:func:`_front`): the same fronts,
+    kept plans and groups (1,000 like layers on 256 GPUs and 2 servers: ~3 s, 12-17 s when every
+    plan was extended). Interference as in the other
     programs: ``counted`` (a per-message cost, up to ``_DRAINED_COUNT_LIMIT`` layers), one pass per group
     count (a plan of g groups extends the fronts of g - 1) until the lower bounds of
     :func:`_optimal_groups_counted`, the last group's drain added, cannot beat the best; else one
@@ -532,7 +544,7 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
     # the pass before; a pass without counts extends its own plans).
     root = dict(push=np.zeros(1), pull=np.zeros(1), covers=np.zeros(1, dtype=np.int64),
                 first=np.zeros(1, dtype=np.int64), parent=np.full(1, -1, dtype=np.int64))
-    passes = [root]
+    passes = [_Columns(root, keep=True)]
     best_end, best_pass, best_index = np.inf, 0, 0
     g = 1  # the count of groups of the plans this pass makes (every count at once without per_message)
     while True:
@@ -540,32 +552,30 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
         made = _Columns(root, keep=not counted)
         delay_messages = slow.per_message * (g - 1)
         for j in range(1, n + 1):
-            if counted:  # the plans of g - 1 groups over prefixes < j
-                upto = int(np.searchsorted(before["covers"], j))
-                e_before, q_before, i = before["push"][:upto], before["pull"][:upto], before["covers"][:upto]
-            else:  # every plan kept so far
-                e_before, q_before, i = (made.view(key) for key in ("push", "pull", "covers"))
-            if not len(i):
-                continue
+            # The plans extended: of g - 1 groups (counted), else every plan kept so far.
+            plans = before if counted else made
+            nbytes = prefix[j] - prefix[:j]
             if table is None:
-                nbytes = prefix[j] - prefix[:j]
-                costs, drains = _cost_array(cost, nbytes)[i], _cost_array(drain, nbytes)[i]
+                costs, drains = _cost_array(cost, nbytes), _cost_array(drain, nbytes)
             else:
                 row = slice(j * (j - 1) // 2, j * (j + 1) // 2)
-                costs, drains = table[row][i], drain_table[row][i]
-            delay = delay_messages + bytes_delay[i]
+                costs, drains = table[row], drain_table[row]
+            delay = delay_messages + bytes_delay[:j]
             # Slowed until backward's end as known at the launch (_evaluate's expressions).
             until = end0 + (slow.per_message * g + bytes_delay[j]) if j < n else end0 + delay
-            e = _end(np.maximum(ready[j - 1] + delay, e_before), costs, until, slow.comm_slowdown)
-            q = np.maximum(q_before, e) + drains
+            index, i, start, until = _candidates(plans, ready[j - 1] + delay, costs, drains, until, slow.comm_slowdown,
+                                                    across=not (j == n and tail))
+            if not len(index):
+                continue
+            e = _end(np.maximum(start, plans["push"][index]), costs[i], until, slow.comm_slowdown)
+            q = np.maximum(plans["pull"][index], e) + drains[i]
             if j == n and tail:  # plans of the whole: the best by the later of its end and backward's
-                kept = np.array([_last_group(q, end0 + delay, tail)])
-            else:  # by push end, then pull end: kept where the pull end is a new low
-                order = np.lexsort((q, e))
-                lows = np.minimum.accumulate(np.concatenate(([np.inf], q[order][:-1])))
-                kept = order[q[order] < lows]
-            made.append(push=e[kept], pull=q[kept], covers=np.full(len(kept), j), first=i[kept], parent=kept)
-        this = {key: made.view(key) for key in root}
+                kept = np.array([_last_group(q, end0 + delay[i], tail)])
+            else:
+                kept = _front(e, q, i)
+            e, q = e[kept], q[kept]
+            made.append(push=e, pull=q, covers=np.full(len(kept), j), first=i[kept], parent=index[kept])
+        this = made
         passes.append(this)
         whole = np.flatnonzero(this["covers"] == n)
         if len(whole):
@@ -598,18 +608,142 @@ def _optimal_groups_drained(ready: np.ndarray, sizes: np.ndarray, cost: CostFn, 
     return groups[::-1]
 
 
+def _front(push: np.ndarray, pull: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """The indices of the plans no other beats in both ends, in order of push end: by push end,
+    then pull end (the first of equals), kept where the pull end is a new low. Many plans, few
+    kept: first left out, unsorted, those that a sample's plan beats (its push no later, its pull
+    earlier; the sample: every run's first and last plans and a stride), each plan compared with
+    the sample's plans that push by the lower edge of its bucket of push ends."""
+    if len(push) <= 4 * _FRONT_SAMPLE:
+        return _new_lows(np.lexsort((pull, push)), pull)
+    alive = np.arange(len(push))
+    top = float(push.max())
+    if math.isfinite(top):
+        sampled = np.zeros(len(push), dtype=bool)
+        sampled[::len(push) // _FRONT_SAMPLE] = True
+        sampled[1:] |= runs[1:] != runs[:-1]  # (every run's first)
+        sampled[:-1] |= runs[1:] != runs[:-1]  # (and last)
+        sampled[-1] = True
+        sample = np.flatnonzero(sampled)
+        order = np.argsort(push[sample], kind="stable")
+        sample_push, sample_low = push[sample][order], np.minimum.accumulate(pull[sample][order])
+        low, width = float(sample_push[0]), (top - float(sample_push[0])) / _FRONT_BUCKETS
+        if width > 0.0:
+            edge = low + width * np.arange(_FRONT_BUCKETS + 1)
+            bucket = np.clip((push - low) * (1.0 / width), 0.0, _FRONT_BUCKETS).astype(np.int64)
+            bucket -= edge[bucket] > push  # (-1: below the first edge)
+            at = np.searchsorted(sample_push, edge, "right") - 1
+            lows = np.full(_FRONT_BUCKETS + 2, np.inf)  # (the last: for -1)
+            lows[:-1] = np.where(at >= 0, sample_low[np.maximum(at, 0)], np.inf)
+            alive = np.flatnonzero((edge[bucket] > push) | ~(lows[bucket] < pull))
+    return _new_lows(alive[np.lexsort((pull[alive], push[alive]))], pull)
+
+
+def _new_lows(order: np.ndarray, pull: np.ndarray) -> np.ndarray:
+    """The plans of ``order`` (by push end, then pull end) whose pull end is a new low."""
+    pulls = pull[order]
+    new_low = np.ones(len(order), dtype=bool)
+    new_low[1:] = pulls[1:] < np.minimum.accumulate(pulls)[:-1]
+    return order[new_low]
+
+
+def _candidates(plans: _Columns, starts: np.ndarray, costs: np.ndarray, drains: np.ndarray, until: Any,
+                comm_slowdown: float, across: bool):
+    """The plans of :func:`_optimal_groups_drained` that can make a new front's plan when a group
+    i..j-1 extends them, for every i < j at once (``starts``, ``costs``: the group's earliest start
+    and its cost, by i; ``until``: backward's end, a float or by i). ``plans`` holds each prefix's
+    front in a run of its own (in order of prefix), push ends rising and pull ends falling. Of a
+    prefix's plans whose push has ended by the start, the group's push ends at the same time
+    whichever it extends: only the last of them (the earliest pull end) is kept. Past it, once a
+    plan's pull has ended by the group's push end, the plans after it push later and pull no
+    earlier than it: the run stops there (found by the gap between the two ends, a margin of 1e-9
+    for the rounding, and checked with the program's own expressions; not with a
+    ``comm_slowdown``, whose push end is non-decreasing in the push before it in real numbers
+    only). Every plan left out is beaten or equalled in both ends by one kept, and an equal one
+    is kept where it comes first: the same fronts and plans. Returns the plans' indices, each
+    one's prefix, and the group's start and ``until`` for each."""
+    covers = plans["covers"]
+    if len(covers) <= _RUNS_FROM * len(starts):  # few plans a prefix: every one (fewer calls)
+        upto = int(np.searchsorted(covers, len(starts)))
+        i = covers[:upto]
+        return np.arange(upto), i, starts[i], until[i] if isinstance(until, np.ndarray) else until
+    prefixes = np.arange(len(starts))
+    lo, hi = np.searchsorted(covers, prefixes, "left"), np.searchsorted(covers, prefixes, "right")
+    has = lo < hi
+    prefixes, lo, hi, starts, costs, drains = prefixes[has], lo[has], hi[has], starts[has], costs[has], drains[has]
+    if isinstance(until, np.ndarray):
+        until = until[has]
+    first = np.maximum(np.searchsorted(plans["by_push"], prefixes + 1j * starts, "right") - 1, lo)
+    # (of those, the first whose pull has ended by then: the same plan where several are)
+    pushed = _end(starts, costs, until, comm_slowdown)
+    first = np.maximum(np.minimum(np.searchsorted(plans["by_pull"], prefixes - 1j * pushed, "left"), first), lo)
+    if comm_slowdown:  # (in floats its push end can fall by an ulp as the push before it ends later)
+        return _runs(first, hi, prefixes, starts, until)
+    guess = np.searchsorted(plans["by_gap"], prefixes - 1j * (costs * (1.0 - 1e-9)), "left")
+    stop = np.minimum(np.maximum(guess, first), hi - 1)  # the last plan extended, found below
+
+    def done(k: np.ndarray, where: np.ndarray) -> np.ndarray:  # the pull ends by the new push's end
+        pushed = _end(np.maximum(starts[where], plans["push"][k]), costs[where],
+                      until[where] if isinstance(until, np.ndarray) else until, comm_slowdown)
+        return plans["pull"][k] <= pushed
+
+    ahead = np.arange(len(stop))
+    while len(ahead):  # forward to a plan whose pull has ended (else the run's last)
+        ahead = ahead[(stop[ahead] < hi[ahead] - 1) & ~done(stop[ahead], ahead)]
+        stop[ahead] += 1
+    back = np.arange(len(stop))
+    while len(back):  # back to the first such plan (the margin may have passed it)
+        back = back[stop[back] > first[back]]
+        back = back[done(stop[back] - 1, back)]
+        stop[back] -= 1
+    stop += 1
+    # A prefix's run, extended, pushes later and pulls earlier plan by plan up to its last but
+    # one (the last, whose pull has ended, may pull later): where another's first or last plan,
+    # extended, pushes no later than the run's first and pulls earlier than its last two, it
+    # beats every plan of the run. Left out (``across``: not where backward's tail picks the
+    # whole plan); a run left out is beaten by a plan of a run kept (follow the beating plans:
+    # their pulls fall).
+    m, twice = len(first), np.arange(2 * len(first)) % len(first)
+    ends = np.concatenate((first, stop - 1))
+
+    def extended(k: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # push and pull ends
+        pushed = _end(np.maximum(starts[at], plans["push"][k]), costs[at],
+                      until[at] if isinstance(until, np.ndarray) else until, comm_slowdown)
+        return pushed, np.maximum(plans["pull"][k], pushed) + drains[at]
+
+    pushes, pulls = extended(ends, twice)
+    order = np.argsort(pushes, kind="stable")
+    lows = np.minimum.accumulate(pulls[order])
+    at = np.searchsorted(pushes[order], pushes[:m], "right") - 1  # (its own first plan at least)
+    beaten = lows[at] < np.minimum(pulls[m:], extended(np.maximum(stop - 2, first), twice[:m])[1])
+    keep = ~beaten if across else np.ones(m, dtype=bool)
+    return _runs(first[keep], stop[keep], prefixes[keep], starts[keep],
+                 until[keep] if isinstance(until, np.ndarray) else until)
+
+
+def _runs(first: np.ndarray, stop: np.ndarray, prefixes: np.ndarray, starts: np.ndarray, until: Any):
+    """:func:`_candidates`' answer: the plans first..stop-1 of each run, and by plan its prefix,
+    start and ``until``."""
+    counts = stop - first
+    which = np.repeat(np.arange(len(first)), counts)
+    index = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(len(which))
+    return index, prefixes[which], starts[which], until[which] if isinstance(until, np.ndarray) else until
+
+
 class _Columns:
     """The plans one pass of :func:`_optimal_groups_drained` keeps, column by column, appended in
     place (capacity doubled as needed), so that the plans kept so far are a view, not a
     concatenation of every prefix's arrays at every prefix: that made the pass without counts
     quadratic in Python calls (3,000 layers: 2.2 s of 3.9 s in ``np.concatenate``)."""
 
-    __slots__ = ("cols", "size")
+    __slots__ = ("cols", "size", "keys", "keyed")
 
     def __init__(self, root: dict, keep: bool):
         self.size = len(root["push"]) if keep else 0
         self.cols = {key: np.concatenate((value[:self.size], np.empty(16, dtype=value.dtype)))
                      for key, value in root.items()}
+        self.keys: dict[str, np.ndarray] = {}  # the lookup keys of _KEYS, of the first `keyed` plans
+        self.keyed = 0
 
     def append(self, **values: np.ndarray) -> None:
         n, end = len(values["push"]), self.size + len(values["push"])
@@ -622,6 +756,35 @@ class _Columns:
 
     def view(self, key: str) -> np.ndarray:
         return self.cols[key][:self.size]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        """A column, or one of ``_KEYS``: made for the plans appended since it was last asked for
+        (only large fronts are looked up by them, :func:`_candidates`)."""
+        if key in self.cols:
+            return self.view(key)
+        if self.keyed < self.size:
+            done, rows = self.keyed, slice(self.keyed, self.size)
+            covers, push, pull = self.cols["covers"][rows], self.cols["push"][rows], self.cols["pull"][rows]
+            for name, make in _KEYS.items():
+                col = self.keys.get(name)
+                if col is None or len(col) < self.size:
+                    grown = np.empty(2 * self.size, dtype=complex)
+                    if col is not None:
+                        grown[:done] = col[:done]
+                    col = self.keys[name] = grown
+                col[rows] = make(covers, push, pull)
+            self.keyed = self.size
+        return self.keys[key][:self.size]
+
+
+#: The columns :func:`_candidates` searches, each prefix's run in order (numpy orders complex
+#: numbers by real part, then imaginary): by push end (rising), by pull end (falling), by the
+#: push end less the pull end (rising).
+_KEYS: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {
+    "by_push": lambda covers, push, pull: covers + 1j * push,
+    "by_pull": lambda covers, push, pull: covers - 1j * pull,
+    "by_gap": lambda covers, push, pull: covers + 1j * (push - pull),
+}
 
 
 def _last_group(ends: np.ndarray, backward: np.ndarray, tail: float) -> int:
