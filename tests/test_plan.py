@@ -788,6 +788,51 @@ def test_optimal_with_a_drain_equals_brute_force():
                     assert plan.end_time <= other.end_time, method
 
 
+@pytest.mark.timeout(300)
+def test_the_drained_program_makes_the_plans_of_the_one_that_extends_every_plan(monkeypatch):
+    """The program with a drain skips the plans a group cannot make a new front's plan from and
+    sorts each front out of the plans no sample plan beats: the same groups as before, to the
+    plan, and so the same end, to the bit (drained_reference.py is the program that extended
+    every plan). Random small traces with the simulator's server costs: one pass and counted,
+    each term of interference (comm_slowdown's path too), backward's tail; runs and the sampled
+    sort on every front; and equal layers, where the fronts grow."""
+    import ringtrain.plan as planner
+    from drained_reference import drained_groups_extending_every_plan
+    from ringtrain.sim.costs import network
+
+    monkeypatch.setattr(planner, "_FRONT_SAMPLE", 1)
+    monkeypatch.setattr(planner, "_RUNS_FROM", 0)  # (runs looked for from the first plan on)
+    rng = np.random.default_rng(61)
+
+    def check(times, sizes, server, slow, tail):
+        ready, sizes = np.cumsum(times), np.asarray(sizes, dtype=float)
+        counted = slow.per_message > 0.0 and len(sizes) <= planner._DRAINED_COUNT_LIMIT
+        args = (ready, sizes, server.occupancy, slow, server.drain, counted, tail)
+        groups = planner._optimal_groups_drained(*args)
+        assert groups == drained_groups_extending_every_plan(*args), (list(times), list(sizes), slow, tail)
+        plan = merge(times, sizes, cost=server.occupancy, drain=server.drain, interference=slow, tail=tail)
+        again = evaluate(times, sizes, groups, cost=server.occupancy, drain=server.drain, interference=slow)
+        assert plan.groups == groups and plan.end_time == again.end_time
+
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        if rng.uniform() < 0.5:
+            times, sizes = random_instance(rng, n)
+        else:  # like layers (the fronts grow), as in a long trace
+            times, sizes = [float(10 ** rng.uniform(-6, -3))] * n, [float(10 ** rng.uniform(2, 7))] * n
+        server = network(str(rng.choice(["1GbE", "10GbE", "100Gb-IB"]))).cost(
+            int(rng.choice([2, 8, 256])), "ps", servers=int(rng.choice([1, 4])))
+        slow = Interference(float(rng.choice([0.0, 1e-5, 1e-4])), float(rng.choice([0.0, 1e-10])),
+                            float(rng.choice([0.0, 0.0, 0.5, 2.0])))
+        check(times, sizes, server, slow, float(rng.choice([0.0, 0.0, 1e-4, 1e-2])))
+    server = network("10GbE").cost(256, "ps", servers=2)
+    for slow in (Interference(), Interference(0.0, 1e-11, 0.5)):  # (fronts of ~60 plans)
+        check([1e-5] * 150, [1e4] * 150, server, slow, 0.0)
+    monkeypatch.setattr(planner, "_FRONT_SAMPLE", 256)  # the sampled sort and the runs as merge takes them
+    monkeypatch.setattr(planner, "_RUNS_FROM", 4)
+    check([1e-5] * 150, [1e4] * 150, server, Interference(), 0.0)
+
+
 def test_a_drain_queues_behind_the_pull_before_it():
     # A 100 MB layer then a 4-byte one (parameter servers, 16 workers): the big group's last pull
     # (54 ms) is still running when the tiny group's push ends, so the tiny pull waits for it.
