@@ -59,6 +59,7 @@ from . import dirlock, resume
 from .bench.machine import plural
 from .checkpoint import CheckpointWriteError
 from .errors import CommError, check_join_timeout, check_number
+from .outputs import check_folder
 
 SCHEDULES = ("optimal", "mgwfbp", "wfbp", "fixed", "single")
 #: --compression: none, ddp.options.COMPRESSIONS (its import would load torch), torch's PowerSGD hook.
@@ -306,12 +307,14 @@ def _launch(args: argparse.Namespace) -> int:
             raise ValueError(f"--master-port must be in 1..65535 (0: a free one), got {args.master_port}")
         check_batch_fits(cfg.model, cfg.batch_size, args.workers, cfg.seed)
         _check_servers_fit(cfg)
+        # (folders made now: one that cannot hold checkpoints or traces is an error before training,
+        # not after the first --checkpoint-every steps)
         if cfg.checkpoint_every:
-            _check_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
+            check_folder(Path(cfg.checkpoint_dir), "--checkpoint-dir", make=True)
             if cfg.strategy != "ring":
                 _check_server_folders(cfg)
         if cfg.timeline:
-            _check_writable(Path(cfg.timeline).parent, f"--timeline {cfg.timeline}: its directory")
+            check_folder(Path(cfg.timeline).parent, f"--timeline {cfg.timeline}: its directory", make=True)
             _check_trace_files(cfg.timeline, args.workers)
     except ValueError as exc:
         raise SystemExit(f"ringtrain train: {exc}")
@@ -394,14 +397,6 @@ def _check_server_folders(cfg: TrainConfig) -> None:
         if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
             raise ValueError(f"--checkpoint-dir {cfg.checkpoint_dir}: {folder} is not writable, and the parameter "
                              "servers keep their checkpoints there")
-
-
-def _check_writable(directory: Path, what: str) -> None:
-    """Make ``directory`` now, so that a path that cannot hold checkpoints (or traces) is an error
-    before training, not after the first ``checkpoint_every`` steps."""
-    from .outputs import check_folder
-
-    check_folder(directory, what, make=True)
 
 
 def _check_trace_files(timeline: str, workers: int) -> None:
